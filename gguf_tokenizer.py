@@ -1,0 +1,95 @@
+"""The tokenizer stored inside a GGUF file, rebuilt as a Hugging Face `tokenizers` object.
+
+A GGUF file keeps its vocabulary as metadata: `tokenizer.ggml.tokens` (the pieces, in id order),
+`tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte),
+and then by kind (`tokenizer.ggml.model`):
+- `gpt2`: byte-level BPE with `tokenizer.ggml.merges` ("a b" per merge, best first) and a
+  pre-tokenizer named by `tokenizer.ggml.pre`, which decides how text is split into words first;
+- `llama`: SentencePiece BPE with `tokenizer.ggml.scores`; a merge's rank is the score of the
+  piece it makes, and unknown characters fall back to the <0xXX> byte pieces.
+Control tokens are added as special tokens, so `<|im_start|>` in a chat prompt becomes one id.
+"""
+from pathlib import Path
+
+from tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, HFBackend, Tokenizer, TokenizerError
+
+CONTROL, USER_DEFINED = 3, 4
+# `tokenizer.ggml.pre` values whose models split every digit into its own word.
+SINGLE_DIGIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r")
+
+
+def _pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in SINGLE_DIGIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "qwen2"):
+        pattern = QWEN2_PATTERN if pre == "qwen2" else LLAMA3_PATTERN
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return byte_level  # "gpt2", "default" and unknown kinds: GPT-2's own regex
+
+
+def _gpt2(tokens, merges, pre):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3")))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_merges(tokens, scores):
+    """BPE merges from a SentencePiece vocabulary: every split of a piece into two known pieces,
+    ranked by the score of the piece it makes (higher first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable: ties keep the order above
+    return [(a, b) for a, b, _ in merges]
+
+
+def _llama(tokens, scores, unk_id, add_space_prefix):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = HFTokenizer(models.BPE(vocab, sentencepiece_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(parts + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return tok
+
+
+def from_gguf(path: Path) -> Tokenizer:
+    from tokenizers import AddedToken
+
+    from gguf_weights import field, read
+
+    reader = read(path)
+    kind = field(reader, "tokenizer.ggml.model")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError(f"{path}: no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)")
+    types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        tok = _gpt2(tokens, field(reader, "tokenizer.ggml.merges") or [], field(reader, "tokenizer.ggml.pre", "gpt2"))
+    elif kind == "llama":
+        tok = _llama(tokens, field(reader, "tokenizer.ggml.scores"), field(reader, "tokenizer.ggml.unknown_token_id"),
+                     field(reader, "tokenizer.ggml.add_space_prefix", True))
+    else:
+        raise TokenizerError(f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)")
+    special = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    stops = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    return Tokenizer(HFBackend(tok), bos, stops, add_bos, field(reader, "tokenizer.chat_template"), special)

@@ -1,0 +1,139 @@
+"""GGUF files (llama.cpp's format) read into model.py's layout, through the `gguf` package.
+
+A GGUF file carries metadata (architecture, sizes, RoPE base, tokenizer, chat template) and
+tensors, many of them block-quantized (Q4_1: blocks of 32 weights sharing a scale and a minimum).
+We dequantize every tensor to float32 with `gguf.quants.dequantize`, then weights.py casts it to
+the dtype asked for; quantize.py may quantize it again in its own layout.
+
+Two facts a reader needs:
+- llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
+  for its RoPE kernel ("Meta" layout: pairs are adjacent elements). model.py rotates pairs
+  (i, i + D/2) as Hugging Face does, so those rows are permuted back here. Qwen2/Qwen3 files use
+  the other RoPE kind and are stored unpermuted.
+- GGUF lists shapes innermost first; the `gguf` package hands arrays in PyTorch order.
+"""
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import ModelArgs
+
+SUPPORTED_ARCH = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor name (after "blk.N.") -> model.py name (after "layers.N.")
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _error(msg):
+    from weights import CheckpointError
+
+    return CheckpointError(msg)
+
+
+def read(path: Path):
+    """A gguf.GGUFReader, or a CheckpointError saying the file is not readable GGUF.
+
+    Parsing the metadata takes seconds (50k vocabulary strings), and both the weights and the
+    tokenizer need it, so the last readers are kept, keyed by the file's identity."""
+    stat = Path(path).stat()
+    return _read(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader fails in many ways on a bad file; all mean the same to a user
+        raise _error(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def args_from_gguf(reader, path) -> ModelArgs:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCH:
+        raise _error(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})")
+
+    def get(key, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise _error(f"{path}: metadata {arch}.{key} is missing")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    heads = get("attention.head_count")
+    scaling = {}
+    if field(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if "rope_freqs.weight" in names:  # Llama 3.1+: per-pair frequency divisors stored as a tensor
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors", "factors": np.asarray(t.data, dtype=np.float32).tolist()}
+    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelArgs(
+        vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"), n_heads=heads,
+        n_kv_heads=get("attention.head_count_kv", heads), intermediate_size=get("feed_forward_length"),
+        head_dim=get("attention.key_length", 0), norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0), rope_scaling=scaling,
+        max_position_embeddings=get("context_length"), tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def model_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"layers.{parts[1]}.{LAYER_NAMES.get(parts[2], parts[2])}.{parts[3]}"
+    return f"{GLOBAL_NAMES.get(parts[0], parts[0])}.{parts[1]}"
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of Q/K rows: [(h, D/2, 2), in] -> [(h, 2, D/2), in]."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize(t, path) -> torch.Tensor:
+    from gguf import quants
+
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise _error(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    try:
+        array = quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise _error(f"{path}: tensor {t.name!r} ({kind}) cannot be decoded, truncated or corrupt ({e})") from None
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def open_gguf(path: Path):
+    """(ModelArgs, iterator of (file, name, float32 tensor), total bytes) for a GGUF file."""
+    reader = read(path)
+    args = args_from_gguf(reader, path)
+    arch = field(reader, "general.architecture")
+
+    def tensors():
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue  # folded into args.rope_scaling
+            name, w = model_name(t.name), dequantize(t, path)
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = unpermute(w, args.n_heads if "q_proj" in name else args.n_kv_heads)
+            yield path, name, w
+
+    return args, tensors(), path.stat().st_size

