@@ -190,6 +190,8 @@ def load_tokenizer(path) -> Tokenizer:
                 names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL) + 2)]
                 special = {name: n + i for i, name in enumerate(names)}
             backend, default_bos = TiktokenBackend(model_file, special), True
+            llama3_defaults = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+            config = {**{k: v for k, v in llama3_defaults.items() if v in special}, **config}
         else:
             backend, default_bos = SentencePieceBackend(model_file, special), True
             special.update({backend.sp.id_to_piece(i): i for i in (backend.sp.bos_id(), backend.sp.eos_id()) if i >= 0})
@@ -208,6 +210,8 @@ def load_tokenizer(path) -> Tokenizer:
     for source in (generation.get("eos_token_id"), model_config.get("eos_token_id")):
         stops += source if isinstance(source, list) else [source]
     stops.append(token_id(config.get("eos_token")))
+    if isinstance(backend, TiktokenBackend):  # Llama 3 ends a turn with <|eot_id|>, a text with <|end_of_text|>
+        stops += [special.get(t) for t in ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")]
     if isinstance(backend, SentencePieceBackend):
         stops.append(backend.sp.eos_id() if backend.sp.eos_id() >= 0 else None)
         bos = backend.sp.bos_id() if bos is None and backend.sp.bos_id() >= 0 else bos

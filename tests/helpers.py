@@ -64,3 +64,71 @@ def hf_reference_embedded():
 
     path = weights.default_checkpoint()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def llama_cpp_permute(w, n_heads):
+    """llama.cpp's converter: each head's Q/K rows reordered from (2, D/2) to (D/2, 2) pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
+    """Write an HF model as a GGUF file the way llama.cpp's converter lays it out.
+
+    2-D weights get `qtype` (quantized with gguf.quants); `raw_blocks` maps a GGUF tensor name to
+    (quantization type, raw block bytes) to store verbatim instead (for types gguf cannot encode)."""
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    if c.rope_parameters.get("rope_type") == "llama3":  # as llama.cpp: divisors of each pair's speed
+        d = head_dim
+        plain = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+        w.add_tensor("rope_freqs.weight", (plain / hf.model.rotary_emb.inv_freq).numpy().astype(np.float32))
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if parts[0] == "model" and parts[1] == "layers":
+            sub = ".".join(parts[3:-1])
+            gname = f"blk.{parts[2]}.{GGUF_NAMES[sub]}.{parts[-1]}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads
+            a = llama_cpp_permute(a, heads)
+        if raw_blocks and gname in raw_blocks:
+            kind, blocks = raw_blocks[gname]
+            w.add_tensor(gname, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        elif a.ndim == 2 and qtype != "F32":
+            kind = getattr(gguf.GGMLQuantizationType, qtype)
+            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

