@@ -99,8 +99,8 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
 class Streamer:
     """Prints the text of row 0 as tokens arrive, holding back incomplete UTF-8 characters."""
 
-    def __init__(self, tokenizer, stop_ids, out=sys.stdout):
-        self.tokenizer, self.stop_ids, self.out = tokenizer, set(stop_ids), out
+    def __init__(self, tokenizer, stop_ids, out=None):
+        self.tokenizer, self.stop_ids, self.out = tokenizer, set(stop_ids), out or sys.stdout
         self.ids, self.printed, self.stopped = [], "", False
 
     def __call__(self, token):
@@ -109,8 +109,11 @@ class Streamer:
             self.stopped = True
             return
         self.ids.append(t)
+        self.flush(final=False)
+
+    def flush(self, final=True):
         text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
+        if final or not text.endswith("\ufffd"):  # a partial character: wait for its other bytes
             self.out.write(text[len(self.printed):])
             self.out.flush()
             self.printed = text
@@ -125,7 +128,7 @@ def parse_args(argv):
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--max_seq_len", type=int, default=None, help="KV cache length (default: prompt + max_new_tokens, rounded up)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top_k", type=int, default=200, help="0 means no limit")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (>= 1)")
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at stop tokens (benchmarks)")
@@ -238,6 +241,8 @@ def run(args) -> int:
                 print(args.prompt if not args.chat else "", end="", flush=True)
             rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
                                     args.ignore_eos, decode_fn, prefill_fn, on_token=streamer if stream else None)
+            if stream:
+                streamer.flush()
             report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream)
     if args.profile:
         profiler.export_chrome_trace(args.profile)
@@ -308,6 +313,7 @@ def interactive(args, model, tokenizer, device):
         prompt = torch.tensor([ids[common:]], device=device)
         rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
                                 False, decode_fn, start_pos=common, on_token=streamer)
+        streamer.flush()
         print()
         log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
         reply = rows[0]

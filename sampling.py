@@ -17,7 +17,7 @@ import torch
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
-    top_k: int = 0  # 0: off
+    top_k: int = None  # None: off
     top_p: float = 1.0  # 1: off
 
     def __post_init__(self):
@@ -27,13 +27,13 @@ class SamplingParams:
 def check_sampling(temperature, top_k, top_p):
     if temperature is None or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and top_k != 0 and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 (or 0 for no limit), got {top_k}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int = None, top_p: float = 1.0) -> torch.Tensor:
     """logits [..., V] with every token outside top-k / top-p set to -inf."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -48,7 +48,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int = None, top_p: float = 1.0) -> torch.Tensor:
     """The distribution sampled from: [..., V] float32. Temperature 0 gives a one-hot argmax."""
     logits = logits.float()
     if temperature == 0:

@@ -132,3 +132,33 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256) -> Path:
+    """A complete tiny checkpoint folder: random weights plus a byte-level BPE tokenizer.json
+    trained here, a chat template and an EOS token, so generate.py runs on it end to end."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    kw = {**TINY, **ARCHS[arch], "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_position_embeddings,
+          "eos_token_id": 2, "bos_token_id": 1}
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    save_hf(model, folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    return folder

@@ -72,7 +72,7 @@ def test_sampling_follows_the_filtered_distribution():
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p, message", [
-    (-0.1, 0, 1.0, "temperature"), (1.0, -1, 1.0, "top_k"), (1.0, 0, 0.0, "top_p"), (1.0, 0, 1.5, "top_p"),
+    (-0.1, None, 1.0, "temperature"), (1.0, 0, 1.0, "top_k"), (1.0, None, 0.0, "top_p"), (1.0, None, 1.5, "top_p"),
 ])
 def test_bad_sampling_values_are_rejected(temperature, top_k, top_p, message):
     with pytest.raises(ValueError, match=message):

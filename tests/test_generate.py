@@ -1,0 +1,153 @@
+"""generate.py: compiled decode equals eager decode, the CLI's flags and its errors."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate
+import weights
+from helpers import tiny_checkpoint
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
+from tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
+
+
+def run_json(capsys, *argv):
+    assert generate.main([*argv, "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+def test_compiled_decode_equals_eager_without_recompiling(tiny):
+    """20 compiled decode steps: same tokens as eager, and a recompile would raise."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, _ = weights.load(tiny)
+    prompt = torch.tensor([[5, 9, 11, 3]] * 2)
+    params = SamplingParams(0.0)
+    eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 21, params, ignore_eos=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled_fn = generate.compile_decode("cpu")
+        cache = StaticKVCache.for_model(model, 2, 64)
+        ours, _ = generate.generate(model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
+        again, _ = generate.generate(model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
+    assert ours == eager == again
+    assert len(ours[0]) == 21
+
+
+def test_greedy_batch_rows_equal_single_runs(tiny, capsys):
+    single = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello world", "--temperature", "0",
+                      "--max_new_tokens", "12", "--ignore_eos", "--dtype", "float32")
+    batch = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello world", "--temperature", "0",
+                     "--max_new_tokens", "12", "--ignore_eos", "--dtype", "float32", "--batch_size", "3")
+    assert len(batch) == 3 and all(b["tokens"] == single[0]["tokens"] for b in batch)
+
+
+def test_seed_reproduces_and_samples_differ(tiny, capsys):
+    argv = ["--checkpoint", str(tiny), "--prompt", "the quick", "--temperature", "1.0", "--max_new_tokens", "16",
+            "--ignore_eos", "--seed", "3", "--batch_size", "4", "--top_k", "50"]
+    a, b = run_json(capsys, *argv), run_json(capsys, *argv)
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert len({tuple(r["tokens"]) for r in a}) > 1  # each row sampled on its own
+
+
+def test_num_samples_and_chat(tiny, capsys):
+    out = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hi", "--chat", "--num_samples", "2",
+                   "--max_new_tokens", "5", "--ignore_eos", "--temperature", "0")
+    tok = load_tokenizer(tiny)
+    assert len(out) == 2
+    assert out[0]["prompt_tokens"] == tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_stops_at_stop_token(tiny, capsys):
+    """Force the stop token to be the argmax; generation must end right after it."""
+    model, _ = weights.load(tiny)
+    with torch.no_grad():
+        model.lm_head.weight[2] += 100 * model.norm.weight.sign()  # <|im_end|> wins once hidden states align
+    prompt = torch.tensor([[5, 6, 7]])
+    rows, timing = generate.generate(model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0),
+                                     stop_ids={2})
+    ignored, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0),
+                                   stop_ids={2}, ignore_eos=True)
+    assert 2 in ignored[0] and len(ignored[0]) == 20
+    first = ignored[0].index(2)
+    assert rows[0] == ignored[0][: first + 1]
+
+
+def test_streamed_text_equals_json_text(tiny, capsys):
+    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "10", "--ignore_eos"]
+    assert generate.main(argv) == 0
+    streamed = capsys.readouterr().out
+    text = run_json(capsys, *argv)[0]["text"]
+    assert streamed.rstrip("\n") == "hello" + text
+
+
+def test_interactive_prefills_only_the_new_turn(tiny, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nthe fox\n\n"))
+    assert generate.main(["--checkpoint", str(tiny), "--interactive", "--max_new_tokens", "4", "--temperature", "0",
+                          "--max_seq_len", "128"]) == 0
+    err = capsys.readouterr().err
+    turns = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) new prompt tokens of (\d+)", err)]
+    assert len(turns) == 2
+    new, total = turns[1]
+    assert new < total  # the second turn reused the first turn's cache
+
+
+def test_profile_writes_a_trace(tiny, tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    assert generate.main(["--checkpoint", str(tiny), "--prompt", "hi", "--max_new_tokens", "3", "--profile", str(trace)]) == 0
+    assert trace.exists() and "traceEvents" in trace.read_text()[:10000]
+
+
+# --- bad input: a clear error and a non-zero exit --------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_new_tokens", "300"], "exceeds this model's context of 256 tokens"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--max_seq_len", "8"], "smaller than prompt"),
+    (["--device", "cuda"], "CUDA is not available"),
+])
+def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
+    assert generate.main(["--checkpoint", str(tiny), "--prompt", "hello", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top_p", "0"], "top_p must be in (0, 1]"),
+    (["--top_p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top_k", "0"], "top_k must be >= 1"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+])
+def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        generate.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_checkpoints_exit_with_a_clear_error(tmp_path, capsys):
+    assert generate.main(["--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert generate.main(["--checkpoint", str(tmp_path)]) == 2
+    assert "not in the Llama family" in capsys.readouterr().err
+
+
+def test_cli_process_exits_non_zero_without_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tmp_path / "missing.gguf")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "error: checkpoint" in out.stderr and "Traceback" not in out.stderr
