@@ -4,7 +4,7 @@ Every decode step would otherwise recompute K and V for the whole prefix. The ca
 one buffer pair per layer, allocated once at its final size, so that shapes never change and the
 decode step compiles once (and, on CUDA, replays as one CUDA Graph).
 
-    k, v  [layers, B, Hkv, S, D]   S = max_seq_len, the most positions a sequence may use
+    k[layer], v[layer]  [B, Hkv, S, D]   S = max_seq_len, the most positions a sequence may use
 
 Its size is the number every user should be able to compute:
 
@@ -20,20 +20,25 @@ the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per q
 """
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-class StaticKVCache(nn.Module):
+class StaticKVCache:
+    """A plain object, not an nn.Module: torch.compile then treats its tensors as ordinary inputs,
+    so one compiled decode step serves every cache of the same shape (module buffers would be
+    guarded by identity once Inductor freezes the model's weights, and recompile per cache)."""
+
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
-        super().__init__()
-        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("slots", torch.arange(max_seq_len, device=device), persistent=False)
+        # One tensor per layer, not one [layers, ...] tensor: Inductor then updates each in place,
+        # where writes into a view of one big buffer can become copies of the whole buffer.
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.slots = torch.arange(max_seq_len, device=device)  # [S]
+        self.rows = torch.arange(batch_size, device=device)  # [B]
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
 
     @classmethod
@@ -42,22 +47,21 @@ class StaticKVCache(nn.Module):
         return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def attend(self, layer, q, k, v, input_pos):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
-        B, T, Hkv, D = k.shape
-        index = input_pos[:, None, :, None].expand(B, Hkv, T, D)
-        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, Hkv, S, D], views into the buffers
-        k_cache.scatter_(2, index, k.transpose(1, 2).to(k_cache.dtype))
-        v_cache.scatter_(2, index, v.transpose(1, 2).to(v_cache.dtype))
+        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
+        rows = self.rows[: k.shape[0], None]  # [B, 1]: row b writes at its own positions input_pos[b]
+        k_cache[rows, :, input_pos] = k.to(k_cache.dtype)  # an in-place index_put_ of [B, T, Hkv, D]
+        v_cache[rows, :, input_pos] = v.to(v_cache.dtype)
         mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]: slot visible to query
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)  # [B, T, H, D]
 
     def reset(self):
-        self.k.zero_()
-        self.v.zero_()
+        for t in self.k + self.v:
+            t.zero_()
 
 
 class NoCache:

@@ -213,3 +213,24 @@ def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=No
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(args).to(device)
     return model.eval()
+
+
+def save_hf_folder(model, folder) -> Path:
+    """Write a model as an HF checkpoint folder (config.json + model.safetensors), e.g. to turn a
+    GGUF file into a folder that Hugging Face transformers loads as plain float weights."""
+    from safetensors.torch import save_file
+
+    a, folder = model.args, Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v.detach().contiguous().cpu()
+             for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and a.tie_word_embeddings)}
+    save_file(state, folder / "model.safetensors")
+    config = {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
+              "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+              "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+              "rope_scaling": a.rope_scaling or None, "max_position_embeddings": a.max_position_embeddings,
+              "tie_word_embeddings": a.tie_word_embeddings, "attention_bias": a.o_bias, "mlp_bias": a.mlp_bias,
+              "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

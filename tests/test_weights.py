@@ -142,21 +142,21 @@ def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
 
 def test_embedded_gguf_equals_its_hf_folder_copy(embedded, tmp_path):
     """The GGUF path and an HF folder of the same (dequantized) weights give the same logits."""
-    from safetensors.torch import save_file
-
     model, _ = embedded
-    a = model.args
-    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous() for k, v in model.state_dict().items()
-             if k not in ("inv_freq", "lm_head.weight")}
-    save_file(state, tmp_path / "model.safetensors")
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": a.vocab_size,
-              "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-              "num_key_value_heads": a.n_kv_heads, "intermediate_size": a.intermediate_size,
-              "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "max_position_embeddings": 8192,
-              "tie_word_embeddings": True}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    folder_model, _ = weights.load(tmp_path)
+    folder_model, info = weights.load(weights.save_hf_folder(model, tmp_path))
+    assert info.format == "safetensors" and folder_model.args == model.args
     torch.testing.assert_close(logits(folder_model, 24), logits(model, 24), rtol=0, atol=1e-5)
+
+
+def test_saved_hf_folder_loads_in_transformers(tmp_path):
+    """save_hf_folder writes what HF itself reads: same logits as the model it came from."""
+    from transformers import AutoModelForCausalLM
+
+    for arch in ("qwen2", "qwen3", "llama3"):
+        hf = hf_model(arch)
+        model, _ = weights.load(save_hf(hf, tmp_path / arch))
+        again = AutoModelForCausalLM.from_pretrained(weights.save_hf_folder(model, tmp_path / f"{arch}-copy")).eval()
+        torch.testing.assert_close(hf_logits(again), hf_logits(hf), atol=1e-5, rtol=0)
 
 
 # --- bad checkpoints: one clear error naming the file and the problem -------------------------
