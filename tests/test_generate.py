@@ -49,6 +49,15 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
     assert len(ours[0]) == 21
 
 
+def test_cli_compile_and_compile_prefill_match_eager(tiny, capsys):
+    argv = ["--checkpoint", str(tiny), "--prompt", "hello world the", "--temperature", "0", "--max_new_tokens", "10",
+            "--ignore_eos", "--dtype", "float32"]
+    eager = run_json(capsys, *argv)[0]
+    compiled = run_json(capsys, *argv, "--compile", "--compile_prefill")[0]
+    assert compiled["tokens"] == eager["tokens"]
+    assert compiled["stats"]["compile_s"] > 0 and eager["stats"]["compile_s"] == 0
+
+
 def test_greedy_batch_rows_equal_single_runs(tiny, capsys):
     single = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello world", "--temperature", "0",
                       "--max_new_tokens", "12", "--ignore_eos", "--dtype", "float32")
