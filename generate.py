@@ -234,6 +234,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # CheckpointError and TokenizerError are ValueErrors
         log(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        log("\ninterrupted")
+        return 130
 
 
 def run(args) -> int:
