@@ -107,12 +107,39 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def dequantize_fast(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The legacy block types decoded with torch ops: [rows, n_blocks * block_bytes] uint8 ->
+    [rows, n_blocks * 32] float32. Each block holds 32 weights:
+      Q8_0: scale d (f16), 32 int8 q        -> d * q
+      Q4_0: scale d (f16), 16 bytes of nibbles -> d * (q - 8)
+      Q4_1: scale d (f16), min m (f16), 16 bytes of nibbles -> d * q + m
+    Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
+    (gguf.quants does the same in numpy, several times slower; tests check one against the other.)"""
+    rows = blocks.shape[0]
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    b = blocks.reshape(rows, -1, size)  # [rows, n_blocks, block_bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n_blocks, 1]
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(rows, -1)
+    packed = b[..., size - 16:]  # [rows, n_blocks, 16]
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # [rows, n_blocks, 32]
+    if kind == "Q4_0":
+        return (d * (q - 8)).reshape(rows, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(rows, -1)
+
+
 def dequantize(t, path) -> torch.Tensor:
     from gguf import quants
 
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise _error(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    if kind in ("Q8_0", "Q4_0", "Q4_1") and t.data.ndim == 2:
+        size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+        if t.data.shape[1] % size == 0:
+            return dequantize_fast(torch.from_numpy(np.array(t.data, dtype=np.uint8)), kind)
     try:
         array = quants.dequantize(t.data, t.tensor_type)
     except Exception as e:

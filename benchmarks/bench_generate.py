@@ -5,7 +5,8 @@
 Both run the embedded SmolLM2-135M with the same dequantized weights (HF loads them from a plain
 safetensors folder written by weights.save_hf_folder: loading the GGUF directly would keep them
 packed and dequantize inside its kernels), the same dtype and thread count, batch 1, greedy, EOS
-disabled so both produce exactly `new_tokens` tokens, each after a warm-up run. HF runs
+disabled so both produce exactly `new_tokens` tokens, each after a warm-up run, then `--rounds`
+interleaved rounds (HF, ours eager, ours compiled, HF, ...) of which each keeps its median. HF runs
 `generate` with its default attention. We run eager and compiled (generate.py --compile).
 
 Columns: decode tokens/s (tokens after the first / time after the first), end-to-end tokens/s,
@@ -105,6 +106,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measured runs per implementation")
     p.add_argument("--skip_compile", action="store_true")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
@@ -121,7 +123,6 @@ def main():
         model, _ = weights.load(None, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         step_bytes = model.bytes_read_per_token()
-        bandwidth = read_bandwidth(step_bytes)
         runs = [("HF transformers eager", lambda: run_hf(hf, ids, args.new_tokens))]
         runs.append(("ours eager", lambda: run_ours(model, ids, args.new_tokens, generate.decode_one, seq_len)))
         compile_s = None
@@ -131,12 +132,23 @@ def main():
             run_ours(model, ids, 4, compiled, seq_len)  # compiles (cold unless Inductor's cache has it)
             compile_s = time.perf_counter() - start
             runs.append(("ours compiled", lambda: run_ours(model, ids, args.new_tokens, compiled, seq_len)))
-        for label, fn in runs:
+        for _, fn in runs:
             fn()  # warm-up
-            r = fn()
+        # The machine's speed drifts: interleave the implementations round by round and keep
+        # each one's median round, so every ratio compares runs made at nearly the same moment.
+        results = {label: [] for label, _ in runs}
+        bandwidths = []
+        for _ in range(args.rounds):
+            bandwidths.append(read_bandwidth(step_bytes))
+            for label, fn in runs:
+                results[label].append(fn())
+        bandwidth = sorted(bandwidths)[len(bandwidths) // 2]
+        for label, _ in runs:
+            r = sorted(results[label], key=lambda x: x["decode_tps"])[len(results[label]) // 2]
             r.update(label=label, dtype=name, gbs=step_bytes * r["decode_tps"] / 1e9, machine=bandwidth)
             rows.append(r)
-            print(f"  {label} {name}: {r['decode_tps']:.1f} tok/s", flush=True)
+            print(f"  {label} {name}: {r['decode_tps']:.1f} tok/s "
+                  f"(rounds: {', '.join(format(x['decode_tps'], '.1f') for x in results[label])})", flush=True)
         if compile_s is not None:
             print(f"  compile (decode step, {name}): {compile_s:.1f} s", flush=True)
         del model, hf

@@ -192,3 +192,26 @@ def test_chat_template_raise_exception_is_a_clear_error():
 def test_no_tokenizer_files(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer found"):
         load_tokenizer(tmp_path)
+
+
+def test_chat_template_sources(hf_folder, tmp_path):
+    """tokenizer_config.json's template (a string or a list of named ones) and chat_template.jinja,
+    which wins when both exist, as in transformers."""
+    import shutil
+
+    folder = shutil.copytree(hf_folder, tmp_path / "t")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "{{ 'DEFAULT' }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(folder).apply_chat_template(MESSAGES) == "DEFAULT"
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert load_tokenizer(folder).apply_chat_template(MESSAGES) == "[Be brief.][Hi there]"
+
+
+def test_no_chat_template_is_a_clear_error(hf_folder, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(hf_folder, tmp_path / "t")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(TokenizerError, match="no chat template"):
+        load_tokenizer(folder).apply_chat_template(MESSAGES)
