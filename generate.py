@@ -25,6 +25,7 @@ import time
 
 import torch
 
+import tp
 from kv_cache import StaticKVCache, kv_bytes_per_token
 from sampling import SamplingParams, check_sampling, sample
 
@@ -53,6 +54,7 @@ def compile_decode(device: str):
     import torch._inductor.config
 
     torch._inductor.config.freezing = True  # inference only: parameters never change after this
+    torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
     return torch.compile(decode_one, fullgraph=True, dynamic=False, mode="max-autotune")
 
@@ -237,6 +239,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         log("\ninterrupted")
         return 130
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run(args) -> int:
@@ -246,7 +251,16 @@ def run(args) -> int:
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
         raise ValueError("the prompt is empty; give some text with --prompt")
-    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
+    rank, world = tp.init()  # (0, 1) unless started by torchrun with several processes
+    if world > 1:
+        tp.quiet_unless_rank_zero(rank)
+        device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
+    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype], shard=(rank, world))
+    if world > 1:
+        tp.check_same_checkpoint(model)
+        tp.parallelize(model)
+        args.seed = tp.shared_seed(args.seed)
+        log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
     tokenizer = load_tokenizer(info.source)
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
     if args.interactive:

@@ -153,8 +153,10 @@ def _hf_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None):
-    """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None."""
+def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None):
+    """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
+
+    shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
     path = resolve(checkpoint)
     if path.is_file():
@@ -174,6 +176,12 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None):
         fmt, files = _hf_tensors(path)
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
+    if shard is not None and shard[1] > 1:
+        import tp
+
+        rank, world = shard
+        args = tp.shard_args(args, world)
+        tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
     model = build(args, tensors, device, dtype, total, progress, source=path)
     info = LoadInfo(str(path), fmt, time.perf_counter() - start, model.weight_bytes())
     return model, info

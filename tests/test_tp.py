@@ -1,0 +1,87 @@
+"""tp.py: ranks spawned here with gloo on CPU give the logits and tokens of one process."""
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import generate
+import tp
+import weights
+from helpers import hf_model, save_hf
+from kv_cache import NoCache, StaticKVCache
+from sampling import SamplingParams
+from tp_worker import PROMPT, run_rank
+
+NEW_TOKENS = 12
+
+
+def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300):
+    """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
+    world = len(checkpoints)
+    ctx = mp.start_processes(run_rank, args=(world, [str(c) if c else None for c in checkpoints],
+                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"tensor-parallel ranks did not finish within {timeout_s} s")
+    results = []
+    for rank in range(world):
+        err = tmp_path / f"rank{rank}.err"
+        results.append(err.read_text() if err.exists() else torch.load(tmp_path / f"rank{rank}.pt", weights_only=True))
+    return results
+
+
+def single_process(checkpoint):
+    model, _ = weights.load(checkpoint, dtype=torch.float32)
+    x = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(x, torch.arange(x.shape[1])[None], NoCache())
+    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
+                                ignore_eos=True)
+    return model, logits, rows[0]
+
+
+def check_ranks(results, model, logits, tokens, world, atol):
+    replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if not any(k in n for k in tp.COLUMN_PARALLEL + tp.ROW_PARALLEL))
+    sharded = model.weight_bytes() - replicated
+    for r in results:
+        assert isinstance(r, dict), r  # an error text otherwise
+        torch.testing.assert_close(r["logits"], logits, atol=atol, rtol=0)
+        assert r["tokens"] == tokens
+        assert r["weight_bytes"] <= sharded / world + replicated + 1024  # plus a row-parallel bias at most
+
+
+def test_tiny_gqa_model_on_two_ranks_equals_one_process(tmp_path):
+    """4 heads, 2 KV heads, biases on q/k/v, o_proj and the MLP (row-parallel biases added once)."""
+    folder = save_hf(hf_model("llama_bias"), tmp_path / "ckpt")
+    model, logits, tokens = single_process(folder)
+    check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
+
+
+def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):
+    model, _ = embedded
+    x = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(x, torch.arange(x.shape[1])[None], NoCache())
+    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
+                                ignore_eos=True)
+    check_ranks(spawn([None] * 3, tmp_path), model, logits, rows[0], 3, atol=1e-4)
+
+
+def test_world_size_that_does_not_divide_the_heads_names_the_ones_that_do(embedded):
+    model, _ = embedded
+    with pytest.raises(ValueError, match=r"9 heads, 3 KV heads.*world sizes that work: \[1, 3\]"):
+        tp.shard_args(model.args, 2)
+
+
+def test_mismatched_checkpoints_fail_on_every_rank_without_hanging(tmp_path):
+    a = save_hf(hf_model("llama3", seed=0), tmp_path / "a")
+    b = save_hf(hf_model("llama3", seed=1), tmp_path / "b")
+    results = spawn([a, b], tmp_path, timeout_s=200)
+    for r in results:
+        assert isinstance(r, str) and "loaded a different checkpoint from rank 0" in r
