@@ -174,6 +174,11 @@ def parse_args(argv):
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
+    g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
+    g.add_argument("--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts")
+    g.add_argument("--draft_layers", type=int, default=None, help="the target's own first N layers draft (LayerSkip)")
+    g.add_argument("--prompt_lookup", type=int, default=None, metavar="N", help="draft by copying after the longest matching n-gram, n <= N")
+    g.add_argument("--speculate_k", type=int, default=4, help="tokens drafted per round")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
@@ -265,6 +270,8 @@ def run(args) -> int:
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
     if args.interactive:
         return interactive(args, model, tokenizer, device)
+    if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
+        return run_speculative(args, model, tokenizer, info, device)
 
     ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
     if not ids:
@@ -296,6 +303,56 @@ def run(args) -> int:
     if args.profile:
         profiler.export_chrome_trace(args.profile)
         log(f"profile written to {args.profile}")
+    return 0
+
+
+def run_speculative(args, model, tokenizer, info, device) -> int:
+    import weights
+    from speculative import ModelDrafter, PromptLookupDrafter, speculative_generate
+
+    if args.batch_size != 1 or args.compile or args.compile_prefill:
+        raise ValueError("speculative decoding here runs at --batch_size 1 without --compile")
+    if args.speculate_k < 1:
+        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
+    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    seq_len = plan_seq_len(args, model.args, len(ids))
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.prompt_lookup:
+        drafter, label = PromptLookupDrafter(args.prompt_lookup, model.args.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
+    elif args.draft_layers:
+        if not 1 <= args.draft_layers < model.args.n_layers:
+            raise ValueError(f"--draft_layers must be between 1 and {model.args.n_layers - 1} for this model, got {args.draft_layers}")
+        drafter, label = ModelDrafter(model, seq_len, params, layers=args.draft_layers), f"first {args.draft_layers} layers"
+    else:
+        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
+        if draft.args.vocab_size != model.args.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
+                             f"({model.args.vocab_size}); a draft must share the target's tokenizer")
+        drafter, label = ModelDrafter(draft, seq_len, params), f"draft model {args.draft_checkpoint}"
+    cache = StaticKVCache.for_model(model, 1, seq_len)
+    log(memory_plan(model, cache))
+    generator = torch.Generator(device=device)
+    if args.seed is not None:
+        generator.manual_seed(args.seed)
+    for _ in range(args.num_samples):
+        streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
+        if not args.json:
+            print(args.prompt if not args.chat else "", end="", flush=True)
+        tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
+                                             generator, tokenizer.stop_ids, args.ignore_eos,
+                                             on_token=None if args.json else streamer)
+        drafter.rollback(0)  # the next sample starts from an empty sequence
+        per_draft = stats["draft_s"] / max(stats["drafted"], 1)
+        stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))
+        text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
+        if args.json:
+            print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
+        else:
+            streamer.flush()
+            print(flush=True)
+        log(f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
+            f"acceptance {stats['acceptance_rate']:.2f} | {stats['tokens_per_round']:.2f} tokens/round | "
+            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s")
     return 0
 
 

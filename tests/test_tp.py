@@ -16,11 +16,11 @@ from tp_worker import PROMPT, run_rank
 NEW_TOKENS = 12
 
 
-def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300):
+def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False):
     """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
     world = len(checkpoints)
     ctx = mp.start_processes(run_rank, args=(world, [str(c) if c else None for c in checkpoints],
-                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens),
+                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens, compile_decode),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
@@ -61,6 +61,13 @@ def test_tiny_gqa_model_on_two_ranks_equals_one_process(tmp_path):
     folder = save_hf(hf_model("llama_bias"), tmp_path / "ckpt")
     model, logits, tokens = single_process(folder)
     check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
+
+
+def test_compiled_decode_on_two_ranks_equals_one_process(tmp_path):
+    """The compiled decode step (fullgraph, with the all-reduces inside) on each rank."""
+    folder = save_hf(hf_model("llama3"), tmp_path / "ckpt")
+    model, logits, tokens = single_process(folder)
+    check_ranks(spawn([folder, folder], tmp_path, compile_decode=True, timeout_s=600), model, logits, tokens, 2, atol=1e-5)
 
 
 def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 PROMPT = [[3, 17, 42, 7, 99, 5, 23, 8]]
 
 
-def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens):
+def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_decode=False):
     torch.set_num_threads(1)  # the ranks share the machine's cores
     out = Path(out_dir)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -28,7 +28,8 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens):
         with torch.no_grad():
             logits = model(x, torch.arange(x.shape[1])[None], NoCache())
         cache = StaticKVCache.for_model(model, 1, 64)
-        rows, _ = generate.generate(model, cache, x, new_tokens, SamplingParams(0.0), ignore_eos=True)
+        decode_fn = generate.compile_decode("cpu") if compile_decode else generate.decode_one
+        rows, _ = generate.generate(model, cache, x, new_tokens, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
         torch.save({"logits": logits, "tokens": rows[0], "weight_bytes": model.weight_bytes()}, out / f"rank{rank}.pt")
     except Exception as e:
         (out / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -1,0 +1,161 @@
+"""Speculative decoding: a cheap drafter proposes k tokens, the target checks them in one forward.
+
+    python generate.py --draft_layers 8 --speculate_k 4 --temperature 0 --prompt "..."   # layer-skip
+    python generate.py --prompt_lookup 3 --speculate_k 4 --prompt "..."                  # no draft model
+    python generate.py --draft_checkpoint SMALL_MODEL --speculate_k 4 --prompt "..."
+
+Decode at batch 1 is bound by reading the weights, so scoring k+1 positions costs the target
+about as much as scoring one. Each round:
+  1. the drafter proposes d_1..d_k with probabilities q_i(x) (one-hot for deterministic drafters);
+  2. the target runs once over [last token, d_1..d_k] and gives p_1..p_{k+1};
+  3. d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
+     token is resampled from norm(max(p_i - q_i, 0)) and the round ends; if all k are accepted,
+     a bonus token is sampled from p_{k+1}.
+This emits exactly the target's distribution (Leviathan et al. 2023; Chen et al. 2023), whatever
+the drafter. At temperature 0 p and q are one-hot argmaxes, so the rule keeps a draft exactly
+when it is the target's argmax: output identical to plain greedy decoding.
+
+Rolling back is bookkeeping: the static cache masks every slot after a query's position, so the
+K/V written for rejected drafts are never read, and are overwritten by the next round. Each
+model only remembers how many tokens of the sequence it has valid K/V for (`valid`), and feeds
+the rest at the start of its next forward: the first round's target forward is the prefill.
+With c = cost of a draft step / cost of a target step and acceptance rate alpha, the expected
+speed-up is (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
+"""
+import time
+
+import torch
+
+from kv_cache import StaticKVCache
+from sampling import SamplingParams, probabilities
+
+
+def accept(drafts, draft_probs, target_probs, generator=None):
+    """The accept/reject rule for one round. drafts [k] (long), draft_probs [k, V],
+    target_probs [k+1, V] -> (number of drafts accepted, the next token after them)."""
+    k = drafts.shape[0]
+    idx = torch.arange(k, device=drafts.device)
+    p = target_probs[idx, drafts]  # [k] target probability of each draft
+    q = draft_probs[idx, drafts]
+    u = torch.rand(k, generator=generator, device=drafts.device)
+    ok = u * q < p  # u < p / q without dividing by zero; q > 0 for any token the drafter sampled
+    n = int(ok.long().cumprod(0).sum()) if k else 0  # accepted prefix length: one host sync
+    if n == k:
+        dist = target_probs[k]  # every draft accepted: a bonus token from the last position
+    else:
+        dist = (target_probs[n] - draft_probs[n]).clamp(min=0)
+        dist = dist / dist.sum() if dist.sum() > 0 else target_probs[n]
+    return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+class ModelDrafter:
+    """Drafts by sampling from a smaller model (or the target's own first layers: LayerSkip)."""
+
+    def __init__(self, model, max_seq_len, params, layers=None):
+        self.model, self.params, self.layers = model, params, layers
+        self.cache = StaticKVCache.for_model(model, 1, max_seq_len)
+        self.valid = 0  # tokens of the sequence whose K/V in self.cache are right
+
+    def logits(self, tokens, start):
+        x = torch.tensor([tokens], device=self.cache.slots.device)
+        pos = torch.arange(start, start + len(tokens), device=x.device)[None]
+        if self.layers is None:
+            return self.model(x, pos, self.cache, last_only=True)[0, -1]
+        return layer_skip_forward(self.model, x, pos, self.cache, self.layers)[0, -1]
+
+    def propose(self, tokens, k, generator=None):
+        drafts, probs = [], []
+        feed, start = tokens[self.valid:], self.valid
+        for _ in range(k):
+            p = probabilities(self.logits(feed, start), self.params.temperature, self.params.top_k, self.params.top_p)
+            d = int(torch.multinomial(p, 1, generator=generator)) if self.params.temperature > 0 else int(p.argmax())
+            start += len(feed)
+            drafts.append(d)
+            probs.append(p)
+            feed = [d]
+        self.valid = start  # the last draft was never fed
+        return drafts, torch.stack(probs) if probs else None
+
+    def rollback(self, confirmed):
+        self.valid = min(self.valid, confirmed)
+
+
+def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
+    """The target's first n_layers, then its final norm and output head: a draft in the same weights."""
+    x = model.embed_tokens(tokens)
+    cos, sin = model.rope(input_pos)
+    for layer in model.layers[:n_layers]:
+        x = layer(x, cos, sin, input_pos, cache)
+    return model.lm_head(model.norm(x[:, -1:])).float()
+
+
+class PromptLookupDrafter:
+    """Drafts by copying: find the longest n-gram (n <= max_ngram) ending the sequence that also
+    occurs earlier, and propose the tokens that followed it there. Deterministic: q is one-hot."""
+
+    def __init__(self, max_ngram, vocab_size):
+        self.max_ngram, self.vocab_size = max_ngram, vocab_size
+
+    def propose(self, tokens, k, generator=None):
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+                if tokens[start:start + n] == tail:
+                    drafts = tokens[start + n:start + n + k]
+                    return drafts, torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float()
+        return [], None
+
+    def rollback(self, confirmed):
+        pass
+
+
+def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params: SamplingParams, k=4,
+                         generator=None, stop_ids=(), ignore_eos=False, on_token=None):
+    """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats)."""
+    device = cache.slots.device
+    tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)
+    rounds = drafted = accepted = 0
+    draft_s = target_s = 0.0
+    start = time.perf_counter()
+    first_token_s = None
+    while len(tokens) - len(prompt) < max_new_tokens:
+        t0 = time.perf_counter()
+        want = min(k, max_new_tokens - (len(tokens) - len(prompt)) - 1)
+        drafts, draft_probs = drafter.propose(tokens, want, generator) if want > 0 else ([], None)
+        t1 = time.perf_counter()
+        feed = tokens[valid:] + drafts  # the target's one forward this round
+        x = torch.tensor([feed], device=device)
+        pos = torch.arange(valid, valid + len(feed), device=device)[None]
+        with torch.no_grad():
+            logits = target(x, pos, cache)[0, -(len(drafts) + 1):]  # [len(drafts) + 1, V]
+        p = probabilities(logits, params.temperature, params.top_k, params.top_p)
+        if drafts:
+            n, nxt = accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)
+        else:
+            n, nxt = 0, int(torch.multinomial(p[0], 1, generator=generator)) if params.temperature > 0 else int(p[0].argmax())
+        t2 = time.perf_counter()
+        draft_s, target_s = draft_s + (t1 - t0), target_s + (t2 - t1)
+        confirmed = len(tokens) + n  # tokens whose K/V the target (and maybe the drafter) hold correctly
+        new = drafts[:n] + [nxt]
+        rounds, drafted, accepted = rounds + 1, drafted + len(drafts), accepted + n
+        valid = confirmed
+        drafter.rollback(confirmed)
+        for t in new:
+            tokens.append(t)
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - start
+            if on_token:
+                on_token(torch.tensor([t]))
+            if t in stop or len(tokens) - len(prompt) >= max_new_tokens:
+                break
+        if tokens[-1] in stop:
+            break
+    total_s = time.perf_counter() - start
+    out = tokens[len(prompt):]
+    stats = {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+             "acceptance_rate": accepted / drafted if drafted else 0.0,
+             "tokens_per_round": len(out) / rounds if rounds else 0.0,
+             "draft_s": draft_s, "target_s": target_s, "total_s": total_s,
+             "time_to_first_token_s": first_token_s or total_s,
+             "tokens_per_s": (len(out) - 1) / (total_s - first_token_s) if len(out) > 1 and first_token_s else 0.0}
+    return out, stats

@@ -1,0 +1,154 @@
+"""speculative.py: greedy output equals plain greedy decoding for every drafter, one target
+forward per round, and the accept/reject rule samples exactly the target distribution."""
+import pytest
+import torch
+
+import generate
+import weights
+from helpers import hf_model, save_hf
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
+from speculative import ModelDrafter, PromptLookupDrafter, accept, speculative_generate
+
+GREEDY = SamplingParams(0.0)
+PROMPT = [5, 9, 11, 3, 5, 9, 11, 3, 5, 9]  # repetitive, so prompt lookup finds matches
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model, _ = weights.load(save_hf(hf_model("llama3"), tmp_path_factory.mktemp("target")))
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    rows, _ = generate.generate(target, StaticKVCache.for_model(target, 1, 64), torch.tensor([PROMPT]), NEW, GREEDY,
+                                ignore_eos=True)
+    return rows[0]
+
+
+class Counting:
+    """The target model, counting its forwards."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+
+class ScriptedDrafter:
+    """Proposes the reference continuation (all accepted) or a wrong token everywhere (all rejected)."""
+
+    def __init__(self, reference, right, vocab):
+        self.reference, self.right, self.vocab = reference, right, vocab
+
+    def propose(self, tokens, k, generator=None):
+        done = len(tokens) - len(PROMPT)
+        drafts = [t if self.right else (t + 1) % self.vocab for t in self.reference[done:done + k]]
+        return drafts, torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab).float()
+
+    def rollback(self, confirmed):
+        pass
+
+
+def run(target, drafter, k=4):
+    counting = Counting(target)
+    out, stats = speculative_generate(counting, StaticKVCache.for_model(target, 1, 64), drafter, PROMPT, NEW, GREEDY,
+                                      k=k, ignore_eos=True)
+    assert counting.calls == stats["rounds"]  # exactly one target forward per round
+    return out, stats
+
+
+def test_draft_model_greedy_equals_plain(target, reference, tmp_path):
+    other, _ = weights.load(save_hf(hf_model("llama3", seed=5), tmp_path / "draft"))
+    out, stats = run(target, ModelDrafter(other, 64, GREEDY))
+    assert out == reference
+    assert stats["drafted"] > 0
+
+
+def test_same_model_as_draft_accepts_everything(target, reference):
+    out, stats = run(target, ModelDrafter(target, 64, GREEDY))
+    assert out == reference and stats["acceptance_rate"] == 1.0
+    assert stats["rounds"] < NEW / 3  # 5 tokens per round of k=4
+
+
+def test_layer_skip_draft_greedy_equals_plain(target, reference):
+    out, stats = run(target, ModelDrafter(target, 64, GREEDY, layers=1), k=3)
+    assert out == reference and stats["drafted"] > 0
+
+
+def test_prompt_lookup_greedy_equals_plain(target, reference):
+    out, stats = run(target, PromptLookupDrafter(3, target.args.vocab_size))
+    assert out == reference and stats["drafted"] > 0
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_every_draft_accepted_or_every_draft_rejected(target, reference, right):
+    out, stats = run(target, ScriptedDrafter(reference, right, target.args.vocab_size))
+    assert out == reference
+    assert stats["acceptance_rate"] == (1.0 if right else 0.0) and stats["drafted"] > 0
+
+
+def chi_square(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def wrong_accept(drafts, draft_probs, target_probs, generator=None):
+    """A plausible bug: on rejection, sample from p instead of norm(max(p - q, 0))."""
+    n, _ = accept(drafts, draft_probs, target_probs, generator)
+    if n == drafts.shape[0]:
+        return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
+    return n, int(torch.multinomial(target_probs[n], 1, generator=generator))
+
+
+@pytest.mark.parametrize("rule, should_pass", [(accept, True), (wrong_accept, False)])
+def test_accept_rule_emits_the_target_distribution(rule, should_pass):
+    """First emitted token of a k=2 round, over many rounds with synthetic p and q on 6 tokens:
+    chi-square against p at p-value 0.001 (critical value 20.52 for 5 degrees of freedom)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    q = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])  # a poor drafter: most drafts rejected
+    target_probs, draft_probs = torch.stack([p, p, p]), torch.stack([q, q])
+    counts = torch.zeros(6)
+    for _ in range(12000):
+        drafts = torch.multinomial(q, 2, replacement=True, generator=g)
+        n, nxt = rule(drafts, draft_probs, target_probs, g)
+        counts[int(drafts[0]) if n > 0 else nxt] += 1
+    assert (chi_square(counts, p) < 20.52) == should_pass
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    from helpers import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"), arch="llama3")
+
+
+@pytest.mark.parametrize("flags", [["--prompt_lookup", "2"], ["--draft_layers", "1"], ["--draft_checkpoint", "SELF"]])
+def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
+    import json
+
+    flags = [str(chat_checkpoint) if f == "SELF" else f for f in flags]
+    argv = ["--checkpoint", str(chat_checkpoint), "--prompt", "the quick brown fox the quick brown", "--temperature", "0",
+            "--max_new_tokens", "16", "--ignore_eos", "--dtype", "float32", "--json"]
+    assert generate.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generate.main(argv + flags + ["--speculate_k", "3"]) == 0
+    captured = capsys.readouterr()
+    spec = json.loads(captured.out.strip().splitlines()[-1])
+    assert spec["tokens"] == plain["tokens"] and spec["stats"]["rounds"] >= 1
+    assert "acceptance" in captured.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft_layers", "2"], "--draft_layers must be between 1 and 1"),
+    (["--prompt_lookup", "2", "--batch_size", "2"], "batch_size 1"),
+    (["--prompt_lookup", "2", "--speculate_k", "0"], "--speculate_k must be >= 1"),
+])
+def test_cli_speculative_bad_input(chat_checkpoint, capsys, flags, message):
+    assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", *flags]) == 2
+    assert message in capsys.readouterr().err
