@@ -152,3 +152,45 @@ def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
 def test_cli_speculative_bad_input(chat_checkpoint, capsys, flags, message):
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cache_after_rejections_equals_a_plain_run(target, reference, tmp_path):
+    """Rejected drafts leave nothing behind: the next logits from the speculative run's cache
+    equal those from the plain run's cache."""
+    other, _ = weights.load(save_hf(hf_model("llama3", seed=5), tmp_path / "draft"))
+    spec_cache, plain_cache = StaticKVCache.for_model(target, 1, 64), StaticKVCache.for_model(target, 1, 64)
+    out, stats = speculative_generate(target, spec_cache, ModelDrafter(other, 64, GREEDY), PROMPT, NEW, GREEDY, k=4,
+                                      ignore_eos=True)
+    assert 0 < stats["accepted"] < stats["drafted"]  # some drafts were rejected
+    generate.generate(target, plain_cache, torch.tensor([PROMPT]), NEW, GREEDY, ignore_eos=True)
+    last, pos = torch.tensor([[out[-1]]]), torch.tensor([[len(PROMPT) + NEW - 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(target(last, pos, spec_cache), target(last, pos, plain_cache), atol=1e-5, rtol=0)
+
+
+def test_end_to_end_sampling_follows_the_target(target, tmp_path):
+    """Temperature 1 with top-k 8 on a tiny model: the first token of speculative runs (a
+    different random draft model) against the target's own first-token distribution."""
+    other, _ = weights.load(save_hf(hf_model("llama3", seed=5), tmp_path / "draft"))
+    params = SamplingParams(1.0, top_k=8)
+    with torch.no_grad():
+        logits = target(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], StaticKVCache.for_model(target, 1, 64))
+    from sampling import probabilities
+
+    p = probabilities(logits[0, -1], 1.0, 8)
+    support = torch.nonzero(p).flatten()
+    g = torch.Generator().manual_seed(0)
+    cache, drafter = StaticKVCache.for_model(target, 1, 64), ModelDrafter(other, 64, params)
+    counts = torch.zeros_like(p)
+    for _ in range(2000):  # two new tokens: one drafted, verified, and the next one
+        out, _ = speculative_generate(target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True)
+        drafter.rollback(0)
+        counts[out[0]] += 1
+    assert counts.sum() == counts[support].sum()  # nothing outside the target's top-k
+    assert chi_square(counts[support], p[support]) < 24.32  # 7 degrees of freedom, p-value 0.001
+
+
+def test_cli_draft_with_another_vocabulary_is_refused(chat_checkpoint, tmp_path, capsys):
+    draft = save_hf(hf_model("llama3"), tmp_path / "draft")  # 256 tokens; the target's tokenizer has more
+    assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", "--draft_checkpoint", str(draft)]) == 2
+    assert "a draft must share the target's tokenizer" in capsys.readouterr().err
