@@ -44,19 +44,24 @@ def decode_one(model, cache, token, input_pos):
     return model(token, input_pos, cache)[:, -1]
 
 
-def compile_decode(device: str):
+def verify_step(model, cache, tokens, input_pos):
+    """tokens, input_pos [B, T] -> logits at every position [B, T, V] (speculative verification)."""
+    return model(tokens, input_pos, cache)
+
+
+def compile_decode(device: str, fn=decode_one):
     """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and GEMMs autotuned
     against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1 bf16 this is
     about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
     if device.startswith("cuda"):
-        return torch.compile(decode_one, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
     import torch._inductor.config
 
     torch._inductor.config.freezing = True  # inference only: parameters never change after this
     torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
-    return torch.compile(decode_one, fullgraph=True, dynamic=False, mode="max-autotune")
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
 
 
 def reset_peak_memory(device: str):
@@ -308,39 +313,56 @@ def run(args) -> int:
 
 def run_speculative(args, model, tokenizer, info, device) -> int:
     import weights
-    from speculative import ModelDrafter, PromptLookupDrafter, speculative_generate
+    from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
 
-    if args.batch_size != 1 or args.compile or args.compile_prefill:
-        raise ValueError("speculative decoding here runs at --batch_size 1 without --compile")
+    if args.batch_size != 1 or args.compile_prefill:
+        raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
     if args.speculate_k < 1:
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
     ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
     seq_len = plan_seq_len(args, model.args, len(ids))
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
+    # (rounds without drafts), and the draft's one-token step
+    step_fn = compile_decode(device, draft_forward) if args.compile else None
+    verify_fns = {t: compile_decode(device, verify_step) for t in (1, args.speculate_k + 1)} if args.compile else {}
     if args.prompt_lookup:
         drafter, label = PromptLookupDrafter(args.prompt_lookup, model.args.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
     elif args.draft_layers:
         if not 1 <= args.draft_layers < model.args.n_layers:
             raise ValueError(f"--draft_layers must be between 1 and {model.args.n_layers - 1} for this model, got {args.draft_layers}")
-        drafter, label = ModelDrafter(model, seq_len, params, layers=args.draft_layers), f"first {args.draft_layers} layers"
+        drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
+        label = f"first {args.draft_layers} layers"
     else:
         draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
         if draft.args.vocab_size != model.args.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                              f"({model.args.vocab_size}); a draft must share the target's tokenizer")
-        drafter, label = ModelDrafter(draft, seq_len, params), f"draft model {args.draft_checkpoint}"
+        drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
     cache = StaticKVCache.for_model(model, 1, seq_len)
     log(memory_plan(model, cache))
     generator = torch.Generator(device=device)
     if args.seed is not None:
         generator.manual_seed(args.seed)
+    compile_s = 0.0
+    if args.compile:  # compile now, on the real prompt, so compile time stays out of tokens/s
+        start = time.perf_counter()
+        speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
+                             ignore_eos=True, verify_fns=verify_fns)
+        for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
+            with torch.no_grad():
+                fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
+        drafter.rollback(0)
+        compile_s = time.perf_counter() - start
+        log(f"compiled in {compile_s:.1f} s")
     for _ in range(args.num_samples):
         streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
         if not args.json:
             print(args.prompt if not args.chat else "", end="", flush=True)
         tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
                                              generator, tokenizer.stop_ids, args.ignore_eos,
-                                             on_token=None if args.json else streamer)
+                                             on_token=None if args.json else streamer, verify_fns=verify_fns)
+        stats["compile_s"] = compile_s
         drafter.rollback(0)  # the next sample starts from an empty sequence
         per_draft = stats["draft_s"] / max(stats["drafted"], 1)
         stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))

@@ -48,20 +48,29 @@ def accept(drafts, draft_probs, target_probs, generator=None):
     return n, int(torch.multinomial(dist, 1, generator=generator))
 
 
-class ModelDrafter:
-    """Drafts by sampling from a smaller model (or the target's own first layers: LayerSkip)."""
+def draft_forward(model, cache, tokens, input_pos, layers=None):
+    """The draft's logits for the last position [B, V]: a whole model, or its first `layers`."""
+    if layers is None:
+        return model(tokens, input_pos, cache, last_only=True)[:, -1]
+    return layer_skip_forward(model, tokens, input_pos, cache, layers)[:, -1]
 
-    def __init__(self, model, max_seq_len, params, layers=None):
-        self.model, self.params, self.layers = model, params, layers
+
+class ModelDrafter:
+    """Drafts by sampling from a smaller model (or the target's own first layers: LayerSkip).
+
+    step_fn: a compiled draft_forward used for the one-token steps (static shapes)."""
+
+    def __init__(self, model, max_seq_len, params, layers=None, step_fn=None):
+        self.model, self.params, self.layers, self.step_fn = model, params, layers, step_fn
         self.cache = StaticKVCache.for_model(model, 1, max_seq_len)
         self.valid = 0  # tokens of the sequence whose K/V in self.cache are right
 
     def logits(self, tokens, start):
         x = torch.tensor([tokens], device=self.cache.slots.device)
         pos = torch.arange(start, start + len(tokens), device=x.device)[None]
-        if self.layers is None:
-            return self.model(x, pos, self.cache, last_only=True)[0, -1]
-        return layer_skip_forward(self.model, x, pos, self.cache, self.layers)[0, -1]
+        fn = self.step_fn if self.step_fn is not None and len(tokens) == 1 else draft_forward
+        with torch.no_grad():
+            return fn(self.model, self.cache, x, pos, self.layers)[0]
 
     def propose(self, tokens, k, generator=None):
         drafts, probs = [], []
@@ -110,8 +119,12 @@ class PromptLookupDrafter:
 
 
 def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params: SamplingParams, k=4,
-                         generator=None, stop_ids=(), ignore_eos=False, on_token=None):
-    """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats)."""
+                         generator=None, stop_ids=(), ignore_eos=False, on_token=None, verify_fns=None):
+    """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).
+
+    verify_fns: {T: compiled generate.verify_step} for the forward lengths that recur (k + 1
+    after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
+    verify_fns = verify_fns or {}
     device = cache.slots.device
     tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)
     rounds = drafted = accepted = 0
@@ -127,7 +140,10 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
         x = torch.tensor([feed], device=device)
         pos = torch.arange(valid, valid + len(feed), device=device)[None]
         with torch.no_grad():
-            logits = target(x, pos, cache)[0, -(len(drafts) + 1):]  # [len(drafts) + 1, V]
+            if len(feed) in verify_fns:
+                logits = verify_fns[len(feed)](target, cache, x, pos)[0, -(len(drafts) + 1):]
+            else:
+                logits = target(x, pos, cache)[0, -(len(drafts) + 1):]  # [len(drafts) + 1, V]
         p = probabilities(logits, params.temperature, params.top_k, params.top_p)
         if drafts:
             n, nxt = accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)

@@ -194,3 +194,19 @@ def test_cli_draft_with_another_vocabulary_is_refused(chat_checkpoint, tmp_path,
     draft = save_hf(hf_model("llama3"), tmp_path / "draft")  # 256 tokens; the target's tokenizer has more
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", "--draft_checkpoint", str(draft)]) == 2
     assert "a draft must share the target's tokenizer" in capsys.readouterr().err
+
+
+def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
+    """Layer-skip with the draft step and the (k + 1)-token verification compiled, static shapes:
+    same tokens as plain decoding, and no recompilation across rounds."""
+    import torch._dynamo
+
+    from speculative import draft_forward
+
+    verify = torch.compile(generate.verify_step, fullgraph=True, dynamic=False)
+    step = torch.compile(draft_forward, fullgraph=True, dynamic=False)
+    drafter = ModelDrafter(target, 64, GREEDY, layers=1, step_fn=step)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out, stats = speculative_generate(target, StaticKVCache.for_model(target, 1, 64), drafter, PROMPT, NEW, GREEDY,
+                                          k=3, ignore_eos=True, verify_fns={4: verify})
+    assert out == reference and stats["rounds"] > 2
