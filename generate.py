@@ -274,8 +274,10 @@ def run(args) -> int:
     tokenizer = load_tokenizer(info.source)
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
     if args.interactive:
+        from chat import interactive
         return interactive(args, model, tokenizer, device)
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
+        from speculative import run_speculative
         return run_speculative(args, model, tokenizer, info, device)
 
     ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
@@ -311,73 +313,6 @@ def run(args) -> int:
     return 0
 
 
-def run_speculative(args, model, tokenizer, info, device) -> int:
-    import weights
-    from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
-
-    if args.batch_size != 1 or args.compile_prefill:
-        raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
-    if args.speculate_k < 1:
-        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
-    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
-    seq_len = plan_seq_len(args, model.args, len(ids))
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
-    # (rounds without drafts), and the draft's one-token step
-    step_fn = compile_decode(device, draft_forward) if args.compile else None
-    verify_fns = {t: compile_decode(device, verify_step) for t in (1, args.speculate_k + 1)} if args.compile else {}
-    if args.prompt_lookup:
-        drafter, label = PromptLookupDrafter(args.prompt_lookup, model.args.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
-    elif args.draft_layers:
-        if not 1 <= args.draft_layers < model.args.n_layers:
-            raise ValueError(f"--draft_layers must be between 1 and {model.args.n_layers - 1} for this model, got {args.draft_layers}")
-        drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
-        label = f"first {args.draft_layers} layers"
-    else:
-        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
-        if draft.args.vocab_size != model.args.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
-                             f"({model.args.vocab_size}); a draft must share the target's tokenizer")
-        drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
-    cache = StaticKVCache.for_model(model, 1, seq_len)
-    log(memory_plan(model, cache))
-    generator = torch.Generator(device=device)
-    if args.seed is not None:
-        generator.manual_seed(args.seed)
-    compile_s = 0.0
-    if args.compile:  # compile now, on the real prompt, so compile time stays out of tokens/s
-        start = time.perf_counter()
-        speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
-                             ignore_eos=True, verify_fns=verify_fns)
-        for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
-            with torch.no_grad():
-                fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
-        drafter.rollback(0)
-        compile_s = time.perf_counter() - start
-        log(f"compiled in {compile_s:.1f} s")
-    for _ in range(args.num_samples):
-        streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
-        if not args.json:
-            print(args.prompt if not args.chat else "", end="", flush=True)
-        tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
-                                             generator, tokenizer.stop_ids, args.ignore_eos,
-                                             on_token=None if args.json else streamer, verify_fns=verify_fns)
-        stats["compile_s"] = compile_s
-        drafter.rollback(0)  # the next sample starts from an empty sequence
-        per_draft = stats["draft_s"] / max(stats["drafted"], 1)
-        stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))
-        text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
-        if args.json:
-            print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
-        else:
-            streamer.flush()
-            print(flush=True)
-        log(f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
-            f"acceptance {stats['acceptance_rate']:.2f} | {stats['tokens_per_round']:.2f} tokens/round | "
-            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s")
-    return 0
-
-
 def warm_up(args, model, cache, device, prompt_len):
     """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
     start = time.perf_counter()
@@ -409,45 +344,6 @@ def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, de
     log(f"{len(rows[0])} tokens | {stats['tokens_per_s']:.2f} tokens/s | {bandwidth:.2f} GB/s | "
         f"first token {stats['time_to_first_token_s']:.3f} s | peak memory {human(stats['peak_memory_bytes'])} | "
         + memory_plan(model, cache))
-
-
-def interactive(args, model, tokenizer, device):
-    """A chat loop over one static cache. Each turn re-renders the conversation with the chat
-    template and prefills only the tokens after the longest prefix already in the cache."""
-    seq_len = args.max_seq_len or min(model.args.max_position_embeddings, 4096)
-    cache = StaticKVCache.for_model(model, 1, seq_len)
-    log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
-    decode_fn = compile_decode(device) if args.compile else decode_one
-    generator = torch.Generator(device=device)
-    if args.seed is not None:
-        generator.manual_seed(args.seed)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
-    while True:
-        try:
-            text = input("\n>>> ")
-        except EOFError:
-            break
-        if not text.strip():
-            break
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.encode_chat(messages)
-        common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-        common = min(common, len(ids) - 1)  # at least one token to prefill
-        if len(ids) + args.max_new_tokens > seq_len:
-            log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
-            break
-        streamer = Streamer(tokenizer, tokenizer.stop_ids)
-        prompt = torch.tensor([ids[common:]], device=device)
-        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
-                                False, decode_fn, start_pos=common, on_token=streamer)
-        streamer.flush()
-        print()
-        log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
-        reply = rows[0]
-        cached = ids + reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else ids + reply
-        messages.append({"role": "assistant", "content": streamer.printed})
-    return 0
 
 
 if __name__ == "__main__":
