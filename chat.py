@@ -9,8 +9,7 @@ costs each turn only its new tokens.
 """
 import torch
 
-from generate import Streamer, compile_decode, decode_one, generate, log, memory_plan
-from kv_cache import StaticKVCache
+from generate import Streamer, autotune, compile_decode, decode_one, generate, log, make_cache, memory_plan
 from sampling import SamplingParams
 
 
@@ -18,9 +17,9 @@ def interactive(args, model, tokenizer, device):
     """A chat loop over one static cache. Each turn re-renders the conversation with the chat
     template and prefills only the tokens after the longest prefix already in the cache."""
     seq_len = args.max_seq_len or min(model.args.max_position_embeddings, 4096)
-    cache = StaticKVCache.for_model(model, 1, seq_len)
+    cache = make_cache(args, model, 1, seq_len)
     log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
-    decode_fn = compile_decode(device) if args.compile else decode_one
+    decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
     generator = torch.Generator(device=device)
     if args.seed is not None:
         generator.manual_seed(args.seed)

@@ -26,7 +26,7 @@ import time
 import torch
 
 import tp
-from kv_cache import StaticKVCache, kv_bytes_per_token
+from kv_cache import Int8KVCache, StaticKVCache
 from sampling import SamplingParams, check_sampling, sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,11 +49,13 @@ def verify_step(model, cache, tokens, input_pos):
     return model(tokens, input_pos, cache)
 
 
-def compile_decode(device: str, fn=decode_one):
+def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and GEMMs autotuned
     against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1 bf16 this is
-    about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
+    about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU. Quantized
+    models skip the autotuning (autotune=False): their matmuls are not GEMMs Inductor tunes, and
+    tuning each int8 layer alone takes seconds."""
     if device.startswith("cuda"):
         return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
     import torch._inductor.config
@@ -61,7 +63,7 @@ def compile_decode(device: str, fn=decode_one):
     torch._inductor.config.freezing = True  # inference only: parameters never change after this
     torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
 
 
 def reset_peak_memory(device: str):
@@ -179,11 +181,18 @@ def parse_args(argv):
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
+    g = p.add_argument_group("quantization (quantize.py)")
+    g.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time")
+    g.add_argument("--groupsize", type=int, default=64, help="int4 group size: 32, 64, 128 or 256")
+    g.add_argument("--quantize_head", action="store_true", help="quantize the output head too (the largest matrix of small models)")
+    g.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
+    g.add_argument("--kv_cache_dtype", default="model", choices=("model", "int8"), help="int8: K/V stored int8 with per-token scales")
     g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
     g.add_argument("--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts")
     g.add_argument("--draft_layers", type=int, default=None, help="the target's own first N layers draft (LayerSkip)")
     g.add_argument("--prompt_lookup", type=int, default=None, metavar="N", help="draft by copying after the longest matching n-gram, n <= N")
     g.add_argument("--speculate_k", type=int, default=4, help="tokens drafted per round")
+    g.add_argument("--draft_quantize", default=None, choices=("int8", "int4"), help="quantize the draft model (--draft_checkpoint)")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
@@ -221,6 +230,11 @@ def plan_seq_len(args, model_args, prompt_len: int) -> int:
     return seq_len
 
 
+def make_cache(args, model, batch_size: int, seq_len: int):
+    kind = Int8KVCache if getattr(args, "kv_cache_dtype", "model") == "int8" else StaticKVCache
+    return kind.for_model(model, batch_size, seq_len)
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -229,8 +243,7 @@ def human(n: float) -> str:
 
 
 def memory_plan(model, cache) -> str:
-    a = model.args
-    per_token = kv_bytes_per_token(a.n_layers, a.n_kv_heads, a.head_dim, cache.k[0].dtype)
+    per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
     return (f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
             f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}")
 
@@ -266,6 +279,10 @@ def run(args) -> int:
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
     model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype], shard=(rank, world))
+    if args.quantize:  # before tp.parallelize: each rank quantizes its own shard
+        import quantize
+
+        quantize.quantize_model(model, args.quantize, args.groupsize, args.quantize_head, args.quantize_embedding, log=log)
     if world > 1:
         tp.check_same_checkpoint(model)
         tp.parallelize(model)
@@ -284,7 +301,7 @@ def run(args) -> int:
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text with --prompt")
     seq_len = plan_seq_len(args, model.args, len(ids))
-    cache = StaticKVCache.for_model(model, args.batch_size, seq_len)
+    cache = make_cache(args, model, args.batch_size, seq_len)
     log(memory_plan(model, cache))
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
@@ -313,10 +330,15 @@ def run(args) -> int:
     return 0
 
 
+def autotune(model) -> bool:
+    """Autotune only models whose matmuls are all float (see compile_decode)."""
+    return not any(type(m).__name__ in ("Int8Linear", "Int4Linear") for m in model.modules())
+
+
 def warm_up(args, model, cache, device, prompt_len):
     """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
     start = time.perf_counter()
-    decode_fn = compile_decode(device) if args.compile else decode_one
+    decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     B = cache.batch_size
     with torch.no_grad():

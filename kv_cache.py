@@ -17,6 +17,11 @@ The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 hides slots after each query's position (unwritten slots are zero, and masked). A query at
 position p sees slots 0..p, which is causal attention within the step and full attention to
 the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+
+`Int8KVCache` (`generate.py --kv_cache_dtype int8`) stores K and V as int8 with one scale per
+token and head, halving the bytes a long-context decode step reads:
+
+    bytes per token = 2 * layers * kv_heads * (head_dim * 1 + bytes of one scale)
 """
 import torch
 import torch.nn.functional as F
@@ -43,11 +48,14 @@ class StaticKVCache:
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
-        a, w = model.args, model.embed_tokens.weight
+        a, w = model.args, model.norm.weight  # the activations' dtype and device
         return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list:
+        return self.k + self.v
 
     def attend(self, layer, q, k, v, input_pos):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
@@ -60,8 +68,53 @@ class StaticKVCache:
         return y.transpose(1, 2)  # [B, T, H, D]
 
     def reset(self):
-        for t in self.k + self.v:
+        for t in self.tensors():
             t.zero_()
+
+
+def quantize_per_token(x: torch.Tensor):
+    """x [..., D] -> (int8 [..., D], scale [..., 1]) with x ~= q * scale, symmetric per vector."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale.to(x.dtype)
+
+
+class Int8KVCache(StaticKVCache):
+    """K/V as int8 [B, Hkv, S, D] plus scales [B, Hkv, S, 1] in the model's dtype.
+
+    A one-token decode step under torch.compile computes attention as two reductions that read
+    the int8 cache directly (Inductor fuses the int8 -> float conversion into them), so the step
+    reads half the bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA."""
+
+    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
+        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device)
+        shape = (batch_size, n_kv_heads, max_seq_len, 1)
+        self.k_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def tensors(self) -> list:
+        return self.k + self.v + self.k_scale + self.v_scale
+
+    def attend(self, layer, q, k, v, input_pos):
+        # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
+        rows = self.rows[: k.shape[0], None]
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            xq, xs = quantize_per_token(x)
+            cache[layer][rows, :, input_pos] = xq
+            scales[layer][rows, :, input_pos] = xs
+        mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]
+        k_cache, v_cache, k_scale, v_scale = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+        B, T, H, D = q.shape
+        if T == 1 and torch.compiler.is_compiling():
+            Hkv = k_cache.shape[1]
+            qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
+            scores = (qg * k_cache[:, :, None].float()).sum(-1) * k_scale[:, :, None, :, 0].float()  # [B, Hkv, G, S]
+            scores = scores * D**-0.5 + torch.where(mask[:, :, None, 0], 0.0, float("-inf"))
+            p = torch.softmax(scores, dim=-1) * v_scale[:, :, None, :, 0].float()  # [B, Hkv, G, S]
+            y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
+            return y.reshape(B, 1, H, D).to(q.dtype)
+        kf, vf = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask, enable_gqa=True)
+        return y.transpose(1, 2)
 
 
 class NoCache:

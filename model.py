@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         # input_pos [B, T] -> cos, sin [B, T, D], computed in float32 then cast like the reference
         freqs = input_pos[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.norm.weight.dtype  # the activations' dtype (the embedding may be int8)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens, input_pos, cache, last_only: bool = False):
@@ -199,9 +199,9 @@ class Transformer(nn.Module):
         return total
 
     def bytes_read_per_token(self) -> int:
-        """Weight bytes one decode step reads: an untied embedding table is only indexed (one row)."""
+        """Weight bytes one decode step reads: an embedding table that is not also the output head
+        is only indexed (one row), so it does not count."""
         total = self.weight_bytes()
-        if not self.args.tie_word_embeddings:
-            emb = self.embed_tokens.weight
-            total -= emb.numel() * emb.element_size()
+        if getattr(self.lm_head, "weight", None) is not self.embed_tokens.weight:
+            total -= sum(t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values())
         return total

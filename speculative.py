@@ -181,10 +181,12 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
 def run_speculative(args, model, tokenizer, info, device) -> int:
     """generate.py's --draft_checkpoint / --draft_layers / --prompt_lookup."""
     import weights
-    from generate import DTYPES, Streamer, compile_decode, log, memory_plan, plan_seq_len, verify_step
+    from generate import DTYPES, Streamer, autotune, compile_decode, log, make_cache, memory_plan, plan_seq_len, verify_step
 
     if args.batch_size != 1 or args.compile_prefill:
         raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
+    if args.draft_quantize and not args.draft_checkpoint:
+        raise ValueError("--draft_quantize applies to a --draft_checkpoint model (layer-skip drafts share the target's weights)")
     if args.speculate_k < 1:
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
     ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
@@ -192,8 +194,9 @@ def run_speculative(args, model, tokenizer, info, device) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
     # (rounds without drafts), and the draft's one-token step
-    step_fn = compile_decode(device, draft_forward) if args.compile else None
-    verify_fns = {t: compile_decode(device, verify_step) for t in (1, args.speculate_k + 1)} if args.compile else {}
+    tune = autotune(model)
+    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
+    verify_fns = {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)} if args.compile else {}
     if args.prompt_lookup:
         drafter, label = PromptLookupDrafter(args.prompt_lookup, model.args.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
     elif args.draft_layers:
@@ -206,8 +209,12 @@ def run_speculative(args, model, tokenizer, info, device) -> int:
         if draft.args.vocab_size != model.args.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                              f"({model.args.vocab_size}); a draft must share the target's tokenizer")
+        if args.draft_quantize:
+            import quantize
+
+            quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
         drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
-    cache = StaticKVCache.for_model(model, 1, seq_len)
+    cache = make_cache(args, model, 1, seq_len)
     log(memory_plan(model, cache))
     generator = torch.Generator(device=device)
     if args.seed is not None:

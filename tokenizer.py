@@ -167,6 +167,10 @@ def load_tokenizer(path) -> Tokenizer:
         import gguf_tokenizer
 
         return gguf_tokenizer.from_gguf(path)
+    if (path / "tokenizer.gguf").exists():  # a folder written by quantize.py from a GGUF file
+        import gguf_tokenizer
+
+        return gguf_tokenizer.from_gguf(path / "tokenizer.gguf")
     config = _json(path / "tokenizer_config.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one

@@ -149,6 +149,22 @@ def _read_file(kind: str, path: Path):
         raise CheckpointError(f"{path}: not a valid safetensors file, truncated or corrupt ({e})") from None
 
 
+def _quantization(path: Path):
+    """The quantization record quantize.py writes into the safetensors metadata, or None."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            raw = (f.metadata() or {}).get("quantization")
+    except SafetensorError:
+        return None  # reading the tensors reports the corruption
+    try:
+        quant = json.loads(raw) if raw else None
+        return quant and {"mode": quant["mode"], "groupsize": quant["groupsize"], "layers": list(quant["layers"])}
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable quantization metadata ({e!r})") from None
+
+
 def _hf_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
@@ -158,7 +174,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
 
     shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
-    path = resolve(checkpoint)
+    path, quant = resolve(checkpoint), None
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
@@ -176,32 +192,47 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         fmt, files = _hf_tensors(path)
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
+        quant = _quantization(files[0]) if fmt == "safetensors" else None
+    if quant and shard is not None and shard[1] > 1:
+        raise CheckpointError(f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
+                              "load the float checkpoint with --quantize instead (each rank quantizes its shard)")
     if shard is not None and shard[1] > 1:
         import tp
 
         rank, world = shard
         args = tp.shard_args(args, world)
         tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
-    model = build(args, tensors, device, dtype, total, progress, source=path)
-    info = LoadInfo(str(path), fmt, time.perf_counter() - start, model.weight_bytes())
+    model = build(args, tensors, device, dtype, total, progress, source=path, quant=quant)
+    info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start, model.weight_bytes())
     return model, info
 
 
-def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=None, source=""):
+def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout."""
     from tqdm import tqdm
 
     with torch.device("meta"):
         model = Transformer(args)
     expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
-    if args.tie_word_embeddings:
+    quantized, qdtypes = set(), {}
+    if quant:  # a checkpoint written by quantize.py: its quantized layers hold other tensors
+        import quantize
+
+        quantized = set(quant["layers"])
+        specs = quantize.expected_tensors(model, quant)
+        for name in quantized:
+            expected.pop(f"{name}.weight")
+        expected.update({n: shape for n, (shape, _) in specs.items()})
+        qdtypes = {n: dt for n, (_, dt) in specs.items()}
+    tied = args.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
+    if tied:
         expected.pop("lm_head.weight")
     state = {}
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
         progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
     for file, name, tensor in tensors:
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
             continue  # derived from the config, or the same tensor as the embedding
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
@@ -209,18 +240,40 @@ def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=No
             raise CheckpointError(
                 f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        if name in qdtypes and tensor.dtype != qdtypes[name]:
+            raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
+        state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
     missing = [n for n in expected if n not in state]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+    if quant:
+        quantize.install(model, state, quant, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
-    if args.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(args).to(device)
     return model.eval()
+
+
+def hf_state_dict(model, keep_head: bool = False) -> dict:
+    """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head."""
+    tied = model.args.tie_word_embeddings and not keep_head
+    return {(k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous().cpu()
+            for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and tied)}
+
+
+def hf_config(model) -> dict:
+    a = model.args
+    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
+    return {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+            "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling or None, "max_position_embeddings": a.max_position_embeddings,
+            "tie_word_embeddings": a.tie_word_embeddings, "attention_bias": a.o_bias, "mlp_bias": a.mlp_bias,
+            "torch_dtype": str(model.norm.weight.dtype).removeprefix("torch.")}
 
 
 def save_hf_folder(model, folder) -> Path:
@@ -228,17 +281,8 @@ def save_hf_folder(model, folder) -> Path:
     GGUF file into a folder that Hugging Face transformers loads as plain float weights."""
     from safetensors.torch import save_file
 
-    a, folder = model.args, Path(folder)
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
-    state = {(k if k == "lm_head.weight" else f"model.{k}"): v.detach().contiguous().cpu()
-             for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and a.tie_word_embeddings)}
-    save_file(state, folder / "model.safetensors")
-    config = {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
-              "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-              "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
-              "rope_scaling": a.rope_scaling or None, "max_position_embeddings": a.max_position_embeddings,
-              "tie_word_embeddings": a.tie_word_embeddings, "attention_bias": a.o_bias, "mlp_bias": a.mlp_bias,
-              "torch_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(hf_state_dict(model), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
     return folder

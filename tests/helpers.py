@@ -27,11 +27,11 @@ ARCHS = {
 }
 
 
-def hf_model(arch: str, seed: int = 0):
+def hf_model(arch: str, seed: int = 0, **sizes):
     """A random HF transformers model of a tiny `arch` config, with every weight perturbed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = {**TINY, **ARCHS[arch]}
+    kw = {**TINY, **ARCHS[arch], **sizes}
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -138,7 +138,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256) -> Path:
+def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256, **sizes) -> Path:
     """A complete tiny checkpoint folder: random weights plus a byte-level BPE tokenizer.json
     trained here, a chat template and an EOS token, so generate.py runs on it end to end."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -151,7 +151,7 @@ def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256) -
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 10, trainer)
     kw = {**TINY, **ARCHS[arch], "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_position_embeddings,
-          "eos_token_id": 2, "bos_token_id": 1}
+          "eos_token_id": 2, "bos_token_id": 1, **sizes}
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

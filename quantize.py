@@ -1,0 +1,433 @@
+"""Weight-only quantization: int8 per output channel and int4 per group, with fast kernels.
+
+    python quantize.py --mode int8                                   # the embedded model -> ./SmolLM2-135M-Instruct-int8
+    python quantize.py --checkpoint PATH --mode int4 --groupsize 64 --out DIR
+    python generate.py --checkpoint DIR                              # loads the quantized folder
+    python generate.py --quantize int4 --groupsize 64                # or quantize at load time
+
+Decode at batch 1 reads every weight once per token, so the bytes per weight set the speed
+limit. Weight-only quantization stores weights in fewer bits and multiplies with activations
+kept in bf16 (or float32):
+
+    int8: w[n, k] ~= q[n, k] * scale[n]                 q in [-127, 127], one scale per output row
+    int4: w[n, k] ~= (q[n, k] - 8) * scale[n, g] + zero[n, g]    q in [0, 15], g = k // groupsize
+
+int4 is asymmetric (min/max per group, like GGUF's Q4_1) with groups of 32..256 input channels.
+On disk and in tensor parallelism the weights are *portable*: int8 as is, int4 as two values per
+byte in row order (q[2i] low nibble, q[2i+1] high) plus float32 scales and zeros. At load time
+they are converted for the device's kernels: on CPU `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` (weights packed by `_convert_weight_to_int4pack_for_cpu`); on CUDA
+a dequantizing matmul Inductor fuses, and the tinygemm `_weight_int4pack_mm`.
+
+The CPU int4 kernel is a matrix-vector product at heart: its time grows with the number of rows,
+so many-row calls (prefill, speculative verification of many tokens) take another route: the
+layer is dequantized on the fly (unpacked from the kernel's own layout, no second copy kept) and
+multiplied with a regular GEMM. `dequantize()` on every layer is the plain reference path tests
+compare the kernels against.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+INT8_GEMV_ROWS = 8  # compiled int8 calls with at most this many rows use the fused GEMV form
+INT4_LARGE_M = 32  # rows from which the CPU int4 path dequantizes and runs a GEMM instead
+
+
+# ---- quantizing one weight to portable tensors ---------------------------------------------
+
+
+def quantize_int8(w: torch.Tensor, ratios=torch.linspace(0.7, 1.0, 16)) -> dict:
+    """w [N, K] float -> {"weight": int8 [N, K], "scales": float32 [N]} (symmetric, per row).
+
+    Each row's scale is the one, among ratio * max|w| / 127 for a few clipping ratios, with the
+    least squared error: clipping a few outliers buys finer steps for all other weights."""
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-10)  # [N, 1]
+    best_scale, best_err = None, None
+    for r in ratios.tolist():
+        scale = amax * (r / 127)
+        err = (torch.round(w / scale).clamp(-127, 127) * scale - w).square().sum(dim=1, keepdim=True)
+        better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
+        best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
+        best_err = err if best_err is None else torch.where(better, err, best_err)
+    q = torch.round(w / best_scale).clamp(-127, 127).to(torch.int8)
+    return {"weight": q, "scales": best_scale[:, 0]}
+
+
+def quantize_int4(w: torch.Tensor, groupsize: int, refine_steps: int = 4) -> dict:
+    """w [N, K] float -> {"weight": uint8 [N, K/2], "scales", "zeros": float32 [N, K/groupsize]}.
+
+    Starts from each group's min/max, then alternates: round to the grid, refit scale and offset
+    by least squares to the rounded values (each step can only lower the squared error). A group
+    already on a 16-level grid, like GGUF Q4_1 at the same group size, is reproduced exactly."""
+    N, K = w.shape
+    x = w.float().reshape(N, K // groupsize, groupsize)
+    lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    for _ in range(refine_steps):
+        q = torch.round((x - lo) / scale).clamp(0, 15)
+        q_mean, x_mean = q.mean(dim=2, keepdim=True), x.mean(dim=2, keepdim=True)
+        var = (q - q_mean).square().sum(dim=2, keepdim=True)
+        fit = ((q - q_mean) * (x - x_mean)).sum(dim=2, keepdim=True) / var.clamp(min=1e-20)
+        scale = torch.where(var > 0, fit, scale).clamp(min=1e-10)
+        lo = x_mean - scale * q_mean
+    q = torch.round((x - lo) / scale).clamp(0, 15).to(torch.uint8).reshape(N, K)
+    scale, lo = scale[..., 0], lo[..., 0]
+    return {"weight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": scale, "zeros": lo + 8 * scale}
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Portable uint8 [N, K/2] -> values uint8 [N, K] in [0, 15]."""
+    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(q, scales, zeros) -> torch.Tensor:
+    """q [N, K] in [0, 15], scales/zeros [N, K/G] -> float32 [N, K]."""
+    N, K = q.shape
+    G = scales.shape[1]
+    w = (q.reshape(N, G, K // G).float() - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.reshape(N, K)
+
+
+# ---- layers ----------------------------------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ q.T) * scale, q int8 [N, K].
+
+    Few rows under torch.compile: written as a broadcast multiply and a sum over K, which Inductor
+    fuses into one vectorized loop that reads the int8 weight once and converts it in registers
+    (on a 2-core CPU about 3x faster than `_weight_int8pack_mm`, near memory bandwidth). Eager on
+    CPU with bf16/fp16: `_weight_int8pack_mm`. Otherwise a dequantize-then-matmul (on CUDA,
+    Inductor fuses the conversion into the matmul)."""
+
+    def __init__(self, portable: dict, bias, dtype):
+        super().__init__()
+        self.out_features, self.in_features = portable["weight"].shape
+        self.register_buffer("weight", portable["weight"].contiguous())
+        self.register_buffer("scales", portable["scales"].to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x):
+        if x.numel() <= INT8_GEMV_ROWS * self.in_features and torch.compiler.is_compiling():
+            y = (x[..., None, :] * self.weight.to(x.dtype)).sum(-1) * self.scales  # [..., N]
+        elif x.device.type == "cpu" and x.dtype != torch.float32:
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+def cpu_int4_unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Values [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout: blocks of 64 output rows,
+    each stored as [K, 32] bytes holding rows j (low nibble) and j + 32 (high); a last block of
+    fewer rows holds neighbouring rows 2j, 2j + 1. (Checked against the op in the tests.)"""
+    flat, blocks, start = packed.reshape(-1), [], 0
+    while start < N:
+        n = min(64, N - start)
+        b = flat[start * K // 2:(start + n) * K // 2].view(K, n // 2)
+        lo, hi = b & 15, b >> 4
+        blocks.append((torch.cat([lo, hi], 1) if n == 64 else torch.stack([lo, hi], 2).reshape(K, n)).t())
+        start += n
+    return torch.cat(blocks, 0)
+
+
+def check_int4_device(device) -> None:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("int4 needs a CUDA GPU of compute capability 8.0 or newer (tinygemm kernel); use int8")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"int4 has no kernel on device {device.type!r}; use int8, or cpu or cuda")
+
+
+class Int4Linear(nn.Module):
+    """y = x @ ((q - 8) * scale + zero).T per group of input channels, with the device's int4 kernel
+    for few rows and, on CPU, dequantize + GEMM from INT4_LARGE_M rows up."""
+
+    def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
+        super().__init__()
+        check_int4_device(device)
+        q = unpack_int4(portable["weight"]).to(device)
+        self.out_features, self.in_features = N, K = q.shape
+        self.groupsize, self.cpu = groupsize, torch.device(device).type == "cpu"
+        if self.cpu:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:  # tinygemm wants bf16 and 2 values per byte, high nibble first
+            dtype = torch.bfloat16
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        self.register_buffer("weight", packed)
+        sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(0, 1)  # [K/G, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)
+        if self.cpu and x2.shape[0] >= INT4_LARGE_M:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        elif self.cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.groupsize, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.groupsize,
+                                                   self.scales_and_zeros).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.out_features, self.in_features
+        if self.cpu:
+            q = cpu_int4_unpack(self.weight, N, K)
+        else:  # the kernel on the identity matrix returns W.T; a reference, not a fast path
+            eye = torch.eye(K, device=self.weight.device, dtype=torch.bfloat16)
+            return torch.ops.aten._weight_int4pack_mm(eye, self.weight, self.groupsize, self.scales_and_zeros).t().float()
+        sz = self.scales_and_zeros.transpose(0, 1)
+        return dequantize_int4(q, sz[..., 0], sz[..., 1])
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored int8 per row: looks up rows, then rescales them."""
+
+    def __init__(self, portable: dict, dtype):
+        super().__init__()
+        self.register_buffer("weight", portable["weight"].contiguous())
+        self.register_buffer("scales", portable["scales"].to(dtype))
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight).to(self.scales.dtype) * self.scales[tokens][..., None]
+
+
+# ---- which layers, and the whole model -------------------------------------------------------
+
+
+def check_mode(mode: str, groupsize: int):
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "int4" and groupsize not in GROUP_SIZES:
+        raise ValueError(f"--groupsize {groupsize}: the int4 kernels take {', '.join(map(str, GROUP_SIZES))}")
+
+
+def plan(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False) -> dict:
+    """{module name: None if it gets quantized, else why it stays in higher precision}."""
+    check_mode(mode, groupsize)
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        N, K = m.weight.shape
+        if name == "lm_head" and not head:
+            out[name] = "output head (--quantize_head to include it)"
+        elif mode == "int4" and K % groupsize:
+            out[name] = f"{K} input channels are not a multiple of the group size {groupsize}"
+        elif mode == "int4" and N % 16:
+            out[name] = f"{N} output channels are not a multiple of 16 (int4 kernel)"
+        else:
+            out[name] = None
+    out["embed_tokens"] = None if embedding else "embedding (--quantize_embedding to store it int8)"
+    return out
+
+
+def portable_tensors(weight, mode: str, groupsize: int) -> dict:
+    return quantize_int8(weight) if mode == "int8" else quantize_int4(weight, groupsize)
+
+
+def make_layer(portable: dict, bias, mode: str, groupsize: int, dtype, device):
+    portable = {k: v.to(device) for k, v in portable.items()}
+    bias = None if bias is None else bias.to(device)
+    return Int8Linear(portable, bias, dtype) if mode == "int8" else Int4Linear(portable, bias, dtype, groupsize, device)
+
+
+def _set(model, name: str, module):
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
+                   log=None) -> dict:
+    """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes before/after}."""
+    if mode == "int4":
+        check_int4_device(model.norm.weight.device)
+    layers = plan(model, mode, groupsize, head, embedding)
+    before = model.weight_bytes()
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    for name, reason in layers.items():
+        if reason is not None:
+            continue
+        m = model.get_submodule(name)
+        dtype, device = m.weight.dtype, m.weight.device
+        if name == "embed_tokens":
+            if tied and mode == "int8" and isinstance(model.lm_head, Int8Linear):  # one int8 table serves both
+                portable = {"weight": model.lm_head.weight, "scales": model.lm_head.scales}
+            else:
+                portable = quantize_int8(m.weight)
+            _set(model, name, Int8Embedding(portable, dtype))
+        else:
+            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize, dtype, device))
+    report = {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
+              "quantized": [n for n, r in layers.items() if r is None],
+              "kept": {n: r for n, r in layers.items() if r is not None},
+              "bytes_before": before, "bytes_after": model.weight_bytes()}
+    if log:
+        log(describe(report))
+    return report
+
+
+def describe(report: dict) -> str:
+    mode = report["mode"] + (f" (groups of {report['groupsize']})" if report["groupsize"] else "")
+    kept = "; ".join(f"{n}: {r}" for n, r in _summarize(report["kept"]).items()) or "nothing"
+    mib = 2**20
+    return (f"quantized {len(report['quantized'])} layers to {mode}: weights {report['bytes_before'] / mib:.1f} MiB -> "
+            f"{report['bytes_after'] / mib:.1f} MiB | kept in higher precision: {kept}")
+
+
+def _summarize(kept: dict) -> dict:
+    """Collapse layers.0.x, layers.1.x, ... that share a reason into layers.*.x."""
+    out = {}
+    for name, reason in kept.items():
+        out.setdefault(".".join("*" if p.isdigit() else p for p in name.split(".")), reason)
+    return out
+
+
+def linear_coverage(model) -> float:
+    """Fraction of the decoder layers' linear weight elements that are quantized (head aside)."""
+    done = total = 0
+    for m in model.layers.modules():
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+            n = m.out_features * m.in_features
+            total += n
+            done += n if not isinstance(m, nn.Linear) else 0
+    return done / total
+
+
+# ---- quantized checkpoints: save, and the pieces weights.load uses to read them --------------
+
+METADATA_KEY = "quantization"  # safetensors metadata: {"mode", "groupsize", "layers"}
+
+
+def portable_shapes(mode: str, groupsize: int, name: str, N: int, K: int) -> dict:
+    """{suffix: (shape, dtype)} of a quantized layer's tensors in a checkpoint."""
+    if mode == "int8" or name == "embed_tokens":
+        return {"weight": ((N, K), torch.int8), "scales": ((N,), torch.float32)}
+    G = (N, K // groupsize)
+    return {"weight": ((N, K // 2), torch.uint8), "scales": (G, torch.float32), "zeros": (G, torch.float32)}
+
+
+def expected_tensors(model, quant: dict) -> dict:
+    """{tensor name: (shape, dtype)} for the quantized layers of a model built on the meta device."""
+    out = {}
+    for name in quant["layers"]:
+        N, K = model.get_submodule(name).weight.shape
+        for suffix, spec in portable_shapes(quant["mode"], quant["groupsize"], name, N, K).items():
+            out[f"{name}.{suffix}"] = spec
+    return out
+
+
+def install(model, state: dict, quant: dict, dtype, device):
+    """Build the quantized layers from their checkpoint tensors (popped from `state`)."""
+    mode, g = quant["mode"], quant["groupsize"]
+    for name in quant["layers"]:
+        portable = {s: state.pop(f"{name}.{s}") for s in portable_shapes(mode, g, name, 2, 2 * (g or 1))}
+        if name == "embed_tokens":
+            _set(model, name, Int8Embedding({k: v.to(device) for k, v in portable.items()}, dtype))
+            continue
+        bias = state.pop(f"{name}.bias", None)
+        _set(model, name, make_layer(portable, bias, mode, g, dtype, device))
+    emb, head = model.embed_tokens, model.lm_head
+    if model.args.tie_word_embeddings and isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear):
+        emb.weight, emb.scales = head.weight, head.scales  # the same table, computed twice on disk
+
+
+def save(model, folder, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
+         tokenizer_source=None) -> dict:
+    """Write a float model as a quantized checkpoint folder that weights.load (and so generate.py
+    --checkpoint) reads. Returns the plan's report."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    import weights
+
+    layers = plan(model, mode, groupsize, head, embedding)
+    quantized = [n for n, r in layers.items() if r is None]
+    state = weights.hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)))
+    for name in quantized:
+        w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
+        tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+        prefix = name if name == "lm_head" else f"model.{name}"
+        state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+    (folder / "config.json").write_text(json.dumps(weights.hf_config(model), indent=2))
+    source = Path(tokenizer_source) if tokenizer_source else None
+    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
+        write_tokenizer_gguf(source, folder / "tokenizer.gguf")
+    elif source:
+        for f in source.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                shutil.copy(f, folder / f.name)
+    report = {"mode": mode, "groupsize": meta["groupsize"], "quantized": quantized,
+              "kept": {n: r for n, r in layers.items() if r is not None}, "bytes_before": model.weight_bytes(),
+              "bytes_after": sum(t.numel() * t.element_size() for t in state.values())}
+    return report
+
+
+def write_tokenizer_gguf(src: Path, dst: Path):
+    """Copy a GGUF file's tokenizer.* and general.architecture fields into a GGUF with no tensors."""
+    import gguf
+
+    import gguf_weights
+
+    reader = gguf_weights.read(src)
+    writer = gguf.GGUFWriter(str(dst), arch=str(gguf_weights.field(reader, "general.architecture")))
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--mode", required=True, help="int8 or int4")
+    p.add_argument("--groupsize", type=int, default=64, help=f"int4 group size, one of {GROUP_SIZES}")
+    p.add_argument("--quantize_head", action="store_true", help="quantize the output head too")
+    p.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
+    p.add_argument("--out", default=None, help="output folder (default: <checkpoint name>-<mode>)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import weights
+
+    args = parse_args(argv)
+    try:
+        check_mode(args.mode, args.groupsize)  # before the (slow) load
+        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32)
+        suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
+        out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
+        report = save(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe(report).replace("weights", "checkpoint", 1), file=sys.stderr)
+    print(f"wrote {out}  (run: python generate.py --checkpoint {out})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
