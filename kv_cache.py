@@ -27,6 +27,11 @@ import torch
 import torch.nn.functional as F
 
 
+# Compiled one-token CPU steps over caches up to this many slots use decode_attention (cheaper
+# than the flash kernel's fixed cost per call); longer caches use SDPA, which streams them faster.
+FUSED_DECODE_MAX_SLOTS = 1024
+
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
@@ -64,12 +69,36 @@ class StaticKVCache:
         k_cache[rows, :, input_pos] = k.to(k_cache.dtype)  # an in-place index_put_ of [B, T, Hkv, D]
         v_cache[rows, :, input_pos] = v.to(v_cache.dtype)
         mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]: slot visible to query
+        if (q.shape[1] == 1 and q.device.type == "cpu" and self.max_seq_len <= FUSED_DECODE_MAX_SLOTS
+                and torch.compiler.is_compiling()):
+            return decode_attention(q, k_cache, v_cache, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)  # [B, T, H, D]
 
     def reset(self):
         for t in self.tensors():
             t.zero_()
+
+
+def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
+    """One query token's attention written as two reductions, for Inductor to fuse on CPU
+    (scores over D, then the weighted sum over S), instead of a call to the flash kernel, whose
+    fixed cost per call dominates at batch 1. With scales, the caches are int8 and are
+    converted inside the fused loops, so only their int8 bytes are read.
+
+    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, 1, S]; scales [B, Hkv, S, 1]."""
+    B, _, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
+    scores = (qg * k_cache[:, :, None].float()).sum(-1)  # [B, Hkv, G, S]
+    if k_scale is not None:
+        scores = scores * k_scale[:, :, None, :, 0].float()
+    scores = scores * D**-0.5 + torch.where(mask[:, :, None, 0], 0.0, float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # [B, Hkv, G, S]
+    if v_scale is not None:
+        p = p * v_scale[:, :, None, :, 0].float()
+    y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
+    return y.reshape(B, 1, H, D).to(q.dtype)
 
 
 def quantize_per_token(x: torch.Tensor):
@@ -81,9 +110,9 @@ def quantize_per_token(x: torch.Tensor):
 class Int8KVCache(StaticKVCache):
     """K/V as int8 [B, Hkv, S, D] plus scales [B, Hkv, S, 1] in the model's dtype.
 
-    A one-token decode step under torch.compile computes attention as two reductions that read
-    the int8 cache directly (Inductor fuses the int8 -> float conversion into them), so the step
-    reads half the bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA."""
+    A one-token decode step under torch.compile runs decode_attention on the int8 cache directly
+    (Inductor fuses the int8 -> float conversion into its loops), so the step reads half the
+    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA."""
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
         super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device)
@@ -103,15 +132,8 @@ class Int8KVCache(StaticKVCache):
             scales[layer][rows, :, input_pos] = xs
         mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]
         k_cache, v_cache, k_scale, v_scale = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
-        B, T, H, D = q.shape
-        if T == 1 and torch.compiler.is_compiling():
-            Hkv = k_cache.shape[1]
-            qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
-            scores = (qg * k_cache[:, :, None].float()).sum(-1) * k_scale[:, :, None, :, 0].float()  # [B, Hkv, G, S]
-            scores = scores * D**-0.5 + torch.where(mask[:, :, None, 0], 0.0, float("-inf"))
-            p = torch.softmax(scores, dim=-1) * v_scale[:, :, None, :, 0].float()  # [B, Hkv, G, S]
-            y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
-            return y.reshape(B, 1, H, D).to(q.dtype)
+        if q.shape[1] == 1 and torch.compiler.is_compiling():
+            return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
         kf, vf = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale
         y = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)

@@ -117,6 +117,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         if x.numel() <= INT8_GEMV_ROWS * self.in_features and torch.compiler.is_compiling():
+            # as_strided (a no-op view) makes Inductor store x first, rather than recompute the
+            # ops that produced it (RMSNorm, SiLU) for every one of the N output rows
+            x = x.as_strided(x.shape, x.stride())
             y = (x[..., None, :] * self.weight.to(x.dtype)).sum(-1) * self.scales  # [..., N]
         elif x.device.type == "cpu" and x.dtype != torch.float32:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
@@ -133,14 +136,14 @@ def cpu_int4_unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """Values [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout: blocks of 64 output rows,
     each stored as [K, 32] bytes holding rows j (low nibble) and j + 32 (high); a last block of
     fewer rows holds neighbouring rows 2j, 2j + 1. (Checked against the op in the tests.)"""
-    flat, blocks, start = packed.reshape(-1), [], 0
-    while start < N:
-        n = min(64, N - start)
-        b = flat[start * K // 2:(start + n) * K // 2].view(K, n // 2)
-        lo, hi = b & 15, b >> 4
-        blocks.append((torch.cat([lo, hi], 1) if n == 64 else torch.stack([lo, hi], 2).reshape(K, n)).t())
-        start += n
-    return torch.cat(blocks, 0)
+    flat, full = packed.reshape(-1), N // 64 * 64
+    b = flat[: full * K // 2].view(N // 64, K, 32)  # [blocks, K, 32]
+    q = torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(full, K)
+    if full == N:
+        return q
+    b = flat[full * K // 2:].view(K, (N - full) // 2)
+    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
+    return torch.cat([q, tail], dim=0)
 
 
 def check_int4_device(device) -> None:

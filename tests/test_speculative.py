@@ -128,7 +128,8 @@ def chat_checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"), arch="llama3")
 
 
-@pytest.mark.parametrize("flags", [["--prompt_lookup", "2"], ["--draft_layers", "1"], ["--draft_checkpoint", "SELF"]])
+@pytest.mark.parametrize("flags", [["--prompt_lookup", "2"], ["--draft_layers", "1"], ["--draft_checkpoint", "SELF"],
+                                   ["--draft_checkpoint", "SELF", "--draft_quantize", "int8"]])
 def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
     import json
 
@@ -148,6 +149,7 @@ def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
     (["--draft_layers", "2"], "--draft_layers must be between 1 and 1"),
     (["--prompt_lookup", "2", "--batch_size", "2"], "batch_size 1"),
     (["--prompt_lookup", "2", "--speculate_k", "0"], "--speculate_k must be >= 1"),
+    (["--draft_layers", "1", "--draft_quantize", "int8"], "--draft_quantize applies to a --draft_checkpoint"),
 ])
 def test_cli_speculative_bad_input(chat_checkpoint, capsys, flags, message):
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", *flags]) == 2
