@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
-INT8_GEMV_ROWS = 8  # compiled int8 calls with at most this many rows use the fused GEMV form
 INT4_LARGE_M = 32  # rows from which the CPU int4 path dequantizes and runs a GEMM instead
 
 
@@ -102,11 +101,10 @@ def dequantize_int4(q, scales, zeros) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """y = (x @ q.T) * scale, q int8 [N, K].
 
-    Few rows under torch.compile: written as a broadcast multiply and a sum over K, which Inductor
-    fuses into one vectorized loop that reads the int8 weight once and converts it in registers
-    (on a 2-core CPU about 3x faster than `_weight_int8pack_mm`, near memory bandwidth). Eager on
-    CPU with bf16/fp16: `_weight_int8pack_mm`. Otherwise a dequantize-then-matmul (on CUDA,
-    Inductor fuses the conversion into the matmul)."""
+    CPU with bf16/fp16 activations: `_weight_int8pack_mm`; under torch.compile with max-autotune
+    (generate.py's CPU default) Inductor swaps in its own C++ GEMM template for it where that
+    measures faster. Otherwise (float32, CUDA) a dequantize-then-matmul, which Inductor fuses on
+    CUDA so the weight is read as int8."""
 
     def __init__(self, portable: dict, bias, dtype):
         super().__init__()
@@ -116,12 +114,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x):
-        if x.numel() <= INT8_GEMV_ROWS * self.in_features and torch.compiler.is_compiling():
-            # as_strided (a no-op view) makes Inductor store x first, rather than recompute the
-            # ops that produced it (RMSNorm, SiLU) for every one of the N output rows
-            x = x.as_strided(x.shape, x.stride())
-            y = (x[..., None, :] * self.weight.to(x.dtype)).sum(-1) * self.scales  # [..., N]
-        elif x.device.type == "cpu" and x.dtype != torch.float32:
+        if x.device.type == "cpu" and x.dtype != torch.float32:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:

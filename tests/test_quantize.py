@@ -112,6 +112,20 @@ def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny)
         assert set(report["kept"]) == {"lm_head", "embed_tokens"}
 
 
+@pytest.mark.parametrize("shape", [
+    dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=32, intermediate_size=11008, vocab_size=32000),  # Llama-2-7B
+    dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256),  # Llama-3-8B
+    dict(dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, intermediate_size=8192, vocab_size=128256),  # Llama-3.2-1B
+])
+def test_int4_plan_covers_llama_shaped_models(shape):
+    with torch.device("meta"):
+        model = weights.Transformer(weights.ModelArgs(**shape))
+    layers = quantize.plan(model, "int4", 64)
+    sizes = {n: m.weight.numel() for n, m in model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    covered = sum(n for name, n in sizes.items() if layers[f"layers.{name}"] is None)
+    assert covered / sum(sizes.values()) >= 0.99
+
+
 def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=generate.decode_one):
     cache = cache_cls.for_model(model, 1, 64)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
@@ -154,7 +168,7 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     import torch._dynamo
 
     # float32 activations: compiled and eager then differ only by summation order, far below any
-    # gap between the top two logits (bf16 rounding differs between the kernels and can flip ties)
+    # gap between the top two logits (bf16 rounding differs between kernels and can flip ties)
     model, _ = weights.load(tiny)
     quantize.quantize_model(model, mode, 64, head=True)
     eager = greedy(model)
@@ -162,6 +176,18 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = greedy(model, decode_fn=generate.compile_decode("cpu", autotune=False))
     assert compiled == eager
+    # bf16, where the CPU kernels run: the compiled step's logits equal eager's within bf16 rounding
+    model, _ = weights.load(tiny, dtype=torch.bfloat16)
+    quantize.quantize_model(model, mode, 64, head=True)
+    torch._dynamo.reset()
+    step = generate.compile_decode("cpu", autotune=False)
+    logits = []
+    for fn in (generate.decode_one, step):
+        cache = StaticKVCache.for_model(model, 1, 64)
+        with torch.no_grad():
+            generate.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
+            logits.append(fn(model, cache, torch.tensor([[3]]), torch.tensor([[4]])))
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0)
 
 
 def test_int8_kv_cache_attention_matches_the_float_cache():
