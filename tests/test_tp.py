@@ -16,11 +16,11 @@ from tp_worker import PROMPT, run_rank
 NEW_TOKENS = 12
 
 
-def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False):
+def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None):
     """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
     world = len(checkpoints)
     ctx = mp.start_processes(run_rank, args=(world, [str(c) if c else None for c in checkpoints],
-                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens, compile_decode),
+                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens, compile_decode, quantize),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
@@ -92,3 +92,24 @@ def test_mismatched_checkpoints_fail_on_every_rank_without_hanging(tmp_path):
     results = spawn([a, b], tmp_path, timeout_s=200)
     for r in results:
         assert isinstance(r, str) and "loaded a different checkpoint from rank 0" in r
+
+
+def test_int4_quantized_shards_equal_one_process(tmp_path):
+    """--quantize under torchrun: each rank quantizes its shard. With groups of 32 and shards of 64
+    or 128 input channels, every group lies inside one shard, so the ranks together hold exactly
+    the single process's int4 weights; only the all-reduce's summation order differs."""
+    import quantize
+
+    ckpt = save_hf(hf_model("llama3", hidden_size=128, intermediate_size=256), tmp_path / "ckpt")
+    results = spawn([ckpt, ckpt], tmp_path, quantize=("int4", 32))
+    model, _ = weights.load(ckpt)
+    quantize.quantize_model(model, "int4", 32)
+    x = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(x, torch.arange(x.shape[1])[None], NoCache())
+    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
+                                ignore_eos=True)
+    for r in results:
+        assert not isinstance(r, str), r
+        torch.testing.assert_close(r["logits"], logits, atol=1e-4, rtol=1e-4)
+        assert r["tokens"] == rows[0]

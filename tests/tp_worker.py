@@ -9,7 +9,7 @@ import torch.distributed as dist
 PROMPT = [[3, 17, 42, 7, 99, 5, 23, 8]]
 
 
-def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_decode=False):
+def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_decode=False, quantize=None):
     torch.set_num_threads(1)  # the ranks share the machine's cores
     out = Path(out_dir)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -22,6 +22,10 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_d
         from sampling import SamplingParams
 
         model, _ = weights.load(checkpoints[rank], dtype=torch.float32, shard=(rank, world))
+        if quantize:  # (mode, groupsize): each rank quantizes its own shard, as generate.py --quantize does
+            import quantize as q
+
+            q.quantize_model(model, *quantize)
         tp.check_same_checkpoint(model)
         tp.parallelize(model)
         x = torch.tensor(PROMPT)
