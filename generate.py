@@ -187,6 +187,9 @@ def parse_args(argv):
     g.add_argument("--quantize_head", action="store_true", help="quantize the output head too (the largest matrix of small models)")
     g.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
     g.add_argument("--kv_cache_dtype", default="model", choices=("model", "int8"), help="int8: K/V stored int8 with per-token scales")
+    p.add_argument("--cache", default="static", choices=("static", "paged"),
+                   help="KV cache: kv_cache.py's static buffers or paged.py's block pool (same tokens; compare speed)")
+    p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
     g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
     g.add_argument("--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts")
     g.add_argument("--draft_layers", type=int, default=None, help="the target's own first N layers draft (LayerSkip)")
@@ -231,6 +234,12 @@ def plan_seq_len(args, model_args, prompt_len: int) -> int:
 
 
 def make_cache(args, model, batch_size: int, seq_len: int):
+    if getattr(args, "cache", "static") == "paged":
+        from paged import PagedKVCache
+
+        if args.kv_cache_dtype != "model":
+            raise ValueError("--cache paged stores K/V in the model's dtype; --kv_cache_dtype int8 needs --cache static")
+        return PagedKVCache.for_batch(model, batch_size, seq_len, args.block_size)
     kind = Int8KVCache if getattr(args, "kv_cache_dtype", "model") == "int8" else StaticKVCache
     return kind.for_model(model, batch_size, seq_len)
 
@@ -243,9 +252,13 @@ def human(n: float) -> str:
 
 
 def memory_plan(model, cache) -> str:
+    weights = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
+    if hasattr(cache, "block_size"):  # paged: the pool, block 0 being the null block
+        per_block = cache.nbytes() / cache.num_blocks
+        return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
+                          f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
     per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
-    return (f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
-            f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}")
+    return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
 
 
 def log(*a):

@@ -13,7 +13,7 @@ and k by RoPE at `input_pos`, and hands them to the cache:
     y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T])
 
 The positions are the only per-step fact the model passes along; anything else a cache needs
-(block tables, slot mappings) its caller writes into the cache before the forward. kv_cache.py
+(block tables) its caller writes into the cache before the forward. kv_cache.py
 holds the static cache; paged.py the paged one.
 
 Parameter names follow Hugging Face's Llama layout without the leading "model." (so an HF
@@ -179,14 +179,18 @@ class Transformer(nn.Module):
         dtype = self.norm.weight.dtype  # the activations' dtype (the embedding may be int8)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, tokens, input_pos, cache, last_only: bool = False):
-        """tokens, input_pos [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only)."""
+    def forward(self, tokens, input_pos, cache, last_only: bool = False, keep=None):
+        """tokens, input_pos [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only, or
+        [B, len(keep), vocab] for the positions `keep` [n] along T, e.g. each sequence's last token
+        in a flattened batch)."""
         x = self.embed_tokens(tokens)  # [B, T, dim]
         cos, sin = self.rope(input_pos)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, cache)
         if last_only:  # prefill needs only the next token's logits: skip the [T, vocab] matmul
             x = x[:, -1:]
+        elif keep is not None:
+            x = x[:, keep]
         return self.lm_head(self.norm(x)).float()
 
     def weight_bytes(self) -> int:

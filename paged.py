@@ -1,0 +1,333 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by all requests, read through block
+tables, with prefix caching (vLLM's PagedAttention and automatic prefix caching, SGLang's
+leaf-first eviction).
+
+A static cache reserves `max_seq_len` slots per sequence up front, so most of its memory holds
+nothing (the PagedAttention paper measured 20-38% of KV memory holding real tokens). Here the
+memory is a pool of blocks of `block_size` tokens per layer; a sequence owns a list of block ids,
+its block table, and grows one block at a time. Position p of a sequence lives at
+
+    block = block_table[p // block_size],  offset = p % block_size   (at most block_size - 1 slots wasted)
+
+    k_pool[layer], v_pool[layer]  [num_blocks, block_size, Hkv, D]
+
+Block 0 is the null block: never handed out, it is where padding tokens write and what unused
+entries of a block table point at (they are gathered but masked, so what it holds never matters).
+
+Batch layout. A ragged batch (decodes of one token next to prefill chunks of hundreds) is
+flattened: tokens [1, N], every token of every sequence side by side, so the linear layers do no
+work on padding. Attention is the one place that needs sequences apart; the caller describes the
+flat token axis as a list of rectangles, `groups = [(rows, T, block_table[rows, W]), ...]`: the
+first rows * T tokens are `rows` sequences of T tokens each, and so on (scheduler.py puts all
+one-token rows in one group and gives each prefill chunk its own). Padding a ragged batch to
+[B, T_max] instead would make 16 decodes next to a 512-token chunk cost 16 * 512 tokens of MLP.
+generate.py's rectangular batches need no groups: with `groups = None` the whole [B, T] input is
+one group over `block_tables`.
+
+Per-step metadata the caller sets before the forward: `groups` (the block tables; their width W,
+in blocks, is the gather width: the longest context in the group rounded up to a power of two,
+never the model's whole context). Slot mappings are derived from the positions inside `attend`
+(above), so a compiled decode step needs no host work per token. Padding rows point at the null
+block at position 0.
+
+Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
+so equal hashes mean equal whole prefixes. A new request reuses every cached block of its longest
+cached prefix and computes only the rest. Blocks that no sequence references stay cached until
+space is needed, then are evicted least recently used first, and only leaves: a block whose
+children are cached is never evicted before them (as in SGLang's radix tree). Shared blocks are
+never written: a sequence that must write into a block others reference copies it first
+(copy-on-write), which is how `n > 1` samples of one prompt share it and fork where they diverge.
+"""
+import heapq
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from kv_cache import FUSED_DECODE_MAX_SLOTS, decode_attention
+
+NULL_BLOCK = 0
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Reference-counted blocks with a prefix cache. Pure bookkeeping: no tensors.
+
+    A block is in exactly one of three states:
+      free        ref 0, not cached            in `free`
+      cached      ref 0, cached (has a hash)   evictable once it has no cached children
+      in use      ref > 0 (cached or not)      owned by ref sequences
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref = [0] * num_blocks
+        self.free = deque(range(1, num_blocks))  # block 0 is the null block
+        self.cached = {}  # hash -> block
+        self.key = {}  # cached block -> (parent hash, token ids): checked on lookup, so a hash collision is a miss
+        self.hash_of = {}  # cached block -> hash
+        self.parent = {}  # cached block -> the cached block holding its parent hash (or None)
+        self.children = [0] * num_blocks  # cached blocks whose parent is this block
+        self.last_used = [0] * num_blocks
+        self.clock = 0
+        self.evictable = []  # heap of (last_used, block); entries that went stale are skipped
+        self.num_cached_unused = 0  # cached blocks with ref 0
+
+    # -- counting ------------------------------------------------------------------------------
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus every unreferenced cached one (leaf-first
+        eviction can reach them all)."""
+        return len(self.free) + self.num_cached_unused
+
+    def num_used(self) -> int:
+        return sum(1 for r in self.ref if r > 0)
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate(self) -> int:
+        block = self.free.popleft() if self.free else self._evict()
+        self.ref[block] = 1
+        self._touch(block)
+        return block
+
+    def _evict(self) -> int:
+        while self.evictable:
+            used, block = heapq.heappop(self.evictable)
+            if self._is_evictable_leaf(block) and self.last_used[block] == used:
+                self._uncache(block)
+                return block
+        raise NoFreeBlocks("no free KV blocks")
+
+    def _is_evictable_leaf(self, block) -> bool:
+        return block in self.hash_of and self.ref[block] == 0 and self.children[block] == 0
+
+    def _uncache(self, block):
+        h = self.hash_of.pop(block)
+        del self.cached[h], self.key[block]
+        self.num_cached_unused -= 1
+        parent = self.parent.pop(block)
+        if parent is not None:
+            self.children[parent] -= 1
+            if self._is_evictable_leaf(parent):  # its last cached child is gone: it is a leaf now
+                heapq.heappush(self.evictable, (self.last_used[parent], parent))
+
+    def _touch(self, block):
+        self.clock += 1
+        self.last_used[block] = self.clock
+
+    def share(self, block: int):
+        """One more owner of `block` (a prefix-cache hit, or a forked sample)."""
+        if self.ref[block] == 0:
+            if block not in self.hash_of:
+                raise ValueError(f"block {block} is free: only cached or used blocks can be shared")
+            self.num_cached_unused -= 1
+        self.ref[block] += 1
+        self._touch(block)
+
+    def release(self, block: int):
+        """One owner fewer. An unreferenced block stays cached if it has a hash, else is free."""
+        if self.ref[block] <= 0:
+            raise ValueError(f"block {block} released more often than it was taken")
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if block in self.hash_of:
+                self.num_cached_unused += 1
+                if self.children[block] == 0:
+                    heapq.heappush(self.evictable, (self.last_used[block], block))
+            else:
+                self.free.append(block)
+
+    # -- prefix cache --------------------------------------------------------------------------
+    @staticmethod
+    def chain_hash(parent_hash, tokens) -> int:
+        return hash((parent_hash, tuple(tokens)))
+
+    def lookup_prefix(self, tokens, max_blocks: int):
+        """The cached blocks holding the longest cached prefix of `tokens`, up to max_blocks
+        blocks, with their hashes. Takes no reference."""
+        blocks, hashes, parent = [], [], None
+        bs = self.block_size
+        if not self.prefix_caching:
+            return blocks, hashes
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, chunk)
+            block = self.cached.get(h)
+            if block is None or self.key[block] != (parent, chunk):
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def register(self, block: int, parent_hash, tokens) -> int:
+        """Name a block just filled with `tokens` (all block_size of them) in the prefix cache.
+        Returns its hash. If another block already holds the same prefix, this one stays unnamed
+        (it is freed, not cached, when released)."""
+        h = self.chain_hash(parent_hash, tokens)
+        if not self.prefix_caching or h in self.cached or block in self.hash_of:
+            return h
+        self.cached[h], self.hash_of[block], self.key[block] = block, h, (parent_hash, tuple(tokens))
+        parent = self.cached.get(parent_hash) if parent_hash is not None else None
+        self.parent[block] = parent
+        if parent is not None:
+            self.children[parent] += 1
+        return h
+
+    def check(self):
+        """Invariants, for tests: counts agree with states, nothing is in two states."""
+        assert self.ref[NULL_BLOCK] == 0 and NULL_BLOCK not in self.free and NULL_BLOCK not in self.hash_of
+        assert all(r >= 0 for r in self.ref)
+        free = set(self.free)
+        assert len(free) == len(self.free), "a block is free twice"
+        assert not free & set(self.hash_of), "a free block is also cached"
+        assert all(self.ref[b] == 0 for b in free), "a free block is referenced"
+        assert self.num_cached_unused == sum(1 for b in self.hash_of if self.ref[b] == 0)
+        for b, p in self.parent.items():
+            assert p is None or p in self.hash_of, "a cached block's parent is not cached"
+        for b in range(1, self.num_blocks):
+            n = sum(1 for p in self.parent.values() if p == b)
+            assert self.children[b] == n, f"block {b}: children count {self.children[b]} != {n}"
+        accounted = len(free) + len(self.hash_of) + sum(1 for b in range(self.num_blocks) if self.ref[b] > 0 and b not in self.hash_of)
+        assert accounted == self.num_blocks - 1, "a block is lost"
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """n rounded up to a power of two (at least `smallest`): the few shapes compiled steps see."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    return -(-n_tokens // block_size)
+
+
+class PagedKVCache:
+    """K/V pools of blocks per layer, attended through block tables (see the module docstring).
+
+    A plain object (not an nn.Module), like StaticKVCache, so compiled steps take its tensors as
+    inputs."""
+
+    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None):
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        # zeros, not empty: gathered-but-masked slots must hold finite numbers (0 * NaN is NaN)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
+        self.block_tables = None  # with groups None: one group over the whole [B, T] input
+        self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16):
+        a, w = model.args, model.norm.weight
+        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device)
+
+    @classmethod
+    def for_batch(cls, model, batch_size: int, max_seq_len: int, block_size: int = 16):
+        """A cache laid out like a static one, for generate.py: each row owns a fixed run of
+        blocks, so `block_tables` is set once and decode steps only advance positions."""
+        width = blocks_for(max_seq_len, block_size)
+        cache = cls.for_model(model, 1 + batch_size * width, block_size)
+        cache.block_tables = 1 + torch.arange(batch_size * width, device=cache.slots.device).view(batch_size, width)
+        cache.batch_size, cache.max_seq_len = batch_size, width * block_size
+        return cache
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int) -> int:
+        a = model.args
+        return 2 * a.n_layers * block_size * a.n_kv_heads * a.head_dim * model.norm.weight.element_size()
+
+    def tensors(self) -> list:
+        return self.k + self.v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def reset(self):
+        for t in self.tensors():
+            t.zero_()
+
+    def copy_block(self, src: int, dst: int):
+        """Copy-on-write: dst gets src's K/V in every layer."""
+        for pool in self.tensors():
+            pool[dst] = pool[src]
+
+    def attend(self, layer, q, k, v, input_pos):
+        # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
+        B, T, H, D = q.shape
+        groups = self.groups if self.groups is not None else [(B, T, self.block_tables)]
+        if len(groups) == 1:  # the common case: no slicing of the flat token axis
+            rows, t, table = groups[0]
+            return self._attend_group(layer, q.view(rows, t, H, D), k.view(rows, t, -1, D),
+                                      v.view(rows, t, -1, D), input_pos.view(rows, t), table).view(B, T, H, D)
+        q, k, v, pos = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D), input_pos.reshape(-1)
+        out, start = [], 0
+        for rows, t, table in groups:
+            s = slice(start, start + rows * t)
+            y = self._attend_group(layer, q[s].view(rows, t, H, D), k[s].view(rows, t, -1, D),
+                                   v[s].view(rows, t, -1, D), pos[s].view(rows, t), table)
+            out.append(y.reshape(rows * t, H, D))
+            start += rows * t
+        return torch.cat(out).view(B, T, H, D)
+
+    def _attend_group(self, layer, q, k, v, pos, table):
+        # q [R, T, H, D]; k, v [R, T, Hkv, D]; pos [R, T]; table [R, W] -> [R, T, H, D]
+        pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
+        block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
+        pool_k[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
+        pool_v[block, offset] = v.to(pool_v.dtype)
+        R, W = table.shape
+        L = W * bs  # the gather width: this group's blocks, not the model's context
+        # [R, W, bs, Hkv, D] -> [R, Hkv, L, D]; masked slots (beyond each query's position) are ignored
+        k_ctx = pool_k[table].view(R, L, *pool_k.shape[2:]).transpose(1, 2)
+        v_ctx = pool_v[table].view(R, L, *pool_v.shape[2:]).transpose(1, 2)
+        mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]
+        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
+                and torch.compiler.is_compiling()):
+            return decode_attention(q, k_ctx, v_ctx, mask)  # Inductor fuses the gather into its loops
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
+        return y.transpose(1, 2)
+
+
+def available_memory(device: str) -> int:
+    """Bytes free on the device now: CUDA's free memory, or the OS's MemAvailable on CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,
+                memory_fraction: float = 0.2, max_tokens: int = None):
+    """How many blocks to allocate, and the line serving engines log about it.
+
+    num_blocks wins; else memory_bytes; else memory_fraction of the memory free now, capped at
+    what max_tokens (e.g. max_num_seqs * context) could ever use."""
+    per_block = PagedKVCache.bytes_per_block(model, block_size)
+    device = model.norm.weight.device
+    if num_blocks is None:
+        budget = memory_bytes if memory_bytes is not None else int(available_memory(str(device)) * memory_fraction)
+        num_blocks = budget // per_block
+        if memory_bytes is None and max_tokens:
+            num_blocks = min(num_blocks, 1 + blocks_for(max_tokens, block_size))
+    if num_blocks < 2:
+        raise ValueError(f"the KV memory given holds {num_blocks} blocks of {per_block} bytes; at least 2 are needed")
+    a = model.args
+    line = (f"KV cache: {per_block} bytes per block (2 * {a.n_layers} layers * {block_size} tokens * {a.n_kv_heads} "
+            f"kv heads * {a.head_dim} dims * {model.norm.weight.element_size()} bytes) | {num_blocks} blocks = "
+            f"{num_blocks * per_block / 2**20:.1f} MiB | {(num_blocks - 1) * block_size} tokens "
+            f"(block 0 is the null block)")
+    return num_blocks, line

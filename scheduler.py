@@ -1,0 +1,378 @@
+"""Continuous batching over the paged KV cache: requests join and leave the running batch at every
+step, long prompts prefill in chunks, and when KV blocks run out the newest request is preempted
+and recomputed later (vLLM's scheduler; SGLang's longest-prefix-match policy).
+
+    python scheduler.py --requests requests.jsonl            # one JSON request per line, '-' for stdin
+    echo '{"prompt": "The sea is", "max_new_tokens": 20}' | python scheduler.py --requests -
+
+Static batching runs a batch until its longest request finishes: the others idle, and waiting
+requests wait. Here every `step()`:
+
+  1. gives each running sequence its next tokens: decodes 1 token each (first, so they never
+     stall), then unfinished prefills a chunk, all within `max_num_batched_tokens`;
+  2. admits waiting requests (in `fcfs` or `lpm` order) while blocks, `max_num_seqs` and the
+     token budget allow, reusing the KV blocks of their longest cached prefix (paged.py);
+  3. runs ONE forward over all scheduled tokens, flattened to [1, N] (paged.py explains why);
+  4. samples each sequence that reached its end, frees the blocks of any that finished.
+If a running sequence needs a block and none is free, the most recently admitted sequence is
+preempted: its blocks are released (full ones stay in the prefix cache) and it waits at the
+front of the queue to be recomputed, prompt and generated tokens together.
+
+Each sequence samples with its own torch.Generator (seeded from the request's seed), so its
+output does not depend on what it was batched with. A request with n > 1 prefills once; its
+samples then share the prompt's blocks and copy only the block they write (copy-on-write).
+
+The engine is incremental (`add_request`, `abort`, `step`), so a server can drive it; `generate`
+runs a list of prompts offline. Output lines: {"id", "tokens", "text", "finish_reason",
+"time_to_first_token_s"} or {"id", "error"}; a summary goes to stderr.
+"""
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from paged import BlockAllocator, PagedKVCache, blocks_for, bucket
+from sampling import check_sampling, sample, SamplingParams
+
+
+@dataclass
+class RequestParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # OpenAI's default; 0 is greedy
+    top_k: int = None
+    top_p: float = 1.0
+    seed: int = None  # None: a random seed
+    stop: list = field(default_factory=list)  # strings that end the output (not included in text)
+    stop_token_ids: list = field(default_factory=list)  # ids that end it, besides the model's own
+    ignore_eos: bool = False  # do not stop at the model's end-of-sequence tokens
+    n: int = 1  # samples of this prompt
+
+    def check(self):
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        for name in ("max_new_tokens", "n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+
+
+class Sequence:
+    """One sample being generated: its tokens (prompt + output), its block table, and how many of
+    its tokens have their K/V in the cache (`num_computed`)."""
+
+    def __init__(self, request, index: int, seed: int):
+        self.request, self.index = request, index
+        self.tokens = list(request.prompt)
+        self.num_computed = 0
+        self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
+        self.generator = torch.Generator(device=request.device).manual_seed(seed)
+        self.finish_reason, self.text, self.token_times = None, None, []
+
+    @property
+    def output(self):
+        return self.tokens[len(self.request.prompt):]
+
+
+class Request:
+    def __init__(self, request_id, prompt, params, device):
+        self.id, self.prompt, self.params, self.device = request_id, list(prompt), params, device
+        self.arrival = time.perf_counter()
+        self.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        self.seqs = [Sequence(self, 0, self.seed)]
+        self.forked = params.n == 1
+        self.prompt_tokens_hit = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason for s in self.seqs)
+
+    def result(self, tokenizer=None) -> dict:
+        """The output line: lists are per sample when n > 1."""
+        tokens = [s.output for s in self.seqs]
+        texts = [s.text if s.text is not None else (tokenizer.decode(s.output) if tokenizer else None) for s in self.seqs]
+        reasons = [s.finish_reason for s in self.seqs]
+        first = min((s.token_times[0] for s in self.seqs if s.token_times), default=None)
+        pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
+        return {"id": self.id, "tokens": pick(tokens), "text": pick(texts), "finish_reason": pick(reasons),
+                "time_to_first_token_s": None if first is None else first - self.arrival}
+
+
+def flat_forward(model, cache, tokens, input_pos, keep=None):
+    """tokens, input_pos [1, N] -> logits [len(keep) or N, V]: the step's one forward."""
+    return model(tokens, input_pos, cache, keep=keep)[0]
+
+
+class Engine:
+    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
+                 stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None):
+        if policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule policy must be fcfs or lpm, got {policy!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence needs a token per step")
+        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        self.device = model.norm.weight.device
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
+        self.block_size, self.max_num_seqs, self.max_num_batched_tokens = block_size, max_num_seqs, max_num_batched_tokens
+        self.reserve_tokens = reserve_tokens  # set: reserve this many tokens per sequence at admission, like a static cache
+        self.max_model_len = model.args.max_position_embeddings
+        self.stop_ids = set(stop_ids)
+        self.waiting, self.running, self.requests = deque(), [], {}
+        self.next_id = 0
+        self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
+        self.decode_fn = None
+        if compile:
+            from generate import compile_decode
+            self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False)
+
+    # -- the incremental API -------------------------------------------------------------------
+    def add_request(self, prompt, params: RequestParams = None, request_id=None):
+        """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
+        params = params or RequestParams()
+        params.check()
+        vocab = self.model.args.vocab_size
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
+                             "which leaves no room to generate")
+        usable = self.allocator.num_blocks - 1
+        if blocks_for(max(len(prompt) + 1, self.reserve_tokens or 0), self.block_size) > usable:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
+                             f"{usable * self.block_size}; give more --num_blocks or --kv_cache_memory")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {self.max_num_seqs}")
+        if request_id is None:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params, self.device)
+        self.requests[request_id] = req
+        self.waiting.append(req.seqs[0])
+        return request_id
+
+    def abort(self, request_id):
+        """Stop a request now; its blocks are free at once."""
+        req = self.requests.get(request_id)
+        for seq in req.seqs if req else ():
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            if not seq.finish_reason:
+                self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        """One iteration. Returns [(request_id, sample index, new token id, finish_reason or None)]."""
+        batch = self._schedule()
+        if not batch:
+            return []
+        self.stats["steps"] += 1
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.allocator.num_used())
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
+        return self._run(batch)
+
+    def generate(self, prompts, params):
+        """Offline: every prompt (a list of ids) with its params (one, or one per prompt) -> results."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, q) for p, q in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return [self.requests.pop(i).result(self.tokenizer) for i in ids]
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _schedule(self) -> dict:
+        budget, batch = self.max_num_batched_tokens, {}  # sequence -> tokens to compute this step
+        # decodes (one token left) first, so a long prefill never stalls them; oldest first
+        for seq in sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._ensure_blocks(seq, n):
+                victim = self.running[-1]  # the most recently admitted
+                if victim is seq and len(self.running) == 1:  # alone and still does not fit
+                    self._finish(seq, "length")
+                    break
+                budget += batch.pop(victim, 0)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                batch[seq] = n
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._next_waiting()
+            req = seq.request
+            if not req.forked and len(self.running) + req.params.n > self.max_num_seqs and self.running:
+                break  # room for all its samples once it forks
+            hit, hashes = self.allocator.lookup_prefix(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
+            for b in hit:
+                self.allocator.share(b)
+            seq.blocks, seq.hashes, seq.num_computed = hit, hashes, len(hit) * self.block_size
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            reserve = max(n, (self.reserve_tokens or 0) - seq.num_computed)
+            if not self._ensure_blocks(seq, reserve):
+                self._release(seq)
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            batch[seq] = n
+            budget -= n
+            self.stats["prompt_tokens"] += len(seq.tokens)
+            self.stats["prompt_tokens_hit"] += seq.num_computed
+            req.prompt_tokens_hit += seq.num_computed
+        return batch
+
+    def _next_waiting(self):
+        if self.policy == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        # lpm: the request with the longest cached prefix first (ties: the earliest)
+        return max(self.waiting, key=lambda s: len(self.allocator.lookup_prefix(
+            s.tokens, (len(s.tokens) - 1) // self.block_size)[0]))
+
+    def _ensure_blocks(self, seq, n: int) -> bool:
+        """Blocks for seq's next n tokens, the block written first made private (copy-on-write)."""
+        alloc = self.allocator
+        first = seq.num_computed // self.block_size
+        cow = first < len(seq.blocks) and alloc.ref[seq.blocks[first]] > 1
+        need = max(0, blocks_for(seq.num_computed + n, self.block_size) - len(seq.blocks)) + cow
+        if need > alloc.num_available():
+            return False
+        if cow:
+            private = alloc.allocate()
+            self.cache.copy_block(seq.blocks[first], private)
+            alloc.release(seq.blocks[first])
+            seq.blocks[first] = private
+        seq.blocks += [alloc.allocate() for _ in range(need - cow)]
+        return True
+
+    def _release(self, seq):
+        for b in seq.blocks:
+            self.allocator.release(b)
+        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+
+    def _preempt(self, seq):
+        self.running.remove(seq)
+        self._release(seq)
+        self.waiting.appendleft(seq)  # recomputed first when blocks free up
+        self.stats["preemptions"] += 1
+
+    def _finish(self, seq, reason: str):
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+
+    # -- running a step ------------------------------------------------------------------------
+    def _run(self, batch: dict):
+        ones = [s for s, n in batch.items() if n == 1]  # decodes (and one-token prefill tails): one group
+        chunks = [s for s, n in batch.items() if n > 1]  # prefill chunks: a group each
+        compiled = self.decode_fn is not None and not chunks
+        rows = bucket(len(ones)) if compiled else len(ones)  # padded to a few sizes: few compiled graphs
+        tokens, pos, groups, ends = [], [], [], []  # ends: flat index of each sequence's last token
+        if ones:
+            width = bucket(max(len(s.blocks) for s in ones))
+            table = [s.blocks + [0] * (width - len(s.blocks)) for s in ones] + [[0] * width] * (rows - len(ones))
+            tokens += [s.tokens[s.num_computed] for s in ones] + [0] * (rows - len(ones))
+            pos += [s.num_computed for s in ones] + [0] * (rows - len(ones))  # padding: the null block
+            groups.append((rows, 1, torch.tensor(table, device=self.device)))
+            ends += list(range(len(ones)))
+        for s in chunks:
+            n, start = batch[s], s.num_computed
+            width = bucket(len(s.blocks))
+            groups.append((1, n, torch.tensor([s.blocks + [0] * (width - len(s.blocks))], device=self.device)))
+            tokens += s.tokens[start:start + n]
+            pos += range(start, start + n)
+            ends.append(len(tokens) - 1)
+        self.cache.groups = groups
+        tokens = torch.tensor([tokens], device=self.device)
+        pos = torch.tensor([pos], device=self.device)
+        order = ones + chunks
+        done = [s for s in order if s.num_computed + batch[s] == len(s.tokens)]  # these sample a token
+        with torch.no_grad():
+            if compiled:
+                logits = self.decode_fn(self.model, self.cache, tokens, pos)[: len(ones)]
+            else:
+                keep = torch.tensor([e for s, e in zip(order, ends) if s in done], dtype=torch.long, device=self.device)
+                logits = flat_forward(self.model, self.cache, tokens, pos, keep)
+        if compiled:
+            logits = logits[[i for i, s in enumerate(order) if s in done]]
+        self.cache.groups = None
+        for s in order:
+            s.num_computed += batch[s]
+            self._register_full_blocks(s)
+        return self._sample(done, logits)
+
+    def _register_full_blocks(self, seq):
+        bs = self.block_size
+        while len(seq.hashes) < seq.num_computed // bs:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes.append(self.allocator.register(seq.blocks[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+
+    def _sample(self, done, logits):
+        now, events = time.perf_counter(), []
+        rows = []  # (sequence, its logits row)
+        for i, seq in enumerate(done):
+            req = seq.request
+            if not req.forked:  # the prompt is in the cache: its samples fork here, sharing every block
+                for k in range(1, req.params.n):
+                    twin = Sequence(req, k, req.seed + k)
+                    twin.tokens, twin.num_computed = list(seq.tokens), seq.num_computed
+                    twin.blocks, twin.hashes = list(seq.blocks), list(seq.hashes)
+                    for b in twin.blocks:
+                        self.allocator.share(b)
+                    req.seqs.append(twin)
+                    self.running.insert(self.running.index(seq) + k, twin)
+                    rows.append((twin, logits[i]))
+                req.forked = True
+            rows.append((seq, logits[i]))
+        greedy = logits.argmax(-1).tolist() if len(done) else []
+        row_of = {id(s): i for i, s in enumerate(done)}
+        for seq, row in rows:
+            p = seq.request.params
+            if p.temperature == 0 and id(seq) in row_of:
+                token = greedy[row_of[id(seq)]]
+            else:
+                token = int(sample(row[None], SamplingParams(p.temperature, p.top_k, p.top_p), seq.generator))
+            seq.tokens.append(token)
+            seq.token_times.append(now)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason)
+            events.append((seq.request.id, seq.index, token, reason))
+        return events
+
+    def _stop_reason(self, seq, token):
+        p = seq.request.params
+        if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos):
+            return "stop"
+        if p.stop and self.tokenizer:
+            text = self.tokenizer.decode(seq.output)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = text[:cut]
+                return "stop"
+        if len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+
+if __name__ == "__main__":  # the command line lives in batch.py
+    from batch import main
+
+    sys.exit(main())

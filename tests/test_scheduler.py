@@ -1,0 +1,264 @@
+"""scheduler.py: continuous batching gives every request exactly the tokens it gets alone - with
+preemption, chunked prefill, prefix-cache hits and copy-on-write forks - and the engine really
+does change its batch mid-run, chunk long prompts and prefer cached prefixes under `lpm`.
+Exact comparisons run in float64, so a mismatch is a bug, never a near-tie."""
+import random
+
+import pytest
+import torch
+
+import generate
+import weights
+from helpers import tiny_checkpoint
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
+from scheduler import Engine, RequestParams
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("sched-tiny"), max_position_embeddings=2304)
+    model, _ = weights.load(folder, dtype=torch.float64)
+    return model
+
+
+def alone(model, prompt, n_new):
+    """The slow twin: one request, a static cache, generate.py's loop."""
+    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
+    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True)
+    return rows[0]
+
+
+def greedy(n):
+    return RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def random_requests(count, seed, max_prompt=60, max_new=24):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, max_prompt))] for _ in range(count)]
+    return prompts, [rng.randint(1, max_new) for _ in prompts]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny64):
+    prompts, news = random_requests(12, seed=0)
+    shared = prompts[0][:30]
+    prompts += [shared + [7, 7, 7], shared + [9]]  # two prefix-cache hits on request 0's blocks
+    news += [10, 10]
+    return prompts, news, [alone(tiny64, p, n) for p, n in zip(prompts, news)]
+
+
+@pytest.mark.parametrize("num_blocks, max_batched, expect", [
+    (400, 512, "roomy"),  # everything fits: one batch, whole prompts
+    (30, 512, "preempt"),  # 29 usable blocks of 4 tokens for 14 requests: preemptions
+    (400, 8, "chunks"),  # 8 tokens per step: prompts prefill in chunks
+    (26, 12, "preempt"),  # both
+])
+def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect):
+    prompts, news, reference = workload
+    engine = Engine(tiny64, num_blocks=num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
+    out = engine.generate(prompts, [greedy(n) for n in news])
+    for i, (o, ref) in enumerate(zip(out, reference)):
+        assert o["tokens"] == ref, f"request {i} differs from its alone-run"
+        assert o["finish_reason"] == "length"
+    assert engine.stats["prompt_tokens_hit"] > 0  # the shared-prefix requests hit
+    if expect == "preempt":
+        assert engine.stats["preemptions"] > 0
+    if expect == "chunks":
+        assert engine.stats["steps"] > sum(len(p) for p in prompts) / 8
+    engine.allocator.check()
+    assert engine.allocator.num_used() == 0, "blocks leaked"
+
+
+def test_running_set_changes_mid_run(tiny64):
+    """Short requests finish and leave while long ones continue, and waiting ones join."""
+    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    for prompt, n in [([5, 6, 7], 30), ([8, 9], 3), ([10, 11, 12], 3), ([13], 3)]:
+        engine.add_request(prompt, greedy(n))
+    history = []
+    while engine.has_unfinished():
+        engine.step()
+        history.append({s.request.id for s in engine.running})
+    assert history[0] == {0, 1}
+    changed = [i for i in range(1, len(history)) if history[i] != history[i - 1] and 0 in history[i] and 0 in history[i - 1]]
+    assert any(history[i] - history[i - 1] for i in changed), "no request joined while request 0 ran"
+    assert {2, 3} <= set().union(*history[:-1]) and 0 in history[-2]
+
+
+def test_chunked_prefill_never_stalls_decodes(tiny64):
+    """While a 2,000-token prompt prefills in chunks of at most 128 - 4 tokens, each of 4 running
+    decodes gains exactly one token per step."""
+    engine = Engine(tiny64, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=128)
+    small = [engine.add_request([3 + i, 4, 5], greedy(40)) for i in range(4)]
+    engine.step()  # the four prompts prefill together
+    big = engine.add_request([random.Random(1).randrange(3, 250) for _ in range(2000)], greedy(2))
+    steps = 0
+    while engine.requests[big].seqs[0].num_computed < 2000:
+        before = {r: len(engine.requests[r].seqs[0].tokens) for r in small}
+        events = engine.step()
+        steps += 1
+        for r in small:
+            assert len(engine.requests[r].seqs[0].tokens) == before[r] + 1
+        assert sum(1 for e in events if e[0] in small) == 4
+    assert steps >= 2000 // 124
+
+
+def test_prefix_cache_reuses_exactly_the_full_shared_blocks(tiny64):
+    """Prompts sharing 3.5 blocks (14 tokens, block size 4): the second reuses exactly 3 blocks and
+    the model computes only the other tokens; a request arriving after both finished still hits;
+    outputs equal prefix caching off."""
+    shared = list(range(20, 34))  # 14 tokens
+    prompts = [shared + [40, 41, 42], shared + [50, 51], shared + [60]]
+    results = {}
+    for caching in (True, False):
+        engine = Engine(tiny64, num_blocks=100, block_size=4, prefix_caching=caching)
+        computed = []
+        hook = tiny64.register_forward_pre_hook(lambda m, args: computed.append(args[0].shape[1]))
+        try:
+            first = engine.generate(prompts[:1], greedy(5))
+            n_before = sum(computed)
+            second = engine.generate(prompts[1:2], greedy(5))
+            n_second = sum(computed) - n_before
+            third = engine.generate(prompts[2:], greedy(5))  # the earlier requests have all finished
+        finally:
+            hook.remove()
+        results[caching] = (first + second + third, n_second, engine)
+    outs, n_second, engine = results[True]
+    assert n_second == (16 - 12) + 4  # its prompt beyond 3 cached blocks, then 4 decode steps
+    assert engine.stats["prompt_tokens_hit"] == 12 + 12
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in results[False][0]]
+    assert results[False][2].stats["prompt_tokens_hit"] == 0
+
+
+def test_lpm_gets_more_prefix_hits_than_fcfs(tiny64):
+    """Two groups of prompts with different 16-token heads arrive interleaved (A B A B ...), one
+    runs at a time, and the pool holds only one head: fcfs evicts the other head every time,
+    lpm runs each group together."""
+    heads = [list(range(10, 26)), list(range(100, 116))]
+    prompts = [heads[i % 2] + [200 + i] for i in range(8)]
+    hits = {}
+    for policy in ("fcfs", "lpm"):
+        engine = Engine(tiny64, num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
+        out = engine.generate(prompts, greedy(4))
+        hits[policy] = engine.stats["prompt_tokens_hit"]
+        assert [o["tokens"] for o in out] == [alone(tiny64, p, 4) for p in prompts]
+    assert hits["lpm"] > hits["fcfs"], hits
+    assert hits["lpm"] == 6 * 16  # all but the first of each group hit the whole head
+
+
+def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
+    """n = 3 samples of a 10-token prompt (block size 4): one prefill, the prompt's blocks shared,
+    the half-full last block copied per sample; sample k equals a request of n = 1 seeded seed + k."""
+    prompt = list(range(30, 40))
+    params = dict(max_new_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    copies = []
+    engine.cache.copy_block = lambda src, dst, f=engine.cache.copy_block: (copies.append((src, dst)), f(src, dst))
+    rid = engine.add_request(prompt, RequestParams(n=3, **params))
+    engine.step()  # prefill, fork, first token of each sample
+    blocks = [s.blocks for s in engine.requests[rid].seqs]
+    assert len(blocks) == 3 and blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
+    assert engine.allocator.ref[blocks[0][0]] == 3
+    while engine.has_unfinished():
+        engine.step()
+    forked = engine.requests[rid].result()["tokens"]
+    assert len(copies) == 2  # two samples copied the shared half-full block; the third owns it
+    assert len({tuple(t) for t in forked}) == 3  # they diverged
+    for k in range(3):
+        single = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        assert single[0]["tokens"] == forked[k]
+    assert engine.allocator.num_used() == 0
+
+
+def test_sampled_output_does_not_depend_on_the_batch(tiny64):
+    """Each sequence samples with its own generator: the same seeded request gives the same tokens
+    alone and in a crowd."""
+    params = RequestParams(max_new_tokens=15, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+    solo = Engine(tiny64, num_blocks=100, block_size=4).generate([[5, 6, 7]], params)[0]["tokens"]
+    prompts, news = random_requests(6, seed=5)
+    crowd = Engine(tiny64, num_blocks=100, block_size=4).generate(
+        prompts[:3] + [[5, 6, 7]] + prompts[3:], [greedy(n) for n in news[:3]] + [params] + [greedy(n) for n in news[3:]])
+    assert crowd[3]["tokens"] == solo
+
+
+def test_soak_random_arrivals_and_aborts(tiny64):
+    """200 random requests arriving over time, 1 in 10 aborted mid-run, 40 blocks of 4 tokens for
+    up to 6 sequences: the allocator's invariants hold after every step, no block leaks, and a
+    sample of the completed requests equals their alone-runs."""
+    rng = random.Random(2)
+    prompts, news = random_requests(200, seed=3, max_prompt=40, max_new=16)
+    engine = Engine(tiny64, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
+    pending, results, aborted = list(range(200)), {}, set()
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(prompts[i], greedy(news[i]), request_id=i)
+        if engine.running and rng.random() < 0.05:
+            victim = rng.choice(engine.running).request.id
+            engine.abort(victim)
+            aborted.add(victim)
+        engine.step()
+        engine.allocator.check()
+        owners = {}
+        for s in engine.running:
+            for b in s.blocks:
+                owners[b] = owners.get(b, 0) + 1
+        assert all(engine.allocator.ref[b] == n for b, n in owners.items())
+        for rid in [r for r, req in engine.requests.items() if req.finished]:
+            results[rid] = engine.requests.pop(rid).result()
+    assert engine.allocator.num_used() == 0 and len(results) == 200
+    assert engine.stats["preemptions"] > 0 and aborted
+    assert all(results[i]["finish_reason"] == "abort" for i in aborted)
+    done = [i for i in range(200) if i not in aborted]
+    for i in rng.sample(done, 10):
+        assert results[i]["tokens"] == alone(tiny64, prompts[i], news[i]), f"request {i}"
+
+
+def test_compiled_decode_buckets_equal_eager(tiny64):
+    """Decode-only steps run compiled, padded to power-of-two batch sizes and block-table widths:
+    the eager engine's tokens, and no more graphs than buckets."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    prompts, news = random_requests(5, seed=9, max_prompt=20, max_new=12)
+    eager = Engine(tiny64, num_blocks=100, block_size=4).generate(prompts, [greedy(n) for n in news])
+    engine = Engine(tiny64, num_blocks=100, block_size=4, compile=True)
+    compiled = engine.generate(prompts, [greedy(n) for n in news])
+    assert [o["tokens"] for o in compiled] == [o["tokens"] for o in eager]
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3 * 4  # batch buckets 1, 2, 4 x widths 1..8
+
+
+def test_bad_requests_fail_alone(tmp_path, capsys):
+    """Each bad line gets an error naming its problem; the good ones still complete."""
+    import json
+
+    import batch
+
+    folder = tiny_checkpoint(tmp_path / "ckpt")  # context 256
+    lines = [
+        {"id": "ok1", "prompt": "hello world", "max_new_tokens": 4, "temperature": 0},
+        "{not json",
+        {"id": "ctx", "prompt": [5] * 300, "max_new_tokens": 4},
+        {"id": "pool", "prompt": [6] * 200, "max_new_tokens": 4},
+        {"id": "temp", "prompt": "hello", "temperature": -0.5},
+        {"id": "topp", "prompt": "hello", "top_p": 1.5},
+        {"id": "empty", "prompt": ""},
+        {"id": "field", "prompt": "hello", "max_tokens": 3},
+        {"id": "n", "prompt": "hello", "n": 0},
+        {"id": "ok2", "prompt": "the quick brown fox", "max_new_tokens": 6, "n": 2, "seed": 1},
+    ]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    assert batch.main(["--requests", str(path), "--checkpoint", str(folder), "--dtype", "float32",
+                       "--num_blocks", "10", "--block_size", "16"]) == 0
+    out = {o["id"]: o for o in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    assert len(out) == len(lines)
+    errors = {"ctx": "context is 256", "pool": "whole KV pool holds 144", "temp": "temperature", "topp": "top_p",
+              "empty": "empty", "field": "unknown field", "n": "n must be", 2: "not valid JSON"}
+    for rid, text in errors.items():
+        assert text in out[rid]["error"], (rid, out[rid])
+    assert len(out["ok1"]["tokens"]) <= 4 and "error" not in out["ok1"]
+    assert len(out["ok2"]["tokens"]) == 2 and len(out["ok2"]["text"]) == 2
