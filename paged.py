@@ -196,12 +196,15 @@ class BlockAllocator:
         assert accounted == self.num_blocks - 1, "a block is lost"
 
 
-def bucket(n: int, smallest: int = 1) -> int:
-    """n rounded up to a power of two (at least `smallest`): the few shapes compiled steps see."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
+def bucket(n: int) -> int:
+    """n rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of two and the
+    points halfway between): few distinct shapes for compiled steps, at most 1.5x padding."""
+    power = 1
+    while True:
+        for size in (power, power + power // 2):
+            if size >= n:
+                return size
+        power *= 2
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -285,13 +288,17 @@ class PagedKVCache:
         pool_v[block, offset] = v.to(pool_v.dtype)
         R, W = table.shape
         L = W * bs  # the gather width: this group's blocks, not the model's context
-        # [R, W, bs, Hkv, D] -> [R, Hkv, L, D]; masked slots (beyond each query's position) are ignored
-        k_ctx = pool_k[table].view(R, L, *pool_k.shape[2:]).transpose(1, 2)
-        v_ctx = pool_v[table].view(R, L, *pool_v.shape[2:]).transpose(1, 2)
+        # each table entry picks one block, [R, W] -> [R, W * bs, Hkv, D] -> [R, Hkv, L, D]; slots
+        # beyond each query's position are masked. F.embedding is the gather: it copies whole rows
+        # (a block is one contiguous row of the pool), several times faster than pool[table] on CPU.
+        k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, L, *pool_k.shape[2:]).transpose(1, 2)
+        v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, *pool_v.shape[2:]).transpose(1, 2)
         mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]
-        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
+        if (R == 1 and q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
                 and torch.compiler.is_compiling()):
-            return decode_attention(q, k_ctx, v_ctx, mask)  # Inductor fuses the gather into its loops
+            # batch 1 compiled: Inductor fuses the gather into decode_attention's loops. (With many
+            # rows its indirect loads are slower than gathering first and calling SDPA.)
+            return decode_attention(q, k_ctx, v_ctx, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)
 

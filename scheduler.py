@@ -26,6 +26,7 @@ The engine is incremental (`add_request`, `abort`, `step`), so a server can driv
 runs a list of prompts offline. Output lines: {"id", "tokens", "text", "finish_reason",
 "time_to_first_token_s"} or {"id", "error"}; a summary goes to stderr.
 """
+import itertools
 import sys
 import time
 from collections import deque
@@ -284,13 +285,20 @@ class Engine:
         compiled = self.decode_fn is not None and not chunks
         rows = bucket(len(ones)) if compiled else len(ones)  # padded to a few sizes: few compiled graphs
         tokens, pos, groups, ends = [], [], [], []  # ends: flat index of each sequence's last token
-        if ones:
-            width = bucket(max(len(s.blocks) for s in ones))
-            table = [s.blocks + [0] * (width - len(s.blocks)) for s in ones] + [[0] * width] * (rows - len(ones))
-            tokens += [s.tokens[s.num_computed] for s in ones] + [0] * (rows - len(ones))
-            pos += [s.num_computed for s in ones] + [0] * (rows - len(ones))  # padding: the null block
-            groups.append((rows, 1, torch.tensor(table, device=self.device)))
-            ends += list(range(len(ones)))
+        if compiled:  # one group, padded: the fused gather reads padding from the null block, which stays in cache
+            ones += [None] * (rows - len(ones))
+            decode_groups = [ones]
+        else:  # rows of similar context together, so each group's gather is close to its own length
+            ones.sort(key=lambda s: -len(s.blocks))
+            decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(len(s.blocks)))]
+        for group in decode_groups:
+            width = bucket(max(len(s.blocks) for s in group if s))
+            table = [s.blocks + [0] * (width - len(s.blocks)) if s else [0] * width for s in group]
+            ends += [len(tokens) + i for i, s in enumerate(group) if s]
+            tokens += [s.tokens[s.num_computed] if s else 0 for s in group]
+            pos += [s.num_computed if s else 0 for s in group]  # padding rows: position 0 of the null block
+            groups.append((len(group), 1, torch.tensor(table, device=self.device)))
+        ones = [s for s in ones if s]
         for s in chunks:
             n, start = batch[s], s.num_computed
             width = bucket(len(s.blocks))
