@@ -70,6 +70,25 @@ def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect)
     assert engine.allocator.num_used() == 0, "blocks leaked"
 
 
+def test_preemption_takes_the_newest_request(tiny64):
+    """4 usable blocks of 4 tokens, two 7-token prompts: when the older request needs a fifth
+    block, the newer one is preempted (blocks freed, back to the front of the queue), and both
+    still produce their alone-run tokens."""
+    engine = Engine(tiny64, num_blocks=5, block_size=4, max_num_seqs=2)
+    old, new = [engine.add_request(p, greedy(6)) for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18])]
+    engine.step()  # both prefill (2 blocks each) and sample their first token
+    engine.step()  # position 7: both still fit
+    assert engine.stats["preemptions"] == 0
+    engine.step()  # position 8 needs a fifth block
+    assert engine.stats["preemptions"] == 1
+    assert [s.request.id for s in engine.running] == [old] and engine.waiting[0].request.id == new
+    assert engine.waiting[0].blocks == [] and engine.waiting[0].num_computed == 0
+    while engine.has_unfinished():
+        engine.step()
+    for rid, prompt in ((old, [5, 6, 7, 8, 9, 10, 11]), (new, [12, 13, 14, 15, 16, 17, 18])):
+        assert engine.requests[rid].result()["tokens"] == alone(tiny64, prompt, 6)
+
+
 def test_running_set_changes_mid_run(tiny64):
     """Short requests finish and leave while long ones continue, and waiting ones join."""
     engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
