@@ -285,7 +285,7 @@ class Engine:
         compiled = self.decode_fn is not None and not chunks
         rows = bucket(len(ones)) if compiled else len(ones)  # padded to a few sizes: few compiled graphs
         tokens, pos, groups, ends = [], [], [], []  # ends: flat index of each sequence's last token
-        if compiled:  # one group, padded: the fused gather reads padding from the null block, which stays in cache
+        if compiled:  # one group padded to a bucket, so few graphs are compiled (padding rows read the null block)
             ones += [None] * (rows - len(ones))
             decode_groups = [ones]
         else:  # rows of similar context together, so each group's gather is close to its own length

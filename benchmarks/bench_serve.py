@@ -1,7 +1,7 @@
 """Load test of serve.py: N concurrent streaming clients (the `openai` client) on loopback, against
 the offline engine on the same requests, in one run.
 
-    .venv/bin/python benchmarks/bench_serve.py [--clients 1 8 32] [--requests 64] [--max_tokens 64]
+    .venv/bin/python benchmarks/bench_serve.py [--clients 1 8 32] [--requests 64] [--max_tokens 64]   # ~7 min
 
 The server runs as its own process (`serve.py --port 0`, the embedded SmolLM2-135M in bf16, the
 default engine flags but --max_num_seqs = the most clients); each client sends its share of the
@@ -60,6 +60,7 @@ async def load(url, prompts, clients: int, max_tokens: int) -> dict:
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
     elapsed = time.perf_counter() - start
+    await c.close()
     return {"clients": clients, "rps": len(prompts) / elapsed, "tps": tokens / elapsed,
             "ttft50": percentile(ttfts, 0.5), "ttft90": percentile(ttfts, 0.9), "elapsed": elapsed}
 

@@ -1,13 +1,14 @@
 """Serving benchmarks for paged.py + scheduler.py on the embedded SmolLM2-135M, one process, with
 Hugging Face transformers' static batching in the same run.
 
-    .venv/bin/python benchmarks/bench_serving.py                      # all four workloads (~10 min)
+    .venv/bin/python benchmarks/bench_serving.py                      # everything (~15 min)
     .venv/bin/python benchmarks/bench_serving.py --only prefix,chunked
 
 Prompts are windows of data/declaration.txt's tokens (fixed seeds); every request sets
 ignore_eos, so each produces exactly its output length; greedy; bf16; eager engine (on CPU, a
 compiled step per batch bucket costs minutes and gains little at these batch sizes).
 
+0. batch 1: generate.py's loop on the static and on the paged cache, eager and compiled.
 1. throughput: 64 requests at once, prompts 50-500 tokens, outputs 32-128. Output tokens/s over
    the whole run, prefill included, for the engine; for HF `generate` on the same requests in
    left-padded static batches of 16 (each batch runs until its longest request is done; only
@@ -111,6 +112,32 @@ def batch1_decode(model, prompt, n, compiled: bool) -> float:
     return sorted(runs[1:])[1]
 
 
+def batch1_caches(model, ids):
+    """generate.py at batch 1 on each cache, eager and compiled, rounds interleaved, medians."""
+    prompt, n = ids[:200], 128
+    fns = {"eager": generate.decode_one, "compiled": None}
+    rows = {}
+    for kind in ("static", "paged"):
+        for mode in fns:
+            cache = (StaticKVCache.for_model(model, 1, 384) if kind == "static"
+                     else PagedKVCache.for_batch(model, 1, 384))
+            fn = fns[mode] or generate.compile_decode("cpu", autotune=generate.autotune(model))
+            rows[kind, mode] = (cache, fn, [])
+            generate.generate(model, cache, torch.tensor([prompt]), 8, SamplingParams(0.0), ignore_eos=True,
+                              decode_fn=fn)  # warm-up (compiles)
+    for _ in range(3):
+        for cache, fn, runs in rows.values():
+            _, timing = generate.generate(model, cache, torch.tensor([prompt]), n, SamplingParams(0.0),
+                                          ignore_eos=True, decode_fn=fn)
+            runs.append(timing["tokens_per_s"])
+    print("\n### 0. Batch 1: generate.py's loop on the static and the paged cache (200-token prompt, 128 tokens)\n")
+    print("| mode | static tok/s | paged tok/s | paged / static |")
+    print("|---|---|---|---|")
+    for mode in fns:
+        s, p = (sorted(rows[kind, mode][2])[1] for kind in ("static", "paged"))
+        print(f"| {mode} | {s:.1f} | {p:.1f} | {p / s:.2f} |")
+
+
 def throughput_and_paging(model, ids, only):
     rng = random.Random(0)
     lengths = [rng.randint(50, 500) for _ in range(64)]
@@ -184,13 +211,15 @@ def chunked(model, ids):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="throughput,paging,prefix,chunked", help="comma-separated workloads")
+    p.add_argument("--only", default="batch1,throughput,paging,prefix,chunked", help="comma-separated workloads")
     args = p.parse_args()
     only = set(args.only.split(","))
     torch.manual_seed(0)
     model, info = weights.load(None, dtype=torch.bfloat16)
     ids = corpus(load_tokenizer(info.source))
     print(f"SmolLM2-135M bf16, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if "batch1" in only:
+        batch1_caches(model, ids)
     if only & {"throughput", "paging"}:
         throughput_and_paging(model, ids, only)
     if "prefix" in only:

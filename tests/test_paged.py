@@ -64,7 +64,7 @@ def test_generate_paged_equals_static(tiny64):
 
 
 def test_compiled_paged_decode_equals_eager(tiny64):
-    """The compiled one-token step (Inductor's fused gather + reductions on CPU) gives eager's tokens."""
+    """The compiled one-token step (gather, then Inductor's fused reductions on CPU) gives eager's tokens."""
     import torch._dynamo
 
     torch._dynamo.reset()
