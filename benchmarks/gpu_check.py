@@ -1,0 +1,266 @@
+"""One command that checks, then times, the GPU paths: CUDA Graph decode, the int8/int4 kernels,
+the paged cache and the engine. Random weights of real shapes, so nothing has to travel.
+
+    python benchmarks/gpu_check.py --device cuda --out $OUT              # on a GPU: ~10 min
+    python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/check  # tiny shapes (the test suite runs this)
+
+Correctness first, in float32 on the embedded model's shape (tiny shapes with --tiny): compiled
+decode = eager decode (greedy tokens); CUDA Graph replay = compiled without graphs; every int8 /
+int4 layer = its dequantized reference within rounding; paged cache = static cache (logits);
+and CUDA Graphs really replayed (cudaGraphLaunch events counted by torch.profiler).
+
+Then timings, CUDA events (host clock on CPU), median of --repeats runs after a warm-up: batch-1
+decode tokens/s and GB/s (weight bytes read per token x tokens/s) for a Llama-2-7B-shaped model
+(bf16, int8, int4; compiled with CUDA Graphs) and the embedded model's shape (bf16: eager,
+compiled, compiled + CUDA Graphs), each also as a fraction of the device's measured copy
+bandwidth; compile times; the engine's output tokens/s on --requests requests. Each section has
+a time box (--section_s) and the JSON and Markdown results are rewritten after every section,
+so a run cut short still returns what it finished. FlexAttention is not implemented: reported so.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import generate  # noqa: E402
+import quantize  # noqa: E402
+from kv_cache import StaticKVCache  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from paged import PagedKVCache  # noqa: E402
+from sampling import SamplingParams  # noqa: E402
+from scheduler import Engine, RequestParams  # noqa: E402
+
+SHAPES = {  # name -> (ModelArgs, tiny stand-in)
+    "smollm2-135m": ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                              rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama2-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
+                           max_position_embeddings=4096),
+}
+TINY = ModelArgs(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                 max_position_embeddings=1024)
+GREEDY = SamplingParams(0.0)
+
+
+def random_model(args: ModelArgs, device, dtype, seed=0):
+    """A model of this shape with weights ~ N(0, 0.02) (norms 1), built directly on the device."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = Transformer(args)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    return m.to(dtype).eval()
+
+
+class Clock:
+    """Elapsed seconds of a block: CUDA events on a GPU, the host clock on CPU."""
+
+    def __init__(self, device):
+        self.cuda = str(device).startswith("cuda")
+
+    def __call__(self, fn):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def copy_bandwidth(device, nbytes) -> float:
+    """GB/s of a device-to-device copy (bytes read + bytes written), best of 5."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
+    y = torch.empty_like(x)
+    clock = Clock(device)
+    return max(2 * nbytes / clock(lambda: y.copy_(x)) for _ in range(5)) / 1e9
+
+
+def decode_tokens(model, fn, device, steps, prompt_len=16):
+    """Greedy tokens of `steps` decode steps with decode function fn (batch 1, static cache)."""
+    cache = StaticKVCache.for_model(model, 1, 256)
+    prompt = torch.arange(1, prompt_len + 1, device=device)[None]
+    rows, _ = generate.generate(model, cache, prompt, steps, GREEDY, ignore_eos=True, decode_fn=fn)
+    return rows[0]
+
+
+def time_decode(model, fn, device, steps, repeats) -> float:
+    """Decode tokens/s at batch 1: median over repeats of `steps` steps, after a warm-up."""
+    cache = StaticKVCache.for_model(model, 1, 256)
+    token = torch.ones(1, 1, dtype=torch.long, device=device)
+    clock = Clock(device)
+
+    def run():
+        with torch.no_grad():
+            for i in range(steps):
+                fn(model, cache, token, torch.full((1, 1), 16 + i, device=device))
+
+    run()  # warm-up (compiles, records graphs)
+    return steps / statistics.median(clock(run) for _ in range(repeats))
+
+
+def compiled(device, graphs: bool, autotune=True):
+    """generate.py's compiled decode step; on CUDA with or without CUDA Graphs."""
+    if str(device).startswith("cuda") and not graphs:
+        return torch.compile(generate.decode_one, fullgraph=True, dynamic=False)
+    return generate.compile_decode(str(device), autotune=autotune)
+
+
+def graph_launches(model, fn, device, steps=5) -> int:
+    """cudaGraphLaunch calls seen by the profiler while decoding: proof that graphs replayed."""
+    cache = StaticKVCache.for_model(model, 1, 256)
+    token = torch.ones(1, 1, dtype=torch.long, device=device)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        for i in range(steps):
+            fn(model, cache, token, torch.full((1, 1), 16 + i, device=device))
+    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
+
+
+def check_correctness(device, tiny, report):
+    args = TINY if tiny else SHAPES["smollm2-135m"]
+    model = random_model(args, device, torch.float32)
+    cuda = str(device).startswith("cuda")
+    eager = decode_tokens(model, generate.decode_one, device, 24)
+    plain = compiled(device, graphs=False, autotune=False)
+    report["compiled_equals_eager"] = decode_tokens(model, plain, device, 24) == eager
+    if cuda:
+        graphs = compiled(device, graphs=True)
+        report["cuda_graphs_equal_no_graphs"] = decode_tokens(model, graphs, device, 24) == eager
+        report["cuda_graph_launches_in_5_steps"] = graph_launches(model, graphs, device)
+    else:
+        report["cuda_graphs_equal_no_graphs"] = "n/a (no CUDA)"
+    x = torch.randn(3, args.dim, device=device)
+    for mode in ("int8", "int4"):
+        qmodel = random_model(args, device, torch.bfloat16, seed=1)
+        quantize.quantize_model(qmodel, mode, 64, head=True, log=lambda s: None)
+        layer = qmodel.layers[0].mlp.gate_proj
+        xb = x.to(torch.bfloat16)
+        ref = torch.nn.functional.linear(xb, layer.dequantize().to(xb.dtype))
+        err = ((layer(xb).float() - ref.float()).norm() / ref.float().norm()).item()
+        report[f"{mode}_kernel_rel_error_vs_dequantized"] = err
+        report[f"{mode}_kernel_ok"] = err < 1e-2
+    tokens = torch.randint(0, args.vocab_size, (2, 40), device=device)
+    pos = torch.arange(40, device=device).expand(2, 40)
+    with torch.no_grad():
+        a = model(tokens, pos, StaticKVCache.for_model(model, 2, 64))
+        b = model(tokens, pos, PagedKVCache.for_batch(model, 2, 64, 16))
+    report["paged_equals_static_max_abs_diff"] = (a - b).abs().max().item()
+    report["paged_equals_static"] = report["paged_equals_static_max_abs_diff"] < 1e-4
+    report["flex_attention"] = "not implemented (paged.py gathers blocks and calls SDPA)"
+
+
+def time_models(device, tiny, report, repeats, deadline):
+    cuda = str(device).startswith("cuda")
+    steps = 16 if tiny else 128
+    bandwidth = report["copy_bandwidth_gb_s"]
+    rows = report.setdefault("decode", [])
+    plan = [("smollm2-135m", "bf16", m) for m in (["eager", "compiled"] + (["compiled+graphs"] if cuda else []))]
+    plan += [("llama2-7b", q, "compiled+graphs" if cuda else "compiled") for q in ("bf16", "int8", "int4")]
+    for shape, q, mode in plan:
+        if time.time() > deadline:
+            rows.append({"model": shape, "weights": q, "mode": mode, "skipped": "time box"})
+            continue
+        model = random_model(TINY if tiny else SHAPES[shape], device, torch.bfloat16)
+        if q != "bf16":
+            quantize.quantize_model(model, q, 64, head=True, log=lambda s: None)
+        start = time.perf_counter()
+        fn = generate.decode_one if mode == "eager" else compiled(
+            device, graphs=mode == "compiled+graphs", autotune=generate.autotune(model) and not tiny)
+        decode_tokens(model, fn, device, 4)  # compile and warm up
+        compile_s = time.perf_counter() - start
+        tps = time_decode(model, fn, device, steps, repeats)
+        gbs = model.bytes_read_per_token() * tps / 1e9
+        rows.append({"model": shape + (" (tiny stand-in)" if tiny else ""), "weights": q, "mode": mode,
+                     "tokens_per_s": tps, "gb_s": gbs, "fraction_of_copy_bandwidth": gbs / bandwidth,
+                     "compile_s": 0.0 if mode == "eager" else compile_s,
+                     "weight_bytes_per_token": model.bytes_read_per_token()})
+        del model, fn
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def engine_throughput(device, tiny, report, n_requests):
+    args = TINY if tiny else SHAPES["smollm2-135m"]
+    model = random_model(args, device, torch.bfloat16)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(50, 500 if not tiny else 100))]
+               for _ in range(n_requests)]
+    news = [rng.randint(32, 128) for _ in prompts]
+    engine = Engine(model, num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
+                    max_num_seqs=min(256, n_requests), max_num_batched_tokens=2048)
+    clock = Clock(device)
+    elapsed = clock(lambda: engine.generate(prompts, [RequestParams(max_new_tokens=n, temperature=0.0,
+                                                                      ignore_eos=True) for n in news]))
+    report["engine"] = {"requests": n_requests, "output_tokens_per_s": sum(news) / elapsed, "elapsed_s": elapsed,
+                        "peak_running": engine.stats["peak_running"], "steps": engine.stats["steps"]}
+
+
+def markdown(report) -> str:
+    lines = [f"device: {report['device_name']} | torch {report['torch']} | copy bandwidth "
+             f"{report['copy_bandwidth_gb_s']:.0f} GB/s", "", "| check | result |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in report.get("checks", {}).items()]
+    lines += ["", "| model | weights | mode | tok/s | GB/s | of copy bandwidth | compile s |", "|---|---|---|---|---|---|---|"]
+    for r in report.get("decode", []):
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['weights']} | {r['mode']} | skipped ({r['skipped']}) | | | |")
+        else:
+            lines.append(f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['gb_s']:.1f} | "
+                         f"{r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |")
+    if "engine" in report:
+        e = report["engine"]
+        lines += ["", f"engine: {e['requests']} requests, {e['output_tokens_per_s']:.1f} output tok/s, "
+                      f"{e['elapsed_s']:.1f} s, peak running {e['peak_running']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a quick run that checks the script itself)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--section_s", type=float, default=240, help="time box of each timing section")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = args.device
+    report = {"device": device, "torch": torch.__version__, "tiny": args.tiny,
+              "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+
+    def save(section):
+        report.setdefault("sections_done", []).append(section)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+            f.write(markdown(report))
+        print(f"[{section} done]", flush=True)
+
+    report["copy_bandwidth_gb_s"] = copy_bandwidth(device, (64 if args.tiny else 1024) << 20)
+    save("bandwidth")
+    report["checks"] = {}
+    check_correctness(device, args.tiny, report["checks"])
+    save("correctness")
+    time_models(device, args.tiny, report, args.repeats, time.time() + args.section_s)
+    save("decode")
+    engine_throughput(device, args.tiny, report, min(args.requests, 16) if args.tiny else args.requests)
+    save("engine")
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
