@@ -281,3 +281,13 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
         assert text in out[rid]["error"], (rid, out[rid])
     assert len(out["ok1"]["tokens"]) <= 4 and "error" not in out["ok1"]
     assert len(out["ok2"]["tokens"]) == 2 and len(out["ok2"]["text"]) == 2
+
+
+def test_a_request_larger_than_the_pool_stops_at_length_instead_of_hanging(tiny64):
+    """4 usable blocks of 4 tokens: a 10-token prompt asking for 100 tokens stops with "length"
+    once the pool is full (16 tokens), its tokens still the alone-run's, and the pool is freed."""
+    engine = Engine(tiny64, num_blocks=5, block_size=4)
+    out = engine.generate([list(range(20, 30))], greedy(100))[0]
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == 16 - 10 + 1
+    assert out["tokens"] == alone(tiny64, list(range(20, 30)), len(out["tokens"]))
+    assert engine.allocator.num_used() == 0
