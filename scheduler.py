@@ -113,6 +113,14 @@ def flat_forward(model, cache, tokens, input_pos, keep=None):
 
 
 class Engine:
+    """The continuous-batching loop over one model and one paged KV pool (see the module docstring).
+
+    num_blocks, block_size: the pool (paged.plan_blocks sizes it from memory); max_num_seqs: most
+    sequences running at once; max_num_batched_tokens: most tokens per step, so also the prefill
+    chunk; policy: "fcfs" or "lpm"; stop_ids: the model's end tokens; tokenizer: needed for stop
+    strings; compile: compile decode-only steps (one graph per batch bucket); reserve_tokens: make
+    every sequence reserve this many tokens at admission, as a static cache would (benchmarks)."""
+
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
                  stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None):
