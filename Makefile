@@ -10,8 +10,15 @@ PROMPT ?= Write a haiku about the sea.
 run: $(VENV)/.core
 	$(PY) generate.py --chat --prompt "$(PROMPT)"
 
+# The tests marked isa run again under each lower instruction set ATen can dispatch to (int4 once
+# passed on AVX-512 and printed garbage on AVX2): default and avx2 on an AVX-512 or AMX machine.
 test: $(VENV)/.test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
+	@for cap in $$($(PY) tests/lower_capabilities.py); do \
+	  echo "== tests marked isa, again under ATEN_CPU_CAPABILITY=$$cap =="; \
+	  ATEN_CPU_CAPABILITY=$$cap HF_HUB_OFFLINE=1 $(PY) -m pytest tests -m isa \
+	    || { echo "FAILED under ATEN_CPU_CAPABILITY=$$cap"; exit 1; }; \
+	done
 
 bench: $(VENV)/.test
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_generate.py

@@ -61,9 +61,23 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     import torch._inductor.config
 
     torch._inductor.config.freezing = True  # inference only: parameters never change after this
+    torch._inductor.config.cpp.simdlen = inductor_vector_bits()
     torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
     return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
+
+
+def inductor_vector_bits():
+    """The vector width for Inductor's C++ code, matched to the instruction set ATen dispatches to
+    (ATEN_CPU_CAPABILITY): 512 (AVX-512, or AMX where present), 256 (AVX2). Left to Inductor, parts
+    of it use the CPU's widest set while its loops follow ATEN_CPU_CAPABILITY, and under avx2 on an
+    AVX-512 CPU that mix computed NaNs. Under "default" (no SIMD in ATen) Inductor's code still uses
+    AVX2 where the CPU has it: its scalar fallback fails to compile some masked loads (torch 2.13)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    widths = sorted({isa.bit_width() for isa in valid_vec_isa_list()})
+    want = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability(), widths[0] if widths else None)
+    return want if want in widths else None  # None: Inductor's own choice (other CPUs)
 
 
 def reset_peak_memory(device: str):
@@ -367,7 +381,8 @@ def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, de
     stats = {"tokens_per_s": timing["tokens_per_s"], "bandwidth_gb_s": bandwidth,
              "time_to_first_token_s": timing["time_to_first_token_s"], "total_s": timing["total_s"],
              "peak_memory_bytes": peak_memory_bytes(device), "model_bytes": model.weight_bytes(),
-             "kv_cache_bytes": cache.nbytes(), "compile_s": compile_s, "load_s": info.load_s}
+             "kv_cache_bytes": cache.nbytes(), "compile_s": compile_s, "load_s": info.load_s,
+             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": device}
     for row in rows:
         text = tokenizer.decode([t for t in row if args.ignore_eos or t not in tokenizer.stop_ids])
         if args.json:
@@ -378,7 +393,7 @@ def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, de
         print(flush=True)
     log(f"{len(rows[0])} tokens | {stats['tokens_per_s']:.2f} tokens/s | {bandwidth:.2f} GB/s | "
         f"first token {stats['time_to_first_token_s']:.3f} s | peak memory {human(stats['peak_memory_bytes'])} | "
-        + memory_plan(model, cache))
+        f"{device} ({stats['cpu_capability']}) | " + memory_plan(model, cache))
 
 
 if __name__ == "__main__":

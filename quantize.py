@@ -21,11 +21,15 @@ a dequantizing matmul Inductor fuses, and the tinygemm `_weight_int4pack_mm`.
 
 The CPU int4 kernel is a matrix-vector product at heart: its time grows with the number of rows,
 so many-row calls (prefill, speculative verification of many tokens) take another route: the
-layer is dequantized on the fly (unpacked from the kernel's own layout, no second copy kept) and
-multiplied with a regular GEMM. `dequantize()` on every layer is the plain reference path tests
+layer is dequantized on the fly and multiplied with a regular GEMM. The kernel's packed layout is
+private to ATen and differs by instruction set (AVX-512, AVX2, none), so each layer checks at load,
+on the running CPU, which known layout unpacks its weight back to its values (CPU_INT4_LAYOUTS);
+if none does, it keeps its portable values as well. The kernel itself is checked once per process
+on a probe matrix; where it is wrong or missing, int4 is refused with a message, never run. `dequantize()` on every layer is the plain reference path tests
 compare the kernels against.
 """
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -125,18 +129,71 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float()[:, None]
 
 
-def cpu_int4_unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Values [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout: blocks of 64 output rows,
-    each stored as [K, 32] bytes holding rows j (low nibble) and j + 32 (high); a last block of
-    fewer rows holds neighbouring rows 2j, 2j + 1. (Checked against the op in the tests.)"""
-    flat, full = packed.reshape(-1), N // 64 * 64
-    b = flat[: full * K // 2].view(N // 64, K, 32)  # [blocks, K, 32]
-    q = torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(full, K)
+# The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
+# torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
+# and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
+# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored as
+# [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
+# packed weight with each candidate and keeps the one that gives its values back (a round trip on
+# the running machine), else it keeps the portable values too.
+CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
+
+
+def cpu_int4_unpack(packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves") -> torch.Tensor:
+    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see CPU_INT4_LAYOUTS)."""
+    flat, full = packed.reshape(-1), N // block * block
+    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
+    if pairing == "halves":  # byte j holds rows j and j + block / 2
+        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
+    else:  # byte j holds rows 2j and 2j + 1
+        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
+    q = q.transpose(1, 2).reshape(full, K)
     if full == N:
         return q
     b = flat[full * K // 2:].view(K, (N - full) // 2)
     tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
     return torch.cat([q, tail], dim=0)
+
+
+def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
+    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or None."""
+    for layout in CPU_INT4_LAYOUTS:
+        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
+            return layout
+    return None
+
+
+def cpu_capability() -> str:
+    """The instruction set ATen dispatches to on this CPU ("AVX512", "AVX2", "DEFAULT", ...); set
+    ATEN_CPU_CAPABILITY=default|avx2|avx512 to choose a lower one."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def cpu_int4_kernel_error(capability: str):
+    """None if `_weight_int4pack_mm_for_cpu` multiplies a probe matrix correctly under this
+    capability, else what went wrong: checked once per process, so int4 never prints garbage."""
+    generator = torch.Generator().manual_seed(0)
+    N, K, G = 48, 128, 32  # one full 32-row block and a tail, on every layout above
+    q = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
+    scales, zeros = torch.rand(N, K // G, generator=generator) + 0.5, torch.randn(N, K // G, generator=generator)
+    x = torch.randn(3, K, generator=generator)
+    ref = x @ dequantize_int4(q, scales, zeros).T
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous()
+        for rows in (1, 3):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:rows], packed, G, sz)
+            if not torch.allclose(y, ref[:rows], atol=1e-3 * ref.abs().max().item(), rtol=0):
+                return f"its result at {rows} row(s) differs from the dequantized reference"
+    except (RuntimeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+@functools.cache
+def warn_once(message: str):
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def check_int4_device(device) -> None:
@@ -145,6 +202,9 @@ def check_int4_device(device) -> None:
         raise ValueError("int4 needs a CUDA GPU of compute capability 8.0 or newer (tinygemm kernel); use int8")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"int4 has no kernel on device {device.type!r}; use int8, or cpu or cuda")
+    if device.type == "cpu" and (error := cpu_int4_kernel_error(cpu_capability())):
+        raise ValueError(f"the CPU int4 kernel does not work under CPU capability {cpu_capability()} "
+                         f"({error}); use --quantize int8")
 
 
 class Int4Linear(nn.Module):
@@ -157,8 +217,15 @@ class Int4Linear(nn.Module):
         q = unpack_int4(portable["weight"]).to(device)
         self.out_features, self.in_features = N, K = q.shape
         self.groupsize, self.cpu = groupsize, torch.device(device).type == "cpu"
+        self.layout = None
+        self.register_buffer("portable_weight", None)
         if self.cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            self.layout = find_cpu_int4_layout(packed, q)
+            if self.layout is None:  # an unknown layout: keep the portable values (N * K / 2 more bytes)
+                warn_once(f"int4: the CPU kernel's packed layout under {cpu_capability()} is not one this "
+                          "file knows; each layer keeps a second, portable copy of its values for prefill")
+                self.portable_weight = portable["weight"].contiguous()
         else:  # tinygemm wants bf16 and 2 values per byte, high nibble first
             dtype = torch.bfloat16
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), 8)
@@ -182,7 +249,7 @@ class Int4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         N, K = self.out_features, self.in_features
         if self.cpu:
-            q = cpu_int4_unpack(self.weight, N, K)
+            q = unpack_int4(self.portable_weight) if self.layout is None else cpu_int4_unpack(self.weight, N, K, *self.layout)
         else:  # the kernel on the identity matrix returns W.T; a reference, not a fast path
             eye = torch.eye(K, device=self.weight.device, dtype=torch.bfloat16)
             return torch.ops.aten._weight_int4pack_mm(eye, self.weight, self.groupsize, self.scales_and_zeros).t().float()

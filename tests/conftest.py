@@ -26,3 +26,15 @@ def embedded():
 def hf_embedded():
     """HF transformers' own model on the same GGUF, dequantized (about 20 s, so once)."""
     return hf_reference_embedded()
+
+
+CAPABILITY = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})"
+
+
+def pytest_report_header(config):
+    return CAPABILITY  # results of the tests marked isa depend on it
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed"):
+        terminalreporter.write_line(f"failures above ran under {CAPABILITY}")

@@ -28,6 +28,7 @@ def run_json(capsys, *argv):
     return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
 
 
+@pytest.mark.isa
 def test_compiled_decode_equals_eager_without_recompiling(tiny):
     """20 compiled decode steps (the CPU mode generate.py uses: frozen weights, autotuned GEMMs):
     same tokens as eager in float32, and a recompile would raise."""

@@ -19,6 +19,7 @@ def tiny64(tmp_path_factory):
     return model
 
 
+@pytest.mark.isa
 def test_ragged_flat_batch_equals_static_cache_per_request(tiny64):
     """Three requests of 5, 19 and 33 tokens: one flattened prefill step (a group each), then six
     decode steps as one group of 3 rows at different positions; every logit equals the same
@@ -63,6 +64,7 @@ def test_generate_paged_equals_static(tiny64):
     assert out[0] == out[1] and len(out[0][0]) == 30
 
 
+@pytest.mark.isa
 def test_compiled_paged_decode_equals_eager(tiny64):
     """The compiled one-token step (gather, then Inductor's fused reductions on CPU) gives eager's tokens."""
     import torch._dynamo

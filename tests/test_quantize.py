@@ -25,6 +25,7 @@ def rel_error(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("mode, bound", [("int8", 0.01), ("int4", 0.12)])
 def test_layer_error_is_within_bound(mode, bound):
     # Gaussian weights: int8 per-row steps are ~max/127 (error well under 1%); int4 with 16 levels
@@ -37,6 +38,7 @@ def test_layer_error_is_within_bound(mode, bound):
     assert rel_error(layer(x), ref) < bound
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, quantize.INT4_LARGE_M + 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,11 +52,41 @@ def test_kernel_path_equals_dequantized_reference(mode, rows, dtype):
     torch.testing.assert_close(layer(x).float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("n", [16, 48, 64, 96, 192, 208])
 def test_cpu_int4_unpack_inverts_the_packing_op(n):
-    q = torch.randint(0, 16, (n, 128), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128).to(torch.int32), q)
+    # the layout is the running capability's; a known one must be found, and must give q back
+    q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    layout = quantize.find_cpu_int4_layout(packed, q)
+    assert layout is not None, f"no known int4 layout under {quantize.cpu_capability()}"
+    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
+
+
+@pytest.mark.isa
+def test_cpu_int4_kernel_passes_its_load_time_probe():
+    assert quantize.cpu_int4_kernel_error(quantize.cpu_capability()) is None
+
+
+def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 128), torch.randn(40, 128)  # 40 rows: the dequantize + GEMM route
+    known = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
+    monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
+    quantize.warn_once.cache_clear()
+    unknown = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
+    assert "not one this file knows" in capsys.readouterr().err
+    assert known.portable_weight is None and unknown.portable_weight is not None
+    assert torch.equal(unknown.dequantize(), known.dequantize())
+    torch.testing.assert_close(unknown(x), known(x))
+
+
+def test_int4_is_refused_where_the_cpu_kernel_is_wrong(monkeypatch, tiny, capsys):
+    monkeypatch.setattr(quantize, "cpu_int4_kernel_error", lambda capability: "its result differs")
+    with pytest.raises(ValueError, match=f"under CPU capability {quantize.cpu_capability()} .*use --quantize int8"):
+        quantize.check_int4_device("cpu")
+    assert generate.main(["--checkpoint", str(tiny), "--quantize", "int4", "--max_new_tokens", "2"]) == 2
+    assert "use --quantize int8" in capsys.readouterr().err
 
 
 def test_int4_portable_layout_round_trips():
@@ -163,6 +195,7 @@ def test_quantized_checkpoint_of_a_gguf_keeps_its_tokenizer(tmp_path, embedded):
     assert meta["mode"] == "int8" and len(meta["layers"]) == 7 * 30
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     import torch._dynamo
@@ -190,6 +223,7 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     torch.testing.assert_close(logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0)
 
 
+@pytest.mark.isa
 def test_int8_kv_cache_attention_matches_the_float_cache():
     torch.manual_seed(0)
     B, S, Hkv, H, D = 2, 32, 2, 4, 16
@@ -206,6 +240,7 @@ def test_int8_kv_cache_attention_matches_the_float_cache():
     assert caches[1].nbytes() < 0.6 * caches[0].nbytes() * 2 / 4 * 2  # int8 + scales vs float32 halved twice
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("int8", [False, True])
 def test_decode_attention_equals_sdpa(int8):
     from kv_cache import decode_attention, quantize_per_token
@@ -223,6 +258,7 @@ def test_decode_attention_equals_sdpa(int8):
         torch.testing.assert_close(decode_attention(q, k, v, mask), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.isa
 def test_compiled_int8_kv_decode_equals_eager(tiny):
     import torch._dynamo
 
@@ -251,17 +287,20 @@ def test_perplexity_of_the_embedded_model_is_sane(float_ppl, declaration):
     assert 5 < float_ppl < 60  # a 135M model on plain English prose; uniform would be 49152
 
 
+@pytest.mark.isa
 def test_perplexity_int8_weights_within_1_percent(float_ppl, declaration):
     model, _ = weights.load(None)
     quantize.quantize_model(model, "int8")
     assert perplexity(model, declaration) < 1.01 * float_ppl
 
 
+@pytest.mark.isa
 def test_perplexity_int8_kv_cache_within_1_percent(embedded, float_ppl, declaration):
     ppl = perplexity(embedded[0], declaration, kv_cache_dtype="int8")
     assert abs(ppl - float_ppl) < 0.01 * float_ppl
 
 
+@pytest.mark.isa
 def test_perplexity_int4(float_ppl, declaration):
     model, _ = weights.load(None)
     quantize.quantize_model(model, "int4", 32)  # the model's own Q4_1 grid: nothing is lost
