@@ -98,10 +98,10 @@ def time_steps(model, fn, cache, pos: int, steps: int = 32) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def measure_mode(label, ids, new_tokens, rounds) -> dict:
+def measure_mode(label, ids, new_tokens, rounds, autotune="auto") -> dict:
     _, dtype, mode, cache_cls = next(m for m in MODES if m[0] == label)
     model = load(mode, dtype)
-    tune = generate.autotune(model)
+    tune = generate.autotune(model) if autotune == "auto" else autotune == "on"
     start = time.perf_counter()
     fn = generate.compile_decode("cpu", autotune=tune)
     cache = cache_cls.for_model(model, 1, len(ids) + new_tokens)
@@ -109,7 +109,7 @@ def measure_mode(label, ids, new_tokens, rounds) -> dict:
     compile_s = time.perf_counter() - start
     runs = [decode(model, ids, new_tokens, fn, cache) for _ in range(rounds)]
     tps = median([r["tokens_per_s"] for r in runs])
-    return {"label": label, "tps": tps, "rounds": [r["tokens_per_s"] for r in runs],
+    return {"label": label + ("" if autotune == "auto" else f" (autotune {autotune})"), "tps": tps, "rounds": [r["tokens_per_s"] for r in runs],
             "gbs": model.bytes_read_per_token() * tps / 1e9, "ttft": median([r["time_to_first_token_s"] for r in runs]),
             "weight_bytes": model.weight_bytes(), "matmul_only": matmul_only(model, tune), "compile_s": compile_s}
 
@@ -147,6 +147,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--contexts", type=int, nargs="*", default=[512, 4096, 8000])
     p.add_argument("--modes", nargs="*", default=[m[0] for m in MODES], help="a subset of the modes, by label")
+    p.add_argument("--autotune", nargs="*", default=["auto"], choices=["auto", "on", "off"],
+                   help="max-autotune for the compiled step: auto (generate.py's choice), on, off; several compare")
     p.add_argument("--one_mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--one_context", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -154,24 +156,25 @@ def main():
     tok = load_tokenizer(weights.default_checkpoint())
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     if args.one_mode:
-        print("RESULT " + json.dumps(measure_mode(args.one_mode, ids, args.new_tokens, args.rounds)))
+        print("RESULT " + json.dumps(measure_mode(args.one_mode, ids, args.new_tokens, args.rounds, args.autotune[0])))
         return
     if args.one_context:
         print("RESULT " + json.dumps(measure_context(args.one_context, args.rounds)))
         return
     from transformers import AutoModelForCausalLM
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
+          f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
     folder = weights.save_hf_folder(weights.load(None)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     run_hf(hf, ids, 8)
     hf_first = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])
     print(f"  HF transformers eager bf16: {hf_first:.1f} tok/s", flush=True)
     rows = []
-    for label in [m[0] for m in MODES if m[0] in args.modes]:
-        r = child(["--one_mode", label, "--new_tokens", str(args.new_tokens), "--rounds", str(args.rounds)])
+    for label, tune in [(m[0], t) for m in MODES if m[0] in args.modes for t in args.autotune]:
+        r = child(["--one_mode", label, "--new_tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--autotune", tune])
         rows.append(r)
-        print(f"  {label}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
+        print(f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
               f"matmul-only {r['matmul_only']:.1f}/s, compile {r['compile_s']:.0f} s", flush=True)
     hf_last = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])
     hf_tps = (hf_first + hf_last) / 2
