@@ -171,7 +171,8 @@ def main():
     hf_first = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])
     print(f"  HF transformers eager bf16: {hf_first:.1f} tok/s", flush=True)
     rows = []
-    for label, tune in [(m[0], t) for m in MODES if m[0] in args.modes for t in args.autotune]:
+    for label, tune in [(m[0], t) for m in MODES if m[0] in args.modes for t in args.autotune
+                        if not (m[2] == "int4" and t == "on")]:  # int4: no autotune (see generate.autotune)
         r = child(["--one_mode", label, "--new_tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--autotune", tune])
         rows.append(r)
         print(f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
