@@ -1,7 +1,7 @@
 """Offline batch inference from a JSONL file through the continuous-batching engine (scheduler.py).
 
-    python scheduler.py --requests requests.jsonl          # (python batch.py ... is the same)
-    python scheduler.py --requests - < requests.jsonl      # stdin
+    python batch.py --requests requests.jsonl
+    python batch.py --requests - < requests.jsonl      # stdin
 
 One request per line, every field but `prompt` optional (a prompt is text, or a list of token ids):
 
@@ -22,6 +22,7 @@ import json
 import sys
 import time
 
+from runtime import DTYPES, log, pick_device
 from scheduler import Engine, RequestParams
 
 REQUEST_KEYS = ("id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
@@ -118,24 +119,33 @@ def check_engine_args(p: argparse.ArgumentParser, args):
             p.error(f"--{name} must be >= 1")
 
 
-def load_engine(args):
-    """(Engine, tokenizer, load info) from the flags of add_engine_args; prints the memory plan."""
+def engine_options(args) -> dict:
+    """The values of add_engine_args' flags, as load_engine's keywords."""
+    names = ("checkpoint", "device", "dtype", "compile", "quantize", "block_size", "num_blocks", "kv_cache_memory",
+             "max_num_seqs", "max_num_batched_tokens", "schedule_policy")
+    return {**{n: getattr(args, n) for n in names}, "prefix_caching": not args.no_prefix_caching}
+
+
+def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
+                num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
+                schedule_policy="fcfs", prefix_caching=True):
+    """(Engine, tokenizer, load info) for a checkpoint; prints the memory plan."""
     import weights
-    from generate import DTYPES, log, pick_device
     from paged import plan_blocks
     from tokenizer import load_tokenizer
 
-    device = pick_device(args.device)
-    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
-    if args.quantize:
-        import quantize
-        quantize.quantize_model(model, args.quantize, log=log)
+    device = pick_device(device)
+    model, info = weights.load(checkpoint, device=device, dtype=DTYPES[dtype])
+    if quantize:
+        import quantize as quantization
+
+        quantization.quantize_model(model, quantize, log=log)
     tokenizer = load_tokenizer(info.source)
-    num_blocks, plan = plan_blocks(model, args.block_size, args.num_blocks, args.kv_cache_memory,
-                                   max_tokens=args.max_num_seqs * model.args.max_position_embeddings)
+    num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
+                                   max_tokens=max_num_seqs * model.config.max_position_embeddings)
     log(f"loaded {info.source} in {info.load_s:.2f} s\n{plan}")
-    engine = Engine(model, num_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                    not args.no_prefix_caching, args.schedule_policy, tokenizer.stop_ids, tokenizer, args.compile)
+    engine = Engine(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                    prefix_caching, schedule_policy, tokenizer.stop_ids, tokenizer, compile)
     return engine, tokenizer, info
 
 
@@ -151,12 +161,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from tqdm import tqdm
 
-    from generate import log
-
     args = parse_args(argv)
     try:
         lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
-        engine, tokenizer, _ = load_engine(args)
+        engine, tokenizer, _ = load_engine(**engine_options(args))
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2

@@ -15,11 +15,13 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 advancing them never recompiles); on CUDA it also replays as a CUDA Graph (mode
 "reduce-overhead"). Compile time is reported separately and never counted in tokens/s.
 `--json` prints one JSON object per sample instead of text, for scripts and tests.
+`--interactive` is a chat that prefills only each turn's new tokens; `--draft_checkpoint`,
+`--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
+line on top of the library (runtime.py holds the prefill and decode steps and compiling them).
 """
 import argparse
 import contextlib
 import json
-import resource
 import sys
 import time
 
@@ -27,83 +29,10 @@ import torch
 
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
+from runtime import (DTYPES, autotune, compile_decode, configure_inductor_cpu, cpu_capability, decode_one, human, log,
+                     memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards, verify_step)
 from sampling import SamplingParams, check_sampling, sample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def prefill(model, cache, tokens, start_pos: int = 0):
-    """tokens [B, T] written at positions start_pos.. -> logits of the last position [B, V]."""
-    B, T = tokens.shape
-    input_pos = torch.arange(start_pos, start_pos + T, device=tokens.device).expand(B, T)
-    return model(tokens, input_pos, cache, last_only=True)[:, -1]
-
-
-def decode_one(model, cache, token, input_pos):
-    """token, input_pos [B, 1] -> logits [B, V]. The function --compile compiles."""
-    return model(token, input_pos, cache)[:, -1]
-
-
-def verify_step(model, cache, tokens, input_pos):
-    """tokens, input_pos [B, T] -> logits at every position [B, T, V] (speculative verification)."""
-    return model(tokens, input_pos, cache)
-
-
-def compile_decode(device: str, fn=decode_one, autotune: bool = True):
-    """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
-    launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and GEMMs autotuned
-    against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1 bf16 this is
-    about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU (int8 layers
-    get Inductor's templates too). Models with int4 layers skip the autotuning (autotune=False):
-    it does not speed their kernel and takes many GiB of memory."""
-    if device.startswith("cuda"):
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    import torch._inductor.config
-
-    torch._inductor.config.freezing = True  # inference only: parameters never change after this
-    torch._inductor.config.cpp.simdlen = inductor_vector_bits()
-    torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
-    # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
-
-
-def inductor_vector_bits():
-    """The vector width for Inductor's C++ code, matched to the instruction set ATen dispatches to
-    (ATEN_CPU_CAPABILITY): 512 (AVX-512, or AMX where present), 256 (AVX2). Left to Inductor, parts
-    of it use the CPU's widest set while its loops follow ATEN_CPU_CAPABILITY, and under avx2 on an
-    AVX-512 CPU that mix computed NaNs. Under "default" (no SIMD in ATen) Inductor's code still uses
-    AVX2 where the CPU has it: its scalar fallback fails to compile some masked loads (torch 2.13)."""
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    widths = sorted({isa.bit_width() for isa in valid_vec_isa_list()})
-    want = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability(), widths[0] if widths else None)
-    return want if want in widths else None  # None: Inductor's own choice (other CPUs)
-
-
-def reset_peak_memory(device: str):
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        try:  # Linux: "5" resets this process's peak resident set size (VmHWM)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def peak_memory_bytes(device: str) -> int:
-    """Peak GPU memory allocated, or on CPU the process's peak resident set size."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def skip_guards(enabled: bool):
-    """After the first decode step has checked every guard of the compiled function (compiling
-    if needed), the rest of the loop passes the same model and cache, with the same shapes.
-    Re-checking hundreds of guards per step costs about 0.8 ms on CPU, so only the guards that
-    choose between compiled graphs are evaluated."""
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if enabled else contextlib.nullcontext()
+from tokenizer import TextStream, load_tokenizer
 
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
@@ -146,29 +75,6 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     decode_s = total_s - first_token_s
     return rows, {"time_to_first_token_s": first_token_s, "total_s": total_s, "steps": n,
                   "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
-
-
-class Streamer:
-    """Prints the text of row 0 as tokens arrive, holding back incomplete UTF-8 characters."""
-
-    def __init__(self, tokenizer, stop_ids, out=None):
-        self.tokenizer, self.stop_ids, self.out = tokenizer, set(stop_ids), out or sys.stdout
-        self.ids, self.printed, self.stopped = [], "", False
-
-    def __call__(self, token):
-        t = int(token[0])  # a host sync, only when streaming to a terminal
-        if self.stopped or t in self.stop_ids:
-            self.stopped = True
-            return
-        self.ids.append(t)
-        self.flush(final=False)
-
-    def flush(self, final=True):
-        text = self.tokenizer.decode(self.ids)
-        if final or not text.endswith("\ufffd"):  # a partial character: wait for its other bytes
-            self.out.write(text[len(self.printed):])
-            self.out.flush()
-            self.printed = text
 
 
 def parse_args(argv):
@@ -221,62 +127,53 @@ def parse_args(argv):
     return args
 
 
-def pick_device(name):
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (no GPU or a CPU-only PyTorch); use --device cpu")
-    if not name.startswith(("cpu", "cuda")):
-        raise ValueError(f"--device {name}: expected cpu or cuda")
-    return name
-
-
-def plan_seq_len(args, model_args, prompt_len: int) -> int:
-    context = model_args.max_position_embeddings
-    need = prompt_len + args.max_new_tokens
+def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int = None) -> int:
+    """The static cache's length: prompt + max_new_tokens rounded up to 64, within the context."""
+    context = config.max_position_embeddings
+    need = prompt_len + max_new_tokens
     if need > context:
-        raise ValueError(f"prompt has {prompt_len} tokens and --max_new_tokens is {args.max_new_tokens}: "
+        raise ValueError(f"prompt has {prompt_len} tokens and --max_new_tokens is {max_new_tokens}: "
                          f"{need} exceeds this model's context of {context} tokens")
-    seq_len = args.max_seq_len or min(context, -(-need // 64) * 64)  # round up to a multiple of 64
+    seq_len = max_seq_len or min(context, -(-need // 64) * 64)  # round up to a multiple of 64
     if seq_len < need:
-        raise ValueError(f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({args.max_new_tokens})")
+        raise ValueError(f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({max_new_tokens})")
     if seq_len > context:
         raise ValueError(f"--max_seq_len {seq_len} exceeds this model's context of {context} tokens")
-    if model_args.sliding_window and seq_len > model_args.sliding_window:
-        raise ValueError(f"--max_seq_len {seq_len} exceeds the sliding window ({model_args.sliding_window}), which is not implemented")
+    if config.sliding_window and seq_len > config.sliding_window:
+        raise ValueError(f"--max_seq_len {seq_len} exceeds the sliding window ({config.sliding_window}), which is not implemented")
     return seq_len
 
 
-def make_cache(args, model, batch_size: int, seq_len: int):
-    if getattr(args, "cache", "static") == "paged":
+def make_cache(model, batch_size: int, seq_len: int, kind: str = "static", kv_dtype: str = "model", block_size: int = 16):
+    """kind "static" (kv_cache.py; kv_dtype "int8" for Int8KVCache) or "paged" (paged.py)."""
+    if kind == "paged":
         from paged import PagedKVCache
 
-        if args.kv_cache_dtype != "model":
+        if kv_dtype != "model":
             raise ValueError("--cache paged stores K/V in the model's dtype; --kv_cache_dtype int8 needs --cache static")
-        return PagedKVCache.for_batch(model, batch_size, seq_len, args.block_size)
-    kind = Int8KVCache if getattr(args, "kv_cache_dtype", "model") == "int8" else StaticKVCache
-    return kind.for_model(model, batch_size, seq_len)
+        return PagedKVCache.for_batch(model, batch_size, seq_len, block_size)
+    return (Int8KVCache if kv_dtype == "int8" else StaticKVCache).for_model(model, batch_size, seq_len)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
+class Printer:
+    """Prints row 0's text as its tokens arrive, through tokenizer.TextStream (the incremental
+    detokenizer serve.py uses too); after a stop token nothing more is printed."""
 
+    def __init__(self, tokenizer, stop_ids, out=None):
+        self.text, self.stop_ids, self.out, self.done = TextStream(tokenizer), set(stop_ids), out or sys.stdout, False
 
-def memory_plan(model, cache) -> str:
-    weights = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
-    if hasattr(cache, "block_size"):  # paged: the pool, block 0 being the null block
-        per_block = cache.nbytes() / cache.num_blocks
-        return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
-                          f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
-    per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
-    return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
+    def __call__(self, token):
+        if not self.done:
+            t = int(token[0])  # a host sync, only when streaming to a terminal
+            self.done = t in self.stop_ids
+            self.write(self.text.add(t, "stop" if self.done else None))
 
+    def flush(self):
+        self.write(self.text.finish())
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+    def write(self, text: str):
+        self.out.write(text)
+        self.out.flush()
 
 
 def main(argv=None) -> int:
@@ -296,7 +193,6 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     import weights
-    from tokenizer import load_tokenizer
 
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
@@ -318,38 +214,32 @@ def run(args) -> int:
     tokenizer = load_tokenizer(info.source)
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
     if args.interactive:
-        from chat import interactive
         return interactive(args, model, tokenizer, device)
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
-        from speculative import run_speculative
-        return run_speculative(args, model, tokenizer, info, device)
+        return run_speculative(args, model, tokenizer, device)
 
-    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens; give some text with --prompt")
-    seq_len = plan_seq_len(args, model.args, len(ids))
-    cache = make_cache(args, model, args.batch_size, seq_len)
+    ids = encode_prompt(args, tokenizer)
+    seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
+    cache = make_cache(model, args.batch_size, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
     log(memory_plan(model, cache))
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
         log(f"compiled in {compile_s:.1f} s")
     prompt = torch.tensor([ids] * args.batch_size, device=device)
-    generator = torch.Generator(device=device)
-    if args.seed is not None:
-        generator.manual_seed(args.seed)
+    generator = make_generator(device, args.seed)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
     with profiler:
         for _ in range(args.num_samples):
             stream = not args.json and args.batch_size == 1
-            streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
+            printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
             if stream:
                 print(args.prompt if not args.chat else "", end="", flush=True)
             rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
-                                    args.ignore_eos, decode_fn, prefill_fn, on_token=streamer if stream else None)
+                                    args.ignore_eos, decode_fn, prefill_fn, on_token=printer if stream else None)
             if stream:
-                streamer.flush()
+                printer.flush()
             report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream)
     if args.profile:
         profiler.export_chrome_trace(args.profile)
@@ -357,15 +247,137 @@ def run(args) -> int:
     return 0
 
 
-def autotune(model) -> bool:
-    """Autotune unless the model has int4 layers (see compile_decode)."""
-    return not any(type(m).__name__ == "Int4Linear" for m in model.modules())
+def encode_prompt(args, tokenizer) -> list:
+    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give some text with --prompt")
+    return ids
+
+
+def make_generator(device, seed):
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    return generator
+
+
+def interactive(args, model, tokenizer, device) -> int:
+    """--interactive: a chat over one static cache. Each turn re-renders the whole conversation
+    with the chat template, finds the longest prefix whose K/V are already in the cache, and
+    prefills only the tokens after it: a long chat costs each turn only its new tokens."""
+    seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
+    cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
+    log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
+    decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
+    generator, params = make_generator(device, args.seed), SamplingParams(args.temperature, args.top_k, args.top_p)
+    messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
+    while True:
+        try:
+            text = input("\n>>> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.encode_chat(messages)
+        common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+        common = min(common, len(ids) - 1)  # at least one token to prefill
+        if len(ids) + args.max_new_tokens > seq_len:
+            log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
+            break
+        printer = Printer(tokenizer, tokenizer.stop_ids)
+        prompt = torch.tensor([ids[common:]], device=device)
+        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
+                                False, decode_fn, start_pos=common, on_token=printer)
+        printer.flush()
+        print()
+        log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
+        reply = rows[0]
+        cached = ids + reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else ids + reply
+        messages.append({"role": "assistant", "content": printer.text.sent})
+    return 0
+
+
+def run_speculative(args, model, tokenizer, device) -> int:
+    """--draft_checkpoint / --draft_layers / --prompt_lookup: speculative.py's loop, batch 1."""
+    import weights
+    from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
+
+    if args.batch_size != 1 or args.compile_prefill:
+        raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
+    if args.draft_quantize and not args.draft_checkpoint:
+        raise ValueError("--draft_quantize applies to a --draft_checkpoint model (layer-skip drafts share the target's weights)")
+    if args.speculate_k < 1:
+        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
+    ids = encode_prompt(args, tokenizer)
+    seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
+    # (rounds without drafts), and the draft's one-token step
+    tune = autotune(model)
+    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
+    verify_fns = {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)} if args.compile else {}
+    if args.prompt_lookup:
+        drafter = PromptLookupDrafter(args.prompt_lookup, model.config.vocab_size)
+        label = f"prompt lookup n<={args.prompt_lookup}"
+    elif args.draft_layers:
+        if not 1 <= args.draft_layers < model.config.n_layers:
+            raise ValueError(f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}")
+        drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
+        label = f"first {args.draft_layers} layers"
+    else:
+        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({model.config.vocab_size}); a draft must share the target's tokenizer")
+        if args.draft_quantize:
+            import quantize
+
+            quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
+        drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
+    cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
+    log(memory_plan(model, cache))
+    generator = make_generator(device, args.seed)
+    compile_s = 0.0
+    if args.compile:  # compile now, on the real prompt, so compile time stays out of tokens/s
+        start = time.perf_counter()
+        speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
+                             ignore_eos=True, verify_fns=verify_fns)
+        for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
+            with torch.no_grad():
+                fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
+        drafter.rollback(0)
+        compile_s = time.perf_counter() - start
+        log(f"compiled in {compile_s:.1f} s")
+    for _ in range(args.num_samples):
+        printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
+        if not args.json:
+            print(args.prompt if not args.chat else "", end="", flush=True)
+        tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
+                                             generator, tokenizer.stop_ids, args.ignore_eos,
+                                             on_token=None if args.json else printer, verify_fns=verify_fns)
+        stats["compile_s"] = compile_s
+        drafter.rollback(0)  # the next sample starts from an empty sequence
+        per_draft = stats["draft_s"] / max(stats["drafted"], 1)
+        stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))
+        text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
+        if args.json:
+            print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
+        else:
+            printer.flush()
+            print(flush=True)
+        log(f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
+            f"acceptance {stats['acceptance_rate']:.2f} | {stats['tokens_per_round']:.2f} tokens/round | "
+            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s")
+    return 0
 
 
 def warm_up(args, model, cache, device, prompt_len):
     """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
     start = time.perf_counter()
     decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
+    if args.compile_prefill and device == "cpu":
+        configure_inductor_cpu()
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     B = cache.batch_size
     with torch.no_grad():
@@ -382,7 +394,7 @@ def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, de
              "time_to_first_token_s": timing["time_to_first_token_s"], "total_s": timing["total_s"],
              "peak_memory_bytes": peak_memory_bytes(device), "model_bytes": model.weight_bytes(),
              "kv_cache_bytes": cache.nbytes(), "compile_s": compile_s, "load_s": info.load_s,
-             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": device}
+             "cpu_capability": cpu_capability(), "device": device}
     for row in rows:
         text = tokenizer.decode([t for t in row if args.ignore_eos or t not in tokenizer.stop_ids])
         if args.json:

@@ -8,10 +8,19 @@ and then by kind (`tokenizer.ggml.model`):
 - `llama`: SentencePiece BPE with `tokenizer.ggml.scores`; a merge's rank is the score of the
   piece it makes, and unknown characters fall back to the <0xXX> byte pieces.
 Control tokens are added as special tokens, so `<|im_start|>` in a chat prompt becomes one id.
+`from_gguf` returns the pieces (the `tokenizers` object, BOS and stop ids, chat template);
+tokenizer.py wraps them in its Tokenizer.
 """
 from pathlib import Path
 
-from tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, HFBackend, Tokenizer, TokenizerError
+from gguf_weights import field, read
+from runtime import TokenizerError
+
+# Pre-tokenizer regexes (split text into words before BPE), as the models were trained.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 CONTROL, USER_DEFINED = 3, 4
 # `tokenizer.ggml.pre` values whose models split every digit into its own word.
@@ -67,10 +76,9 @@ def _llama(tokens, scores, unk_id, add_space_prefix):
     return tok
 
 
-def from_gguf(path: Path) -> Tokenizer:
+def from_gguf(path: Path) -> dict:
+    """{"tokenizer": a tokenizers.Tokenizer, "bos_id", "stop_ids", "add_bos", "chat_template", "special"}."""
     from tokenizers import AddedToken
-
-    from gguf_weights import field, read
 
     reader = read(path)
     kind = field(reader, "tokenizer.ggml.model")
@@ -92,4 +100,5 @@ def from_gguf(path: Path) -> Tokenizer:
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     stops = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
-    return Tokenizer(HFBackend(tok), bos, stops, add_bos, field(reader, "tokenizer.chat_template"), special)
+    return {"tokenizer": tok, "bos_id": bos, "stop_ids": stops, "add_bos": add_bos,
+            "chat_template": field(reader, "tokenizer.chat_template"), "special": special}

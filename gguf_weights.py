@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import ModelArgs
+from model import ModelConfig
+from runtime import CheckpointError
 
 SUPPORTED_ARCH = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -31,12 +32,6 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-
-
-def _error(msg):
-    from weights import CheckpointError
-
-    return CheckpointError(msg)
 
 
 def read(path: Path):
@@ -55,7 +50,7 @@ def _read(path: str, mtime_ns: int, size: int):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader fails in many ways on a bad file; all mean the same to a user
-        raise _error(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 def field(reader, key, default=None):
@@ -63,15 +58,15 @@ def field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
-def args_from_gguf(reader, path) -> ModelArgs:
+def config_from_gguf(reader, path) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCH:
-        raise _error(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})")
+        raise CheckpointError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})")
 
     def get(key, default=None):
         value = field(reader, f"{arch}.{key}", default)
         if value is None:
-            raise _error(f"{path}: metadata {arch}.{key} is missing")
+            raise CheckpointError(f"{path}: metadata {arch}.{key} is missing")
         return value
 
     names = {t.name for t in reader.tensors}
@@ -83,7 +78,7 @@ def args_from_gguf(reader, path) -> ModelArgs:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors", "factors": np.asarray(t.data, dtype=np.float32).tolist()}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelArgs(
+    return ModelConfig(
         vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"), n_heads=heads,
         n_kv_heads=get("attention.head_count_kv", heads), intermediate_size=get("feed_forward_length"),
         head_dim=get("attention.key_length", 0), norm_eps=get("attention.layer_norm_rms_epsilon"),
@@ -135,7 +130,7 @@ def dequantize(t, path) -> torch.Tensor:
 
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
-        raise _error(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        raise CheckpointError(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     if kind in ("Q8_0", "Q4_0", "Q4_1") and t.data.ndim == 2:
         size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
         if t.data.shape[1] % size == 0:
@@ -143,24 +138,40 @@ def dequantize(t, path) -> torch.Tensor:
     try:
         array = quants.dequantize(t.data, t.tensor_type)
     except Exception as e:
-        raise _error(f"{path}: tensor {t.name!r} ({kind}) cannot be decoded, truncated or corrupt ({e})") from None
+        raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}) cannot be decoded, truncated or corrupt ({e})") from None
     array = np.ascontiguousarray(array, dtype=np.float32)
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def open_gguf(path: Path):
-    """(ModelArgs, iterator of (file, name, float32 tensor), total bytes) for a GGUF file."""
+    """(ModelConfig, iterator of (file, name, float32 tensor), total bytes) for a GGUF file."""
     reader = read(path)
-    args = args_from_gguf(reader, path)
+    config = config_from_gguf(reader, path)
     arch = field(reader, "general.architecture")
 
     def tensors():
         for t in reader.tensors:
             if t.name == "rope_freqs.weight":
-                continue  # folded into args.rope_scaling
+                continue  # folded into config.rope_scaling
             name, w = model_name(t.name), dequantize(t, path)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                w = unpermute(w, args.n_heads if "q_proj" in name else args.n_kv_heads)
+                w = unpermute(w, config.n_heads if "q_proj" in name else config.n_kv_heads)
             yield path, name, w
 
-    return args, tensors(), path.stat().st_size
+    return config, tensors(), path.stat().st_size
+
+
+def write_tokenizer_only(src: Path, dst: Path):
+    """Copy a GGUF file's tokenizer.* and general.architecture fields into a GGUF with no tensors."""
+    import gguf
+
+    reader = read(src)
+    writer = gguf.GGUFWriter(str(dst), arch=str(field(reader, "general.architecture")))
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -53,7 +53,7 @@ class StaticKVCache:
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
-        a, w = model.args, model.norm.weight  # the activations' dtype and device
+        a, w = model.config, model.norm.weight  # the activations' dtype and device
         return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
 
     def nbytes(self) -> int:
@@ -71,6 +71,8 @@ class StaticKVCache:
         mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]: slot visible to query
         if (q.shape[1] == 1 and q.device.type == "cpu" and self.max_seq_len <= FUSED_DECODE_MAX_SLOTS
                 and torch.compiler.is_compiling()):
+            # compiled CPU decode only: the same maths as the SDPA call below, softmax(q k^T / sqrt(D)
+            # + mask) v, written as two reductions Inductor fuses (decode_attention)
             return decode_attention(q, k_cache, v_cache, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)  # [B, T, H, D]
@@ -133,6 +135,8 @@ class Int8KVCache(StaticKVCache):
         mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]
         k_cache, v_cache, k_scale, v_scale = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         if q.shape[1] == 1 and torch.compiler.is_compiling():
+            # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
+            # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
         kf, vf = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale
         y = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask, enable_gqa=True)

@@ -2,7 +2,7 @@
 
 One decoder-only architecture covers Llama 2, Llama 3 / 3.1 / 3.2, Mistral (without sliding
 window), TinyLlama, SmolLM2, Qwen2 / Qwen2.5 and Qwen3. They differ only in a few switches, all
-in `ModelArgs`: grouped-query attention (n_kv_heads < n_heads), a head_dim that need not be
+in `ModelConfig`: grouped-query attention (n_kv_heads < n_heads), a head_dim that need not be
 dim / n_heads, bias on q/k/v (Qwen2), RMSNorm on q and k per head (Qwen3), a tied or untied
 output head, and how RoPE frequencies are scaled (`llama3`, `linear`).
 
@@ -29,7 +29,7 @@ from torch import nn
 
 
 @dataclass
-class ModelArgs:
+class ModelConfig:
     vocab_size: int
     dim: int  # hidden size
     n_layers: int
@@ -55,11 +55,11 @@ class ModelArgs:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Per-pair rotation speeds [head_dim/2], with the checkpoint's frequency scaling applied."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = args.rope_scaling or {}
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -107,17 +107,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer  # index the cache uses to find this layer's K/V
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -136,23 +136,23 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args, layer)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, input_pos, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
@@ -160,17 +160,17 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Not a parameter: rebuilt from args wherever the model is created, never loaded.
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # Not a parameter: rebuilt from config wherever the model is created, never loaded.
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def rope(self, input_pos: torch.Tensor):
         # input_pos [B, T] -> cos, sin [B, T, D], computed in float32 then cast like the reference

@@ -44,7 +44,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from kv_cache import FUSED_DECODE_MAX_SLOTS, decode_attention
+from kv_cache import FUSED_DECODE_MAX_SLOTS, decode_attention, kv_bytes_per_token
 
 NULL_BLOCK = 0
 
@@ -229,7 +229,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
-        a, w = model.args, model.norm.weight
+        a, w = model.config, model.norm.weight
         return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device)
 
     @classmethod
@@ -244,8 +244,8 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(model, block_size: int) -> int:
-        a = model.args
-        return 2 * a.n_layers * block_size * a.n_kv_heads * a.head_dim * model.norm.weight.element_size()
+        c = model.config
+        return block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.norm.weight.dtype)
 
     def tensors(self) -> list:
         return self.k + self.v
@@ -296,7 +296,8 @@ class PagedKVCache:
         mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]
         if (R == 1 and q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
                 and torch.compiler.is_compiling()):
-            # batch 1 compiled: the one-token reductions of kv_cache.py. as_strided makes Inductor
+            # batch 1 compiled only: the SDPA call below, softmax(q k^T / sqrt(D) + mask) v, as the
+            # one-token reductions of kv_cache.py (decode_attention). as_strided makes Inductor
             # write the gathered blocks out first (one vectorised copy) instead of fusing the gather
             # into the reductions, whose indirect loads ran 1.5x slower.
             k_ctx, v_ctx = k_ctx.as_strided(k_ctx.shape, k_ctx.stride()), v_ctx.as_strided(v_ctx.shape, v_ctx.stride())
@@ -334,7 +335,7 @@ def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: in
             num_blocks = min(num_blocks, 1 + blocks_for(max_tokens, block_size))
     if num_blocks < 2:
         raise ValueError(f"the KV memory given holds {num_blocks} blocks of {per_block} bytes; at least 2 are needed")
-    a = model.args
+    a = model.config
     line = (f"KV cache: {per_block} bytes per block (2 * {a.n_layers} layers * {block_size} tokens * {a.n_kv_heads} "
             f"kv heads * {a.head_dim} dims * {model.norm.weight.element_size()} bytes) | {num_blocks} blocks = "
             f"{num_blocks * per_block / 2**20:.1f} MiB | {(num_blocks - 1) * block_size} tokens "

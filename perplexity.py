@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache import Int8KVCache, StaticKVCache
+from runtime import DTYPES, pick_device
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "declaration.txt"
 KV_CACHES = {"model": StaticKVCache, "int8": Int8KVCache}
@@ -50,7 +51,6 @@ def perplexity(model, ids: list, window: int = 512, chunk: int = 128, kv_cache_d
 
 
 def parse_args(argv):
-    from generate import DTYPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
@@ -68,7 +68,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     import weights
-    from generate import DTYPES, pick_device
     from tokenizer import load_tokenizer
 
     args = parse_args(argv)

@@ -163,12 +163,6 @@ def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
     return None
 
 
-def cpu_capability() -> str:
-    """The instruction set ATen dispatches to on this CPU ("AVX512", "AVX2", "DEFAULT", ...); set
-    ATEN_CPU_CAPABILITY=default|avx2|avx512 to choose a lower one."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
 @functools.cache
 def cpu_int4_kernel_error(capability: str):
     """None if `_weight_int4pack_mm_for_cpu` multiplies a probe matrix correctly under this
@@ -202,14 +196,17 @@ def check_int4_device(device) -> None:
         raise ValueError("int4 needs a CUDA GPU of compute capability 8.0 or newer (tinygemm kernel); use int8")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"int4 has no kernel on device {device.type!r}; use int8, or cpu or cuda")
-    if device.type == "cpu" and (error := cpu_int4_kernel_error(cpu_capability())):
-        raise ValueError(f"the CPU int4 kernel does not work under CPU capability {cpu_capability()} "
+    capability = torch.backends.cpu.get_cpu_capability()  # what ATEN_CPU_CAPABILITY may lower
+    if device.type == "cpu" and (error := cpu_int4_kernel_error(capability)):
+        raise ValueError(f"the CPU int4 kernel does not work under CPU capability {capability} "
                          f"({error}); use --quantize int8")
 
 
 class Int4Linear(nn.Module):
     """y = x @ ((q - 8) * scale + zero).T per group of input channels, with the device's int4 kernel
     for few rows and, on CPU, dequantize + GEMM from INT4_LARGE_M rows up."""
+
+    compile_autotune = False  # max-autotune does not speed its kernel and takes many GiB (runtime.autotune)
 
     def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
         super().__init__()
@@ -223,7 +220,7 @@ class Int4Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.layout = find_cpu_int4_layout(packed, q)
             if self.layout is None:  # an unknown layout: keep the portable values (N * K / 2 more bytes)
-                warn_once(f"int4: the CPU kernel's packed layout under {cpu_capability()} is not one this "
+                warn_once(f"int4: the CPU kernel's packed layout under {torch.backends.cpu.get_cpu_capability()} is not one this "
                           "file knows; each layer keeps a second, portable copy of its values for prefill")
                 self.portable_weight = portable["weight"].contiguous()
         else:  # tinygemm wants bf16 and 2 values per byte, high nibble first
@@ -371,7 +368,7 @@ def linear_coverage(model) -> float:
     return done / total
 
 
-# ---- quantized checkpoints: save, and the pieces weights.load uses to read them --------------
+# ---- quantized checkpoints: the pieces weights.py uses to write and read them --------------
 
 METADATA_KEY = "quantization"  # safetensors metadata: {"mode", "groupsize", "layers"}
 
@@ -405,62 +402,8 @@ def install(model, state: dict, quant: dict, dtype, device):
         bias = state.pop(f"{name}.bias", None)
         _set(model, name, make_layer(portable, bias, mode, g, dtype, device))
     emb, head = model.embed_tokens, model.lm_head
-    if model.args.tie_word_embeddings and isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear):
+    if model.config.tie_word_embeddings and isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear):
         emb.weight, emb.scales = head.weight, head.scales  # the same table, computed twice on disk
-
-
-def save(model, folder, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
-         tokenizer_source=None) -> dict:
-    """Write a float model as a quantized checkpoint folder that weights.load (and so generate.py
-    --checkpoint) reads. Returns the plan's report."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    import weights
-
-    layers = plan(model, mode, groupsize, head, embedding)
-    quantized = [n for n, r in layers.items() if r is None]
-    state = weights.hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)))
-    for name in quantized:
-        w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
-        tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
-        prefix = name if name == "lm_head" else f"model.{name}"
-        state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
-    (folder / "config.json").write_text(json.dumps(weights.hf_config(model), indent=2))
-    source = Path(tokenizer_source) if tokenizer_source else None
-    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
-        write_tokenizer_gguf(source, folder / "tokenizer.gguf")
-    elif source:
-        for f in source.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-                shutil.copy(f, folder / f.name)
-    report = {"mode": mode, "groupsize": meta["groupsize"], "quantized": quantized,
-              "kept": {n: r for n, r in layers.items() if r is not None}, "bytes_before": model.weight_bytes(),
-              "bytes_after": sum(t.numel() * t.element_size() for t in state.values())}
-    return report
-
-
-def write_tokenizer_gguf(src: Path, dst: Path):
-    """Copy a GGUF file's tokenizer.* and general.architecture fields into a GGUF with no tensors."""
-    import gguf
-
-    import gguf_weights
-
-    reader = gguf_weights.read(src)
-    writer = gguf.GGUFWriter(str(dst), arch=str(gguf_weights.field(reader, "general.architecture")))
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def parse_args(argv):
@@ -483,7 +426,7 @@ def main(argv=None) -> int:
         model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32)
         suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
         out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
-        report = save(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
+        report = weights.save_quantized(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

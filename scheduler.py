@@ -2,8 +2,8 @@
 step, long prompts prefill in chunks, and when KV blocks run out the newest request is preempted
 and recomputed later (vLLM's scheduler; SGLang's longest-prefix-match policy).
 
-    python scheduler.py --requests requests.jsonl            # one JSON request per line, '-' for stdin
-    echo '{"prompt": "The sea is", "max_new_tokens": 20}' | python scheduler.py --requests -
+    python batch.py --requests requests.jsonl            # one JSON request per line, '-' for stdin
+    echo '{"prompt": "The sea is", "max_new_tokens": 20}' | python batch.py --requests -
 
 Static batching runs a batch until its longest request finishes: the others idle, and waiting
 requests wait. Here every `step()`:
@@ -27,7 +27,6 @@ runs a list of prompts offline. Output lines: {"id", "tokens", "text", "finish_r
 "time_to_first_token_s"} or {"id", "error"}; a summary goes to stderr.
 """
 import itertools
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged import BlockAllocator, PagedKVCache, blocks_for, bucket
+from runtime import compile_decode
 from sampling import check_sampling, sample, SamplingParams
 
 
@@ -135,22 +135,19 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
         self.block_size, self.max_num_seqs, self.max_num_batched_tokens = block_size, max_num_seqs, max_num_batched_tokens
         self.reserve_tokens = reserve_tokens  # set: reserve this many tokens per sequence at admission, like a static cache
-        self.max_model_len = model.args.max_position_embeddings
+        self.max_model_len = model.config.max_position_embeddings
         self.stop_ids = set(stop_ids)
         self.waiting, self.running, self.requests = deque(), [], {}
         self.next_id = 0
         self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
-        self.decode_fn = None
-        if compile:
-            from generate import compile_decode
-            self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False)
+        self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
 
     # -- the incremental API -------------------------------------------------------------------
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
         """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
         params = params or RequestParams()
         params.check()
-        vocab = self.model.args.vocab_size
+        vocab = self.model.config.vocab_size
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -291,22 +288,20 @@ class Engine:
         ones = [s for s, n in batch.items() if n == 1]  # decodes (and one-token prefill tails): one group
         chunks = [s for s, n in batch.items() if n > 1]  # prefill chunks: a group each
         compiled = self.decode_fn is not None and not chunks
-        rows = bucket(len(ones)) if compiled else len(ones)  # padded to a few sizes: few compiled graphs
         tokens, pos, groups, ends = [], [], [], []  # ends: flat index of each sequence's last token
-        if compiled:  # one group padded to a bucket, so few graphs are compiled (padding rows read the null block)
-            ones += [None] * (rows - len(ones))
+        if compiled:  # one group, its rows padded to a bucket so that few graphs are compiled
             decode_groups = [ones]
         else:  # rows of similar context together, so each group's gather is close to its own length
             ones.sort(key=lambda s: -len(s.blocks))
             decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(len(s.blocks)))]
         for group in decode_groups:
-            width = bucket(max(len(s.blocks) for s in group if s))
-            table = [s.blocks + [0] * (width - len(s.blocks)) if s else [0] * width for s in group]
-            ends += [len(tokens) + i for i, s in enumerate(group) if s]
-            tokens += [s.tokens[s.num_computed] if s else 0 for s in group]
-            pos += [s.num_computed if s else 0 for s in group]  # padding rows: position 0 of the null block
-            groups.append((len(group), 1, torch.tensor(table, device=self.device)))
-        ones = [s for s in ones if s]
+            width = bucket(max(len(s.blocks) for s in group))
+            pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: position 0 of the null block
+            table = [s.blocks + [0] * (width - len(s.blocks)) for s in group] + [[0] * width] * pad
+            ends += [len(tokens) + i for i in range(len(group))]
+            tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
+            pos += [s.num_computed for s in group] + [0] * pad
+            groups.append((len(group) + pad, 1, torch.tensor(table, device=self.device)))
         for s in chunks:
             n, start = batch[s], s.num_computed
             width = bucket(len(s.blocks))
@@ -387,8 +382,3 @@ class Engine:
             return "length"
         return None
 
-
-if __name__ == "__main__":  # the command line lives in batch.py
-    from batch import main
-
-    sys.exit(main())

@@ -31,7 +31,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime import log
 from scheduler import RequestParams
+from tokenizer import TextStream
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
@@ -71,33 +73,10 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
-class TextStream:
-    """One choice's text, decoded as its tokens arrive. Holds back a partial UTF-8 character and
-    any tail that could begin a stop string, so a stream never sends text it must take back."""
-
-    def __init__(self, tokenizer, stop):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids, self.count, self.sent, self.reason = [], 0, "", None
-
-    def add(self, token: int, reason) -> str:
-        """Record `token` (with its finish reason or None); returns the text to send now."""
-        self.count, self.reason = self.count + 1, reason
-        if not (reason == "stop" and token in self.tokenizer.stop_ids):  # an end token is not text
-            self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if reason == "stop":  # cut at a stop string (the engine stopped because one appeared)
-            text = text[:min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=len(text))]
-        elif reason is None:
-            text = text[:len(text) - max((len(s) - 1 for s in self.stop), default=0)]
-            if text.endswith("\ufffd"):
-                return ""
-        new = text[len(self.sent):]
-        self.sent = text if len(text) > len(self.sent) else self.sent
-        return new
-
-    def choice(self, index: int, chat: bool) -> dict:
-        body = {"message": {"role": "assistant", "content": self.sent}} if chat else {"text": self.sent, "logprobs": None}
-        return {"index": index, **body, "finish_reason": self.reason}
+def choice(stream, index: int, chat: bool) -> dict:
+    """One choice of a response from its tokenizer.TextStream."""
+    body = {"message": {"role": "assistant", "content": stream.sent}} if chat else {"text": stream.sent, "logprobs": None}
+    return {"index": index, **body, "finish_reason": stream.reason}
 
 
 def usage(prompt_len: int, streams) -> dict:
@@ -252,7 +231,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
                                      media_type="text/event-stream")
         while (event := await events.get()) is not None:
             streams[event[0]].add(*event[1:])
-        choices = [s.choice(i, chat) for i, s in enumerate(streams)]
+        choices = [choice(s, i, chat) for i, s in enumerate(streams)]
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": usage(len(prompt), streams)}
 
@@ -301,8 +280,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
 def main(argv=None) -> int:
     import uvicorn
 
-    from batch import add_engine_args, check_engine_args, load_engine
-    from generate import log
+    from batch import add_engine_args, check_engine_args, engine_options, load_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
@@ -314,7 +292,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_engine_args(p, args)
     try:
-        engine, tokenizer, info = load_engine(args)
+        engine, tokenizer, info = load_engine(**engine_options(args))
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2

@@ -22,7 +22,6 @@ the rest at the start of its next forward: the first round's target forward is t
 With c = cost of a draft step / cost of a target step and acceptance rate alpha, the expected
 speed-up is (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
 """
-import json
 import time
 
 import torch
@@ -123,7 +122,7 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
                          generator=None, stop_ids=(), ignore_eos=False, on_token=None, verify_fns=None):
     """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).
 
-    verify_fns: {T: compiled generate.verify_step} for the forward lengths that recur (k + 1
+    verify_fns: {T: compiled runtime.verify_step} for the forward lengths that recur (k + 1
     after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
     verify_fns = verify_fns or {}
     device = cache.slots.device
@@ -176,78 +175,3 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
              "time_to_first_token_s": first_token_s or total_s,
              "tokens_per_s": (len(out) - 1) / (total_s - first_token_s) if len(out) > 1 and first_token_s else 0.0}
     return out, stats
-
-
-def run_speculative(args, model, tokenizer, info, device) -> int:
-    """generate.py's --draft_checkpoint / --draft_layers / --prompt_lookup."""
-    import weights
-    from generate import DTYPES, Streamer, autotune, compile_decode, log, make_cache, memory_plan, plan_seq_len, verify_step
-
-    if args.batch_size != 1 or args.compile_prefill:
-        raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
-    if args.draft_quantize and not args.draft_checkpoint:
-        raise ValueError("--draft_quantize applies to a --draft_checkpoint model (layer-skip drafts share the target's weights)")
-    if args.speculate_k < 1:
-        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
-    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
-    seq_len = plan_seq_len(args, model.args, len(ids))
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
-    # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
-    # (rounds without drafts), and the draft's one-token step
-    tune = autotune(model)
-    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
-    verify_fns = {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)} if args.compile else {}
-    if args.prompt_lookup:
-        drafter, label = PromptLookupDrafter(args.prompt_lookup, model.args.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
-    elif args.draft_layers:
-        if not 1 <= args.draft_layers < model.args.n_layers:
-            raise ValueError(f"--draft_layers must be between 1 and {model.args.n_layers - 1} for this model, got {args.draft_layers}")
-        drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
-        label = f"first {args.draft_layers} layers"
-    else:
-        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
-        if draft.args.vocab_size != model.args.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
-                             f"({model.args.vocab_size}); a draft must share the target's tokenizer")
-        if args.draft_quantize:
-            import quantize
-
-            quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
-        drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
-    cache = make_cache(args, model, 1, seq_len)
-    log(memory_plan(model, cache))
-    generator = torch.Generator(device=device)
-    if args.seed is not None:
-        generator.manual_seed(args.seed)
-    compile_s = 0.0
-    if args.compile:  # compile now, on the real prompt, so compile time stays out of tokens/s
-        start = time.perf_counter()
-        speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
-                             ignore_eos=True, verify_fns=verify_fns)
-        for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
-            with torch.no_grad():
-                fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
-        drafter.rollback(0)
-        compile_s = time.perf_counter() - start
-        log(f"compiled in {compile_s:.1f} s")
-    for _ in range(args.num_samples):
-        streamer = Streamer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
-        if not args.json:
-            print(args.prompt if not args.chat else "", end="", flush=True)
-        tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
-                                             generator, tokenizer.stop_ids, args.ignore_eos,
-                                             on_token=None if args.json else streamer, verify_fns=verify_fns)
-        stats["compile_s"] = compile_s
-        drafter.rollback(0)  # the next sample starts from an empty sequence
-        per_draft = stats["draft_s"] / max(stats["drafted"], 1)
-        stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))
-        text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
-        if args.json:
-            print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
-        else:
-            streamer.flush()
-            print(flush=True)
-        log(f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
-            f"acceptance {stats['acceptance_rate']:.2f} | {stats['tokens_per_round']:.2f} tokens/round | "
-            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s")
-    return 0

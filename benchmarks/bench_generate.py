@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
@@ -68,7 +69,7 @@ class Clock:
 
 def run_hf(hf, ids, n):
     clock = Clock()
-    generate.reset_peak_memory("cpu")
+    runtime.reset_peak_memory("cpu")
     start = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock)
@@ -76,16 +77,16 @@ def run_hf(hf, ids, n):
     assert out.shape[1] - len(ids) == n
     first = clock.times[1] - start  # times[0] is the prompt being handed over
     return {"decode_tps": (n - 1) / (clock.times[-1] - clock.times[1]), "e2e_tps": n / total, "ttft": first,
-            "peak": generate.peak_memory_bytes("cpu")}
+            "peak": runtime.peak_memory_bytes("cpu")}
 
 
 def run_ours(model, ids, n, decode_fn, seq_len):
     cache = StaticKVCache.for_model(model, 1, seq_len)  # one length for every run: one compiled graph
-    generate.reset_peak_memory("cpu")
+    runtime.reset_peak_memory("cpu")
     rows, t = generate.generate(model, cache, torch.tensor([ids]), n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
     assert len(rows[0]) == n
     return {"decode_tps": t["tokens_per_s"], "e2e_tps": n / t["total_s"], "ttft": t["time_to_first_token_s"],
-            "peak": generate.peak_memory_bytes("cpu")}
+            "peak": runtime.peak_memory_bytes("cpu")}
 
 
 def startup_to_first_token() -> float:
@@ -119,16 +120,16 @@ def main():
     seq_len = len(ids) + args.new_tokens
     rows = []
     for name in args.dtypes:
-        dtype = generate.DTYPES[name]
+        dtype = runtime.DTYPES[name]
         model, _ = weights.load(None, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         step_bytes = model.bytes_read_per_token()
         runs = [("HF transformers eager", lambda: run_hf(hf, ids, args.new_tokens))]
-        runs.append(("ours eager", lambda: run_ours(model, ids, args.new_tokens, generate.decode_one, seq_len)))
+        runs.append(("ours eager", lambda: run_ours(model, ids, args.new_tokens, runtime.decode_one, seq_len)))
         compile_s = None
         if not args.skip_compile:
             start = time.perf_counter()
-            compiled = generate.compile_decode("cpu")
+            compiled = runtime.compile_decode("cpu")
             run_ours(model, ids, 4, compiled, seq_len)  # compiles (cold unless Inductor's cache has it)
             compile_s = time.perf_counter() - start
             runs.append(("ours compiled", lambda: run_ours(model, ids, args.new_tokens, compiled, seq_len)))

@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import generate  # noqa: E402
+import runtime  # noqa: E402
 import quantize  # noqa: E402
 import weights  # noqa: E402
 from bench_generate import PROMPT, run_hf  # noqa: E402
@@ -76,7 +77,7 @@ def matmul_only(model, autotune: bool, steps: int = 30) -> float:
         return [m(inputs[m.in_features]) for m in layers]
 
     torch._dynamo.reset()
-    fn = generate.compile_decode("cpu", step, autotune)
+    fn = runtime.compile_decode("cpu", step, autotune)
     with torch.no_grad():
         for _ in range(3):
             fn()
@@ -91,7 +92,7 @@ def time_steps(model, fn, cache, pos: int, steps: int = 32) -> float:
     with torch.no_grad():
         for i in range(3):
             fn(model, cache, token, torch.tensor([[pos + i]]))
-    with torch.no_grad(), generate.skip_guards(True):
+    with torch.no_grad(), runtime.skip_guards(True):
         start = time.perf_counter()
         for i in range(steps):
             fn(model, cache, token, torch.tensor([[pos + i]]))
@@ -101,9 +102,9 @@ def time_steps(model, fn, cache, pos: int, steps: int = 32) -> float:
 def measure_mode(label, ids, new_tokens, rounds, autotune="auto") -> dict:
     _, dtype, mode, cache_cls = next(m for m in MODES if m[0] == label)
     model = load(mode, dtype)
-    tune = generate.autotune(model) if autotune == "auto" else autotune == "on"
+    tune = runtime.autotune(model) if autotune == "auto" else autotune == "on"
     start = time.perf_counter()
-    fn = generate.compile_decode("cpu", autotune=tune)
+    fn = runtime.compile_decode("cpu", autotune=tune)
     cache = cache_cls.for_model(model, 1, len(ids) + new_tokens)
     decode(model, ids, 4, fn, cache)
     compile_s = time.perf_counter() - start
@@ -120,7 +121,7 @@ def measure_context(ctx, rounds) -> dict:
     for name, cls in (("bf16", StaticKVCache), ("int8", Int8KVCache)):
         cache = cls.for_model(model, 1, ctx)
         torch._dynamo.reset()
-        fn = generate.compile_decode("cpu", autotune=False)
+        fn = runtime.compile_decode("cpu", autotune=False)
         out[name] = median([time_steps(model, fn, cache, ctx - 40) for _ in range(rounds)])
         out[name + "_bytes"] = cache.nbytes()
     return out
@@ -172,7 +173,7 @@ def main():
     print(f"  HF transformers eager bf16: {hf_first:.1f} tok/s", flush=True)
     rows = []
     for label, tune in [(m[0], t) for m in MODES if m[0] in args.modes for t in args.autotune
-                        if not (m[2] == "int4" and t == "on")]:  # int4: no autotune (see generate.autotune)
+                        if not (m[2] == "int4" and t == "on")]:  # int4: no autotune (see runtime.autotune)
         r = child(["--one_mode", label, "--new_tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--autotune", tune])
         rows.append(r)
         print(f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "

@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 from batch import percentile  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
@@ -103,7 +104,7 @@ def run_hf_static(hf, prompts, news, batch_size=16, pad_id=0) -> dict:
 
 def batch1_decode(model, prompt, n, compiled: bool) -> float:
     """generate.py's loop, batch 1, static cache: decode tokens/s (median of 3)."""
-    fn = generate.compile_decode("cpu", autotune=generate.autotune(model)) if compiled else generate.decode_one
+    fn = runtime.compile_decode("cpu", autotune=runtime.autotune(model)) if compiled else runtime.decode_one
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n + 64)
     runs = []
     for _ in range(4):  # the first run warms up (and compiles)
@@ -116,13 +117,13 @@ def batch1_decode(model, prompt, n, compiled: bool) -> float:
 def batch1_caches(model, ids):
     """generate.py at batch 1 on each cache, eager and compiled, rounds interleaved, medians."""
     prompt, n = ids[:200], 128
-    fns = {"eager": generate.decode_one, "compiled": None}
+    fns = {"eager": runtime.decode_one, "compiled": None}
     rows = {}
     for kind in ("static", "paged"):
         for mode in fns:
             cache = (StaticKVCache.for_model(model, 1, 384) if kind == "static"
                      else PagedKVCache.for_batch(model, 1, 384))
-            fn = fns[mode] or generate.compile_decode("cpu", autotune=generate.autotune(model))
+            fn = fns[mode] or runtime.compile_decode("cpu", autotune=runtime.autotune(model))
             rows[kind, mode] = (cache, fn, [])
             generate.generate(model, cache, torch.tensor([prompt]), 8, SamplingParams(0.0), ignore_eos=True,
                               decode_fn=fn)  # warm-up (compiles)

@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
+import runtime  # noqa: E402
 import quantize  # noqa: E402
 import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
@@ -64,15 +65,15 @@ def main():
     seq_len = 512
     cache = StaticKVCache.for_model(target, 1, seq_len)
     t0 = time.perf_counter()
-    plain_fn = generate.compile_decode("cpu")
-    verify_fns = {t: generate.compile_decode("cpu", generate.verify_step) for t in (1, k + 1)}
-    drafters = {"prompt lookup n<=3": PromptLookupDrafter(3, target.args.vocab_size),
+    plain_fn = runtime.compile_decode("cpu")
+    verify_fns = {t: runtime.compile_decode("cpu", runtime.verify_step) for t in (1, k + 1)}
+    drafters = {"prompt lookup n<=3": PromptLookupDrafter(3, target.config.vocab_size),
                 f"layer-skip, first {args.layers} of 30 layers": ModelDrafter(
-                    target, seq_len, GREEDY, layers=args.layers, step_fn=generate.compile_decode("cpu", draft_forward))}
+                    target, seq_len, GREEDY, layers=args.layers, step_fn=runtime.compile_decode("cpu", draft_forward))}
     for mode, group in (("int8", 64), ("int4", 64)):
         draft, _ = weights.load(None, dtype=torch.bfloat16)
         quantize.quantize_model(draft, mode, group, head=True, log=lambda s: None)
-        step = generate.compile_decode("cpu", draft_forward, autotune=generate.autotune(draft))
+        step = runtime.compile_decode("cpu", draft_forward, autotune=runtime.autotune(draft))
         label = f"{mode} copy of the target" + (f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)")
         drafters[label] = ModelDrafter(draft, seq_len, GREEDY, step_fn=step)
 

@@ -31,25 +31,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
+import runtime  # noqa: E402
 import quantize  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
 from paged import PagedKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from scheduler import Engine, RequestParams  # noqa: E402
 
-SHAPES = {  # name -> (ModelArgs, tiny stand-in)
-    "smollm2-135m": ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+SHAPES = {  # name -> (ModelConfig, tiny stand-in)
+    "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
                               rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
-    "llama2-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
+    "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
                            max_position_embeddings=4096),
 }
-TINY = ModelArgs(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
+TINY = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
                  max_position_embeddings=1024)
 GREEDY = SamplingParams(0.0)
 
 
-def random_model(args: ModelArgs, device, dtype, seed=0):
+def random_model(args: ModelConfig, device, dtype, seed=0):
     """A model of this shape with weights ~ N(0, 0.02) (norms 1), built directly on the device."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -116,8 +117,8 @@ def time_decode(model, fn, device, steps, repeats) -> float:
 def compiled(device, graphs: bool, autotune=True):
     """generate.py's compiled decode step; on CUDA with or without CUDA Graphs."""
     if str(device).startswith("cuda") and not graphs:
-        return torch.compile(generate.decode_one, fullgraph=True, dynamic=False)
-    return generate.compile_decode(str(device), autotune=autotune)
+        return torch.compile(runtime.decode_one, fullgraph=True, dynamic=False)
+    return runtime.compile_decode(str(device), autotune=autotune)
 
 
 def graph_launches(model, fn, device, steps=5) -> int:
@@ -134,7 +135,7 @@ def check_correctness(device, tiny, report):
     args = TINY if tiny else SHAPES["smollm2-135m"]
     model = random_model(args, device, torch.float32)
     cuda = str(device).startswith("cuda")
-    eager = decode_tokens(model, generate.decode_one, device, 24)
+    eager = decode_tokens(model, runtime.decode_one, device, 24)
     plain = compiled(device, graphs=False, autotune=False)
     report["compiled_equals_eager"] = decode_tokens(model, plain, device, 24) == eager
     if cuda:
@@ -178,8 +179,8 @@ def time_models(device, tiny, report, repeats, deadline):
         if q != "bf16":
             quantize.quantize_model(model, q, 64, head=True, log=lambda s: None)
         start = time.perf_counter()
-        fn = generate.decode_one if mode == "eager" else compiled(
-            device, graphs=mode == "compiled+graphs", autotune=generate.autotune(model) and not tiny)
+        fn = runtime.decode_one if mode == "eager" else compiled(
+            device, graphs=mode == "compiled+graphs", autotune=runtime.autotune(model) and not tiny)
         decode_tokens(model, fn, device, 4)  # compile and warm up
         compile_s = time.perf_counter() - start
         tps = time_decode(model, fn, device, steps, repeats)

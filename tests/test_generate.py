@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import generate
+import runtime
 import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
@@ -40,7 +41,7 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
     params = SamplingParams(0.0)
     eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 21, params, ignore_eos=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled_fn = generate.compile_decode("cpu")
+        compiled_fn = runtime.compile_decode("cpu")
         cache = StaticKVCache.for_model(model, 2, 64)
         ours, _ = generate.generate(model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
         # a fresh cache of the same shape reuses the compiled graph (no recompile)

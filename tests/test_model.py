@@ -54,7 +54,7 @@ def test_classic_and_new_rope_config_forms_agree(pair, tmp_path):
     classic = shutil.copytree(folder, tmp_path / "classic")
     to_classic_config(classic)
     model2, _ = weights.load(classic, dtype=torch.float32)
-    assert model2.args == model.args
+    assert model2.config == model.config
     torch.testing.assert_close(model2.inv_freq, model.inv_freq)
 
 
@@ -62,10 +62,10 @@ def test_switches_come_from_the_config():
     """Each architecture really exercises the switch it is listed for (a guard on the fixtures)."""
     import json
 
-    from weights import args_from_hf_config
+    from weights import config_from_hf
 
     def args(arch):
-        return args_from_hf_config(json.loads(hf_model(arch).config.to_json_string()), arch)
+        return config_from_hf(json.loads(hf_model(arch).config.to_json_string()), arch)
 
     assert args("qwen2").qkv_bias and not args("qwen2").o_bias
     assert args("qwen3").qk_norm and args("qwen3").head_dim == 32

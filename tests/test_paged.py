@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import generate
+import runtime
 import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
@@ -74,7 +75,7 @@ def test_compiled_paged_decode_equals_eager(tiny64):
     eager, _ = generate.generate(tiny64, PagedKVCache.for_batch(tiny64, 2, 64, 8), prompt, 20,
                                  SamplingParams(0.0), ignore_eos=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        fn = generate.compile_decode("cpu", autotune=False)
+        fn = runtime.compile_decode("cpu", autotune=False)
         compiled, _ = generate.generate(tiny64, PagedKVCache.for_batch(tiny64, 2, 64, 8), prompt, 20,
                                         SamplingParams(0.0), ignore_eos=True, decode_fn=fn)
     assert compiled == eager
@@ -172,7 +173,7 @@ def test_allocator_invariants_under_random_use(ops):
 
 def test_memory_plan_arithmetic(tiny64):
     """bytes per block = 2 * layers * block_size * kv_heads * head_dim * bytes; the pool fits the budget."""
-    a = tiny64.args
+    a = tiny64.config
     per_block = 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 8
     n, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5)
     assert n == 100 and f"{per_block} bytes per block" in line and f"{99 * 16} tokens" in line

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import generate
+import runtime
 import quantize
 import weights
 from helpers import tiny_checkpoint
@@ -59,13 +60,13 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     layout = quantize.find_cpu_int4_layout(packed, q)
-    assert layout is not None, f"no known int4 layout under {quantize.cpu_capability()}"
+    assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
     assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
 
 
 @pytest.mark.isa
 def test_cpu_int4_kernel_passes_its_load_time_probe():
-    assert quantize.cpu_int4_kernel_error(quantize.cpu_capability()) is None
+    assert quantize.cpu_int4_kernel_error(runtime.cpu_capability()) is None
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
@@ -83,7 +84,7 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
 
 def test_int4_is_refused_where_the_cpu_kernel_is_wrong(monkeypatch, tiny, capsys):
     monkeypatch.setattr(quantize, "cpu_int4_kernel_error", lambda capability: "its result differs")
-    with pytest.raises(ValueError, match=f"under CPU capability {quantize.cpu_capability()} .*use --quantize int8"):
+    with pytest.raises(ValueError, match=f"under CPU capability {runtime.cpu_capability()} .*use --quantize int8"):
         quantize.check_int4_device("cpu")
     assert generate.main(["--checkpoint", str(tiny), "--quantize", "int4", "--max_new_tokens", "2"]) == 2
     assert "use --quantize int8" in capsys.readouterr().err
@@ -136,8 +137,8 @@ def test_int4_group32_reproduces_the_embedded_q4_1_weights(embedded):
 
 
 def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny):
-    small = dict(embedded[0].args.__dict__, n_layers=2)  # the embedded model's shapes, 2 layers
-    for model in (weights.Transformer(weights.ModelArgs(**small)), weights.load(tiny)[0]):
+    small = dict(embedded[0].config.__dict__, n_layers=2)  # the embedded model's shapes, 2 layers
+    for model in (weights.Transformer(weights.ModelConfig(**small)), weights.load(tiny)[0]):
         report = quantize.quantize_model(model, "int4", 64)
         assert quantize.linear_coverage(model) >= 0.99
         assert report["bytes_after"] < report["bytes_before"]
@@ -151,14 +152,14 @@ def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny)
 ])
 def test_int4_plan_covers_llama_shaped_models(shape):
     with torch.device("meta"):
-        model = weights.Transformer(weights.ModelArgs(**shape))
+        model = weights.Transformer(weights.ModelConfig(**shape))
     layers = quantize.plan(model, "int4", 64)
     sizes = {n: m.weight.numel() for n, m in model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
     covered = sum(n for name, n in sizes.items() if layers[f"layers.{name}"] is None)
     assert covered / sum(sizes.values()) >= 0.99
 
 
-def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=generate.decode_one):
+def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=runtime.decode_one):
     cache = cache_cls.for_model(model, 1, 64)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
     rows, _ = generate.generate(model, cache, prompt, n, generate.SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
@@ -173,7 +174,7 @@ def test_saved_checkpoint_equals_quantizing_at_load(tiny, tmp_path, mode, extra)
     assert info.format == f"safetensors {mode}"
     direct, _ = weights.load(tiny)
     quantize.quantize_model(direct, mode, 64, head=bool(extra), embedding=bool(extra))
-    tokens = torch.arange(20)[None] * 7 % loaded.args.vocab_size
+    tokens = torch.arange(20)[None] * 7 % loaded.config.vocab_size
     with torch.no_grad():
         a = loaded(tokens, torch.arange(20)[None], NoCache())
         b = direct(tokens, torch.arange(20)[None], NoCache())
@@ -207,18 +208,18 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     eager = greedy(model)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = greedy(model, decode_fn=generate.compile_decode("cpu", autotune=False))
+        compiled = greedy(model, decode_fn=runtime.compile_decode("cpu", autotune=False))
     assert compiled == eager
     # bf16, where the CPU kernels run: the compiled step's logits equal eager's within bf16 rounding
     model, _ = weights.load(tiny, dtype=torch.bfloat16)
     quantize.quantize_model(model, mode, 64, head=True)
     torch._dynamo.reset()
-    step = generate.compile_decode("cpu", autotune=False)
+    step = runtime.compile_decode("cpu", autotune=False)
     logits = []
-    for fn in (generate.decode_one, step):
+    for fn in (runtime.decode_one, step):
         cache = StaticKVCache.for_model(model, 1, 64)
         with torch.no_grad():
-            generate.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
+            runtime.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
             logits.append(fn(model, cache, torch.tensor([[3]]), torch.tensor([[4]])))
     torch.testing.assert_close(logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0)
 
@@ -265,7 +266,7 @@ def test_compiled_int8_kv_decode_equals_eager(tiny):
     model, _ = weights.load(tiny)
     eager = greedy(model, cache_cls=Int8KVCache)
     torch._dynamo.reset()
-    compiled = greedy(model, cache_cls=Int8KVCache, decode_fn=generate.compile_decode("cpu", autotune=False))
+    compiled = greedy(model, cache_cls=Int8KVCache, decode_fn=runtime.compile_decode("cpu", autotune=False))
     assert compiled == eager
     assert greedy(model) == eager  # on this tiny model the int8 cache does not change a greedy token
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import generate
+import runtime
 import weights
 from helpers import hf_model, save_hf
 from kv_cache import StaticKVCache
@@ -81,13 +82,13 @@ def test_layer_skip_draft_greedy_equals_plain(target, reference):
 
 
 def test_prompt_lookup_greedy_equals_plain(target, reference):
-    out, stats = run(target, PromptLookupDrafter(3, target.args.vocab_size))
+    out, stats = run(target, PromptLookupDrafter(3, target.config.vocab_size))
     assert out == reference and stats["drafted"] > 0
 
 
 @pytest.mark.parametrize("right", [True, False])
 def test_every_draft_accepted_or_every_draft_rejected(target, reference, right):
-    out, stats = run(target, ScriptedDrafter(reference, right, target.args.vocab_size))
+    out, stats = run(target, ScriptedDrafter(reference, right, target.config.vocab_size))
     assert out == reference
     assert stats["acceptance_rate"] == (1.0 if right else 0.0) and stats["drafted"] > 0
 
@@ -205,7 +206,7 @@ def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
 
     from speculative import draft_forward
 
-    verify = torch.compile(generate.verify_step, fullgraph=True, dynamic=False)
+    verify = torch.compile(runtime.verify_step, fullgraph=True, dynamic=False)
     step = torch.compile(draft_forward, fullgraph=True, dynamic=False)
     drafter = ModelDrafter(target, 64, GREEDY, layers=1, step_fn=step)
     with torch._dynamo.config.patch(error_on_recompile=True):

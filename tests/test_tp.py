@@ -83,7 +83,7 @@ def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):
 def test_world_size_that_does_not_divide_the_heads_names_the_ones_that_do(embedded):
     model, _ = embedded
     with pytest.raises(ValueError, match=r"9 heads, 3 KV heads.*world sizes that work: \[1, 3\]"):
-        tp.shard_args(model.args, 2)
+        tp.shard_config(model.config, 2)
 
 
 def test_mismatched_checkpoints_fail_on_every_rank_without_hanging(tmp_path):

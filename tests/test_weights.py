@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 
 
 def logits(model, n=16):
-    x = torch.arange(n)[None] * 7 % model.args.vocab_size
+    x = torch.arange(n)[None] * 7 % model.config.vocab_size
     with torch.no_grad():
         return model(x, torch.arange(n)[None], NoCache())
 
@@ -144,7 +144,7 @@ def test_embedded_gguf_equals_its_hf_folder_copy(embedded, tmp_path):
     """The GGUF path and an HF folder of the same (dequantized) weights give the same logits."""
     model, _ = embedded
     folder_model, info = weights.load(weights.save_hf_folder(model, tmp_path))
-    assert info.format == "safetensors" and folder_model.args == model.args
+    assert info.format == "safetensors" and folder_model.config == model.config
     torch.testing.assert_close(logits(folder_model, 24), logits(model, 24), rtol=0, atol=1e-5)
 
 

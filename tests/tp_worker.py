@@ -16,6 +16,7 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_d
                             timeout=timedelta(seconds=90))
     try:
         import generate
+        import runtime
         import tp
         import weights
         from kv_cache import NoCache, StaticKVCache
@@ -32,7 +33,7 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_d
         with torch.no_grad():
             logits = model(x, torch.arange(x.shape[1])[None], NoCache())
         cache = StaticKVCache.for_model(model, 1, 64)
-        decode_fn = generate.compile_decode("cpu") if compile_decode else generate.decode_one
+        decode_fn = runtime.compile_decode("cpu") if compile_decode else runtime.decode_one
         rows, _ = generate.generate(model, cache, x, new_tokens, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
         torch.save({"logits": logits, "tokens": rows[0], "weight_bytes": model.weight_bytes()}, out / f"rank{rank}.pt")
     except Exception as e:

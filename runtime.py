@@ -1,0 +1,158 @@
+"""What every entry point shares: the model's steps, compiling them, devices, dtypes and memory.
+
+    logits = prefill(model, cache, tokens[B, T])               # -> [B, V], the next token's logits
+    logits = decode_one(model, cache, token[B, 1], pos[B, 1])  # -> [B, V], the step --compile compiles
+    step = compile_decode("cpu")                               # the same step, compiled once
+
+A decode step has static shapes (positions are tensors, so advancing them never recompiles), so it
+compiles once: on CUDA it then replays as a CUDA Graph (mode "reduce-overhead"); on CPU the weights
+are frozen as constants and GEMMs autotuned against Inductor's C++ templates. Inductor's C++ code
+and ATen's kernels both depend on the CPU's instruction set (AVX2, AVX-512, AMX), which
+ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in step.
+
+This file imports only torch, so any other file of the project can use it.
+"""
+import contextlib
+import resource
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file and the reason."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or used, with the file and the reason."""
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def pick_device(name):
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (no GPU or a CPU-only PyTorch); use --device cpu")
+    if not name.startswith(("cpu", "cuda")):
+        raise ValueError(f"--device {name}: expected cpu or cuda")
+    return name
+
+
+def cpu_capability() -> str:
+    """The instruction set ATen dispatches to on this CPU ("AVX512", "AVX2", "DEFAULT", ...); set
+    ATEN_CPU_CAPABILITY=default|avx2|avx512 to choose a lower one."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+# ---- the model's steps -------------------------------------------------------------------------
+
+
+def prefill(model, cache, tokens, start_pos: int = 0):
+    """tokens [B, T] written at positions start_pos.. -> logits of the last position [B, V]."""
+    B, T = tokens.shape
+    input_pos = torch.arange(start_pos, start_pos + T, device=tokens.device).expand(B, T)
+    return model(tokens, input_pos, cache, last_only=True)[:, -1]
+
+
+def decode_one(model, cache, token, input_pos):
+    """token, input_pos [B, 1] -> logits [B, V]. The function --compile compiles."""
+    return model(token, input_pos, cache)[:, -1]
+
+
+def verify_step(model, cache, tokens, input_pos):
+    """tokens, input_pos [B, T] -> logits at every position [B, T, V] (speculative verification)."""
+    return model(tokens, input_pos, cache)
+
+
+# ---- compiling ---------------------------------------------------------------------------------
+
+
+def inductor_vector_bits():
+    """The vector width for Inductor's C++ code, matched to the instruction set ATen dispatches to
+    (ATEN_CPU_CAPABILITY): 512 (AVX-512, or AMX where present), 256 (AVX2). Left to Inductor, parts
+    of it use the CPU's widest set while its loops follow ATEN_CPU_CAPABILITY, and under avx2 on an
+    AVX-512 CPU that mix computed NaNs. Under "default" (no SIMD in ATen) Inductor's code still uses
+    AVX2 where the CPU has it: its scalar fallback fails to compile some masked loads (torch 2.13)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    widths = sorted({isa.bit_width() for isa in valid_vec_isa_list()})
+    want = {"AVX512": 512, "AVX2": 256}.get(cpu_capability(), widths[0] if widths else None)
+    return want if want in widths else None  # None: Inductor's own choice (other CPUs)
+
+
+def autotune(model) -> bool:
+    """Whether max-autotune pays for this model: not where a layer says it does not (int4's
+    kernel gains nothing from it and its search takes many GiB)."""
+    return all(getattr(m, "compile_autotune", True) for m in model.modules())
+
+
+def compile_decode(device: str, fn=decode_one, autotune: bool = True):
+    """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
+    launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
+    GEMMs autotuned against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1
+    bf16 this is about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
+    if str(device).startswith("cuda"):
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    configure_inductor_cpu()
+    # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
+
+
+def configure_inductor_cpu():
+    import torch._inductor.config
+
+    torch._inductor.config.freezing = True  # inference only: parameters never change after this
+    torch._inductor.config.max_autotune_report_choices_stats = False  # keep stderr readable
+    torch._inductor.config.cpp.simdlen = inductor_vector_bits()
+
+
+def skip_guards(enabled: bool):
+    """After the first decode step has checked every guard of the compiled function (compiling
+    if needed), the rest of the loop passes the same model and cache, with the same shapes.
+    Re-checking hundreds of guards per step costs about 0.8 ms on CPU, so only the guards that
+    choose between compiled graphs are evaluated."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if enabled else contextlib.nullcontext()
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def reset_peak_memory(device: str):
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        try:  # Linux: "5" resets this process's peak resident set size (VmHWM)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak GPU memory allocated, or on CPU the process's peak resident set size."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_plan(model, cache) -> str:
+    """The line generate.py prints: weight bytes, and the KV cache as bytes per token x tokens."""
+    weights = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
+    if hasattr(cache, "block_size"):  # paged: the pool, block 0 being the null block
+        per_block = cache.nbytes() / cache.num_blocks
+        return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
+                          f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
+    per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
+    return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
