@@ -4,6 +4,10 @@ requests get OpenAI-style 4xx errors while the server keeps serving. The model i
 in float64, so batching never changes a greedy token."""
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -342,3 +346,50 @@ def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
     assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable" for r, _ in refused)
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in done)
     wait_idle(engine)
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
+    """In flight when SIGTERM comes: a short request ends with its text, long ones with "abort"
+    after --shutdown_timeout; meanwhile /health says draining and new requests get 503."""
+    folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
+                             "float32", "--num_blocks", "1200", "--shutdown_timeout", "1", "--api_key", KEY],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        while "serving on" not in (line := proc.stderr.readline()):
+            assert line, "serve.py exited before serving"
+        url = line.split("serving on ")[1].split()[0]
+        reasons, texts = {}, {}
+
+        def stream(name, max_tokens):
+            body = {"prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        part = json.loads(line[6:])["choices"][0]
+                        texts[name] = texts.get(name, "") + part["text"]
+                        reasons[name] = part["finish_reason"] or reasons.get(name)
+
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 4000)) for i in range(2)]
+        threads.append(threading.Thread(target=stream, args=("short", 20)))
+        for t in threads:
+            t.start()
+        while len(texts) < 3:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        start = time.time()
+        deadline = start + 5
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.time() < deadline, "/health never said draining"
+        assert httpx.get(url + "/health").json() == {"status": "draining"}
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
+        assert proc.wait(timeout=1 + 5) == 0
+        for t in threads:
+            t.join(timeout=5)
+        assert reasons == {"long0": "abort", "long1": "abort", "short": "length"}, reasons
+        assert all(texts.values())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
