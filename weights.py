@@ -110,6 +110,35 @@ def config_from_hf(cfg: dict, source) -> ModelConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # sizes of the wrong type, zero heads
+        raise CheckpointError(f"{source}: config.json has sizes that do not make a model ({e})") from None
+
+
+MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
+
+
+def check_config(config: ModelConfig, total_bytes: int, source):
+    """Sizes a config may claim, checked before anything is built: positive integers, a context
+    below MAX_CONTEXT, and no more parameters than the weight files can hold at 2 bits each (a
+    config claiming 100000 layers would otherwise build 100000 layers before finding no tensors)."""
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
+                 "max_position_embeddings"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
+    if config.max_position_embeddings > MAX_CONTEXT:
+        raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
+                              f"{MAX_CONTEXT}; the config is wrong")
+    if not isinstance(config.head_dim, int) or config.head_dim < 0 or config.n_heads % config.n_kv_heads:
+        raise CheckpointError(f"{source}: head_dim {config.head_dim!r}, {config.n_heads} heads and "
+                              f"{config.n_kv_heads} KV heads do not make a model")
+    head_dim = config.head_dim or config.dim // config.n_heads
+    per_layer = (config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+                 + 3 * config.dim * config.intermediate_size)
+    params = config.n_layers * per_layer + config.vocab_size * config.dim
+    if total_bytes is not None and params / 4 > total_bytes:
+        raise CheckpointError(f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
+                              f"more than the {total_bytes:,} bytes of weights hold; it does not match them")
 
 
 def _hf_tensors(folder: Path):
@@ -190,6 +219,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
+    check_config(config, total, path)
     if quant and shard is not None and shard[1] > 1:
         raise CheckpointError(f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
                               "load the float checkpoint with --quantize instead (each rank quantizes its shard)")
