@@ -289,7 +289,13 @@ def is_tiktoken_file(path: Path) -> bool:
 # --- loading from a checkpoint --------------------------------------------------------------
 
 def _json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        value = json.loads(path.read_text()) if path.exists() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return value
 
 
 def _token_content(t):
@@ -316,10 +322,13 @@ def load_tokenizer(path) -> Tokenizer:
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
 
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-        backend = HFBackend(tok)
-        special.update({t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special})
-        default_bos = _post_processor_adds_bos(path / "tokenizer.json")
+        try:  # the file is someone else's: any failure to read it is this tokenizer's error
+            tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+            backend = HFBackend(tok)
+            special.update({t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special})
+            default_bos = _post_processor_adds_bos(path / "tokenizer.json")
+        except Exception as e:
+            raise TokenizerError(f"{path / 'tokenizer.json'}: cannot be read ({e})") from None
     elif (path / "tokenizer.model").exists():
         model_file = path / "tokenizer.model"
         if is_tiktoken_file(model_file):

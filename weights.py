@@ -82,6 +82,17 @@ def download(repo_id: str) -> Path:
 
 
 def config_from_hf(cfg: dict, source) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: config.json is not a JSON object")
+    try:
+        return _config_from_hf(cfg, source)
+    except KeyError as e:
+        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
+        raise CheckpointError(f"{source}: config.json has values that do not make a model ({e})") from None
+
+
+def _config_from_hf(cfg: dict, source) -> ModelConfig:
     kind = cfg.get("model_type")
     if kind not in SUPPORTED_HF:
         raise CheckpointError(
@@ -97,21 +108,16 @@ def config_from_hf(cfg: dict, source) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
-    try:
-        return ModelConfig(
-            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-            intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=kind == "qwen3", sliding_window=window or 0,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:  # sizes of the wrong type, zero heads
-        raise CheckpointError(f"{source}: config.json has sizes that do not make a model ({e})") from None
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3", sliding_window=window or 0,
+    )
 
 
 MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
@@ -126,6 +132,13 @@ def check_config(config: ModelConfig, total_bytes: int, source):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
+    for name in ("norm_eps", "rope_theta"):
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise CheckpointError(f"{source}: {name} must be a positive number, got {value!r}")
+    if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
+        raise CheckpointError(f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
+                              f"{config.rope_scaling!r} is not usable")
     if config.max_position_embeddings > MAX_CONTEXT:
         raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
                               f"{MAX_CONTEXT}; the config is wrong")
