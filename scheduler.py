@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged import BlockAllocator, PagedKVCache, blocks_for, bucket
+from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
 from runtime import compile_decode
 from sampling import check_sampling, sample, SamplingParams
 
@@ -262,12 +262,20 @@ class Engine:
         need = max(0, blocks_for(seq.num_computed + n, self.block_size) - len(seq.blocks)) + cow
         if need > alloc.num_available():
             return False
+        got = []
+        try:
+            while len(got) < need:
+                got.append(alloc.allocate())
+        except NoFreeBlocks:  # num_available also counted cached blocks that eviction cannot reach yet
+            for b in got:
+                alloc.release(b)
+            return False
         if cow:
-            private = alloc.allocate()
+            private = got.pop(0)
             self.cache.copy_block(seq.blocks[first], private)
             alloc.release(seq.blocks[first])
             seq.blocks[first] = private
-        seq.blocks += [alloc.allocate() for _ in range(need - cow)]
+        seq.blocks += got
         return True
 
     def _release(self, seq):

@@ -232,6 +232,8 @@ class HFBackend:
         self.tok = tok
 
     def encode(self, text):
+        if len(text) > 10_000:  # encode_batch releases the GIL, so a server's other threads run meanwhile
+            return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
