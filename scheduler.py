@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged import BlockAllocator, PagedKVCache, blocks_for, bucket
+from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
 from runtime import compile_decode
 from sampling import check_sampling, sample, SamplingParams
 
@@ -56,8 +56,9 @@ class RequestParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -91,6 +92,7 @@ class Request:
         self.seqs = [Sequence(self, 0, self.seed)]
         self.forked = params.n == 1
         self.prompt_tokens_hit = 0
+        self.error = None  # why it failed, if a fault ended it (the other requests go on)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +105,8 @@ class Request:
         reasons = [s.finish_reason for s in self.seqs]
         first = min((s.token_times[0] for s in self.seqs if s.token_times), default=None)
         pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
+        if self.error:
+            return {"id": self.id, "error": self.error}
         return {"id": self.id, "tokens": pick(tokens), "text": pick(texts), "finish_reason": pick(reasons),
                 "time_to_first_token_s": None if first is None else first - self.arrival}
 
@@ -258,12 +262,20 @@ class Engine:
         need = max(0, blocks_for(seq.num_computed + n, self.block_size) - len(seq.blocks)) + cow
         if need > alloc.num_available():
             return False
+        got = []
+        try:
+            while len(got) < need:
+                got.append(alloc.allocate())
+        except NoFreeBlocks:  # num_available also counted cached blocks that eviction cannot reach yet
+            for b in got:
+                alloc.release(b)
+            return False
         if cow:
-            private = alloc.allocate()
+            private = got.pop(0)
             self.cache.copy_block(seq.blocks[first], private)
             alloc.release(seq.blocks[first])
             seq.blocks[first] = private
-        seq.blocks += [alloc.allocate() for _ in range(need - cow)]
+        seq.blocks += got
         return True
 
     def _release(self, seq):
@@ -355,18 +367,32 @@ class Engine:
         greedy = logits.argmax(-1).tolist() if len(done) else []
         row_of = {id(s): i for i, s in enumerate(done)}
         for seq, row in rows:
+            if seq.finish_reason:  # its request failed on an earlier row
+                continue
             p = seq.request.params
-            if p.temperature == 0 and id(seq) in row_of:
-                token = greedy[row_of[id(seq)]]
-            else:
-                token = int(sample(row[None], SamplingParams(p.temperature, p.top_k, p.top_p), seq.generator))
-            seq.tokens.append(token)
-            seq.token_times.append(now)
-            reason = self._stop_reason(seq, token)
+            try:  # a fault here (sampling, detokenizing for stop strings) ends this request only
+                if p.temperature == 0 and id(seq) in row_of:
+                    token = greedy[row_of[id(seq)]]
+                else:
+                    token = int(sample(row[None], SamplingParams(p.temperature, p.top_k, p.top_p), seq.generator))
+                seq.tokens.append(token)
+                seq.token_times.append(now)
+                reason = self._stop_reason(seq, token)
+            except Exception as e:
+                self._fail(seq.request, e)
+                continue
             if reason:
                 self._finish(seq, reason)
             events.append((seq.request.id, seq.index, token, reason))
         return events
+
+    def _fail(self, req, exc):
+        req.error = f"{type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            if not seq.finish_reason:
+                self._finish(seq, "error")
 
     def _stop_reason(self, seq, token):
         p = seq.request.params

@@ -10,33 +10,51 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
 server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
-This file only translates. One background thread owns the engine and loops over `step()`; HTTP
-handlers (FastAPI, on asyncio) hand it requests through a queue and receive each new token
-through an asyncio queue per request, so every concurrent HTTP request is batched into the
-same steps. A streaming client that disconnects aborts its request, which frees its KV blocks.
+This file only translates. engine_loop.py runs the engine in one background thread; HTTP handlers
+(FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue per
+request, so every concurrent HTTP request is batched into the same steps.
+
+A server left running meets hostile traffic, so every request is checked against `Limits`
+before any work is queued (body size -> 413; n, stop strings, prompts per request, context ->
+400; a full waiting queue -> 503 with Retry-After), text is tokenized off the event loop, and a
+client that goes away (streaming or not) aborts its request, which frees its KV blocks. SIGTERM
+or SIGINT drain: new requests get 503, /health says "draining", running requests have
+--shutdown_timeout seconds to finish, the rest end with finish_reason "abort", the process exits 0.
 """
 import argparse
 import asyncio
+import hmac
 import json
 import os
-import queue
+import signal
 import sys
 import threading
 import time
-import traceback
-import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
+from engine_loop import EngineLoop, Unavailable
 from runtime import log
 from scheduler import RequestParams
 from tokenizer import TextStream
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+@dataclass
+class Limits:
+    """What one request may ask for; each is a serve.py flag."""
+    max_waiting: int = 256  # requests queued for a slot; more -> 503
+    max_n: int = 16  # samples per prompt
+    max_model_len: int = None  # prompt + max_tokens, when lower than the model's context
+    max_body_bytes: int = 4 * 2**20  # request body; more -> 413
+    max_prompts: int = 64  # prompts in one completions request
+    max_stop: int = 16  # stop strings
 
 
 # -- the wire format -------------------------------------------------------------------------------
@@ -50,14 +68,14 @@ class Sampling(BaseModel):
     top_k: int = Field(None, ge=1)  # an extension
     n: int = Field(1, ge=1)
     stop: str | list[str] = None
-    seed: int = None
+    seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes
     stream: bool = False
     stream_options: dict = None
     ignore_eos: bool = False  # an extension, for benchmarks
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
 
 
 class Message(BaseModel):
@@ -69,8 +87,13 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def unavailable(message: str):
+    return error(503, message, "service_unavailable", headers={"Retry-After": "1"})
 
 
 def choice(stream, index: int, chat: bool) -> dict:
@@ -84,113 +107,73 @@ def usage(prompt_len: int, streams) -> dict:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
 
 
-class EngineLoop:
-    """The engine in its own thread. submit() and abort() may be called from any thread."""
-
-    def __init__(self, engine):
-        self.engine, self.inbox = engine, queue.Queue()
-        self.streams = {}  # request id -> (event loop, asyncio.Queue of events)
-        self.started = set()  # requests that have their first token
-        self.tokens_generated, self.requests_done = 0, 0
-        self.ttft_counts, self.ttft_sum = [0] * len(TTFT_BUCKETS), 0.0
-        threading.Thread(target=self._run, daemon=True, name="engine").start()
-
-    async def submit(self, prompt, params: RequestParams):
-        """Queue a request; returns (id, asyncio.Queue of (sample index, token, finish_reason)).
-        Raises ValueError for a request the engine refuses."""
-        loop = asyncio.get_running_loop()
-        done, events = loop.create_future(), asyncio.Queue()
-        self.inbox.put(("add", prompt, params, loop, done, events))
-        return await done, events
-
-    def abort(self, request_id):
-        self.inbox.put(("abort", request_id))
-
-    def _run(self):
-        engine = self.engine
-        while True:
-            try:  # block while idle; between steps, take everything that arrived
-                self._handle(self.inbox.get(timeout=None if not engine.has_unfinished() else 0))
-                while True:
-                    self._handle(self.inbox.get_nowait())
-            except queue.Empty:
-                pass
-            try:
-                events = engine.step()
-            except Exception:  # a bug must not hang every client: end all requests, keep serving
-                traceback.print_exc()
-                for rid in list(engine.requests):
-                    engine.abort(rid)
-                events = []
-            for rid, index, token, reason in events:
-                loop, q = self.streams[rid]
-                if rid not in self.started:
-                    self.started.add(rid)
-                    req = engine.requests[rid]
-                    self._observe_ttft(req.seqs[index].token_times[0] - req.arrival)
-                self.tokens_generated += 1
-                loop.call_soon_threadsafe(q.put_nowait, (index, token, reason))
-            for rid in [rid for rid, r in engine.requests.items() if r.finished]:
-                loop, q = self.streams.pop(rid)
-                engine.requests.pop(rid)
-                self.started.discard(rid)
-                self.requests_done += 1
-                loop.call_soon_threadsafe(q.put_nowait, None)  # end of stream
-
-    def _handle(self, message):
-        if message[0] == "abort":
-            if message[1] in self.engine.requests:
-                self.engine.abort(message[1])
-            return
-        _, prompt, params, loop, done, events = message
-        try:
-            rid = self.engine.add_request(prompt, params, request_id=uuid.uuid4().hex)
-            self.streams[rid] = (loop, events)
-            loop.call_soon_threadsafe(done.set_result, rid)
-        except (ValueError, TypeError) as e:
-            loop.call_soon_threadsafe(done.set_exception, ValueError(str(e)))
-
-    def _observe_ttft(self, seconds: float):
-        self.ttft_sum += seconds
-        for i, bound in enumerate(TTFT_BUCKETS):
-            if seconds <= bound:
-                self.ttft_counts[i] += 1
-
-    def metrics(self) -> str:
-        e, a = self.engine, self.engine.allocator  # read from another thread: copy before iterating
-        running, waiting = list(e.running), list(e.waiting)
-        hit = e.stats["prompt_tokens_hit"] / e.stats["prompt_tokens"] if e.stats["prompt_tokens"] else 0.0
-        lines = [
-            "# TYPE llm_requests_running gauge", f"llm_requests_running {len({s.request.id for s in running})}",
-            "# TYPE llm_requests_waiting gauge", f"llm_requests_waiting {len({s.request.id for s in waiting})}",
-            "# TYPE llm_kv_blocks_used gauge", f"llm_kv_blocks_used {a.num_used()}",
-            "# TYPE llm_kv_blocks_total gauge", f"llm_kv_blocks_total {a.num_blocks - 1}",
-            "# TYPE llm_prefix_cache_hit_rate gauge", f"llm_prefix_cache_hit_rate {hit:.6f}",
-            "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {e.stats['preemptions']}",
-            "# TYPE llm_generation_tokens_total counter", f"llm_generation_tokens_total {self.tokens_generated}",
-            "# TYPE llm_requests_finished_total counter", f"llm_requests_finished_total {self.requests_done}",
-            "# TYPE llm_time_to_first_token_seconds histogram",
-        ]
-        for bound, count in zip(TTFT_BUCKETS, self.ttft_counts):
-            le = "+Inf" if bound == float("inf") else f"{bound}"
-            lines.append(f'llm_time_to_first_token_seconds_bucket{{le="{le}"}} {count}')
-        lines += [f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
-                  f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}"]
-        return "\n".join(lines) + "\n"
+def prompt_list(prompt) -> list:
+    """A completions `prompt` (text, ids, or a list of either) -> a list of prompts."""
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
-def make_app(engine, tokenizer, model_name: str, api_key: str = None):
-    """The FastAPI app: validation, the OpenAI wire format, and nothing else."""
-    app, loop = FastAPI(title="llm inference server"), EngineLoop(engine)
+def encode(tokenizer, text: str, bos: bool = None) -> list:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at character {e.start})") from None
+    return tokenizer.encode(text, bos=bos)
+
+
+def authorized(header: bytes, api_key: str) -> bool:
+    """'Authorization: Bearer KEY', the scheme name in any case (RFC 7235)."""
+    scheme, _, token = header.decode("latin-1").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class Guard:
+    """ASGI middleware, before any handler reads the body: the API key (everything but /health
+    needs it when set, /metrics and /docs included), 503 while draining, and the body size (413,
+    from Content-Length or while a chunked body arrives)."""
+
+    def __init__(self, app, api_key, max_body_bytes, engine_loop):
+        self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and not authorized(headers.get(b"authorization", b""), self.api_key):
+            return await error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               "authentication_error")(scope, receive, send)
+        if self.engine_loop.draining and scope["method"] == "POST":
+            return await unavailable("the server is shutting down")(scope, receive, send)
+        limit, length = self.max_body_bytes, headers.get(b"content-length", b"0")
+        too_large = f"the request body exceeds {limit} bytes (--max_body_bytes)"
+        if not length.isdigit() or int(length) > limit:
+            return await error(413, too_large)(scope, receive, send)
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise HTTPException(413, too_large)
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
+async def disconnected(request: Request):
+    """Returns when the client goes away (the body has been read, so the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None):
+    """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else."""
+    limits = limits or Limits()
+    app, loop = FastAPI(title="llm inference server"), EngineLoop(engine, limits.max_waiting)
     app.state.engine_loop = loop
-    context = engine.max_model_len
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "authentication_error")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=loop)
+    context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
+    context_name = "--max_model_len" if context < engine.max_model_len else "the model's context"
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request, exc):
@@ -198,9 +181,13 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        return error(exc.status_code, str(exc.detail))
+
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return JSONResponse({"status": "draining"}, 503) if loop.draining else {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
@@ -210,32 +197,82 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "local"}]}
 
-    async def run(body, prompt, chat: bool):
-        default_max = context - len(prompt) if chat else 16
+    def check(body, num_prompts: int):
+        """The limits that need no tokens; a message, or None."""
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.n > limits.max_n:
+            return f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n"
+        if len(stop) > limits.max_stop:
+            return f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)", "stop"
+        if num_prompts > limits.max_prompts:
+            return f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)", "prompt"
+        return None
+
+    async def run(request, body, prompts, chat: bool):
+        lengths = [len(p) for p in prompts]
+        default_max = context - max(lengths) if chat else 16
         max_tokens = body.max_tokens if body.max_tokens is not None else default_max
-        if len(prompt) + max_tokens > context:
-            return error(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                              f"model's context of {context} tokens", param="max_tokens")
+        for i, n in enumerate(lengths):
+            if n + max_tokens > context:
+                which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+                return error(400, f"{which} ({n} tokens) plus max_tokens ({max_tokens}) exceeds {context_name} "
+                                  f"of {context} tokens", param="max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                    top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos)
-            rid, events = await loop.submit(prompt, params)
+            rids, events = await loop.submit(prompts, params)
         except ValueError as e:
             return error(400, str(e))
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": model_name}
-        streams = [TextStream(tokenizer, stop) for _ in range(body.n)]
+        except Unavailable as e:
+            return unavailable(str(e))
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()), "model": model_name}
+        streams = [TextStream(tokenizer, stop) for _ in range(len(prompts) * body.n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return StreamingResponse(sse(rid, events, streams, meta, chat, len(prompt), include_usage),
+            return StreamingResponse(sse(rids, events, streams, meta, chat, sum(lengths), include_usage),
                                      media_type="text/event-stream")
-        while (event := await events.get()) is not None:
-            streams[event[0]].add(*event[1:])
+        collect = asyncio.ensure_future(collect_all(rids, events, streams))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away (or this handler was cancelled): free its blocks
+                collect.cancel()
+                for rid in rids:
+                    loop.abort(rid)
+        if not collect.done() or collect.cancelled():
+            return error(499, "the client closed the request")
+        if collect.result():
+            return error(500, f"the request failed: {collect.result()}", "server_error")
         choices = [choice(s, i, chat) for i, s in enumerate(streams)]
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": usage(len(prompt), streams)}
+                "usage": usage(sum(lengths), streams)}
 
-    async def sse(rid, events, streams, meta, chat, prompt_len, include_usage):
+    async def events_of(rids, events, streams):
+        """(choice index, new text, finish_reason) until every request is over; an error message
+        (str) if one failed."""
+        left = len(rids)
+        while left:
+            event = await events.get()
+            if event is None or isinstance(event, str):
+                left -= 1
+                if event:
+                    yield event
+                continue
+            index, token, reason = event
+            text = streams[index].finish(reason) if token is None else streams[index].add(token, reason)
+            yield index, text, reason
+
+    async def collect_all(rids, events, streams):
+        failed = None
+        async for event in events_of(rids, events, streams):
+            if isinstance(event, str):
+                failed = failed or event
+        return failed
+
+    async def sse(rids, events, streams, meta, chat, prompt_len, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
         finished = False
         try:
@@ -243,9 +280,12 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
                 for i in range(len(streams)):
                     yield chunk({**meta, "object": kind, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            while (event := await events.get()) is not None:
-                index, token, reason = event
-                text = streams[index].add(token, reason)
+            async for event in events_of(rids, events, streams):
+                if isinstance(event, str):  # one request failed: say so, the stream still ends cleanly
+                    yield chunk({"error": {"message": f"the request failed: {event}", "type": "server_error",
+                                           "param": None, "code": None}})
+                    continue
+                index, text, reason = event
                 if text or reason:
                     part = {"index": index, "finish_reason": reason}
                     part.update({"delta": {"content": text}} if chat else {"text": text, "logprobs": None})
@@ -256,25 +296,54 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None):
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away: free its blocks now
-                loop.abort(rid)
+                for rid in rids:
+                    loop.abort(rid)
 
     def chunk(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        return await run(body, prompt, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = prompt_list(body.prompt)
+        if refusal := check(body, len(prompts)):
+            return error(400, refusal[0], param=refusal[1])
+        try:  # off the event loop: a long text takes seconds, and /health must still answer
+            prompts = await asyncio.to_thread(lambda: [encode(tokenizer, p) if isinstance(p, str) else p
+                                                       for p in prompts])
+        except ValueError as e:
+            return error(400, f"prompt: {e}", param="prompt")
+        return await run(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
+        if refusal := check(body, 1):
+            return error(400, refusal[0], param=refusal[1])
+        messages = [m.model_dump() for m in body.messages]
         try:
-            prompt = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
         except Exception as e:  # a template that fails on these messages
             return error(400, f"the chat template failed on these messages: {e}", param="messages")
-        return await run(body, prompt, chat=True)
+        try:  # the template writes BOS itself where the model wants it
+            prompt = await asyncio.to_thread(encode, tokenizer, text, False)
+        except ValueError as e:
+            return error(400, f"messages: {e}", param="messages")
+        return await run(request, body, [prompt], chat=True)
 
     return app
+
+
+def add_limit_args(p: argparse.ArgumentParser):
+    d = Limits()
+    p.add_argument("--max_waiting", type=int, default=d.max_waiting,
+                   help="requests that may wait for a slot; more get 503 with Retry-After")
+    p.add_argument("--max_n", type=int, default=d.max_n, help="most samples (n) per prompt")
+    p.add_argument("--max_model_len", type=int, default=None,
+                   help="most prompt + max_tokens per request (default: the model's context)")
+    p.add_argument("--max_body_bytes", type=int, default=d.max_body_bytes, help="largest request body; more get 413")
+    p.add_argument("--max_prompts", type=int, default=d.max_prompts, help="most prompts in one completions request")
+    p.add_argument("--max_stop", type=int, default=d.max_stop, help="most stop strings per request")
+    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
 
 
 def main(argv=None) -> int:
@@ -282,23 +351,45 @@ def main(argv=None) -> int:
 
     from batch import add_engine_args, check_engine_args, engine_options, load_engine
 
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (and the
+        process then exits 0); a second one stops at once."""
+
+        def handle_exit(self, sig, frame):
+            if engine_loop.draining:
+                self.should_exit = self.force_exit = True
+                return
+            engine_loop.draining = True
+            log(f"signal {signal.Signals(sig).name}: draining (up to {args.shutdown_timeout:g} s)")
+            threading.Thread(target=self.drain, daemon=True).start()
+
+        def drain(self):
+            engine_loop.drain(args.shutdown_timeout)
+            self.should_exit = True
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api_key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)")
+                   help=f"require 'Authorization: Bearer KEY' on everything but /health (default: ${API_KEY_ENV} if set)")
     p.add_argument("--model_name", default=None, help="the model id clients send and /v1/models lists")
+    add_limit_args(p)
     add_engine_args(p)
     args = p.parse_args(argv)
     check_engine_args(p, args)
+    for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     try:
         engine, tokenizer, info = load_engine(**engine_options(args))
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, tokenizer, name, args.api_key), host=args.host,
-                                           port=args.port, log_level="warning"))
+    limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
+    app = make_app(engine, tokenizer, name, args.api_key, limits)
+    engine_loop = app.state.engine_loop
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     threading.Thread(target=announce, args=(server, log), daemon=True).start()
     server.run()
     return 0

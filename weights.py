@@ -82,6 +82,17 @@ def download(repo_id: str) -> Path:
 
 
 def config_from_hf(cfg: dict, source) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: config.json is not a JSON object")
+    try:
+        return _config_from_hf(cfg, source)
+    except KeyError as e:
+        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
+        raise CheckpointError(f"{source}: config.json has values that do not make a model ({e})") from None
+
+
+def _config_from_hf(cfg: dict, source) -> ModelConfig:
     kind = cfg.get("model_type")
     if kind not in SUPPORTED_HF:
         raise CheckpointError(
@@ -97,19 +108,50 @@ def config_from_hf(cfg: dict, source) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
-    try:
-        return ModelConfig(
-            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-            intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=kind == "qwen3", sliding_window=window or 0,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3", sliding_window=window or 0,
+    )
+
+
+MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
+
+
+def check_config(config: ModelConfig, total_bytes: int, source):
+    """Sizes a config may claim, checked before anything is built: positive integers, a context
+    below MAX_CONTEXT, and no more parameters than the weight files can hold at 2 bits each (a
+    config claiming 100000 layers would otherwise build 100000 layers before finding no tensors)."""
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
+                 "max_position_embeddings"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
+    for name in ("norm_eps", "rope_theta"):
+        value = getattr(config, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise CheckpointError(f"{source}: {name} must be a positive number, got {value!r}")
+    if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
+        raise CheckpointError(f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
+                              f"{config.rope_scaling!r} is not usable")
+    if config.max_position_embeddings > MAX_CONTEXT:
+        raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
+                              f"{MAX_CONTEXT}; the config is wrong")
+    if not isinstance(config.head_dim, int) or config.head_dim < 0 or config.n_heads % config.n_kv_heads:
+        raise CheckpointError(f"{source}: head_dim {config.head_dim!r}, {config.n_heads} heads and "
+                              f"{config.n_kv_heads} KV heads do not make a model")
+    head_dim = config.head_dim or config.dim // config.n_heads
+    per_layer = (config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+                 + 3 * config.dim * config.intermediate_size)
+    params = config.n_layers * per_layer + config.vocab_size * config.dim
+    if total_bytes is not None and params / 4 > total_bytes:
+        raise CheckpointError(f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
+                              f"more than the {total_bytes:,} bytes of weights hold; it does not match them")
 
 
 def _hf_tensors(folder: Path):
@@ -190,6 +232,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
+    check_config(config, total, path)
     if quant and shard is not None and shard[1] > 1:
         raise CheckpointError(f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
                               "load the float checkpoint with --quantize instead (each rank quantizes its shard)")

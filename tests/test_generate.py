@@ -165,3 +165,13 @@ def test_cli_process_exits_non_zero_without_a_traceback(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "error: checkpoint" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_chat_template_with_a_huge_loop_exits_with_a_clear_error(tiny, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(tiny, tmp_path / "hostile")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "chat_template": "{% for i in range(10**9) %}{% endfor %}"}))
+    assert generate.main(["--checkpoint", str(folder), "--chat", "--prompt", "hi", "--max_new_tokens", "2"]) == 2
+    assert "chat template failed" in capsys.readouterr().err

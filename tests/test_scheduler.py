@@ -291,3 +291,19 @@ def test_a_request_larger_than_the_pool_stops_at_length_instead_of_hanging(tiny6
     assert out["finish_reason"] == "length" and len(out["tokens"]) == 16 - 10 + 1
     assert out["tokens"] == alone(tiny64, list(range(20, 30)), len(out["tokens"]))
     assert engine.allocator.num_used() == 0
+
+
+def test_a_fault_while_sampling_one_request_ends_only_that_request(tiny64, monkeypatch):
+    engine = Engine(tiny64, num_blocks=64, block_size=4, max_num_seqs=8)
+    real = engine._stop_reason
+
+    def faulty(seq, token):
+        if seq.request.id == 1 and len(seq.output) == 3:
+            raise RuntimeError("detokenizer exploded")
+        return real(seq, token)
+
+    monkeypatch.setattr(engine, "_stop_reason", faulty)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    out = engine.generate(prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)])
+    assert "exploded" in out[1]["error"] and engine.allocator.num_used() == 0
+    assert [out[0]["tokens"], out[2]["tokens"]] == [alone(tiny64, prompts[0], 8), alone(tiny64, prompts[2], 8)]

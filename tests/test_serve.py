@@ -4,6 +4,10 @@ requests get OpenAI-style 4xx errors while the server keeps serving. The model i
 in float64, so batching never changes a greedy token."""
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,22 +23,20 @@ from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from scheduler import Engine
-from serve import make_app
+from serve import Limits, make_app
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tiny_checkpoint(tmp_path_factory.mktemp("serve-tiny"), max_position_embeddings=512)
-    model, info = weights.load(folder, dtype=torch.float64)
-    tokenizer = load_tokenizer(info.source)
-    engine = Engine(model, num_blocks=400, block_size=8, max_num_seqs=32, max_num_batched_tokens=256,
-                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
-    app = make_app(engine, tokenizer, "tiny", KEY)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                        log_level="warning"))
+LIMITS = Limits(max_n=8, max_body_bytes=2**20, max_prompts=4, max_stop=4)
+
+
+def start_server(engine, tokenizer, limits=LIMITS):
+    """serve.py's app on a free port in a thread; returns (url, app, stop())."""
+    app = make_app(engine, tokenizer, "tiny", KEY, limits)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -44,9 +46,28 @@ def server(tmp_path_factory):
     url = "http://127.0.0.1:%d" % srv.servers[0].sockets[0].getsockname()[1]
     while httpx.get(url + "/health").status_code != 200:
         time.sleep(0.05)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+    return url, app, stop
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("serve-tiny"), max_position_embeddings=512)
+    model, info = weights.load(folder, dtype=torch.float64)
+    return folder, model, load_tokenizer(info.source)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    _, model, tokenizer = tiny
+    engine = Engine(model, num_blocks=400, block_size=8, max_num_seqs=32, max_num_batched_tokens=256,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    url, app, stop = start_server(engine, tokenizer)
     yield url, model, tokenizer, engine, app.state.engine_loop
-    srv.should_exit = True
-    thread.join(timeout=10)
+    stop()
 
 
 def client(url, key=KEY, cls=openai.OpenAI):
@@ -156,7 +177,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}",
                                                                           "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    metrics = httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics", headers=AUTH).text
     assert "llm_kv_blocks_total 399" in metrics and "llm_time_to_first_token_seconds_count" in metrics
     assert c.completions.create(model="tiny", prompt="hello", max_tokens=3).choices[0].finish_reason
 
@@ -178,3 +199,216 @@ def test_stop_strings_n_and_seed(server):
     a, b = c.completions.create(**kw), c.completions.create(**kw)
     assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices] and len(a.choices) == 2
     assert a.usage.completion_tokens <= 16
+
+
+# -- traffic a server left running meets ----------------------------------------------------------
+def post(url, body, **kw):
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60, **kw)
+
+
+def wait_idle(engine, seconds=10):
+    deadline = time.time() + seconds
+    while engine.allocator.num_used() > 0 or engine.requests:
+        assert time.time() < deadline, "blocks or requests were not freed"
+        time.sleep(0.02)
+
+
+def test_a_non_streamed_client_that_goes_away_is_aborted(server):
+    url, _, _, engine, loop = server
+    before = loop.tokens_generated
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as h:
+            task = asyncio.ensure_future(h.post("/v1/completions", json={
+                "prompt": "hello world", "max_tokens": 480, "ignore_eos": True, "temperature": 0}))
+            while not engine.requests:
+                await asyncio.sleep(0.005)
+            task.cancel()  # the client closes its connection mid-request
+
+    asyncio.run(leave_early())
+    wait_idle(engine)
+    assert loop.tokens_generated - before < 480
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_large_body_is_refused(server):
+    url, _, tokenizer, *_ = server
+    text = ("hello world, the quick brown fox " * 30_000)[:LIMITS.max_body_bytes - 1000]
+    start = time.perf_counter()
+    tokenizer.encode(text)
+    alone = time.perf_counter() - start  # on the event loop, /health would wait this long
+    result, slowest = {}, 0.0
+    t = threading.Thread(target=lambda: result.update(r=post(url, {"prompt": text, "max_tokens": 1})))
+    t.start()
+    while t.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(url + "/health").status_code == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.01)
+    assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
+    assert slowest < max(0.1, alone / 2), f"/health took {slowest:.2f} s while a prompt was tokenized ({alone:.2f} s)"
+    r = post(url, {"prompt": "x" * LIMITS.max_body_bytes, "max_tokens": 1})
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_and_a_huge_seed_get_400_with_a_reason(server):
+    url, *_ = server
+    raw = b'{"prompt": "hi \\ud800 x", "max_tokens": 2}'
+    r = httpx.post(url + "/v1/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"]
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "seed": 2**63})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1}).status_code == 200
+
+
+def test_the_api_key_guards_everything_but_health_and_any_case_of_bearer(server):
+    url, *_ = server
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+        assert httpx.get(url + path).status_code == 401, path
+        assert httpx.get(url + path, headers={"Authorization": f"bearer {KEY}"}).status_code == 200, path
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_limits_refuse_before_queueing_and_several_prompts_run(server):
+    url, model, tokenizer, engine, _ = server
+    refusals = [({"n": LIMITS.max_n + 1}, "max_n"), ({"stop": ["a"] * (LIMITS.max_stop + 1)}, "max_stop"),
+                ({"prompt": ["hi"] * (LIMITS.max_prompts + 1)}, "max_prompts")]
+    for extra, flag in refusals:
+        r = post(url, {"prompt": "hello", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and flag in r.json()["error"]["message"], (extra, r.text)
+    assert not engine.requests
+    prompts = ["hello world", "the lazy dog"]
+    r = client(url).completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    expected = [alone_text(model, tokenizer, tokenizer.encode(p), 6) for p in prompts]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [e for e in expected for _ in (0, 1)]
+
+
+def test_max_n_keeps_one_request_from_taking_every_slot(server):
+    url, _, _, engine, _ = server
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "n": engine.max_num_seqs}).status_code == 400
+    finished = []
+
+    def go(name, body):
+        post(url, body)
+        finished.append(name)
+
+    big = threading.Thread(target=go, args=("big", {"prompt": "hi", "max_tokens": 300, "ignore_eos": True,
+                                                    "n": LIMITS.max_n, "temperature": 1.0}))
+    big.start()
+    while not engine.running:
+        time.sleep(0.005)
+    go("small", {"prompt": "hi", "max_tokens": 2})
+    big.join()
+    assert finished == ["small", "big"]
+
+
+def test_a_fault_in_one_request_ends_only_that_request(server, monkeypatch):
+    url, model, tokenizer, engine, _ = server
+    real = engine._stop_reason
+
+    def faulty(seq, token):
+        if seq.request.params.seed == 666:
+            raise RuntimeError("detokenizer exploded")
+        return real(seq, token)
+
+    monkeypatch.setattr(engine, "_stop_reason", faulty)
+    results = {}
+    bad = threading.Thread(target=lambda: results.update(bad=post(url, {"prompt": "hi", "max_tokens": 50,
+                                                                        "seed": 666})))
+    bad.start()
+    good = post(url, {"prompt": "the lazy", "max_tokens": 20, "temperature": 0})
+    bad.join()
+    assert results["bad"].status_code == 500 and "exploded" in results["bad"].json()["error"]["message"]
+    assert good.json()["choices"][0]["text"] == alone_text(model, tokenizer, tokenizer.encode("the lazy"), 20)
+    wait_idle(engine)
+
+
+def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
+    _, model, tokenizer = tiny
+    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    limits = Limits(max_waiting=4)
+    url, _, stop = start_server(engine, tokenizer, limits)
+
+    async def one(h):
+        start = time.perf_counter()
+        r = await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True})
+        return r, time.perf_counter() - start
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as h:
+            return await asyncio.gather(*(one(h) for _ in range(5 * limits.max_waiting)))
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        stop()
+    refused = [(r, s) for r, s in results if r.status_code == 503]
+    done = [r for r, _ in results if r.status_code == 200]
+    assert len(refused) + len(done) == len(results) and len(refused) >= limits.max_waiting
+    assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable" for r, _ in refused)
+    assert all(len(r.json()["choices"][0]["text"]) > 0 for r in done)
+    wait_idle(engine)
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
+    """In flight when SIGTERM comes: a short request ends with its text, long ones with "abort"
+    after --shutdown_timeout; meanwhile /health says draining and new requests get 503."""
+    folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
+                             "float32", "--num_blocks", "1200", "--shutdown_timeout", "1", "--api_key", KEY],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        while "serving on" not in (line := proc.stderr.readline()):
+            assert line, "serve.py exited before serving"
+        url = line.split("serving on ")[1].split()[0]
+        reasons, texts = {}, {}
+
+        def stream(name, max_tokens):
+            body = {"prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        part = json.loads(line[6:])["choices"][0]
+                        texts[name] = texts.get(name, "") + part["text"]
+                        reasons[name] = part["finish_reason"] or reasons.get(name)
+
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 4000)) for i in range(2)]
+        threads.append(threading.Thread(target=stream, args=("short", 20)))
+        for t in threads:
+            t.start()
+        while len(texts) < 3:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        start = time.time()
+        deadline = start + 5
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.time() < deadline, "/health never said draining"
+        assert httpx.get(url + "/health").json() == {"status": "draining"}
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
+        assert proc.wait(timeout=1 + 5) == 0
+        for t in threads:
+            t.join(timeout=5)
+        assert reasons == {"long0": "abort", "long1": "abort", "short": "length"}, reasons
+        assert all(texts.values())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
+    """benchmarks/soak_serve.py at 40 requests: mixed, malformed and disconnecting clients on a
+    pool small enough to preempt; greedy texts equal their alone-runs, no block or request left."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import soak_serve
+
+    _, model, tokenizer = tiny
+    engine = Engine(model, num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    report = soak_serve.soak(engine, tokenizer, 40, rate=200.0, seed=1)
+    assert report["greedy_checked"] > 5 and report["mismatches"] == []
+    assert report["blocks_in_use"] == 0 and report["requests_left"] == 0
+    assert report["server_errors"] == 0 and report["malformed_not_4xx"] == 0
+    assert report["preemptions"] > 0

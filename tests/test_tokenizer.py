@@ -2,10 +2,12 @@
 import base64
 import io
 import json
+import time
 
 import numpy as np
 import pytest
 
+import tokenizer
 from tokenizer import TokenizerError, load_tokenizer, render_chat_template
 
 CORPUS = [
@@ -187,6 +189,44 @@ def test_chat_template_runs_in_a_sandbox():
 def test_chat_template_raise_exception_is_a_clear_error():
     with pytest.raises(TokenizerError, match="roles must alternate"):
         render_chat_template("{{ raise_exception('roles must alternate') }}", MESSAGES)
+
+
+HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without building anything large
+    "string repetition": "{{ 'a' * 10**10 }}",
+    "list repetition": "{{ ([1] * 10**9) | length }}",
+    "doubling by +": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                     "{% endfor %}{{ ns.s | length }}",
+    "huge power": "{{ 10 ** 999999999 }}",
+    "range beyond the sandbox's limit": "{% for i in range(10**9) %}{% endfor %}",
+    "nested loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "nested loops over a list": "{% set xs = range(99999) | list %}{% for i in xs %}{% for j in xs %}{% endfor %}"
+                                "{% endfor %}",
+    "format width": "{{ '{:>9999999999}'.format(1) }}",
+    "percent width": "{{ '%*d' % (10**10, 1) }}",
+    "center filter": "{{ 'a' | center(10**10) }}",
+    "format filter": "{{ '%0*d' | format(10**10, 1) }}",
+    "indent filter": "{{ 'a\nb' | indent(10**10) }}",
+    "globals walk": "{{ raise_exception.__globals__ }}",
+    "subclasses walk": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "format string attribute walk": "{{ '{0.__class__.__init__.__globals__}'.format(messages) }}",
+    "cycler walk": "{{ cycler.__init__.__globals__.os }}",
+    "output size": "{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_fail_clearly_and_quickly(name, monkeypatch):
+    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_SECONDS", 0.3)
+    start = time.perf_counter()
+    with pytest.raises(TokenizerError, match="chat template failed"):
+        render_chat_template(HOSTILE_TEMPLATES[name], MESSAGES)
+    assert time.perf_counter() - start < 2 * tokenizer.TEMPLATE_MAX_SECONDS + 1
+
+
+def test_a_bounded_template_still_renders_loops_and_filters():
+    text = render_chat_template("{% for m in messages %}{{ m['role'] | upper }}{{ '-' * 3 }}{% endfor %}"
+                                "{{ '%d' % 7 }}{{ 2 ** 10 }}{{ '{:>3}'.format(1) }}", MESSAGES)
+    assert text == "".join(m["role"].upper() + "---" for m in MESSAGES) + "71024  1"
 
 
 def test_no_tokenizer_files(tmp_path):

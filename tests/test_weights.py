@@ -271,3 +271,22 @@ def test_torch_dequantize_equals_the_gguf_package(kind):
     for b in blocks:
         expected = torch.from_numpy(dequantize(b, qtype))
         torch.testing.assert_close(gguf_weights.dequantize_fast(torch.from_numpy(b), kind), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"num_hidden_layers": 100000}, "100000 layers"),
+    ({"max_position_embeddings": 2**40}, "context of 1099511627776 tokens"),
+    ({"hidden_size": "64"}, "positive integer"),
+    ({"num_attention_heads": 0}, "n_heads must be a positive integer|do not make a model"),
+    ({"intermediate_size": -5}, "positive integer"),
+])
+def test_a_config_is_checked_against_bounds_and_the_weights_before_building(tiny, tmp_path, edit, message):
+    import time
+
+    shutil.copytree(tiny[1], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, **edit}))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=message):
+        weights.load(tmp_path / "m")
+    assert time.perf_counter() - start < 5

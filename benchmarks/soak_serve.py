@@ -1,0 +1,207 @@
+"""HTTP soak of serve.py: thousands of mixed requests from the `openai` client, with the traffic a
+server left running meets, and what must hold afterwards.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --requests 2000      # the tiny model
+
+Requests arrive at random (exponential gaps, --rate per second) with random prompt lengths,
+max_tokens, n and stop strings; 40% stream, and half of those clients (20% of all) disconnect
+after a few chunks; 5% are malformed (bad JSON, wrong types, lone surrogates, too large). The KV
+pool is small, so sequences are preempted. Checked at the end: every completed greedy request
+(n = 1, no stop string) has the text of the same request run alone on the engine; malformed
+requests got 4xx, nothing got 5xx; 0 blocks in use and 0 requests in the engine; resident memory
+after the run against after warm-up (the first 10% of requests); p50/p99 time to first token of
+the streamed clients. The default model is a tiny random one in float64 (built here), so that
+batching cannot change a greedy token; the test suite runs a short version.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from batch import percentile  # noqa: E402
+
+WORDS = "hello world the quick brown fox jumps over lazy dog".split()
+KEY = "soak"
+MALFORMED = [b"{not json", b'{"prompt": 5}', b'{"prompt": "hi", "max_tokens": -1}', b'{"prompt": "hi \\ud800"}',
+             b'{"prompt": "hi", "n": 1000}', b'{"prompt": "hi", "seed": 99999999999999999999}', b"[]"]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def start_server(engine, tokenizer, limits=None):
+    """serve.py's app in a thread of this process; returns (url, stop())."""
+    import uvicorn
+
+    from serve import make_app
+
+    srv = uvicorn.Server(uvicorn.Config(make_app(engine, tokenizer, "soak", KEY, limits), host="127.0.0.1", port=0,
+                                        log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+    return "http://127.0.0.1:%d" % srv.servers[0].sockets[0].getsockname()[1], stop
+
+
+def make_request(rng: random.Random, i: int) -> dict:
+    kind = rng.random()
+    if kind < 0.05:
+        return {"i": i, "kind": "malformed", "raw": rng.choice(MALFORMED)}
+    body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))),
+            "max_tokens": rng.randint(2, 48), "temperature": 0.0}
+    if rng.random() < 0.3:
+        body.update(n=rng.randint(2, 3), temperature=1.0, seed=rng.randint(0, 2**31))
+    if rng.random() < 0.2:
+        body["stop"] = [rng.choice("abcdefghijklmnopqrstuvwxyz ,")]
+    if kind < 0.25:
+        return {"i": i, "kind": "disconnect", "body": body, "after": rng.randint(1, 3)}
+    return {"i": i, "kind": "stream" if kind < 0.45 else "plain", "body": body}
+
+
+async def one(client, http, req) -> dict:
+    import openai
+
+    start, out = time.perf_counter(), {**req}
+    try:
+        if req["kind"] == "malformed":
+            r = await http.post("/v1/completions", content=req["raw"], headers={"Content-Type": "application/json"})
+            out["status"] = r.status_code
+        elif req["kind"] == "plain":
+            r = await client.completions.create(model="soak", **req["body"])
+            out.update(status=200, texts=[c.text for c in sorted(r.choices, key=lambda c: c.index)])
+        else:
+            stream = await client.completions.create(model="soak", stream=True, **req["body"])
+            texts, chunks = {}, 0
+            async for ch in stream:
+                for c in ch.choices:
+                    if "ttft" not in out and c.text:
+                        out["ttft"] = time.perf_counter() - start
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                chunks += 1
+                if req["kind"] == "disconnect" and chunks >= req["after"]:
+                    await stream.close()  # the client goes away mid-request
+                    break
+            out.update(status=200, texts=[texts.get(k, "") for k in range(req["body"].get("n", 1))])
+    except openai.APIStatusError as e:
+        out["status"] = e.status_code
+    return out
+
+
+async def run_load(url, requests, rate: float, seed: int, on_progress=None):
+    import httpx
+    import openai
+
+    rng = random.Random(seed + 1)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.ensure_future(one(client, http, req)))
+            if on_progress:
+                on_progress(len(tasks))
+            await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.gather(*tasks)
+
+
+def alone_texts(engine, tokenizer, body) -> list:
+    from scheduler import RequestParams
+
+    ids = tokenizer.encode(body["prompt"])
+    r = engine.generate([ids], RequestParams(max_new_tokens=body["max_tokens"], temperature=0.0))[0]
+    return [tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])]
+
+
+def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0, limits=None) -> dict:
+    """Runs the soak against a fresh server on `engine`; returns the report (see the docstring)."""
+    rng = random.Random(seed)
+    requests = [make_request(rng, i) for i in range(n_requests)]
+    url, stop = start_server(engine, tokenizer, limits)
+    warm = {}
+
+    def on_progress(sent):
+        if sent == max(1, n_requests // 10) and "rss" not in warm:
+            warm["rss"] = rss_bytes()
+
+    start = time.perf_counter()
+    try:
+        results = asyncio.run(run_load(url, requests, rate, seed, on_progress))
+        deadline = time.time() + 30
+        while (engine.requests or engine.allocator.num_used()) and time.time() < deadline:
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - start
+        blocks, left = engine.allocator.num_used(), len(engine.requests)
+        rss_after = rss_bytes()
+    finally:
+        stop()
+    mismatches = []
+    for r in results:
+        b = r.get("body", {})
+        if r["kind"] in ("plain", "stream") and r["status"] == 200 and b.get("n", 1) == 1 and "stop" not in b:
+            if r["texts"] != alone_texts(engine, tokenizer, b):
+                mismatches.append(r["i"])
+    statuses = {}
+    for r in results:
+        statuses[f"{r['kind']} {r['status']}"] = statuses.get(f"{r['kind']} {r['status']}", 0) + 1
+    ttft = [r["ttft"] for r in results if "ttft" in r]
+    return {"requests": n_requests, "elapsed_s": round(elapsed, 1), "statuses": statuses,
+            "greedy_checked": sum(1 for r in results if r["kind"] in ("plain", "stream") and r["status"] == 200
+                                  and r["body"].get("n", 1) == 1 and "stop" not in r["body"]),
+            "mismatches": mismatches, "blocks_in_use": blocks, "requests_left": left,
+            "server_errors": sum(1 for r in results if r["status"] >= 500),
+            "malformed_not_4xx": sum(1 for r in results if r["kind"] == "malformed" and not 400 <= r["status"] < 500),
+            "preemptions": engine.stats["preemptions"], "rss_warm_mib": round(warm.get("rss", 0) / 2**20, 1),
+            "rss_after_mib": round(rss_after / 2**20, 1), "peak_rss_mib": round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "ttft_p50_s": round(percentile(ttft, 0.5), 4), "ttft_p99_s": round(percentile(ttft, 0.99), 4)}
+
+
+def tiny_engine(num_blocks: int, max_num_seqs: int):
+    import torch
+
+    import weights
+    from helpers import tiny_checkpoint
+    from scheduler import Engine
+    from tokenizer import load_tokenizer
+
+    folder = tiny_checkpoint(Path(tempfile.mkdtemp(prefix="soak-")), max_position_embeddings=512)
+    model, info = weights.load(folder, dtype=torch.float64)
+    tokenizer = load_tokenizer(info.source)
+    return Engine(model, num_blocks=num_blocks, block_size=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                  stop_ids=tokenizer.stop_ids, tokenizer=tokenizer), tokenizer
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--rate", type=float, default=100.0, help="mean arrivals per second")
+    p.add_argument("--num_blocks", type=int, default=60, help="a small pool, so that sequences are preempted")
+    p.add_argument("--max_num_seqs", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    engine, tokenizer = tiny_engine(args.num_blocks, args.max_num_seqs)
+    report = soak(engine, tokenizer, args.requests, args.rate, args.seed)
+    print(json.dumps(report, indent=1))
+    ok = not report["mismatches"] and not report["blocks_in_use"] and not report["requests_left"] and \
+        not report["server_errors"] and not report["malformed_not_4xx"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

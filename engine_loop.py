@@ -1,0 +1,171 @@
+"""The engine (scheduler.py) in its own thread, for a server: admission with a bounded queue,
+aborts from any thread, graceful draining, and metrics.
+
+One background thread owns the engine and loops over `step()`; callers on an asyncio loop hand it
+requests through a thread-safe inbox and receive each new token through an asyncio queue. Every
+event a caller receives is one of:
+
+    (choice index, token id, finish_reason or None)    a new token
+    (choice index, None, "abort")                       a sample ended without a token
+    None                                                one request (one prompt) is over
+    "a message"                                         one request failed; the others go on
+
+Admission is decided in the engine thread, before anything is queued: while `draining`, or when
+`max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).
+"""
+import asyncio
+import queue
+import threading
+import time
+import traceback
+import uuid
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+class Unavailable(Exception):
+    """The server cannot take this request now (queue full, or shutting down); retry later."""
+
+
+class EngineLoop:
+    """The engine in its own thread. submit() and abort() may be called from any thread."""
+
+    def __init__(self, engine, max_waiting: int = 256):
+        self.engine, self.inbox, self.max_waiting = engine, queue.Queue(), max_waiting
+        self.streams = {}  # request id -> (event loop, asyncio.Queue of events, index of its first choice)
+        self.started = set()  # requests that have their first token
+        self.draining = False
+        self.tokens_generated, self.requests_done, self.refused = 0, 0, 0
+        self.ttft_counts, self.ttft_sum = [0] * len(TTFT_BUCKETS), 0.0
+        threading.Thread(target=self._run, daemon=True, name="engine").start()
+
+    async def submit(self, prompts, params):
+        """Queue one engine request per prompt, all or none; returns (ids, asyncio.Queue of events
+        for all of them: prompt i's samples are choices i*n .. i*n+n-1). Raises ValueError for a
+        request the engine refuses, Unavailable when it cannot take more now."""
+        loop = asyncio.get_running_loop()
+        done, events = loop.create_future(), asyncio.Queue()
+        self.inbox.put(("add", prompts, params, loop, done, events))
+        return await done, events
+
+    def abort(self, request_id):
+        self.inbox.put(("abort", request_id))
+
+    def num_waiting(self) -> int:
+        """Requests queued for a slot (read from any thread: copy before iterating)."""
+        return len({s.request.id for s in list(self.engine.waiting)})
+
+    def drain(self, timeout: float):
+        """Stop admission, let running requests finish for up to `timeout` seconds, then abort
+        the rest (their clients get finish_reason "abort"). Blocks; call it from any thread."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.inbox.put(("abort_all",))
+        while self.engine.requests and time.monotonic() < deadline + 5:
+            time.sleep(0.02)
+
+    def _run(self):
+        engine = self.engine
+        while True:
+            try:  # block while idle; between steps, take everything that arrived
+                self._handle(self.inbox.get(timeout=None if not engine.has_unfinished() else 0))
+                while True:
+                    self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                events = engine.step()
+            except Exception as e:  # a bug in the step itself: end every running request, keep serving
+                traceback.print_exc()
+                for rid in list(engine.requests):
+                    engine.requests[rid].error = f"the engine failed during a step ({type(e).__name__}: {e})"
+                    self._abort(rid)
+                events = []
+            for rid, index, token, reason in events:
+                loop, q, first = self.streams[rid]
+                if rid not in self.started:
+                    self.started.add(rid)
+                    req = engine.requests[rid]
+                    self._observe_ttft(req.seqs[index].token_times[0] - req.arrival)
+                self.tokens_generated += 1
+                loop.call_soon_threadsafe(q.put_nowait, (first + index, token, reason))
+            for rid in [rid for rid, r in engine.requests.items() if r.finished]:
+                loop, q, _ = self.streams.pop(rid)
+                req = engine.requests.pop(rid)
+                self.started.discard(rid)
+                self.requests_done += 1
+                loop.call_soon_threadsafe(q.put_nowait, req.error)  # None: end of stream
+
+    def _abort(self, rid):
+        """Abort a request; each of its unfinished samples gets (index, None, "abort")."""
+        req = self.engine.requests.get(rid)
+        if req is None:
+            return
+        loop, q, first = self.streams[rid]
+        for seq in req.seqs:
+            if not seq.finish_reason:
+                loop.call_soon_threadsafe(q.put_nowait, (first + seq.index, None, "abort"))
+        # samples not forked yet (n > 1, prompt still prefilling) end too
+        for k in range(len(req.seqs), req.params.n):
+            loop.call_soon_threadsafe(q.put_nowait, (first + k, None, "abort"))
+        self.engine.abort(rid)
+
+    def _handle(self, message):
+        if message[0] == "abort":
+            self._abort(message[1])
+            return
+        if message[0] == "abort_all":
+            for rid in list(self.engine.requests):
+                self._abort(rid)
+            return
+        _, prompts, params, loop, done, events = message
+        try:
+            if self.draining:
+                raise Unavailable("the server is shutting down")
+            if self.num_waiting() + len(prompts) > self.max_waiting:
+                self.refused += 1
+                raise Unavailable(f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry later")
+            ids = []
+            for i, prompt in enumerate(prompts):
+                try:
+                    ids.append(self.engine.add_request(prompt, params, request_id=uuid.uuid4().hex))
+                except (ValueError, TypeError) as e:
+                    for rid in ids:  # all or none
+                        self.engine.abort(rid)
+                        self.engine.requests.pop(rid)
+                    raise ValueError(str(e) if len(prompts) == 1 else f"prompt {i}: {e}") from None
+                self.streams[ids[-1]] = (loop, events, i * params.n)
+            loop.call_soon_threadsafe(done.set_result, ids)
+        except (ValueError, Unavailable) as e:
+            loop.call_soon_threadsafe(done.set_exception, e)
+
+    def _observe_ttft(self, seconds: float):
+        self.ttft_sum += seconds
+        for i, bound in enumerate(TTFT_BUCKETS):
+            if seconds <= bound:
+                self.ttft_counts[i] += 1
+
+    def metrics(self) -> str:
+        e, a = self.engine, self.engine.allocator  # read from another thread: copy before iterating
+        running = list(e.running)
+        hit = e.stats["prompt_tokens_hit"] / e.stats["prompt_tokens"] if e.stats["prompt_tokens"] else 0.0
+        lines = [
+            "# TYPE llm_requests_running gauge", f"llm_requests_running {len({s.request.id for s in running})}",
+            "# TYPE llm_requests_waiting gauge", f"llm_requests_waiting {self.num_waiting()}",
+            "# TYPE llm_requests_refused_total counter", f"llm_requests_refused_total {self.refused}",
+            "# TYPE llm_kv_blocks_used gauge", f"llm_kv_blocks_used {a.num_used()}",
+            "# TYPE llm_kv_blocks_total gauge", f"llm_kv_blocks_total {a.num_blocks - 1}",
+            "# TYPE llm_prefix_cache_hit_rate gauge", f"llm_prefix_cache_hit_rate {hit:.6f}",
+            "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {e.stats['preemptions']}",
+            "# TYPE llm_generation_tokens_total counter", f"llm_generation_tokens_total {self.tokens_generated}",
+            "# TYPE llm_requests_finished_total counter", f"llm_requests_finished_total {self.requests_done}",
+            "# TYPE llm_time_to_first_token_seconds histogram",
+        ]
+        for bound, count in zip(TTFT_BUCKETS, self.ttft_counts):
+            le = "+Inf" if bound == float("inf") else f"{bound}"
+            lines.append(f'llm_time_to_first_token_seconds_bucket{{le="{le}"}} {count}')
+        lines += [f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+                  f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}"]
+        return "\n".join(lines) + "\n"
