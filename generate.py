@@ -40,22 +40,30 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     """Decode up to max_new_tokens after `prompt` [B, T] (already on the device).
 
     Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
-    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends."""
+    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
+    A static cache attends only over the positions in use (kv_cache.py's use_positions): set here
+    before each step from the host's count of positions, never read back from the device."""
     B, T = prompt.shape
     device = prompt.device
     stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
+    use_positions = getattr(cache, "use_positions", lambda n: None)  # the paged cache sizes its own tables
     start = time.perf_counter()
     with torch.no_grad():
+        use_positions(start_pos + T)
         token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator)  # [B]
     out, done = [token], torch.isin(token, stop)
     first_token_s = time.perf_counter() - start
     if on_token:
         on_token(token)
     pos = torch.full((B, 1), start_pos + T, dtype=torch.long, device=device)
+    attend_len = None
     for step in range(max_new_tokens - 1):
         if bool(done.all()):  # one host sync per step: the loop must know when to stop
             break
-        with torch.no_grad(), skip_guards(step > 0 and decode_fn is not decode_one):
+        # A new attend length selects another compiled graph (compiling it the first time): that
+        # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
+        previous, attend_len = attend_len, use_positions(start_pos + T + step + 1)
+        with torch.no_grad(), skip_guards(step > 0 and decode_fn is not decode_one and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
         token = sample(logits, params, generator)
         pos += 1
@@ -63,6 +71,7 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         out.append(token)
         if on_token:
             on_token(token)
+    use_positions(None)  # back to the whole cache, for callers that do not set it
     if device.type == "cuda":
         torch.cuda.synchronize()
     total_s = time.perf_counter() - start
@@ -380,11 +389,18 @@ def warm_up(args, model, cache, device, prompt_len):
         configure_inductor_cpu()
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     B = cache.batch_size
+    use_positions = getattr(cache, "use_positions", lambda n: None)
     with torch.no_grad():
+        use_positions(prompt_len)
         prefill_fn(model, cache, torch.zeros(B, prompt_len, dtype=torch.long, device=device))
-        for step in range(3):  # CUDA Graphs record on the second or third call
-            decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
-                      torch.full((B, 1), step, dtype=torch.long, device=device))
+        # one graph per attend length the decode steps will reach (kv_cache.py's use_positions)
+        lengths = {use_positions(n) for n in range(prompt_len + 1, prompt_len + args.max_new_tokens)}
+        for length in sorted(lengths, key=lambda n: n or 0):
+            use_positions(length)
+            for step in range(3):  # CUDA Graphs record on the second or third call
+                decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
+                          torch.full((B, 1), step, dtype=torch.long, device=device))
+        use_positions(None)
     return decode_fn, prefill_fn, time.perf_counter() - start
 
 

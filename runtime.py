@@ -103,6 +103,11 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
     GEMMs autotuned against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1
     bf16 this is about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
+    import torch._dynamo
+
+    # one graph per attend length of a static cache (kv_cache.py: up to log2(S / 128) + 1 of them)
+    # per cache shape: more than dynamo's default of 8 per function, past which it runs eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if str(device).startswith("cuda"):
         return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
     configure_inductor_cpu()
