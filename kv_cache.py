@@ -22,10 +22,12 @@ Cost follows the tokens in use, not the capacity. Before a step its caller (gene
 which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
 more than the largest position of the step; attention then reads only the first
 
-    attend_len = min(S, max(MIN_ATTEND_SLOTS, next power of two >= n))
+    attend_len = min(S, max(MIN_ATTEND_SLOTS, bucket(n)))    bucket: 128, 192, 256, 384, 512, 768, ...
 
-slots, so a step's attention reads at most 2n slots (e.g. 256 of 4096 with 130 in use), and a
-compiled step needs one graph per power of two (8 for an 8192-slot cache), never one per length.
+slots (powers of two and the points halfway between), so a step's attention reads at most 1.5n
+slots (e.g. 192 of 4096 with 130 in use): its cost grows with the tokens in use, linearly, plus
+the weights' fixed cost per step. A compiled step needs one graph per bucket reached (13 for a
+whole 8192-slot cache, 2 or 3 for a run of a few hundred tokens), never one per length.
 Without a call (or after `use_positions(None)`) attention reads all S slots: the slow twin that
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.
@@ -45,10 +47,21 @@ FUSED_DECODE_MAX_SLOTS = 1024
 MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
 
 
+def bucket(n: int) -> int:
+    """n rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of two and the
+    points halfway between): few distinct shapes for compiled steps, at most 1.5x padding."""
+    power = 1
+    while True:
+        for size in (power, power + power // 2):
+            if size >= n:
+                return size
+        power *= 2
+
+
 def attend_len_for(n_positions: int, capacity: int) -> int:
-    """The prefix of a cache that holds positions 0..n_positions-1: n rounded up to a power of two,
-    at least MIN_ATTEND_SLOTS, at most the capacity (few distinct lengths: few compiled graphs)."""
-    return min(capacity, max(MIN_ATTEND_SLOTS, 1 << max(n_positions - 1, 0).bit_length()))
+    """The prefix of a cache that holds positions 0..n_positions-1: n rounded up to a bucket, at
+    least MIN_ATTEND_SLOTS, at most the capacity (few distinct lengths: few compiled graphs)."""
+    return min(capacity, max(MIN_ATTEND_SLOTS, bucket(n_positions)))
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

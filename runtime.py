@@ -105,7 +105,7 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     bf16 this is about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
     import torch._dynamo
 
-    # one graph per attend length of a static cache (kv_cache.py: up to log2(S / 128) + 1 of them)
+    # one graph per attend length of a static cache (kv_cache.py: 13 for the 8192 slots of a whole context)
     # per cache shape: more than dynamo's default of 8 per function, past which it runs eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if str(device).startswith("cuda"):

@@ -21,9 +21,9 @@ def tiny64(tmp_path_factory):
     return model
 
 
-def test_attend_len_is_a_power_of_two_covering_the_positions():
-    assert [attend_len_for(n, 4096) for n in (1, 128, 129, 130, 1000, 1025, 4096)] == [128, 128, 256, 256, 1024, 2048, 4096]
-    assert attend_len_for(130, 256) == 256 and attend_len_for(150, 200) == 200 and attend_len_for(9000, 8192) == 8192
+def test_attend_len_is_a_bucket_covering_the_positions():
+    assert [attend_len_for(n, 4096) for n in (1, 128, 129, 193, 1000, 1025, 4096)] == [128, 128, 192, 256, 1024, 1536, 4096]
+    assert attend_len_for(130, 192) == 192 and attend_len_for(150, 200) == 192 and attend_len_for(199, 200) == 200 and attend_len_for(9000, 8192) == 8192
     cache = StaticKVCache(1, 1, 1, 300, 8)
     assert cache.attend_len == 300  # no call yet: the whole cache
     assert cache.use_positions(5) == 128 == cache.attend_len and cache.use_positions(None) == 300
@@ -32,7 +32,7 @@ def test_attend_len_is_a_power_of_two_covering_the_positions():
 @pytest.mark.isa
 @pytest.mark.parametrize("cache_cls", [StaticKVCache, Int8KVCache])
 def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
-    """Prefill chunks and decode steps, batch 2, at attend lengths 128, 256 and 512 of 1024 slots:
+    """Prefill chunks and decode steps, batch 2, at attend lengths 128, 192 and 384 of 1024 slots:
     every logit equals the same step attending over all 1024 slots (float64)."""
     model = tiny64
     g = torch.Generator().manual_seed(0)
@@ -48,7 +48,7 @@ def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
             lengths.add(prefix.use_positions(start + T))
             a, b = model(tokens, pos, prefix), model(tokens, pos, whole)
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    assert whole.attend_len == CAPACITY and lengths == {128, 256, 512}
+    assert whole.attend_len == CAPACITY and lengths == {128, 192, 384}
 
 
 def greedy_across_a_boundary(model, cache_cls, decode_fn, prompt, n):
@@ -61,7 +61,7 @@ def greedy_across_a_boundary(model, cache_cls, decode_fn, prompt, n):
 @pytest.mark.isa
 @pytest.mark.parametrize("cache_cls", [StaticKVCache, Int8KVCache])
 def test_compiled_decode_across_attend_lengths_equals_eager(tiny64, cache_cls):
-    """A 120-token prompt and 20 new tokens: decode moves from the 128-slot prefix to the 256-slot
+    """A 120-token prompt and 20 new tokens: decode moves from the 128-slot prefix to the 192-slot
     one mid-loop, where generate's skip_guards must not rerun the 128-slot graph. Compiled gives
     eager's tokens (float64), with exactly two graphs; a second run recompiles nothing."""
     import torch._dynamo
@@ -74,7 +74,7 @@ def test_compiled_decode_across_attend_lengths_equals_eager(tiny64, cache_cls):
     before = counters["stats"]["unique_graphs"]
     step = runtime.compile_decode("cpu", autotune=False)
     compiled = greedy_across_a_boundary(tiny64, cache_cls, step, prompt, 20)
-    assert counters["stats"]["unique_graphs"] - before == 2  # one per attend length: 128, 256
+    assert counters["stats"]["unique_graphs"] - before == 2  # one per attend length: 128, 192
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = greedy_across_a_boundary(tiny64, cache_cls, step, prompt, 20)
     assert compiled == eager == again and len(eager[0]) == 20
