@@ -28,6 +28,7 @@ slots (powers of two and the points halfway between), so a step's attention read
 slots (e.g. 192 of 4096 with 130 in use): its cost grows with the tokens in use, linearly, plus
 the weights' fixed cost per step. A compiled step needs one graph per bucket reached (13 for a
 whole 8192-slot cache, 2 or 3 for a run of a few hundred tokens), never one per length.
+Eager steps need no buckets: `use_positions(n, round_up=False)` attends over exactly n slots.
 Without a call (or after `use_positions(None)`) attention reads all S slots: the slow twin that
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.
@@ -95,11 +96,15 @@ class StaticKVCache:
     def tensors(self) -> list:
         return self.k + self.v
 
-    def use_positions(self, n_positions) -> int:
+    def use_positions(self, n_positions, round_up: bool = True) -> int:
         """The next steps use positions < n_positions (None: any): attend reads only the prefix
-        attend_len_for(n_positions) of the slots. Returns that length. Under torch.compile the
-        length is a constant of the graph, so each length compiles (once) its own graph."""
-        self.attend_len = self.max_seq_len if n_positions is None else attend_len_for(n_positions, self.max_seq_len)
+        attend_len_for(n_positions) of the slots, or exactly n_positions without round_up (eager
+        steps: no graphs to keep few). Returns that length. Under torch.compile the length is a
+        constant of the graph, so each length compiles (once) its own graph."""
+        if n_positions is None:
+            self.attend_len = self.max_seq_len
+        else:
+            self.attend_len = attend_len_for(n_positions, self.max_seq_len) if round_up else min(n_positions, self.max_seq_len)
         return self.attend_len
 
     def attend(self, layer, q, k, v, input_pos):
