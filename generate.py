@@ -11,9 +11,11 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 
     bandwidth = bytes of weights read per step * tokens/s   (KV cache reads reported apart)
 
-`--compile` compiles the decode step once (fullgraph, static shapes: positions are tensors, so
-advancing them never recompiles); on CUDA it also replays as a CUDA Graph (mode
-"reduce-overhead"). Compile time is reported separately and never counted in tokens/s.
+`--compile` compiles the decode step once per attend length (fullgraph, static shapes: positions
+are tensors, so advancing them never recompiles; a static cache attends over the positions in
+use rounded up to a bucket, kv_cache.py, a few graphs per run); on CUDA each also replays as a
+CUDA Graph (mode "reduce-overhead"). Compile time is reported separately and never counted in
+tokens/s; `--interactive --compile` compiles the lengths a turn can reach before the turn.
 `--json` prints one JSON object per sample instead of text, for scripts and tests.
 `--interactive` is a chat that prefills only each turn's new tokens; `--draft_checkpoint`,
 `--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
@@ -40,22 +42,31 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     """Decode up to max_new_tokens after `prompt` [B, T] (already on the device).
 
     Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
-    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends."""
+    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
+    A static cache attends only over the positions in use (kv_cache.py's use_positions): set here
+    before each step from the host's count of positions, never read back from the device."""
     B, T = prompt.shape
     device = prompt.device
     stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
+    use_positions = getattr(cache, "use_positions", lambda n, round_up=True: None)  # paged: its tables set the width
+    compiled = decode_fn is not decode_one
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad():  # eager steps attend over exactly the positions in use, compiled ones over a bucket
+        use_positions(start_pos + T, round_up=prefill_fn is not prefill)
         token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator)  # [B]
     out, done = [token], torch.isin(token, stop)
     first_token_s = time.perf_counter() - start
     if on_token:
         on_token(token)
     pos = torch.full((B, 1), start_pos + T, dtype=torch.long, device=device)
+    attend_len = None
     for step in range(max_new_tokens - 1):
         if bool(done.all()):  # one host sync per step: the loop must know when to stop
             break
-        with torch.no_grad(), skip_guards(step > 0 and decode_fn is not decode_one):
+        # A new attend length selects another compiled graph (compiling it the first time): that
+        # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
+        previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
+        with torch.no_grad(), skip_guards(step > 0 and compiled and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
         token = sample(logits, params, generator)
         pos += 1
@@ -63,6 +74,7 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         out.append(token)
         if on_token:
             on_token(token)
+    use_positions(None)  # back to the whole cache, for callers that do not set it
     if device.type == "cuda":
         torch.cuda.synchronize()
     total_s = time.perf_counter() - start
@@ -271,6 +283,7 @@ def interactive(args, model, tokenizer, device) -> int:
     decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
     generator, params = make_generator(device, args.seed), SamplingParams(args.temperature, args.top_k, args.top_p)
     messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
+    compiled = set()  # the attend lengths the compiled step has seen
     while True:
         try:
             text = input("\n>>> ")
@@ -285,6 +298,11 @@ def interactive(args, model, tokenizer, device) -> int:
         if len(ids) + args.max_new_tokens > seq_len:
             log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
             break
+        if args.compile:  # the step's graphs for the lengths this turn can reach, before it starts
+            start, before = time.perf_counter(), len(compiled)
+            compiled = compile_lengths(decode_fn, model, cache, len(ids), len(ids) + args.max_new_tokens - 1, compiled)
+            if len(compiled) > before:
+                log(f"[compiled the decode step for {len(compiled) - before} more attend lengths in {time.perf_counter() - start:.1f} s]")
         printer = Printer(tokenizer, tokenizer.stop_ids)
         prompt = torch.tensor([ids[common:]], device=device)
         rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
@@ -381,11 +399,29 @@ def warm_up(args, model, cache, device, prompt_len):
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     B = cache.batch_size
     with torch.no_grad():
+        getattr(cache, "use_positions", lambda n: None)(prompt_len)
         prefill_fn(model, cache, torch.zeros(B, prompt_len, dtype=torch.long, device=device))
-        for step in range(3):  # CUDA Graphs record on the second or third call
-            decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
-                      torch.full((B, 1), step, dtype=torch.long, device=device))
+    if args.compile:
+        compile_lengths(decode_fn, model, cache, prompt_len, prompt_len + args.max_new_tokens - 1)
     return decode_fn, prefill_fn, time.perf_counter() - start
+
+
+def compile_lengths(decode_fn, model, cache, first: int, end: int, done: frozenset = frozenset()) -> set:
+    """Run the decode step for every attend length (kv_cache.py's use_positions) that decode steps
+    at positions first..end-1 reach and `done` lacks, so that each graph compiles now, not in the
+    middle of a reply. Each length L runs at position L - 1 >= first, a slot no cached token uses
+    and a later step overwrites before any query reads it. Returns the lengths now compiled."""
+    use = getattr(cache, "use_positions", lambda n: 1)  # the paged cache: one graph, run at position 0
+    lengths = {use(n + 1) for n in range(first, end)} - done
+    B, device = cache.batch_size, model.norm.weight.device
+    with torch.no_grad():
+        for length in sorted(lengths):
+            use(length)
+            for _ in range(3):  # CUDA Graphs record on the second or third call
+                decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
+                          torch.full((B, 1), length - 1, dtype=torch.long, device=device))
+    use(None)
+    return done | lengths
 
 
 def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, streamed):

@@ -2,7 +2,7 @@
 
 Every decode step would otherwise recompute K and V for the whole prefix. The cache keeps them:
 one buffer pair per layer, allocated once at its final size, so that shapes never change and the
-decode step compiles once (and, on CUDA, replays as one CUDA Graph).
+decode step compiles once per attend length (below; on CUDA each replays as one CUDA Graph).
 
     k[layer], v[layer]  [B, Hkv, S, D]   S = max_seq_len, the most positions a sequence may use
 
@@ -13,10 +13,28 @@ Its size is the number every user should be able to compute:
 e.g. Llama-3-8B in bf16: 2 * 32 * 8 * 128 * 2 = 128 KiB per token, 1 GiB per 8K-token sequence.
 The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 
-`attend` writes this step's k/v at `input_pos` and attends over all S slots under a mask that
-hides slots after each query's position (unwritten slots are zero, and masked). A query at
-position p sees slots 0..p, which is causal attention within the step and full attention to
+`attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a
+mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
+at position p sees slots 0..p, which is causal attention within the step and full attention to
 the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+
+Cost follows the tokens in use, not the capacity. Before a step its caller (generate.generate,
+which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
+more than the largest position of the step; attention then reads only the first
+
+    attend_len = min(S, max(MIN_ATTEND_SLOTS, bucket(n)))    bucket: 128, 192, 256, 384, 512, 768, ...
+
+slots (powers of two and the points halfway between), so a step's attention reads at most 1.5n
+slots (e.g. 192 of 4096 with 130 in use): its cost grows with the tokens in use, linearly, plus
+the weights' fixed cost per step. A compiled step needs one graph per bucket reached (13 for a
+whole 8192-slot cache, 2 or 3 for a run of a few hundred tokens), never one per length.
+Eager steps need no buckets: `use_positions(n, round_up=False)` attends over exactly n slots.
+Measured (benchmarks/RESULTS.md, SmolLM2-135M bf16, one CPU thread, 8192 slots): eager decode at
+18.3 tok/s with 128 tokens in use (as fast as a 256-slot cache), 14.0 at 4096, 11.2 at 8000;
+attending over all 8192 slots ran at 11.2 with 128 in use.
+Without a call (or after `use_positions(None)`) attention reads all S slots: the slow twin that
+tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
+attention, silently: it is the caller's promise, because checking it would cost a host sync.
 
 `Int8KVCache` (`generate.py --kv_cache_dtype int8`) stores K and V as int8 with one scale per
 token and head, halving the bytes a long-context decode step reads:
@@ -30,6 +48,24 @@ import torch.nn.functional as F
 # Compiled one-token CPU steps over caches up to this many slots use decode_attention (cheaper
 # than the flash kernel's fixed cost per call); longer caches use SDPA, which streams them faster.
 FUSED_DECODE_MAX_SLOTS = 1024
+MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
+
+
+def bucket(n: int) -> int:
+    """n rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of two and the
+    points halfway between): few distinct shapes for compiled steps, at most 1.5x padding."""
+    power = 1
+    while True:
+        for size in (power, power + power // 2):
+            if size >= n:
+                return size
+        power *= 2
+
+
+def attend_len_for(n_positions: int, capacity: int) -> int:
+    """The prefix of a cache that holds positions 0..n_positions-1: n rounded up to a bucket, at
+    least MIN_ATTEND_SLOTS, at most the capacity (few distinct lengths: few compiled graphs)."""
+    return min(capacity, max(MIN_ATTEND_SLOTS, bucket(n_positions)))
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -50,6 +86,7 @@ class StaticKVCache:
         self.slots = torch.arange(max_seq_len, device=device)  # [S]
         self.rows = torch.arange(batch_size, device=device)  # [B]
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.attend_len = max_seq_len  # the prefix of the slots attend reads (use_positions)
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
@@ -62,14 +99,26 @@ class StaticKVCache:
     def tensors(self) -> list:
         return self.k + self.v
 
+    def use_positions(self, n_positions, round_up: bool = True) -> int:
+        """The next steps use positions < n_positions (None: any): attend reads only the prefix
+        attend_len_for(n_positions) of the slots, or exactly n_positions without round_up (eager
+        steps: no graphs to keep few). Returns that length. Under torch.compile the length is a
+        constant of the graph, so each length compiles (once) its own graph."""
+        if n_positions is None:
+            self.attend_len = self.max_seq_len
+        else:
+            self.attend_len = attend_len_for(n_positions, self.max_seq_len) if round_up else min(n_positions, self.max_seq_len)
+        return self.attend_len
+
     def attend(self, layer, q, k, v, input_pos):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
-        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
         rows = self.rows[: k.shape[0], None]  # [B, 1]: row b writes at its own positions input_pos[b]
-        k_cache[rows, :, input_pos] = k.to(k_cache.dtype)  # an in-place index_put_ of [B, T, Hkv, D]
-        v_cache[rows, :, input_pos] = v.to(v_cache.dtype)
-        mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]: slot visible to query
-        if (q.shape[1] == 1 and q.device.type == "cpu" and self.max_seq_len <= FUSED_DECODE_MAX_SLOTS
+        self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
+        self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
+        L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
+        k_cache, v_cache = self.k[layer][:, :, :L], self.v[layer][:, :, :L]  # [B, Hkv, L, D]
+        mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
+        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
                 and torch.compiler.is_compiling()):
             # compiled CPU decode only: the same maths as the SDPA call below, softmax(q k^T / sqrt(D)
             # + mask) v, written as two reductions Inductor fuses (decode_attention)
@@ -132,8 +181,9 @@ class Int8KVCache(StaticKVCache):
             xq, xs = quantize_per_token(x)
             cache[layer][rows, :, input_pos] = xq
             scales[layer][rows, :, input_pos] = xs
-        mask = self.slots <= input_pos[:, None, :, None]  # [B, 1, T, S]
-        k_cache, v_cache, k_scale, v_scale = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+        L = self.attend_len
+        mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]
+        k_cache, v_cache, k_scale, v_scale = (t[layer][:, :, :L] for t in (self.k, self.v, self.k_scale, self.v_scale))
         if q.shape[1] == 1 and torch.compiler.is_compiling():
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions

@@ -44,7 +44,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from kv_cache import FUSED_DECODE_MAX_SLOTS, decode_attention, kv_bytes_per_token
+from kv_cache import FUSED_DECODE_MAX_SLOTS, bucket, decode_attention, kv_bytes_per_token
 
 NULL_BLOCK = 0
 
@@ -194,17 +194,6 @@ class BlockAllocator:
             assert self.children[b] == n, f"block {b}: children count {self.children[b]} != {n}"
         accounted = len(free) + len(self.hash_of) + sum(1 for b in range(self.num_blocks) if self.ref[b] > 0 and b not in self.hash_of)
         assert accounted == self.num_blocks - 1, "a block is lost"
-
-
-def bucket(n: int) -> int:
-    """n rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of two and the
-    points halfway between): few distinct shapes for compiled steps, at most 1.5x padding."""
-    power = 1
-    while True:
-        for size in (power, power + power // 2):
-            if size >= n:
-                return size
-        power *= 2
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

@@ -5,7 +5,8 @@
     step = compile_decode("cpu")                               # the same step, compiled once
 
 A decode step has static shapes (positions are tensors, so advancing them never recompiles), so it
-compiles once: on CUDA it then replays as a CUDA Graph (mode "reduce-overhead"); on CPU the weights
+compiles once per attend length of the static cache (kv_cache.py: a bucket of the positions in
+use, which generate.generate sets before each step): on CUDA it then replays as a CUDA Graph (mode "reduce-overhead"); on CPU the weights
 are frozen as constants and GEMMs autotuned against Inductor's C++ templates. Inductor's C++ code
 and ATen's kernels both depend on the CPU's instruction set (AVX2, AVX-512, AMX), which
 ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in step.
@@ -103,6 +104,11 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
     GEMMs autotuned against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1
     bf16 this is about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
+    import torch._dynamo
+
+    # one graph per attend length of a static cache (kv_cache.py: 13 for the 8192 slots of a whole context)
+    # per cache shape: more than dynamo's default of 8 per function, past which it runs eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if str(device).startswith("cuda"):
         return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
     configure_inductor_cpu()
@@ -122,7 +128,9 @@ def skip_guards(enabled: bool):
     """After the first decode step has checked every guard of the compiled function (compiling
     if needed), the rest of the loop passes the same model and cache, with the same shapes.
     Re-checking hundreds of guards per step costs about 0.8 ms on CPU, so only the guards that
-    choose between compiled graphs are evaluated."""
+    choose between compiled graphs are evaluated. A step that changes what selects a graph (a
+    static cache's attend length) must check them all: with one graph compiled so far, skipping
+    would rerun it for the new length, silently (generate.generate does so)."""
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if enabled else contextlib.nullcontext()
 
 

@@ -51,6 +51,33 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
     assert len(ours[0]) == 21
 
 
+@pytest.mark.isa
+def test_compile_lengths_mid_conversation_then_decode_equals_eager(tmp_path):
+    """--interactive --compile's order: a 120-token conversation in the cache, then every graph a
+    20-token reply can reach compiled (throwaway steps at the slots after it), then the reply:
+    eager's tokens (float64), and no compiling while it decodes."""
+    import torch._dynamo
+
+    model, _ = weights.load(tiny_checkpoint(tmp_path, max_position_embeddings=512), dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    history, nxt = torch.randint(3, 250, (1, 120), generator=g), torch.tensor([[7]])
+    replies = []
+    for compiled in (False, True):
+        cache = StaticKVCache.for_model(model, 1, 512)
+        with torch.no_grad():
+            runtime.prefill(model, cache, history)
+        step = runtime.decode_one
+        if compiled:
+            torch._dynamo.reset()
+            step = runtime.compile_decode("cpu", autotune=False)
+            assert generate.compile_lengths(step, model, cache, 121, 121 + 19) == {128, 192}
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            rows, _ = generate.generate(model, cache, nxt, 20, SamplingParams(0.0), ignore_eos=True, decode_fn=step,
+                                        start_pos=120)
+        replies.append(rows[0])
+    assert replies[0] == replies[1] and len(replies[0]) == 20
+
+
 def test_cli_compile_and_compile_prefill_match_eager(tiny, capsys):
     argv = ["--checkpoint", str(tiny), "--prompt", "hello world the", "--temperature", "0", "--max_new_tokens", "10",
             "--ignore_eos", "--dtype", "float32"]
