@@ -11,7 +11,9 @@ requests wait. Here every `step()`:
   1. gives each running sequence its next tokens: decodes 1 token each (first, so they never
      stall), then unfinished prefills a chunk, all within `max_num_batched_tokens`;
   2. admits waiting requests (in `fcfs` or `lpm` order) while blocks, `max_num_seqs` and the
-     token budget allow, reusing the KV blocks of their longest cached prefix (paged.py);
+     token budget allow, reusing the KV blocks of their longest cached prefix (paged.py); when
+     every slot is taken, a request with nothing running takes slots from one holding more than
+     its fair share (max_num_seqs / requests present), so a large n does not starve the others;
   3. runs ONE forward over all scheduled tokens, flattened to [1, N] (paged.py explains why);
   4. samples each sequence that reached its end, frees the blocks of any that finished.
 If a running sequence needs a block and none is free, the most recently admitted sequence is
@@ -28,7 +30,7 @@ runs a list of prompts offline. Output lines: {"id", "tokens", "text", "finish_r
 """
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -224,11 +226,15 @@ class Engine:
             if seq in self.running:
                 batch[seq] = n
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self._next_waiting()
             req = seq.request
-            if not req.forked and len(self.running) + req.params.n > self.max_num_seqs and self.running:
-                break  # room for all its samples once it forks
+            need = 1 if req.forked else req.params.n  # room for all its samples once it forks
+            if len(self.running) + need > self.max_num_seqs:
+                freed = self._take_fair_share(req, need)
+                if freed is None:
+                    break
+                budget += sum(batch.pop(s, 0) for s in freed)
             hit, hashes = self.allocator.lookup_prefix(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
             for b in hit:
                 self.allocator.share(b)
@@ -248,11 +254,35 @@ class Engine:
         return batch
 
     def _next_waiting(self):
-        if self.policy == "fcfs" or len(self.waiting) == 1:
+        if len(self.waiting) == 1:
             return self.waiting[0]
+        if self.policy == "fcfs":  # the oldest of the requests with the fewest sequences running
+            held = Counter(s.request for s in self.running)
+            return min(self.waiting, key=lambda s: held[s.request])  # min keeps the first of ties
         # lpm: the request with the longest cached prefix first (ties: the earliest)
         return max(self.waiting, key=lambda s: len(self.allocator.lookup_prefix(
             s.tokens, (len(s.tokens) - 1) // self.block_size)[0]))
+
+    def _take_fair_share(self, req, need: int):
+        """Every sequence slot is taken and req, with none running, waits: preempt the newest
+        sequences of the request holding the most slots while it holds more than its fair share
+        (max_num_seqs / requests present), so one request with a large n cannot make the others
+        wait for all its samples. Returns the preempted sequences, or None if req must wait."""
+        if any(s.request is req for s in self.running):
+            return None
+        present = {s.request for s in self.running} | {s.request for s in self.waiting}
+        share = max(1, self.max_num_seqs // len(present))
+        held = Counter(s.request for s in self.running)
+        victims = []
+        while len(self.running) - len(victims) + need > self.max_num_seqs:
+            hog, count = held.most_common(1)[0]
+            if count <= share:
+                return None
+            victims.append([s for s in reversed(self.running) if s.request is hog and s not in victims][0])
+            held[hog] -= 1
+        for victim in victims:
+            self._preempt(victim)
+        return victims
 
     def _ensure_blocks(self, seq, n: int) -> bool:
         """Blocks for seq's next n tokens, the block written first made private (copy-on-write)."""

@@ -307,3 +307,41 @@ def test_a_fault_while_sampling_one_request_ends_only_that_request(tiny64, monke
     out = engine.generate(prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)])
     assert "exploded" in out[1]["error"] and engine.allocator.num_used() == 0
     assert [out[0]["tokens"], out[2]["tokens"]] == [alone(tiny64, prompts[0], 8), alone(tiny64, prompts[2], 8)]
+
+
+def test_a_request_with_many_samples_shares_the_slots_fairly(tiny64):
+    """n = 8 samples fill all 8 slots; a 2-token request arriving later takes a slot from them at
+    its first step instead of waiting for all 8 to end, and neither request's output changes."""
+    sampled = dict(max_new_tokens=30, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
+    big_prompt, small_prompt = list(range(20, 33)), [5, 6, 7]
+    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    big = engine.add_request(big_prompt, RequestParams(n=8, **sampled))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.running) == 8
+    small = engine.add_request(small_prompt, greedy(2))
+    steps = 0
+    while not engine.requests[small].finished:
+        engine.step()
+        steps += 1
+    assert steps == 2  # one prefill step (with the first token), one decode step
+    assert engine.stats["preemptions"] >= 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[small].result()["tokens"] == alone(tiny64, small_prompt, 2)
+    crowded = engine.requests[big].result()["tokens"]
+    solo = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8).generate([big_prompt], RequestParams(n=8, **sampled))
+    assert crowded == solo[0]["tokens"]
+    assert engine.allocator.num_used() == 0
+
+
+def test_fair_share_never_preempts_a_request_down_to_nothing(tiny64):
+    """Eight requests of one sample fill 8 slots: none holds more than one slot, so a ninth waits
+    for a slot to free instead of preempting anyone."""
+    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8)
+    for k in range(8):
+        engine.add_request([1 + k, 2, 3], greedy(20))
+    engine.step()
+    ninth = engine.add_request([7, 8], greedy(3))
+    engine.step()
+    assert engine.stats["preemptions"] == 0 and not any(s.request.id == ninth for s in engine.running)
