@@ -5,10 +5,12 @@ One background thread owns the engine and loops over `step()`; callers on an asy
 requests through a thread-safe inbox and receive each new token through an asyncio queue. Every
 event a caller receives is one of:
 
-    (choice index, token id, finish_reason or None)    a new token
-    (choice index, None, "abort")                       a sample ended without a token
-    None                                                one request (one prompt) is over
-    "a message"                                         one request failed; the others go on
+    (choice index, token id, finish_reason or None, logprob)   a new token; logprob is its entry
+                                                 (sampling.token_logprobs) when asked for, else None
+    (choice index, None, reason, None)           a sample ended without a token ("abort", or
+                                                 "length" when max_new_tokens = 0 scored the prompt)
+    Over(first choice index, error, prompt_logprobs)   one request (one prompt) is over; error is
+                                                 None or why it failed (the others go on)
 
 Admission is decided in the engine thread, before anything is queued: while `draining`, or when
 `max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).
@@ -19,8 +21,15 @@ import threading
 import time
 import traceback
 import uuid
+from typing import NamedTuple
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+
+
+class Over(NamedTuple):
+    first: int  # the request's first choice index
+    error: str  # None, or why the request failed
+    prompt_logprobs: list  # None, or the prompt's (engine Request.prompt_logprobs)
 
 
 class Unavailable(Exception):
@@ -85,18 +94,20 @@ class EngineLoop:
                 events = []
             for rid, index, token, reason in events:
                 loop, q, first = self.streams[rid]
-                if rid not in self.started:
+                req = engine.requests[rid]
+                seq = req.seqs[index]
+                if rid not in self.started and seq.token_times:
                     self.started.add(rid)
-                    req = engine.requests[rid]
-                    self._observe_ttft(req.seqs[index].token_times[0] - req.arrival)
-                self.tokens_generated += 1
-                loop.call_soon_threadsafe(q.put_nowait, (first + index, token, reason))
+                    self._observe_ttft(seq.token_times[0] - req.arrival)
+                logprob = seq.logprobs[-1] if token is not None and seq.logprobs else None
+                self.tokens_generated += token is not None
+                loop.call_soon_threadsafe(q.put_nowait, (first + index, token, reason, logprob))
             for rid in [rid for rid, r in engine.requests.items() if r.finished]:
-                loop, q, _ = self.streams.pop(rid)
+                loop, q, first = self.streams.pop(rid)
                 req = engine.requests.pop(rid)
                 self.started.discard(rid)
                 self.requests_done += 1
-                loop.call_soon_threadsafe(q.put_nowait, req.error)  # None: end of stream
+                loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs))
 
     def _abort(self, rid):
         """Abort a request; each of its unfinished samples gets (index, None, "abort")."""
@@ -106,10 +117,10 @@ class EngineLoop:
         loop, q, first = self.streams[rid]
         for seq in req.seqs:
             if not seq.finish_reason:
-                loop.call_soon_threadsafe(q.put_nowait, (first + seq.index, None, "abort"))
+                loop.call_soon_threadsafe(q.put_nowait, (first + seq.index, None, "abort", None))
         # samples not forked yet (n > 1, prompt still prefilling) end too
         for k in range(len(req.seqs), req.params.n):
-            loop.call_soon_threadsafe(q.put_nowait, (first + k, None, "abort"))
+            loop.call_soon_threadsafe(q.put_nowait, (first + k, None, "abort", None))
         self.engine.abort(rid)
 
     def _handle(self, message):

@@ -8,6 +8,9 @@
 
 Each row of a batch is sampled independently; a `torch.Generator` seeded once makes a whole run
 reproducible. speculative.py reuses `probabilities` for its accept/reject rule.
+
+Log-probabilities reported to users (`token_logprobs`) are the model's own: log_softmax of the
+raw logits, before temperature and filtering, as HF transformers computes them.
 """
 from dataclasses import dataclass
 
@@ -62,3 +65,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return logits.argmax(-1)
     probs = probabilities(logits, params.temperature, params.top_k, params.top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's limit)
+
+
+def token_logprobs(logits: torch.Tensor, tokens, top: list) -> list:
+    """logits [R, V], tokens [R] ids, top [R] counts -> per row (log-probability of its token,
+    [(id, log-probability)] of the top[r] most likely tokens, most likely first)."""
+    logp = logits.float().log_softmax(-1)  # [R, V]
+    chosen = logp.gather(-1, torch.as_tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [R, k]
+    values, ids = values.tolist(), ids.tolist()
+    return [(c, list(zip(i[:n], v[:n]))) for c, i, v, n in zip(chosen, ids, values, top)]

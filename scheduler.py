@@ -37,7 +37,9 @@ import torch
 
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
 from runtime import compile_decode
-from sampling import check_sampling, sample, SamplingParams
+from sampling import MAX_LOGPROBS, check_sampling, sample, SamplingParams, token_logprobs
+
+LOGPROB_ROWS = 64  # prompt positions turned into log-probabilities at a time: float32 [64, vocab]
 
 
 @dataclass
@@ -51,13 +53,22 @@ class RequestParams:
     stop_token_ids: list = field(default_factory=list)  # ids that end it, besides the model's own
     ignore_eos: bool = False  # do not stop at the model's end-of-sequence tokens
     n: int = 1  # samples of this prompt
+    logprobs: int = None  # per output token: its log-probability and the `logprobs` most likely (0-20)
+    prompt_logprobs: int = None  # the same for each prompt token but the first; max_new_tokens may then be 0
 
     def check(self):
         check_sampling(self.temperature, self.top_k, self.top_p)
-        for name in ("max_new_tokens", "n"):
+        scoring = self.prompt_logprobs is not None
+        for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}"
+                                 + (" (0 only when scoring the prompt)" if name == "max_new_tokens" else ""))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -2**63 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
@@ -80,6 +91,7 @@ class Sequence:
         self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
         self.finish_reason, self.text, self.token_times = None, None, []
+        self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
 
     @property
     def output(self):
@@ -95,6 +107,13 @@ class Request:
         self.forked = params.n == 1
         self.prompt_tokens_hit = 0
         self.error = None  # why it failed, if a fault ended it (the other requests go on)
+        # per prompt token, when asked: None for the first (nothing predicts it), then as Sequence.logprobs
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt log-probabilities still to compute: its prefix cannot come from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def finished(self) -> bool:
@@ -189,7 +208,8 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self):
-        """One iteration. Returns [(request_id, sample index, new token id, finish_reason or None)]."""
+        """One iteration. Returns [(request_id, sample index, new token id, finish_reason or None)];
+        the token is None when a request asked for none (max_new_tokens = 0, scoring its prompt)."""
         batch = self._schedule()
         if not batch:
             return []
@@ -235,7 +255,8 @@ class Engine:
                 if freed is None:
                     break
                 budget += sum(batch.pop(s, 0) for s in freed)
-            hit, hashes = self.allocator.lookup_prefix(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
+            cacheable = 0 if req.scoring else (len(seq.tokens) - 1) // self.block_size
+            hit, hashes = self.allocator.lookup_prefix(seq.tokens, cacheable)
             for b in hit:
                 self.allocator.share(b)
             seq.blocks, seq.hashes, seq.num_computed = hit, hashes, len(hit) * self.block_size
@@ -329,7 +350,7 @@ class Engine:
     def _run(self, batch: dict):
         ones = [s for s, n in batch.items() if n == 1]  # decodes (and one-token prefill tails): one group
         chunks = [s for s, n in batch.items() if n > 1]  # prefill chunks: a group each
-        compiled = self.decode_fn is not None and not chunks
+        compiled = self.decode_fn is not None and not chunks and not any(s.request.scoring for s in ones)
         tokens, pos, groups, ends = [], [], [], []  # ends: flat index of each sequence's last token
         if compiled:  # one group, its rows padded to a bucket so that few graphs are compiled
             decode_groups = [ones]
@@ -356,19 +377,42 @@ class Engine:
         pos = torch.tensor([pos], device=self.device)
         order = ones + chunks
         done = [s for s in order if s.num_computed + batch[s] == len(s.tokens)]  # these sample a token
+        scored = self._scored_positions(order, ends, batch)  # (request, flat index) scoring a prompt token
         with torch.no_grad():
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[: len(ones)]
             else:
-                keep = torch.tensor([e for s, e in zip(order, ends) if s in done], dtype=torch.long, device=self.device)
-                logits = flat_forward(self.model, self.cache, tokens, pos, keep)
+                keep = [e for s, e in zip(order, ends) if s in done] + [e for _, e, _ in scored]
+                logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(keep, dtype=torch.long, device=self.device))
         if compiled:
             logits = logits[[i for i, s in enumerate(order) if s in done]]
         self.cache.groups = None
+        self._score_prompts(scored, logits[len(done):])
         for s in order:
             s.num_computed += batch[s]
             self._register_full_blocks(s)
-        return self._sample(done, logits)
+        return self._sample(done, logits[: len(done)])
+
+    def _scored_positions(self, order, ends, batch):
+        """[(request, flat index of position p, prompt token p + 1)]: the rows whose logits score a
+        prompt token. Each is scored once, even if its sequence is recomputed after preemption."""
+        scored = []
+        for s, end in zip(order, ends):
+            req = s.request
+            if req.scoring and s.index == 0:
+                last = s.num_computed + batch[s] - 1  # the chunk's last position, at flat index `end`
+                for p in range(max(s.num_computed, len(req.prompt_logprobs) - 1), min(last + 1, len(req.prompt) - 1)):
+                    scored.append((req, end - (last - p), req.prompt[p + 1]))
+        return scored
+
+    def _score_prompts(self, scored, logits):
+        """logits [len(scored), V]: append each prompt token's log-probability and top alternatives."""
+        for start in range(0, len(scored), LOGPROB_ROWS):  # bounded float32 [rows, V] at a time
+            part = scored[start:start + LOGPROB_ROWS]
+            entries = token_logprobs(logits[start:start + len(part)], [t for _, _, t in part],
+                                     [req.params.prompt_logprobs for req, _, _ in part])
+            for (req, _, _), entry in zip(part, entries):
+                req.prompt_logprobs.append(entry)
 
     def _register_full_blocks(self, seq):
         bs = self.block_size
@@ -400,11 +444,17 @@ class Engine:
             if seq.finish_reason:  # its request failed on an earlier row
                 continue
             p = seq.request.params
+            if p.max_new_tokens == 0:  # only the prompt's scores were asked for
+                self._finish(seq, "length")
+                events.append((seq.request.id, seq.index, None, "length"))
+                continue
             try:  # a fault here (sampling, detokenizing for stop strings) ends this request only
                 if p.temperature == 0 and id(seq) in row_of:
                     token = greedy[row_of[id(seq)]]
                 else:
                     token = int(sample(row[None], SamplingParams(p.temperature, p.top_k, p.top_p), seq.generator))
+                if p.logprobs is not None:  # the model's own distribution: before temperature and filters
+                    seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
                 seq.tokens.append(token)
                 seq.token_times.append(now)
                 reason = self._stop_reason(seq, token)

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from engine_loop import EngineLoop, Unavailable
+from engine_loop import EngineLoop, Over, Unavailable
+from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, encode, error,
+                           logprob_counts, prompt_list, refusal, unavailable)
 from runtime import log
 from scheduler import RequestParams
-from tokenizer import TextStream
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 
@@ -55,69 +55,6 @@ class Limits:
     max_body_bytes: int = 4 * 2**20  # request body; more -> 413
     max_prompts: int = 64  # prompts in one completions request
     max_stop: int = 16  # stop strings
-
-
-# -- the wire format -------------------------------------------------------------------------------
-class Sampling(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does."""
-    model_config = ConfigDict(extra="ignore")
-    model: str = None
-    max_tokens: int = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(None, ge=1)  # an extension
-    n: int = Field(1, ge=1)
-    stop: str | list[str] = None
-    seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes
-    stream: bool = False
-    stream_options: dict = None
-    ignore_eos: bool = False  # an extension, for benchmarks
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
-
-
-class Message(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def unavailable(message: str):
-    return error(503, message, "service_unavailable", headers={"Retry-After": "1"})
-
-
-def choice(stream, index: int, chat: bool) -> dict:
-    """One choice of a response from its tokenizer.TextStream."""
-    body = {"message": {"role": "assistant", "content": stream.sent}} if chat else {"text": stream.sent, "logprobs": None}
-    return {"index": index, **body, "finish_reason": stream.reason}
-
-
-def usage(prompt_len: int, streams) -> dict:
-    completion = sum(s.count for s in streams)
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
-
-
-def prompt_list(prompt) -> list:
-    """A completions `prompt` (text, ids, or a list of either) -> a list of prompts."""
-    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-
-
-def encode(tokenizer, text: str, bos: bool = None) -> list:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
-        raise ValueError(f"the text is not valid Unicode ({e.reason} at character {e.start})") from None
-    return tokenizer.encode(text, bos=bos)
 
 
 def authorized(header: bytes, api_key: str) -> bool:
@@ -195,10 +132,31 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "local",
+                                            "max_model_len": context}]}
 
-    def check(body, num_prompts: int):
-        """The limits that need no tokens; a message, or None."""
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        try:
+            if body.messages is not None:
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, [m.model_dump() | {"content": m.text()}
+                                                                               for m in body.messages])
+                ids = await asyncio.to_thread(encode, tokenizer, text, False)
+            else:
+                ids = await asyncio.to_thread(encode, tokenizer, body.prompt or "", None if body.add_special_tokens else False)
+        except Exception as e:
+            return error(400, f"cannot tokenize: {e}", param="messages" if body.messages is not None else "prompt")
+        return {"count": len(ids), "max_model_len": context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = engine.model.config.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            return error(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def check(body, num_prompts: int, chat: bool):
+        """The limits that need no tokens; (message, param) or None."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.n > limits.max_n:
             return f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n"
@@ -206,33 +164,35 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)", "stop"
         if num_prompts > limits.max_prompts:
             return f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)", "prompt"
-        return None
+        return refusal(body, chat)
 
     async def run(request, body, prompts, chat: bool):
         lengths = [len(p) for p in prompts]
         default_max = context - max(lengths) if chat else 16
-        max_tokens = body.max_tokens if body.max_tokens is not None else default_max
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        max_tokens = max_tokens if max_tokens is not None else default_max
         for i, n in enumerate(lengths):
             if n + max_tokens > context:
                 which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
                 return error(400, f"{which} ({n} tokens) plus max_tokens ({max_tokens}) exceeds {context_name} "
                                   f"of {context} tokens", param="max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        logprobs, prompt_logprobs = logprob_counts(body, chat)
         try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                   top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos)
+                                   top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             rids, events = await loop.submit(prompts, params)
         except ValueError as e:
             return error(400, str(e))
         except Unavailable as e:
             return unavailable(str(e))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()), "model": model_name}
-        streams = [TextStream(tokenizer, stop) for _ in range(len(prompts) * body.n)]
+        out = Outputs(tokenizer, prompts, body.n, stop, chat, logprobs is not None, getattr(body, "echo", False))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return StreamingResponse(sse(rids, events, streams, meta, chat, sum(lengths), include_usage),
-                                     media_type="text/event-stream")
-        collect = asyncio.ensure_future(collect_all(rids, events, streams))
+            return StreamingResponse(sse(rids, events, out, meta, include_usage), media_type="text/event-stream")
+        collect = asyncio.ensure_future(collect_all(rids, events, out))
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,53 +206,50 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return error(499, "the client closed the request")
         if collect.result():
             return error(500, f"the request failed: {collect.result()}", "server_error")
-        choices = [choice(s, i, chat) for i, s in enumerate(streams)]
-        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": usage(sum(lengths), streams)}
+        return {**meta, "object": "chat.completion" if chat else "text_completion",
+                "choices": [out.choice(i) for i in range(len(out.streams))], "usage": out.usage()}
 
-    async def events_of(rids, events, streams):
+    async def events_of(rids, events, out):
         """(choice index, new text, finish_reason) until every request is over; an error message
         (str) if one failed."""
         left = len(rids)
         while left:
             event = await events.get()
-            if event is None or isinstance(event, str):
+            if isinstance(event, Over):
                 left -= 1
-                if event:
-                    yield event
+                out.prompt_logprobs[event.first // out.n] = event.prompt_logprobs
+                if event.error:
+                    yield event.error
                 continue
-            index, token, reason = event
-            text = streams[index].finish(reason) if token is None else streams[index].add(token, reason)
-            yield index, text, reason
+            index, token, reason, logprob = event
+            yield index, out.add(index, token, reason, logprob), reason
 
-    async def collect_all(rids, events, streams):
+    async def collect_all(rids, events, out):
         failed = None
-        async for event in events_of(rids, events, streams):
+        async for event in events_of(rids, events, out):
             if isinstance(event, str):
                 failed = failed or event
         return failed
 
-    async def sse(rids, events, streams, meta, chat, prompt_len, include_usage):
-        kind = "chat.completion.chunk" if chat else "text_completion"
+    async def sse(rids, events, out, meta, include_usage):
+        kind = "chat.completion.chunk" if out.chat else "text_completion"
         finished = False
         try:
-            if chat:  # the first chunk of each choice carries the role
-                for i in range(len(streams)):
+            if out.chat:  # the first chunk of each choice carries the role
+                for i in range(len(out.streams)):
                     yield chunk({**meta, "object": kind, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            async for event in events_of(rids, events, streams):
+            async for event in events_of(rids, events, out):
                 if isinstance(event, str):  # one request failed: say so, the stream still ends cleanly
                     yield chunk({"error": {"message": f"the request failed: {event}", "type": "server_error",
                                            "param": None, "code": None}})
                     continue
                 index, text, reason = event
                 if text or reason:
-                    part = {"index": index, "finish_reason": reason}
-                    part.update({"delta": {"content": text}} if chat else {"text": text, "logprobs": None})
-                    yield chunk({**meta, "object": kind, "choices": [part]})
+                    yield chunk({**meta, "object": kind, "choices": [out.delta(index, text, reason)]})
             finished = True
             if include_usage:
-                yield chunk({**meta, "object": kind, "choices": [], "usage": usage(prompt_len, streams)})
+                yield chunk({**meta, "object": kind, "choices": [], "usage": out.usage()})
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away: free its blocks now
@@ -305,8 +262,8 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompts = prompt_list(body.prompt)
-        if refusal := check(body, len(prompts)):
-            return error(400, refusal[0], param=refusal[1])
+        if refused := check(body, len(prompts), chat=False):
+            return error(400, refused[0], param=refused[1])
         try:  # off the event loop: a long text takes seconds, and /health must still answer
             prompts = await asyncio.to_thread(lambda: [encode(tokenizer, p) if isinstance(p, str) else p
                                                        for p in prompts])
@@ -316,9 +273,12 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        if refusal := check(body, 1):
-            return error(400, refusal[0], param=refusal[1])
-        messages = [m.model_dump() for m in body.messages]
+        if refused := check(body, 1, chat=True):
+            return error(400, refused[0], param=refused[1])
+        try:
+            messages = [m.model_dump() | {"content": m.text()} for m in body.messages]
+        except ValueError as e:
+            return error(400, f"messages: {e}", param="messages")
         try:
             text = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
         except Exception as e:  # a template that fails on these messages

@@ -1,0 +1,236 @@
+"""OpenAI's wire format for serve.py: the request bodies, the error object, choices, usage, and
+log-probabilities in both shapes (completions' legacy arrays, chat's list of token objects).
+
+    python -c "import openai_format"     # library only; serve.py is the server
+
+Log-probabilities are the model's own: log_softmax of the raw logits, before temperature,
+penalties and top-k/top-p (sampling.token_logprobs), as HF transformers computes them. A token's
+text is what it adds in context (the text of the few tokens before it with and without it), so a
+SentencePiece token keeps its leading space and the texts of an output's tokens join to its text.
+
+    completions  "logprobs": {"tokens": [str], "token_logprobs": [float | None],
+                              "top_logprobs": [{text: logprob} | None], "text_offset": [int]}
+    chat         "logprobs": {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
+
+With `echo`, a completion's text and arrays start with the prompt's; the first prompt token has
+no log-probability (null), and `max_tokens: 0` scores a prompt without generating.
+"""
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenizer import TextStream
+
+CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
+
+
+class Sampling(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does."""
+    model_config = ConfigDict(extra="ignore")
+    model: str = None
+    max_tokens: int = Field(None, ge=0)  # 0 only with echo (completions): score the prompt
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(None, ge=1)  # an extension
+    n: int = Field(1, ge=1)
+    stop: str | list[str] = None
+    seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes
+    stream: bool = False
+    stream_options: dict = None
+    ignore_eos: bool = False  # an extension, for benchmarks
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
+    logprobs: int = Field(None, ge=0, le=20)  # the chosen token's and this many alternatives
+    echo: bool = False  # the prompt's text and log-probabilities first
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str = None
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextPart] = ""
+
+    def text(self) -> str:
+        """content as one string; a list of parts must be all text."""
+        if isinstance(self.content, str):
+            return self.content
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int = Field(None, ge=0, le=20)
+
+
+def refusal(body, chat: bool):
+    """What the models' field checks cannot say: (message, param) or None."""
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            return "top_logprobs needs logprobs: true", "top_logprobs"
+        if body.max_tokens == 0:
+            return "max_tokens must be >= 1", "max_tokens"
+        return None
+    if body.echo and body.stream:
+        return "echo is not supported with stream; send the request without stream", "echo"
+    if body.max_tokens == 0 and not body.echo:
+        return "max_tokens 0 generates nothing; it is allowed only with echo (to score the prompt)", "max_tokens"
+    if body.prompt == [] or body.prompt == [[]]:
+        return "the prompt list is empty", "prompt"
+    return None
+
+
+def logprob_counts(body, chat: bool):
+    """(alternatives per output token or None, alternatives per prompt token or None)."""
+    if chat:
+        return (body.top_logprobs or 0) if body.logprobs else None, None
+    return body.logprobs, ((body.logprobs or 0) if body.echo else None)
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def unavailable(message: str):
+    return error(503, message, "service_unavailable", headers={"Retry-After": "1"})
+
+
+def prompt_list(prompt) -> list:
+    """A completions `prompt` (text, ids, or a list of either) -> a list of prompts."""
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+def encode(tokenizer, text: str, bos: bool = None) -> list:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at character {e.start})") from None
+    return tokenizer.encode(text, bos=bos)
+
+
+# -- log-probabilities -----------------------------------------------------------------------------
+def token_texts(tokenizer, ids, start: int = 0, alternatives=None):
+    """The text each of ids[start:] adds after the tokens before it; with alternatives (per token,
+    [(id, logprob)]), also {text: logprob} of each alternative in the same place."""
+    texts, tops = [], []
+    for i in range(start, len(ids)):
+        context = list(ids[max(0, i - CONTEXT_TOKENS):i])
+        before = tokenizer.decode(context) if context else ""
+
+        def added(t):
+            return tokenizer.decode(context + [t])[len(before):]
+        texts.append(added(ids[i]))
+        if alternatives is not None:
+            alt = alternatives[i - start]
+            tops.append(None if alt is None else {added(t): lp for t, lp in alt})
+    return texts, tops
+
+
+def completion_logprobs(tokenizer, ids, entries, start: int = 0, offset: int = 0) -> dict:
+    """Completions' arrays for ids[start:], entries [(logprob, [(id, logprob)]) or None] one per token;
+    text_offset counts from `offset` in the choice's text."""
+    texts, tops = token_texts(tokenizer, ids, start, [e and e[1] for e in entries])
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [e and e[0] for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, ids, entries, start: int = 0) -> dict:
+    """Chat's {"content": [...]} for ids[start:] (output tokens only)."""
+    texts, tops = token_texts(tokenizer, ids, start, [e[1] for e in entries])
+
+    def item(text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+    return {"content": [{**item(t, e[0]), "top_logprobs": [item(a, lp) for a, lp in top.items()]}
+                        for t, e, top in zip(texts, entries, tops)]}
+
+
+class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt, or chat messages
+    model: str = None
+    prompt: str = None
+    messages: list[Message] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str = None
+    tokens: list[int]
+
+
+# -- one response's choices ------------------------------------------------------------------------
+class Outputs:
+    """The choices of one response while its tokens arrive: choice i is sample i % n of prompt
+    i // n. Holds each choice's text (tokenizer.TextStream), token ids and log-probability entries."""
+
+    def __init__(self, tokenizer, prompts, n: int, stop, chat: bool, logprobs: bool, echo: bool):
+        self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
+        self.logprobs, self.echo = logprobs, echo
+        self.streams = [TextStream(tokenizer, stop) for _ in range(len(prompts) * n)]
+        self.ids = [[] for _ in self.streams]
+        self.entries = [[] for _ in self.streams]
+        self.prompt_logprobs = {}  # prompt index -> its entries, once its request is over
+        self.sent = [0] * len(self.streams)  # tokens whose log-probabilities were streamed
+        self.offset = [0] * len(self.streams)  # characters streamed
+
+    def add(self, i: int, token, reason, entry) -> str:
+        """A token (or a sample's end) arrived; returns the text it releases."""
+        if token is None:
+            return self.streams[i].finish(reason)
+        self.ids[i].append(token)
+        self.entries[i].append(entry)
+        return self.streams[i].add(token, reason)
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(s.count for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _logprobs(self, i: int, first: int, offset: int):
+        """Log-probabilities of choice i's output tokens from the first-th on."""
+        prompt = self.prompts[i // self.n]
+        ids, entries = prompt + self.ids[i], self.entries[i][first:]
+        if self.chat:
+            return chat_logprobs(self.tokenizer, ids, entries, len(prompt) + first)
+        return completion_logprobs(self.tokenizer, ids, entries, len(prompt) + first, offset)
+
+    def choice(self, i: int) -> dict:
+        """Choice i of a whole (not streamed) response."""
+        stream = self.streams[i]
+        if self.chat:
+            body = {"message": {"role": "assistant", "content": stream.sent},
+                    "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
+            return {"index": i, **body, "finish_reason": stream.reason}
+        text, logprobs = stream.sent, None
+        if self.echo:
+            prompt = self.prompts[i // self.n]
+            head = self.tokenizer.decode(prompt)
+            text = head + text
+            if self.logprobs:
+                logprobs = completion_logprobs(self.tokenizer, prompt, self.prompt_logprobs[i // self.n])
+                for key, values in self._logprobs(i, 0, len(head)).items():
+                    logprobs[key] += values
+        elif self.logprobs:
+            logprobs = self._logprobs(i, 0, 0)
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": stream.reason}
+
+    def delta(self, i: int, text: str, reason) -> dict:
+        """A streamed chunk's choice: the new text and the log-probabilities of the tokens since the last."""
+        logprobs = None
+        if self.logprobs:
+            logprobs = self._logprobs(i, self.sent[i], self.offset[i])
+            self.sent[i] = len(self.ids[i])
+        self.offset[i] += len(text)
+        if self.chat:
+            return {"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}

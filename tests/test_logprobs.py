@@ -1,0 +1,121 @@
+"""Log-probabilities from the engine (scheduler.py) against their definition: log_softmax of one
+plain forward over the whole text (no cache), in float64, at every prompt and output position,
+with the true top-k; the same whether prompts are chunked, preempted, batched, or share a
+cached prefix with an earlier request."""
+import random
+
+import pytest
+import torch
+
+import weights
+from helpers import tiny_checkpoint
+from kv_cache import NoCache
+from sampling import token_logprobs
+from scheduler import Engine, RequestParams
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("logprob-tiny"), max_position_embeddings=512)
+    model, _ = weights.load(folder, dtype=torch.float64)
+    return model
+
+
+def reference(model, ids):
+    """log_softmax [len(ids), V] of a forward over ids without any cache: row p predicts ids[p + 1]."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache())[0].log_softmax(-1)
+
+
+def assert_entries(entries, logp, ids, k):
+    """entries[i] scores ids[i + 1] from logp[i]: its log-probability and the true top-k."""
+    assert len(entries) == len(ids) - 1
+    for p, (lp, top) in enumerate(entries):
+        assert lp == pytest.approx(logp[p, ids[p + 1]].item(), abs=1e-9)
+        values, order = logp[p].topk(k)
+        assert [t for t, _ in top] == order.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-9)
+
+
+def run(engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.requests.pop(i) for i in ids]
+
+
+def test_token_logprobs_is_log_softmax_and_topk():
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    entries = token_logprobs(logits, [4, 0, 49], [2, 0, 5])
+    logp = logits.log_softmax(-1)
+    assert [e[0] for e in entries] == pytest.approx([logp[0, 4].item(), logp[1, 0].item(), logp[2, 49].item()])
+    assert [len(e[1]) for e in entries] == [2, 0, 5]
+    assert [t for t, _ in entries[2][1]] == logp[2].topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("max_batched", [512, 16])  # whole prompts, or chunks of 16 tokens
+def test_prompt_and_output_logprobs_equal_a_plain_forward(tiny64, max_batched):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 7, 40, 90)]
+    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
+    params = RequestParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=5)
+    for prompt, req in zip(prompts, run(engine, prompts, params)):
+        seq = req.seqs[0]
+        logp = reference(tiny64, seq.tokens)
+        assert req.prompt_logprobs[0] is None
+        assert_entries(req.prompt_logprobs[1:], logp, prompt, 5)
+        out = [(lp, top) for lp, top in seq.logprobs]
+        assert_entries(out, logp[len(prompt) - 1:], seq.tokens[len(prompt) - 1:], 3)
+    assert engine.allocator.num_used() == 0
+
+
+def test_batched_prompts_equal_one_at_a_time_and_zero_new_tokens(tiny64):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 60))] for _ in range(6)]
+    params = RequestParams(max_new_tokens=0, prompt_logprobs=1)
+    together = run(Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=48), prompts, params)
+    for prompt, req in zip(prompts, together):
+        alone = run(Engine(tiny64, num_blocks=200, block_size=4), [prompt], params)[0]
+        assert [s.output for s in req.seqs] == [[]] and req.seqs[0].finish_reason == "length"
+        assert len(req.prompt_logprobs) == len(prompt)
+        for a, b in zip(req.prompt_logprobs[1:], alone.prompt_logprobs[1:]):
+            assert a[0] == pytest.approx(b[0], abs=1e-9) and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+
+
+def test_scoring_ignores_the_prefix_cache_and_survives_preemption(tiny64):
+    """A prompt already in the prefix cache is computed again when it is scored (its scores are
+    not cached); a pool so small that requests are preempted still scores each token once."""
+    rng = random.Random(2)
+    head = [rng.randrange(3, 250) for _ in range(32)]
+    engine = Engine(tiny64, num_blocks=200, block_size=4)
+    run(engine, [head + [5]], RequestParams(max_new_tokens=2, temperature=0.0))
+    scored = run(engine, [head + [6, 7]], RequestParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    assert scored.prompt_tokens_hit == 0
+    assert_entries(scored.prompt_logprobs[1:], reference(tiny64, head + [6, 7]), head + [6, 7], 0)
+
+    prompts = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(5)]
+    small = Engine(tiny64, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+    params = RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    for prompt, req in zip(prompts, run(small, prompts, params)):
+        logp = reference(tiny64, req.seqs[0].tokens)
+        assert_entries(req.prompt_logprobs[1:], logp, prompt, 1)
+        assert_entries(req.seqs[0].logprobs, logp[len(prompt) - 1:], req.seqs[0].tokens[len(prompt) - 1:], 1)
+    assert small.stats["preemptions"] > 0
+
+
+def test_sampled_tokens_report_the_models_logprobs_not_the_tempered_ones(tiny64):
+    """temperature and top-k change what is sampled, not the log-probabilities reported."""
+    prompt = [10, 20, 30]
+    params = RequestParams(max_new_tokens=8, temperature=1.7, top_k=3, seed=5, ignore_eos=True, logprobs=2, n=2)
+    req = run(Engine(tiny64, num_blocks=100, block_size=4), [prompt], params)[0]
+    for seq in req.seqs:
+        logp = reference(tiny64, seq.tokens)
+        assert_entries(seq.logprobs, logp[len(prompt) - 1:], seq.tokens[len(prompt) - 1:], 2)
+
+
+def test_bad_logprob_counts_are_refused(tiny64):
+    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    for bad in (dict(logprobs=21), dict(logprobs=-1), dict(prompt_logprobs=True), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError, match="logprobs|max_new_tokens"):
+            engine.add_request([1, 2], RequestParams(**bad))
+    assert not engine.has_unfinished()
