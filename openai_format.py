@@ -119,25 +119,40 @@ def encode(tokenizer, text: str, bos: bool = None) -> list:
 # -- log-probabilities -----------------------------------------------------------------------------
 def token_texts(tokenizer, ids, start: int = 0, alternatives=None):
     """The text each of ids[start:] adds after the tokens before it; with alternatives (per token,
-    [(id, logprob)]), also {text: logprob} of each alternative in the same place."""
+    [(id, logprob)]), also [(text, logprob)] of each alternative in the same place. A token that
+    ends inside a character adds "" and the token completing it adds the whole character, so the
+    texts join to the decoded text."""
+    def complete(text):  # without a trailing incomplete character
+        return text.rstrip("\ufffd")
+
     texts, tops = [], []
     for i in range(start, len(ids)):
         context = list(ids[max(0, i - CONTEXT_TOKENS):i])
-        before = tokenizer.decode(context) if context else ""
+        before = complete(tokenizer.decode(context)) if context else ""
 
         def added(t):
-            return tokenizer.decode(context + [t])[len(before):]
+            full = complete(tokenizer.decode(context + [t]))
+            return full[len(before):] if full.startswith(before) else full
         texts.append(added(ids[i]))
         if alternatives is not None:
             alt = alternatives[i - start]
-            tops.append(None if alt is None else {added(t): lp for t, lp in alt})
+            tops.append(None if alt is None else [(added(t), lp) for t, lp in alt])
     return texts, tops
+
+
+def likeliest_per_text(pairs) -> dict:
+    """[(text, logprob)] most likely first -> {text: logprob}; two tokens of one text keep the first."""
+    top = {}
+    for text, logprob in pairs:
+        top.setdefault(text, logprob)
+    return top
 
 
 def completion_logprobs(tokenizer, ids, entries, start: int = 0, offset: int = 0) -> dict:
     """Completions' arrays for ids[start:], entries [(logprob, [(id, logprob)]) or None] one per token;
     text_offset counts from `offset` in the choice's text."""
     texts, tops = token_texts(tokenizer, ids, start, [e and e[1] for e in entries])
+    tops = [None if top is None else likeliest_per_text(top) for top in tops]
     offsets = []
     for t in texts:
         offsets.append(offset)
@@ -152,7 +167,7 @@ def chat_logprobs(tokenizer, ids, entries, start: int = 0) -> dict:
 
     def item(text, logprob):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-    return {"content": [{**item(t, e[0]), "top_logprobs": [item(a, lp) for a, lp in top.items()]}
+    return {"content": [{**item(t, e[0]), "top_logprobs": [item(a, lp) for a, lp in top]}
                         for t, e, top in zip(texts, entries, tops)]}
 
 
