@@ -38,8 +38,7 @@ import torch
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
 from runtime import compile_decode
 from sampling import MAX_LOGPROBS, check_sampling, sample, SamplingParams, token_logprobs
-
-LOGPROB_ROWS = 64  # prompt positions turned into log-probabilities at a time: float32 [64, vocab]
+from scoring import PromptScores
 
 
 @dataclass
@@ -164,6 +163,7 @@ class Engine:
         self.stop_ids = set(stop_ids)
         self.waiting, self.running, self.requests = deque(), [], {}
         self.next_id = 0
+        self.scores = PromptScores(block_size, capacity=num_blocks)  # prompt scores by prefix block
         self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
 
@@ -255,11 +255,15 @@ class Engine:
                 if freed is None:
                     break
                 budget += sum(batch.pop(s, 0) for s in freed)
-            cacheable = 0 if req.scoring else (len(seq.tokens) - 1) // self.block_size
-            hit, hashes = self.allocator.lookup_prefix(seq.tokens, cacheable)
+            hit, hashes = self.allocator.lookup_prefix(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
+            if req.scoring:  # only the cached blocks whose prompt scores are cached too
+                usable = self.scores.usable_hits(req, hashes)
+                hit, hashes = hit[:usable], hashes[:usable]
             for b in hit:
                 self.allocator.share(b)
             seq.blocks, seq.hashes, seq.num_computed = hit, hashes, len(hit) * self.block_size
+            if req.scoring and hit:  # the last cached position's logits score the next token
+                seq.num_computed -= 1
             n = min(len(seq.tokens) - seq.num_computed, budget)
             reserve = max(n, (self.reserve_tokens or 0) - seq.num_computed)
             if not self._ensure_blocks(seq, reserve):
@@ -377,7 +381,7 @@ class Engine:
         pos = torch.tensor([pos], device=self.device)
         order = ones + chunks
         done = [s for s in order if s.num_computed + batch[s] == len(s.tokens)]  # these sample a token
-        scored = self._scored_positions(order, ends, batch)  # (request, flat index) scoring a prompt token
+        scored = self.scores.positions(order, ends, batch)  # (request, flat index, token): prompt scores
         with torch.no_grad():
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[: len(ones)]
@@ -387,32 +391,11 @@ class Engine:
         if compiled:
             logits = logits[[i for i, s in enumerate(order) if s in done]]
         self.cache.groups = None
-        self._score_prompts(scored, logits[len(done):])
+        self.scores.score(scored, logits[len(done):])
         for s in order:
             s.num_computed += batch[s]
             self._register_full_blocks(s)
         return self._sample(done, logits[: len(done)])
-
-    def _scored_positions(self, order, ends, batch):
-        """[(request, flat index of position p, prompt token p + 1)]: the rows whose logits score a
-        prompt token. Each is scored once, even if its sequence is recomputed after preemption."""
-        scored = []
-        for s, end in zip(order, ends):
-            req = s.request
-            if req.scoring and s.index == 0:
-                last = s.num_computed + batch[s] - 1  # the chunk's last position, at flat index `end`
-                for p in range(max(s.num_computed, len(req.prompt_logprobs) - 1), min(last + 1, len(req.prompt) - 1)):
-                    scored.append((req, end - (last - p), req.prompt[p + 1]))
-        return scored
-
-    def _score_prompts(self, scored, logits):
-        """logits [len(scored), V]: append each prompt token's log-probability and top alternatives."""
-        for start in range(0, len(scored), LOGPROB_ROWS):  # bounded float32 [rows, V] at a time
-            part = scored[start:start + LOGPROB_ROWS]
-            entries = token_logprobs(logits[start:start + len(part)], [t for _, _, t in part],
-                                     [req.params.prompt_logprobs for req, _, _ in part])
-            for (req, _, _), entry in zip(part, entries):
-                req.prompt_logprobs.append(entry)
 
     def _register_full_blocks(self, seq):
         bs = self.block_size
@@ -420,6 +403,8 @@ class Engine:
             i = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else None
             seq.hashes.append(self.allocator.register(seq.blocks[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+            if seq.index == 0 and seq.request.prompt_logprobs is not None:
+                self.scores.remember(seq.request, i, seq.hashes[-1])
 
     def _sample(self, done, logits):
         now, events = time.perf_counter(), []

@@ -82,17 +82,26 @@ def test_batched_prompts_equal_one_at_a_time_and_zero_new_tokens(tiny64):
             assert a[0] == pytest.approx(b[0], abs=1e-9) and [t for t, _ in a[1]] == [t for t, _ in b[1]]
 
 
-def test_scoring_ignores_the_prefix_cache_and_survives_preemption(tiny64):
-    """A prompt already in the prefix cache is computed again when it is scored (its scores are
-    not cached); a pool so small that requests are preempted still scores each token once."""
+def test_scores_come_from_the_prefix_cache_only_where_cached_and_survive_preemption(tiny64):
+    """A prompt whose prefix blocks were scored before reuses their KV and scores (a multiple-
+    choice question's answers share the question); blocks cached without scores, or with fewer
+    alternatives than asked, are computed again. A pool so small that requests are preempted
+    still scores each token once."""
     rng = random.Random(2)
     head = [rng.randrange(3, 250) for _ in range(32)]
     engine = Engine(tiny64, num_blocks=200, block_size=4)
-    run(engine, [head + [5]], RequestParams(max_new_tokens=2, temperature=0.0))
-    scored = run(engine, [head + [6, 7]], RequestParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
-    assert scored.prompt_tokens_hit == 0
-    assert_entries(scored.prompt_logprobs[1:], reference(tiny64, head + [6, 7]), head + [6, 7], 0)
+    plain = run(engine, [head + [5]], RequestParams(max_new_tokens=2, temperature=0.0))[0]
+    first = run(engine, [head + [6, 7]], RequestParams(max_new_tokens=0, prompt_logprobs=2))[0]
+    second = run(engine, [head + [8, 9, 10]], RequestParams(max_new_tokens=0, prompt_logprobs=1))[0]
+    more = run(engine, [head + [11]], RequestParams(max_new_tokens=0, prompt_logprobs=3))[0]
+    assert plain.prompt_tokens_hit == 0 and first.prompt_tokens_hit == 0  # cached KV, but no scores yet
+    assert second.prompt_tokens_hit == 31 and more.prompt_tokens_hit == 0  # position 31 is recomputed
+    for req, k in ((first, 2), (second, 1), (more, 3)):
+        assert_entries(req.prompt_logprobs[1:], reference(tiny64, req.prompt), req.prompt, k)
 
+
+def test_scores_survive_preemption(tiny64):
+    rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(5)]
     small = Engine(tiny64, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
     params = RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
