@@ -43,6 +43,11 @@ class SamplingParams:
                        self.frequency_penalty, self.presence_penalty, self.logit_bias)
         self.logit_bias = parse_logit_bias(self.logit_bias)  # JSON's {"123": -100} -> {123: -100.0}
 
+    @classmethod
+    def from_fields(cls, obj) -> "SamplingParams":
+        """The sampling fields of any object that has them (argparse's args, scheduler.RequestParams)."""
+        return cls(**{name: getattr(obj, name) for name in cls.__dataclass_fields__})
+
     @property
     def needs_history(self) -> bool:
         """Whether a penalty is on, so that sampling needs the tokens seen so far."""
