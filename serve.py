@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 
 from engine_loop import EngineLoop, Unavailable
 from runtime import log
+from sampling import parse_logit_bias
 from scheduler import RequestParams
 from tokenizer import TextStream
 
@@ -66,6 +67,11 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(None, ge=1)  # an extension
+    min_p: float = Field(0.0, ge=0, le=1)  # an extension, as are top_k and repetition_penalty (sampling.py)
+    repetition_penalty: float = Field(1.0, gt=0)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] = None  # {"token id": bias}; JSON keys are strings
     n: int = Field(1, ge=1)
     stop: str | list[str] = None
     seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes
@@ -198,7 +204,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "local"}]}
 
     def check(body, num_prompts: int):
-        """The limits that need no tokens; a message, or None."""
+        """The limits (and logit_bias ids) that need no tokens: (message, param), or None."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.n > limits.max_n:
             return f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n"
@@ -206,6 +212,10 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)", "stop"
         if num_prompts > limits.max_prompts:
             return f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)", "prompt"
+        try:
+            parse_logit_bias(body.logit_bias, engine.model.config.vocab_size)
+        except ValueError as e:
+            return str(e), "logit_bias"
         return None
 
     async def run(request, body, prompts, chat: bool):
@@ -220,7 +230,10 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                   top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos)
+                                   top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
+                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                   logit_bias=body.logit_bias or {})
             rids, events = await loop.submit(prompts, params)
         except ValueError as e:
             return error(400, str(e))
