@@ -153,10 +153,14 @@ def test_cli_penalties_reach_the_loop_and_follow_their_definitions(tiny, capsys)
     assert [r["tokens"] for r in rows] == [out, out] and out != plain
 
 
-def test_cli_logit_bias_forces_a_token_while_sampling(tiny, capsys):
-    rows = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "1.0", "--seed", "0",
-                    "--max_new_tokens", "6", "--ignore_eos", "--logit_bias", '{"5": 100}', "--min_p", "0.1")
-    assert rows[0]["tokens"] == [5] * 6
+def test_cli_logit_bias_forces_a_token_and_min_p_1_samples_only_the_argmax(tiny, capsys):
+    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--max_new_tokens", "8", "--ignore_eos", "--seed", "0",
+            "--dtype", "float32"]  # float32: no ties at the top for min_p = 1 to keep
+    rows = run_json(capsys, *argv, "--temperature", "1.0", "--logit_bias", '{"5": 100}')
+    assert rows[0]["tokens"] == [5] * 8
+    greedy = run_json(capsys, *argv, "--temperature", "0")[0]["tokens"]
+    assert run_json(capsys, *argv, "--temperature", "2.0", "--min_p", "1", "--batch_size", "2")[1]["tokens"] == greedy
+    assert run_json(capsys, *argv, "--temperature", "2.0", "--batch_size", "2")[1]["tokens"] != greedy
 
 def test_streamed_text_equals_json_text(tiny, capsys):
     argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "10", "--ignore_eos"]
