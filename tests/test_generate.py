@@ -162,6 +162,7 @@ def test_cli_logit_bias_forces_a_token_and_min_p_1_samples_only_the_argmax(tiny,
     assert run_json(capsys, *argv, "--temperature", "2.0", "--min_p", "1", "--batch_size", "2")[1]["tokens"] == greedy
     assert run_json(capsys, *argv, "--temperature", "2.0", "--batch_size", "2")[1]["tokens"] != greedy
 
+
 def test_streamed_text_equals_json_text(tiny, capsys):
     argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "10", "--ignore_eos"]
     assert generate.main(argv) == 0

@@ -288,6 +288,7 @@ def test_bad_sampling_controls_are_refused_at_add_request(tiny64):
             engine.add_request([5, 6], RequestParams(**bad))
     assert not engine.has_unfinished() and not engine.requests
 
+
 def test_soak_random_arrivals_and_aborts(tiny64):
     """200 random requests arriving over time, 1 in 10 aborted mid-run, 40 blocks of 4 tokens for
     up to 6 sequences: the allocator's invariants hold after every step, no block leaks, and a

@@ -249,6 +249,7 @@ def test_bad_sampling_controls_get_400_naming_the_field_and_the_server_keeps_ser
                                             logit_bias={str(vocab + 5): -100})
     assert post(url, {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -100}, "min_p": 1}).status_code == 200
 
+
 # -- traffic a server left running meets ----------------------------------------------------------
 def post(url, body, **kw):
     return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60, **kw)

@@ -217,6 +217,7 @@ def test_min_p_limits_the_verified_tokens_and_penalties_are_refused(target):
         with pytest.raises(ValueError, match="speculative decoding here takes no"):
             speculative_generate(target, cache, drafter, PROMPT, 2, SamplingParams(1.0, **bad), k=2)
 
+
 def test_cli_draft_with_another_vocabulary_is_refused(chat_checkpoint, tmp_path, capsys):
     draft = save_hf(hf_model("llama3"), tmp_path / "draft")  # 256 tokens; the target's tokenizer has more
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", "--draft_checkpoint", str(draft)]) == 2
