@@ -1,5 +1,5 @@
-"""Turning logits into the next token: logit bias and repetition penalties, then greedy,
-temperature, top-k, top-p (nucleus) and min-p sampling.
+"""Turning logits into the next token: logit bias and repetition / frequency / presence penalties,
+then greedy, temperature, top-k, top-p (nucleus) and min-p sampling.
 
 In this order, each step off at its default:
   1. logit_bias, on the raw logits: logits[j] += clamp(bias[j], -100, 100);
@@ -15,8 +15,9 @@ In this order, each step off at its default:
        min-p: the tokens whose probability is at least min_p * the most likely token's
               (HF's MinPLogitsWarper; 0 is off);
      and a token is drawn from what is left.
-Steps 1-3 need the token history, so the caller passes it to `sample` (`apply_penalties` does
-them on a new tensor); with all of them off nothing is computed for them.
+Steps 2 and 3 need the token history, so the caller passes prompt and output tokens to `sample`,
+which runs steps 1-3 through `apply_penalties` on a new tensor; with all three off, nothing is
+computed for them.
 
 Each row of a batch is sampled independently; a `torch.Generator` seeded once makes a whole run
 reproducible. speculative.py reuses `probabilities` (step 4) for its accept/reject rule.
