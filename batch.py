@@ -8,6 +8,9 @@ One request per line, every field but `prompt` optional (a prompt is text, or a 
     {"id": "a", "prompt": "The sea is", "max_new_tokens": 64, "temperature": 0.7, "top_k": 50,
      "top_p": 0.9, "seed": 1, "stop": ["\\n\\n"], "stop_token_ids": [2], "ignore_eos": false, "n": 1}
 
+and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
+"presence_penalty", "logit_bias" ({"token id": bias}).
+
 On stdout, one JSON line per request as it finishes: `id` (the line number if not given),
 `tokens` (generated ids), `text`, `finish_reason` ("stop", "length"), `time_to_first_token_s`;
 with n > 1, `tokens`, `text` and `finish_reason` are lists, one entry per sample. A request that
@@ -26,7 +29,8 @@ from runtime import DTYPES, log, pick_device
 from scheduler import Engine, RequestParams
 
 REQUEST_KEYS = ("id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "n")
+                "stop_token_ids", "ignore_eos", "n", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty", "logit_bias")
 
 
 def read_line(line: str, line_no: int):

@@ -33,13 +33,14 @@ import tp
 from kv_cache import Int8KVCache, StaticKVCache
 from runtime import (DTYPES, autotune, compile_decode, configure_inductor_cpu, cpu_capability, decode_one, human, log,
                      memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards, verify_step)
-from sampling import SamplingParams, check_sampling, sample
+from sampling import SamplingParams, parse_logit_bias, sample
 from tokenizer import TextStream, load_tokenizer
 
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
-             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None):
-    """Decode up to max_new_tokens after `prompt` [B, T] (already on the device).
+             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None, context=None):
+    """Decode up to max_new_tokens after `prompt` [B, T] (already on the device). context: the ids
+    [B, start_pos + T] the repetition penalty sees besides the output (default: prompt).
 
     Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
     Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
@@ -50,10 +51,11 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
     use_positions = getattr(cache, "use_positions", lambda n, round_up=True: None)  # paged: its tables set the width
     compiled = decode_fn is not decode_one
+    context = prompt if context is None else context  # out (the output so far) is stacked only for a penalty
     start = time.perf_counter()
     with torch.no_grad():  # eager steps attend over exactly the positions in use, compiled ones over a bucket
         use_positions(start_pos + T, round_up=prefill_fn is not prefill)
-        token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator)  # [B]
+        token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator, context, prompt[:, :0])  # [B]
     out, done = [token], torch.isin(token, stop)
     first_token_s = time.perf_counter() - start
     if on_token:
@@ -68,7 +70,7 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
         with torch.no_grad(), skip_guards(step > 0 and compiled and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
-        token = sample(logits, params, generator)
+        token = sample(logits, params, generator, context, torch.stack(out, 1) if params.needs_history else None)
         pos += 1
         done |= torch.isin(token, stop)
         out.append(token)
@@ -103,6 +105,11 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (>= 1)")
     p.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens reaching this probability, in (0, 1]")
+    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than min_p x the likeliest, in [0, 1]")
+    p.add_argument("--repetition_penalty", type=float, default=1.0, help="> 0: divides positive, multiplies negative logits of seen tokens")
+    p.add_argument("--frequency_penalty", type=float, default=0.0, help="in [-2, 2]: minus this x each token's count in the output")
+    p.add_argument("--presence_penalty", type=float, default=0.0, help="in [-2, 2]: minus this for each token in the output")
+    p.add_argument("--logit_bias", default=None, help='JSON {"token id": bias}: added to the logits, clamped to [-100, 100]')
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at stop tokens (benchmarks)")
     p.add_argument("--num_samples", type=int, default=1, help="samples generated one after another")
@@ -132,10 +139,11 @@ def parse_args(argv):
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
+    try:  # JSONDecodeError is a ValueError
+        args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
+        SamplingParams.from_fields(args)  # checks every sampling flag
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--logit_bias is not JSON: {e}" if isinstance(e, json.JSONDecodeError) else str(e))
     return args
 
 
@@ -223,6 +231,7 @@ def run(args) -> int:
         tp.parallelize(model)
         args.seed = tp.shared_seed(args.seed)
         log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
+    parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
     if args.interactive:
@@ -240,7 +249,7 @@ def run(args) -> int:
         log(f"compiled in {compile_s:.1f} s")
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     generator = make_generator(device, args.seed)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    params = SamplingParams.from_fields(args)
     profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
     with profiler:
         for _ in range(args.num_samples):
@@ -281,7 +290,7 @@ def interactive(args, model, tokenizer, device) -> int:
     cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
     log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
     decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
-    generator, params = make_generator(device, args.seed), SamplingParams(args.temperature, args.top_k, args.top_p)
+    generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
     messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
     compiled = set()  # the attend lengths the compiled step has seen
     while True:
@@ -305,8 +314,8 @@ def interactive(args, model, tokenizer, device) -> int:
                 log(f"[compiled the decode step for {len(compiled) - before} more attend lengths in {time.perf_counter() - start:.1f} s]")
         printer = Printer(tokenizer, tokenizer.stop_ids)
         prompt = torch.tensor([ids[common:]], device=device)
-        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
-                                False, decode_fn, start_pos=common, on_token=printer)
+        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids, False,
+                                decode_fn, start_pos=common, on_token=printer, context=torch.tensor([ids], device=device))
         printer.flush()
         print()
         log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
@@ -329,7 +338,7 @@ def run_speculative(args, model, tokenizer, device) -> int:
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
     ids = encode_prompt(args, tokenizer)
     seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    params = SamplingParams.from_fields(args)
     # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
     # (rounds without drafts), and the draft's one-token step
     tune = autotune(model)

@@ -31,6 +31,11 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(None, ge=1)  # an extension
+    min_p: float = Field(0.0, ge=0, le=1)  # an extension, as are top_k and repetition_penalty (sampling.py)
+    repetition_penalty: float = Field(1.0, gt=0)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] = None  # {"token id": bias}; JSON keys are strings
     n: int = Field(1, ge=1)
     stop: str | list[str] = None
     seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes

@@ -20,9 +20,10 @@ If a running sequence needs a block and none is free, the most recently admitted
 preempted: its blocks are released (full ones stay in the prefix cache) and it waits at the
 front of the queue to be recomputed, prompt and generated tokens together.
 
-Each sequence samples with its own torch.Generator (seeded from the request's seed), so its
-output does not depend on what it was batched with. A request with n > 1 prefills once; its
-samples then share the prompt's blocks and copy only the block they write (copy-on-write).
+Each sequence samples with its own torch.Generator (seeded from the request's seed), and its
+penalties (sampling.py) count its own tokens, so its output does not depend on what it was
+batched with. A request with n > 1 prefills once; its samples then share the prompt's blocks
+and copy only the block they write (copy-on-write).
 
 The engine is incremental (`add_request`, `abort`, `step`), so a server can drive it; `generate`
 runs a list of prompts offline. Output lines: {"id", "tokens", "text", "finish_reason",
@@ -37,7 +38,7 @@ import torch
 
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
 from runtime import compile_decode
-from sampling import MAX_LOGPROBS, check_sampling, sample, SamplingParams, token_logprobs
+from sampling import MAX_LOGPROBS, check_sampling, parse_logit_bias, sample, SamplingParams, token_logprobs
 from scoring import PromptScores
 
 
@@ -47,6 +48,11 @@ class RequestParams:
     temperature: float = 1.0  # OpenAI's default; 0 is greedy
     top_k: int = None
     top_p: float = 1.0
+    min_p: float = 0.0  # sampling.py defines these five; each default is off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias (JSON's string keys accepted)
     seed: int = None  # None: a random seed
     stop: list = field(default_factory=list)  # strings that end the output (not included in text)
     stop_token_ids: list = field(default_factory=list)  # ids that end it, besides the model's own
@@ -56,7 +62,9 @@ class RequestParams:
     prompt_logprobs: int = None  # the same for each prompt token but the first; max_new_tokens may then be 0
 
     def check(self):
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                       self.frequency_penalty, self.presence_penalty, self.logit_bias)
+        self.logit_bias = parse_logit_bias(self.logit_bias)  # {"123": -100} -> {123: -100.0}
         scoring = self.prompt_logprobs is not None
         for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
             value = getattr(self, name)
@@ -103,6 +111,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         self.seqs = [Sequence(self, 0, self.seed)]
+        self.sampling = SamplingParams.from_fields(params)
         self.forked = params.n == 1
         self.prompt_tokens_hit = 0
         self.error = None  # why it failed, if a fault ended it (the other requests go on)
@@ -177,6 +186,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
                              "which leaves no room to generate")
@@ -428,23 +438,23 @@ class Engine:
         for seq, row in rows:
             if seq.finish_reason:  # its request failed on an earlier row
                 continue
-            p = seq.request.params
-            if p.max_new_tokens == 0:  # only the prompt's scores were asked for
+            req = seq.request
+            if req.params.max_new_tokens == 0:  # only the prompt's scores were asked for
                 self._finish(seq, "length")
-                events.append((seq.request.id, seq.index, None, "length"))
+                events.append((req.id, seq.index, None, "length"))
                 continue
             try:  # a fault here (sampling, detokenizing for stop strings) ends this request only
-                if p.temperature == 0 and id(seq) in row_of:
+                if req.sampling.temperature == 0 and id(seq) in row_of and not req.sampling.adjusts_logits:
                     token = greedy[row_of[id(seq)]]
-                else:
-                    token = int(sample(row[None], SamplingParams(p.temperature, p.top_k, p.top_p), seq.generator))
-                if p.logprobs is not None:  # the model's own distribution: before temperature and filters
-                    seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
+                else:  # bias and penalties (over this sample's history) make a new tensor: `logits` stays raw
+                    token = int(sample(row[None], req.sampling, seq.generator, [req.prompt], [seq.output]))
+                if req.params.logprobs is not None:  # the model's own distribution: before any of that
+                    seq.logprobs += token_logprobs(row[None], [token], [req.params.logprobs])
                 seq.tokens.append(token)
                 seq.token_times.append(now)
                 reason = self._stop_reason(seq, token)
             except Exception as e:
-                self._fail(seq.request, e)
+                self._fail(req, e)
                 continue
             if reason:
                 self._finish(seq, reason)

@@ -41,6 +41,7 @@ from engine_loop import EngineLoop, Over, Unavailable
 from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, encode, error,
                            logprob_counts, prompt_list, refusal, unavailable)
 from runtime import log
+from sampling import parse_logit_bias
 from scheduler import RequestParams
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
@@ -156,7 +157,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         return {"prompt": tokenizer.decode(body.tokens)}
 
     def check(body, num_prompts: int, chat: bool):
-        """The limits that need no tokens; (message, param) or None."""
+        """The limits (and logit_bias ids) that need no tokens: (message, param), or None."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.n > limits.max_n:
             return f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n"
@@ -164,6 +165,10 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)", "stop"
         if num_prompts > limits.max_prompts:
             return f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)", "prompt"
+        try:
+            parse_logit_bias(body.logit_bias, engine.model.config.vocab_size)
+        except ValueError as e:
+            return str(e), "logit_bias"
         return refusal(body, chat)
 
     async def run(request, body, prompts, chat: bool):
@@ -181,7 +186,10 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                    top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                                   logit_bias=body.logit_bias or {})
             rids, events = await loop.submit(prompts, params)
         except ValueError as e:
             return error(400, str(e))

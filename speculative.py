@@ -76,7 +76,8 @@ class ModelDrafter:
         drafts, probs = [], []
         feed, start = tokens[self.valid:], self.valid
         for _ in range(k):
-            p = probabilities(self.logits(feed, start), self.params.temperature, self.params.top_k, self.params.top_p)
+            p = probabilities(self.logits(feed, start), self.params.temperature, self.params.top_k,
+                              self.params.top_p, self.params.min_p)
             d = int(torch.multinomial(p, 1, generator=generator)) if self.params.temperature > 0 else int(p.argmax())
             start += len(feed)
             drafts.append(d)
@@ -124,6 +125,8 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
 
     verify_fns: {T: compiled runtime.verify_step} for the forward lengths that recur (k + 1
     after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
+    if params.adjusts_logits:  # p must be the distribution plain decoding samples from, history and all
+        raise ValueError("speculative decoding here takes no logit_bias or repetition, frequency or presence penalty")
     verify_fns = verify_fns or {}
     device = cache.slots.device
     tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)
@@ -144,7 +147,7 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
                 logits = verify_fns[len(feed)](target, cache, x, pos)[0, -(len(drafts) + 1):]
             else:
                 logits = target(x, pos, cache)[0, -(len(drafts) + 1):]  # [len(drafts) + 1, V]
-        p = probabilities(logits, params.temperature, params.top_k, params.top_p)
+        p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
         if drafts:
             n, nxt = accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)
         else:

@@ -126,6 +126,43 @@ def test_stops_at_stop_token(tiny, capsys):
     assert rows[0] == ignored[0][: first + 1]
 
 
+
+def test_cli_penalties_reach_the_loop_and_follow_their_definitions(tiny, capsys):
+    """--repetition_penalty (prompt and output), --frequency_penalty and --presence_penalty (output
+    only): every batch row's greedy tokens equal a plain loop that reruns the whole sequence and
+    applies the definitions token by token; they differ from the unpenalised tokens."""
+    from kv_cache import NoCache
+
+    argv = ["--checkpoint", str(tiny), "--temperature", "0", "--max_new_tokens", "12", "--ignore_eos", "--dtype",
+            "float32", "--batch_size", "2"]
+    head = "hello world" + run_json(capsys, *argv, "--prompt", "hello world")[0]["text"]  # a prompt the model repeats
+    plain = run_json(capsys, *argv, "--prompt", head)[0]["tokens"]
+    rows = run_json(capsys, *argv, "--prompt", head, "--repetition_penalty", "1.5", "--frequency_penalty", "0.5",
+                    "--presence_penalty", "0.3")
+    model, _ = weights.load(tiny, dtype=torch.float32)
+    ids, out = rows[0]["prompt_tokens"], []
+    for _ in range(12):
+        with torch.no_grad():
+            seq = torch.tensor([ids + out])
+            logits = model(seq, torch.arange(seq.shape[1])[None], NoCache())[0, -1].tolist()
+        for j in set(ids + out):
+            logits[j] = logits[j] / 1.5 if logits[j] > 0 else logits[j] * 1.5
+        for j in set(out):
+            logits[j] -= 0.5 * out.count(j) + 0.3
+        out.append(max(range(len(logits)), key=logits.__getitem__))
+    assert [r["tokens"] for r in rows] == [out, out] and out != plain
+
+
+def test_cli_logit_bias_forces_a_token_and_min_p_1_samples_only_the_argmax(tiny, capsys):
+    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--max_new_tokens", "8", "--ignore_eos", "--seed", "0",
+            "--dtype", "float32"]  # float32: no ties at the top for min_p = 1 to keep
+    rows = run_json(capsys, *argv, "--temperature", "1.0", "--logit_bias", '{"5": 100}')
+    assert rows[0]["tokens"] == [5] * 8
+    greedy = run_json(capsys, *argv, "--temperature", "0")[0]["tokens"]
+    assert run_json(capsys, *argv, "--temperature", "2.0", "--min_p", "1", "--batch_size", "2")[1]["tokens"] == greedy
+    assert run_json(capsys, *argv, "--temperature", "2.0", "--batch_size", "2")[1]["tokens"] != greedy
+
+
 def test_streamed_text_equals_json_text(tiny, capsys):
     argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "10", "--ignore_eos"]
     assert generate.main(argv) == 0
@@ -160,6 +197,8 @@ def test_profile_writes_a_trace(tiny, tmp_path, capsys):
     (["--prompt", ""], "prompt is empty"),
     (["--max_seq_len", "8"], "smaller than prompt"),
     (["--device", "cuda"], "CUDA is not available"),
+    (["--logit_bias", '{"100000": 1}'], "logit_bias keys must be token ids in [0, "),
+    (["--prompt_lookup", "2", "--presence_penalty", "1"], "speculative decoding here takes no"),
 ])
 def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
     assert generate.main(["--checkpoint", str(tiny), "--prompt", "hello", *argv]) == 2
@@ -172,6 +211,12 @@ def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
     (["--top_p", "1.5"], "top_p must be in (0, 1]"),
     (["--top_k", "0"], "top_k must be >= 1"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--min_p", "1.5"], "min_p must be in [0, 1]"),
+    (["--repetition_penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--frequency_penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
+    (["--presence_penalty", "3"], "presence_penalty must be in [-2, 2]"),
+    (["--logit_bias", "{5: 1}"], "--logit_bias is not JSON"),
+    (["--logit_bias", '{"five": 1}'], "logit_bias keys must be token ids"),
 ])
 def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

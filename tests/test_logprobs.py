@@ -128,3 +128,25 @@ def test_bad_logprob_counts_are_refused(tiny64):
         with pytest.raises(ValueError, match="logprobs|max_new_tokens"):
             engine.add_request([1, 2], RequestParams(**bad))
     assert not engine.has_unfinished()
+
+
+def test_a_long_echo_never_holds_prompt_by_vocab_logits(tmp_path, monkeypatch):
+    """A 1,500-token prompt scored with 256 tokens per step: every step's logits have at most 256
+    rows (never [prompt_len, vocab]), and every score equals the plain forward's."""
+    import scheduler
+
+    rows = []
+
+    def recording(model, cache, tokens, input_pos, keep=None):
+        out = flat_forward(model, cache, tokens, input_pos, keep)
+        rows.append(out.shape[0])
+        return out
+    flat_forward = scheduler.flat_forward
+    monkeypatch.setattr(scheduler, "flat_forward", recording)
+    model, _ = weights.load(tiny_checkpoint(tmp_path, max_position_embeddings=2048), dtype=torch.float64)
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 250) for _ in range(1500)]
+    engine = Engine(model, num_blocks=500, block_size=8, max_num_seqs=8, max_num_batched_tokens=256)
+    req = run(engine, [prompt], RequestParams(max_new_tokens=0, prompt_logprobs=2))[0]
+    assert max(rows) <= 256 and len(rows) >= 1500 // 256
+    assert_entries(req.prompt_logprobs[1:], reference(model, prompt), prompt, 2)

@@ -200,6 +200,95 @@ def test_sampled_output_does_not_depend_on_the_batch(tiny64):
     assert crowd[3]["tokens"] == solo
 
 
+
+# -- sampling controls (sampling.py): per sequence, over its own tokens -----------------------------
+def penalised_alone(model, prompt, n_new, params):
+    """The slow twin with penalties: generate.py's loop on a static cache."""
+    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
+    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, params, ignore_eos=True)
+    return rows[0]
+
+
+def test_a_logit_bias_of_100_forces_its_token_and_leaves_the_neighbours_alone(tiny64):
+    forced = RequestParams(max_new_tokens=6, temperature=1.0, seed=0, logit_bias={"7": 100}, ignore_eos=True)
+    banned = RequestParams(max_new_tokens=6, temperature=0.0, logit_bias={177: -100}, ignore_eos=True)
+    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    out = engine.generate([[5, 6, 7], [30, 31, 32, 33], [9, 10]], [forced, banned, greedy(6)])
+    assert out[0]["tokens"] == [7] * 6
+    assert 177 in alone(tiny64, [30, 31, 32, 33], 6) and 177 not in out[1]["tokens"]
+    assert out[2]["tokens"] == alone(tiny64, [9, 10], 6)
+
+
+def test_greedy_penalised_requests_in_a_crowd_equal_generate_alone(tiny64):
+    """Repetition (over prompt and output) and frequency/presence (over the output) penalties count
+    each sequence's own tokens, through chunked prefill and preemption: every penalised request
+    gives generate.py's tokens with the same penalties, which differ from its unpenalised ones."""
+    prompts, news = random_requests(8, seed=11, max_prompt=30, max_new=16)
+    controls = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, presence_penalty=0.5),
+                dict(repetition_penalty=0.8, logit_bias={3: 2.0}, min_p=0.5)]
+    prompts += [[30, 31, 32, 33, 61, 50, 42, 205, 177, 177]] * 3  # its greedy continuation is 177 again
+    news += [16] * 3
+    params = [greedy(n) for n in news[:8]] + [RequestParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, **c)
+                                              for c in controls]
+    engine = Engine(tiny64, num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
+    out = engine.generate(prompts, params)
+    assert engine.stats["preemptions"] > 0
+    for i, c in enumerate(controls):
+        expected = penalised_alone(tiny64, prompts[8 + i], 16, SamplingParams(0.0, **c))
+        assert out[8 + i]["tokens"] == expected, c
+    assert out[8]["tokens"] != alone(tiny64, prompts[8], 16)
+    for i in range(8):
+        assert out[i]["tokens"] == alone(tiny64, prompts[i], news[i])
+
+
+def test_penalised_samples_stay_independent_of_their_siblings_and_the_batch(tiny64):
+    """n = 3 penalised samples: sample k equals a request of n = 1 seeded seed + k (so each counts
+    only its own output), and the request gives the same samples in a crowd."""
+    prompt = list(range(30, 40))
+    params = dict(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True, repetition_penalty=1.3,
+                  frequency_penalty=0.8, presence_penalty=0.4, min_p=0.05)
+    forked = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(n=3, **params))[0]["tokens"]
+    assert len({tuple(t) for t in forked}) == 3
+    for k in range(3):
+        single = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        assert single[0]["tokens"] == forked[k]
+    others, news = random_requests(5, seed=4)
+    crowd = Engine(tiny64, num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=24).generate(
+        others[:2] + [prompt] + others[2:], [greedy(n) for n in news[:2]] + [RequestParams(n=3, **params)]
+        + [greedy(n) for n in news[2:]])
+    assert crowd[2]["tokens"] == forked
+
+
+def test_penalties_never_write_the_steps_logits(tiny64, monkeypatch):
+    """_sample computes penalised rows as new tensors: the raw logits survive every step."""
+    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    real, checked = engine._sample, []
+
+    def checking(done, logits):
+        before = logits.clone()
+        events = real(done, logits)
+        checked.append(torch.equal(logits, before))
+        return events
+
+    monkeypatch.setattr(engine, "_sample", checking)
+    params = RequestParams(max_new_tokens=5, temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0,
+                           logit_bias={3: 50.0}, ignore_eos=True)
+    engine.generate([[5, 6, 7], [8, 9]], [params, RequestParams(**{**params.__dict__, "temperature": 1.0, "seed": 1})])
+    assert checked and all(checked)
+
+
+def test_bad_sampling_controls_are_refused_at_add_request(tiny64):
+    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    vocab = tiny64.config.vocab_size
+    for bad, message in [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                         (dict(frequency_penalty=-3), "frequency_penalty"), (dict(presence_penalty=2.5), "presence_penalty"),
+                         (dict(logit_bias={str(vocab): 1}), rf"logit_bias keys must be token ids in \[0, {vocab}\)"),
+                         (dict(logit_bias={"one": 1}), "logit_bias keys")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request([5, 6], RequestParams(**bad))
+    assert not engine.has_unfinished() and not engine.requests
+
+
 def test_soak_random_arrivals_and_aborts(tiny64):
     """200 random requests arriving over time, 1 in 10 aborted mid-run, 40 blocks of 4 tokens for
     up to 6 sequences: the allocator's invariants hold after every step, no block leaks, and a
@@ -267,6 +356,8 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
         {"id": "empty", "prompt": ""},
         {"id": "field", "prompt": "hello", "max_tokens": 3},
         {"id": "n", "prompt": "hello", "n": 0},
+        {"id": "minp", "prompt": "hello", "min_p": 2},
+        {"id": "bias", "prompt": "hello", "max_new_tokens": 3, "logit_bias": {"5": 100}, "ignore_eos": True},
         {"id": "ok2", "prompt": "the quick brown fox", "max_new_tokens": 6, "n": 2, "seed": 1},
     ]
     path = tmp_path / "requests.jsonl"
@@ -276,11 +367,12 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
     out = {o["id"]: o for o in map(json.loads, capsys.readouterr().out.strip().splitlines())}
     assert len(out) == len(lines)
     errors = {"ctx": "context is 256", "pool": "whole KV pool holds 144", "temp": "temperature", "topp": "top_p",
-              "empty": "empty", "field": "unknown field", "n": "n must be", 2: "not valid JSON"}
+              "empty": "empty", "field": "unknown field", "n": "n must be", 2: "not valid JSON", "minp": "min_p"}
     for rid, text in errors.items():
         assert text in out[rid]["error"], (rid, out[rid])
     assert len(out["ok1"]["tokens"]) <= 4 and "error" not in out["ok1"]
     assert len(out["ok2"]["tokens"]) == 2 and len(out["ok2"]["text"]) == 2
+    assert out["bias"]["tokens"] == [5, 5, 5]
 
 
 def test_a_request_larger_than_the_pool_stops_at_length_instead_of_hanging(tiny64):

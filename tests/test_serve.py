@@ -74,10 +74,10 @@ def client(url, key=KEY, cls=openai.OpenAI):
     return cls(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
-def alone_text(model, tokenizer, ids, n):
+def alone_text(model, tokenizer, ids, n, params=SamplingParams(0.0)):
     """generate.py's greedy loop on a static cache: the text the server must return."""
     rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, len(ids) + n), torch.tensor([ids]), n,
-                                SamplingParams(0.0), stop_ids=tokenizer.stop_ids)
+                                params, stop_ids=tokenizer.stop_ids)
     return tokenizer.decode([t for t in rows[0] if t not in tokenizer.stop_ids])
 
 
@@ -199,6 +199,55 @@ def test_stop_strings_n_and_seed(server):
     a, b = c.completions.create(**kw), c.completions.create(**kw)
     assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices] and len(a.choices) == 2
     assert a.usage.completion_tokens <= 16
+
+
+
+def test_sampling_controls_through_the_openai_client(server):
+    """logit_bias with OpenAI's string keys forces a token (completions and chat); the penalties
+    (repetition_penalty an extension, in extra_body) give generate.py's greedy text under the same
+    penalties, streamed or not; min_p = 1 leaves only the likeliest token to sample."""
+    url, model, tokenizer, *_ = server
+    c = client(url)
+    the = tokenizer.encode("the")[-1]
+    r = c.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0.8, seed=1,
+                             logit_bias={str(the): 100})
+    assert r.choices[0].text == tokenizer.decode([the] * 5)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                  logit_bias={str(the): 100}, temperature=0)
+    assert r.choices[0].message.content == tokenizer.decode([the] * 4)
+    prompt = "hello world, the quick"
+    controls = dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3)
+    greedy = alone_text(model, tokenizer, tokenizer.encode(prompt), 12)
+    expected = alone_text(model, tokenizer, tokenizer.encode(prompt), 12, SamplingParams(0.0, **controls))
+    assert expected != greedy
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=1.0, presence_penalty=0.5,
+              extra_body={"repetition_penalty": 1.3})
+    assert c.completions.create(**kw).choices[0].text == expected
+    assert "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices) == expected
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.5, seed=3, n=2,
+                             extra_body={"min_p": 1.0})
+    assert [ch.text for ch in r.choices] == [greedy, greedy]
+
+
+def test_bad_sampling_controls_get_400_naming_the_field_and_the_server_keeps_serving(server):
+    url, model, *_ = server
+    vocab = model.config.vocab_size
+    for body, param in [({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+                        ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {str(vocab): 1}}, "logit_bias"),
+                        ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"5": "high"}}, "logit_bias.5"),
+                        ({"logit_bias": [5]}, "logit_bias")]:
+        r = post(url, {"prompt": "hi", "max_tokens": 2, **body})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", (body, r.text)
+        assert error["param"] == param and param.split(".")[0] in error["message"], (body, error)
+    raw = b'{"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e999}'  # valid JSON, read as infinity
+    r = httpx.post(url + "/v1/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match=rf"logit_bias keys must be token ids in \[0, {vocab}\)"):
+        client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            logit_bias={str(vocab + 5): -100})
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -100}, "min_p": 1}).status_code == 200
 
 
 # -- traffic a server left running meets ----------------------------------------------------------

@@ -193,6 +193,31 @@ def test_end_to_end_sampling_follows_the_target(target, tmp_path):
     assert chi_square(counts[support], p[support]) < 24.32  # 7 degrees of freedom, p-value 0.001
 
 
+
+def test_min_p_limits_the_verified_tokens_and_penalties_are_refused(target):
+    """min_p is part of the distribution p that the accept rule keeps (no emitted token falls
+    outside the target's min-p set); a bias or penalty, which plain decoding would apply, is
+    refused rather than silently dropped."""
+    from sampling import probabilities
+
+    params = SamplingParams(1.0, min_p=0.2)
+    with torch.no_grad():
+        logits = target(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], StaticKVCache.for_model(target, 1, 64))
+    support = set(torch.nonzero(probabilities(logits[0, -1], 1.0, min_p=0.2)).flatten().tolist())
+    assert 1 < len(support) and probabilities(logits[0, -1], 1.0)[list(support)].sum() < 0.95  # min_p cuts real mass
+    g = torch.Generator().manual_seed(0)
+    cache, drafter = StaticKVCache.for_model(target, 1, 64), ModelDrafter(target, 64, params, layers=1)
+    firsts = set()
+    for _ in range(300):
+        out, _ = speculative_generate(target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True)
+        drafter.rollback(0)
+        firsts.add(out[0])
+    assert firsts <= support
+    for bad in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(logit_bias={3: 5})):
+        with pytest.raises(ValueError, match="speculative decoding here takes no"):
+            speculative_generate(target, cache, drafter, PROMPT, 2, SamplingParams(1.0, **bad), k=2)
+
+
 def test_cli_draft_with_another_vocabulary_is_refused(chat_checkpoint, tmp_path, capsys):
     draft = save_hf(hf_model("llama3"), tmp_path / "draft")  # 256 tokens; the target's tokenizer has more
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", "--draft_checkpoint", str(draft)]) == 2
