@@ -31,8 +31,9 @@ import torch
 
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
-from runtime import (DTYPES, autotune, compile_decode, configure_inductor_cpu, cpu_capability, decode_one, human, log,
-                     memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards, verify_step)
+from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
+                     decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards,
+                     verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
 from tokenizer import TextStream, load_tokenizer
 
@@ -413,24 +414,6 @@ def warm_up(args, model, cache, device, prompt_len):
     if args.compile:
         compile_lengths(decode_fn, model, cache, prompt_len, prompt_len + args.max_new_tokens - 1)
     return decode_fn, prefill_fn, time.perf_counter() - start
-
-
-def compile_lengths(decode_fn, model, cache, first: int, end: int, done: frozenset = frozenset()) -> set:
-    """Run the decode step for every attend length (kv_cache.py's use_positions) that decode steps
-    at positions first..end-1 reach and `done` lacks, so that each graph compiles now, not in the
-    middle of a reply. Each length L runs at position L - 1 >= first, a slot no cached token uses
-    and a later step overwrites before any query reads it. Returns the lengths now compiled."""
-    use = getattr(cache, "use_positions", lambda n: 1)  # the paged cache: one graph, run at position 0
-    lengths = {use(n + 1) for n in range(first, end)} - done
-    B, device = cache.batch_size, model.norm.weight.device
-    with torch.no_grad():
-        for length in sorted(lengths):
-            use(length)
-            for _ in range(3):  # CUDA Graphs record on the second or third call
-                decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
-                          torch.full((B, 1), length - 1, dtype=torch.long, device=device))
-    use(None)
-    return done | lengths
 
 
 def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, streamed):

@@ -116,6 +116,24 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
 
 
+def compile_lengths(decode_fn, model, cache, first: int, end: int, done: frozenset = frozenset()) -> set:
+    """Run the decode step for every attend length (kv_cache.py's use_positions) that decode steps
+    at positions first..end-1 reach and `done` lacks, so that each graph compiles now, not in the
+    middle of a reply. Each length L runs at position L - 1 >= first, a slot no cached token uses
+    and a later step overwrites before any query reads it. Returns the lengths now compiled."""
+    use = getattr(cache, "use_positions", lambda n: 1)  # the paged cache: one graph, run at position 0
+    lengths = {use(n + 1) for n in range(first, end)} - done
+    B, device = cache.batch_size, model.norm.weight.device
+    with torch.no_grad():
+        for length in sorted(lengths):
+            use(length)
+            for _ in range(3):  # CUDA Graphs record on the second or third call
+                decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
+                          torch.full((B, 1), length - 1, dtype=torch.long, device=device))
+    use(None)
+    return done | lengths
+
+
 def configure_inductor_cpu():
     import torch._inductor.config
 

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top; a file may import only files listed before it. The first five import only torch.
 ORDER = ["runtime", "model", "kv_cache", "sampling", "tp",
-         "paged", "scoring", "quantize", "speculative", "gguf_weights", "gguf_tokenizer",
+         "paged", "scoring", "sequence", "quantize", "speculative", "gguf_weights", "gguf_tokenizer",
          "weights", "tokenizer",
          "scheduler", "batch", "engine_loop", "openai_format", "serve",
          "perplexity", "generate"]
@@ -150,7 +150,7 @@ logits = torch.tensor([[0.0, 5.0, 1.0]])
 assert int(sample(logits, SamplingParams(0.0))) == 1
 assert int(sample(logits, SamplingParams(1.0, top_k=1), torch.Generator().manual_seed(0))) == 1
 """),
-    "scheduler": (["scheduler.py", "scoring.py", "paged.py", "kv_cache.py", "sampling.py", "runtime.py", "model.py"], TINY + """
+    "scheduler": (["scheduler.py", "scoring.py", "sequence.py", "paged.py", "kv_cache.py", "sampling.py", "runtime.py", "model.py"], TINY + """
 from scheduler import Engine, RequestParams
 engine = Engine(model, num_blocks=16, block_size=4)
 out = engine.generate([[1, 5, 9], [2, 7]], RequestParams(max_new_tokens=5, temperature=0.0))

@@ -1,0 +1,113 @@
+"""What the engine tracks per request: its parameters (RequestParams, checked before anything is
+queued), its samples (Sequence: tokens, block table, generator, log-probabilities) and the
+request itself (Request: its prompt, its samples, its prompt scores, its output line). The
+engine in scheduler.py moves these between its queues; nothing here runs the model.
+
+    from sequence import RequestParams
+    params = RequestParams(max_new_tokens=32, temperature=0.7, n=2, logprobs=5)
+    params.check()      # ValueError naming the field, before anything is queued
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sampling import MAX_LOGPROBS, check_sampling, parse_logit_bias, SamplingParams
+
+
+@dataclass
+class RequestParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # OpenAI's default; 0 is greedy
+    top_k: int = None
+    top_p: float = 1.0
+    min_p: float = 0.0  # sampling.py defines these five; each default is off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias (JSON's string keys accepted)
+    seed: int = None  # None: a random seed
+    stop: list = field(default_factory=list)  # strings that end the output (not included in text)
+    stop_token_ids: list = field(default_factory=list)  # ids that end it, besides the model's own
+    ignore_eos: bool = False  # do not stop at the model's end-of-sequence tokens
+    n: int = 1  # samples of this prompt
+    logprobs: int = None  # per output token: its log-probability and the `logprobs` most likely (0-20)
+    prompt_logprobs: int = None  # the same for each prompt token but the first; max_new_tokens may then be 0
+
+    def check(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                       self.frequency_penalty, self.presence_penalty, self.logit_bias)
+        self.logit_bias = parse_logit_bias(self.logit_bias)  # {"123": -100} -> {123: -100.0}
+        scoring = self.prompt_logprobs is not None
+        for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}"
+                                 + (" (0 only when scoring the prompt)" if name == "max_new_tokens" else ""))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+
+
+class Sequence:
+    """One sample being generated: its tokens (prompt + output), its block table, and how many of
+    its tokens have their K/V in the cache (`num_computed`)."""
+
+    def __init__(self, request, index: int, seed: int):
+        self.request, self.index = request, index
+        self.tokens = list(request.prompt)
+        self.num_computed = 0
+        self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
+        self.generator = torch.Generator(device=request.device).manual_seed(seed)
+        self.finish_reason, self.text, self.token_times = None, None, []
+        self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
+
+    @property
+    def output(self):
+        return self.tokens[len(self.request.prompt):]
+
+
+class Request:
+    def __init__(self, request_id, prompt, params, device):
+        self.id, self.prompt, self.params, self.device = request_id, list(prompt), params, device
+        self.arrival = time.perf_counter()
+        self.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        self.seqs = [Sequence(self, 0, self.seed)]
+        self.sampling = SamplingParams.from_fields(params)
+        self.forked = params.n == 1
+        self.prompt_tokens_hit = 0
+        self.error = None  # why it failed, if a fault ended it (the other requests go on)
+        # per prompt token, when asked: None for the first (nothing predicts it), then as Sequence.logprobs
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt log-probabilities still to compute: its prefix cannot come from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason for s in self.seqs)
+
+    def result(self, tokenizer=None) -> dict:
+        """The output line: lists are per sample when n > 1."""
+        tokens = [s.output for s in self.seqs]
+        texts = [s.text if s.text is not None else (tokenizer.decode(s.output) if tokenizer else None) for s in self.seqs]
+        reasons = [s.finish_reason for s in self.seqs]
+        first = min((s.token_times[0] for s in self.seqs if s.token_times), default=None)
+        pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
+        if self.error:
+            return {"id": self.id, "error": self.error}
+        return {"id": self.id, "tokens": pick(tokens), "text": pick(texts), "finish_reason": pick(reasons),
+                "time_to_first_token_s": None if first is None else first - self.arrival}
