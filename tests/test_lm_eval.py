@@ -4,18 +4,20 @@ task with stop strings, written by the test as local JSON files, run through lm-
 through its `hf` backend on the same weights (float32). Per-sample log-likelihoods must agree
 within 1e-4, accuracy and generations exactly."""
 import json
+import os
 
 import pytest
 import torch
 
-import lm_eval
-from lm_eval.tasks import TaskManager
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files; no hub is reachable
+import lm_eval  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
-import weights
-from helpers import tiny_checkpoint
-from scheduler import Engine
-from test_serve import KEY, start_server
-from tokenizer import load_tokenizer
+import weights  # noqa: E402
+from helpers import tiny_checkpoint  # noqa: E402
+from scheduler import Engine  # noqa: E402
+from test_serve import KEY, start_server  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 QUESTIONS = [("The sky is", ["blue", "green", "loud"], 0), ("Two plus two is", ["four", "five"], 0),
              ("Cats say", ["meow", "woof", "moo", "quack"], 0), ("Ice is", ["cold", "hot"], 0),
