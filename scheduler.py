@@ -103,6 +103,12 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt, params, self.device)
+        if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
+            if self.tokenizer is None:
+                raise ValueError("a constrained request needs the engine's tokenizer")
+            from constrain import compile_constraint
+            req.seqs[0].matcher = compile_constraint(params.constraint, self.tokenizer, vocab,
+                                                     self.stop_ids | set(params.stop_token_ids))
         self.requests[request_id] = req
         self.waiting.append(req.seqs[0])
         return request_id
@@ -328,6 +334,7 @@ class Engine:
                     twin = Sequence(req, k, req.seed + k)
                     twin.tokens, twin.num_computed = list(seq.tokens), seq.num_computed
                     twin.blocks, twin.hashes = list(seq.blocks), list(seq.hashes)
+                    twin.matcher = seq.matcher and seq.matcher.copy()
                     for b in twin.blocks:
                         self.allocator.share(b)
                     req.seqs.append(twin)
@@ -346,15 +353,22 @@ class Engine:
                 events.append((req.id, seq.index, None, "length"))
                 continue
             try:  # a fault here (sampling, detokenizing for stop strings) ends this request only
-                if req.sampling.temperature == 0 and id(seq) in row_of and not req.sampling.adjusts_logits:
+                plain = seq.matcher is None and not req.sampling.adjusts_logits
+                if req.sampling.temperature == 0 and id(seq) in row_of and plain:
                     token = greedy[row_of[id(seq)]]
-                else:  # bias and penalties (over this sample's history) make a new tensor: `logits` stays raw
-                    token = int(sample(row[None], req.sampling, seq.generator, [req.prompt], [seq.output]))
+                else:  # the constraint's mask, bias and penalties make new tensors: `logits` stays raw
+                    allowed = row if seq.matcher is None else seq.matcher.mask_logits(row)
+                    token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output]))
                 if req.params.logprobs is not None:  # the model's own distribution: before any of that
                     seq.logprobs += token_logprobs(row[None], [token], [req.params.logprobs])
                 seq.tokens.append(token)
                 seq.token_times.append(now)
                 reason = self._stop_reason(seq, token)
+                if seq.matcher is not None and not reason:
+                    seq.matcher.advance(token)
+                    if seq.matcher.error:
+                        raise ValueError(f"the constraint failed: {seq.matcher.error}")
+                    reason = "stop" if seq.matcher.finished else None
             except Exception as e:
                 self._fail(req, e)
                 continue

@@ -33,6 +33,7 @@ class RequestParams:
     n: int = 1  # samples of this prompt
     logprobs: int = None  # per output token: its log-probability and the `logprobs` most likely (0-20)
     prompt_logprobs: int = None  # the same for each prompt token but the first; max_new_tokens may then be 0
+    constraint: object = None  # constrain.Constraint: the output must match it (JSON schema, regex, ...)
 
     def check(self):
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
@@ -71,6 +72,7 @@ class Sequence:
         self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
         self.finish_reason, self.text, self.token_times = None, None, []
+        self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
 
     @property
