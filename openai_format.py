@@ -42,6 +42,8 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict = None
     ignore_eos: bool = False  # an extension, for benchmarks
+    response_format: dict = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    structured_outputs: dict = None  # vLLM's extension: one of json, json_object, regex, choice, grammar
 
 
 class CompletionRequest(Sampling):
@@ -90,6 +92,41 @@ def refusal(body, chat: bool):
     if body.prompt == [] or body.prompt == [[]]:
         return "the prompt list is empty", "prompt"
     return None
+
+
+def constraint_of(body):
+    """The request's output constraint (constrain.Constraint) or None; ValueError (message, param)."""
+    from constrain import Constraint
+
+    fmt, extra = body.response_format, body.structured_outputs
+    if fmt and extra:
+        raise ValueError("send response_format or structured_outputs, not both", "response_format")
+    try:
+        if fmt:
+            kind = fmt.get("type")
+            if kind == "text":
+                return None
+            if kind == "json_object":
+                return Constraint("json_object")
+            if kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                    raise ValueError('json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
+                return Constraint("json_schema", spec.get("schema", {}))
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if extra:
+            given = {k: v for k, v in extra.items() if v is not None and v is not False}
+            if len(given) != 1 or next(iter(given)) not in STRUCTURED:
+                raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED)}")
+            key, value = next(iter(given.items()))
+            return Constraint(STRUCTURED[key], None if key == "json_object" else value)
+    except ValueError as e:
+        raise ValueError(str(e), "response_format" if fmt else "structured_outputs") from None
+    return None
+
+
+STRUCTURED = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+              "grammar": "grammar"}  # vLLM's structured_outputs keys -> constrain.py's kinds
 
 
 def logprob_counts(body, chat: bool):

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from engine_loop import EngineLoop, Over, Unavailable
-from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, encode, error,
-                           logprob_counts, prompt_list, refusal, unavailable)
+from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, constraint_of,
+                           encode, error, logprob_counts, prompt_list, refusal, unavailable)
 from runtime import log
 from sampling import parse_logit_bias
 from scheduler import RequestParams
@@ -184,12 +184,16 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         logprobs, prompt_logprobs = logprob_counts(body, chat)
         try:
+            constraint = constraint_of(body)
+        except ValueError as e:
+            return error(400, e.args[0], param=e.args[1])
+        try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                    top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                    frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                   logit_bias=body.logit_bias or {})
+                                   logit_bias=body.logit_bias or {}, constraint=constraint)
             rids, events = await loop.submit(prompts, params)
         except ValueError as e:
             return error(400, str(e))

@@ -1,0 +1,105 @@
+"""Structured output through serve.py and the real `openai` client: response_format (json_object,
+json_schema), `client.chat.completions.parse` with a pydantic model, vLLM's structured_outputs
+(regex, choice, grammar), streamed or not; 32 concurrent requests with different schemas beside
+unconstrained ones; bad constraints get 400 while the server keeps serving. The model is the
+tiny random one: it never writes valid JSON on its own."""
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import pydantic
+import pytest
+
+from test_constrain import SCHEMAS
+from test_serve import AUTH, client, server, tiny  # noqa: F401 (fixtures)
+
+USER = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def as_format(schema, name="out"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_response_format_json_schema_and_object_streamed_or_not(server):
+    url = server[0]
+    schema = SCHEMAS[17]
+    for seed in (0, 1):
+        out = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=seed,
+                                                  response_format=as_format(schema))
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        chunks = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=seed,
+                                                     response_format=as_format(schema), stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == out.choices[0].message.content
+    obj = client(url).completions.create(model="tiny", prompt="JSON:", max_tokens=300, seed=3,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    if obj.choices[0].finish_reason == "stop":  # an object whose strings a random model may never close
+        assert isinstance(json.loads(obj.choices[0].text), dict)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    age: int = pydantic.Field(ge=0, le=120)
+    admin: bool
+
+
+def test_parse_with_a_pydantic_model(server):
+    out = client(server[0]).chat.completions.parse(model="tiny", messages=USER, response_format=Person,
+                                                   max_tokens=200, seed=4)
+    person = out.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120 and len(person.name) <= 6
+
+
+def test_vllm_structured_outputs_regex_choice_grammar(server):
+    url = server[0]
+    cases = [({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+             ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+             ({"grammar": 'start: "(" /[0-9]/ ")"'}, lambda t: re.fullmatch(r"\([0-9]\)", t))]
+    for spec, ok in cases:
+        for seed in (0, 1):
+            out = client(url).completions.create(model="tiny", prompt="Answer:", max_tokens=40, seed=seed,
+                                                 extra_body={"structured_outputs": spec})
+            assert ok(out.choices[0].text), (spec, out.choices[0].text)
+    chat = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=20, n=3, seed=2,
+                                               extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert len(chat.choices) == 3 and all(c.message.content in ("yes", "no") for c in chat.choices)
+
+
+def test_32_concurrent_schemas_beside_unconstrained_requests(server):
+    url, model, tokenizer, engine, _ = server
+    plain = dict(model="tiny", prompt="Once upon", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    expected = client(url).completions.create(**plain).choices[0].text
+
+    async def main():
+        c = client(url, cls=__import__("openai").AsyncOpenAI)
+        constrained = [c.chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=i,
+                                                 response_format=as_format(SCHEMAS[i % len(SCHEMAS)], f"s{i}"))
+                       for i in range(32)]
+        free = [c.completions.create(**plain) for _ in range(4)]
+        return await asyncio.gather(*constrained, *free)
+    results = asyncio.run(main())
+    for i, out in enumerate(results[:32]):
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS[i % len(SCHEMAS)])
+    assert [r.choices[0].text for r in results[32:]] == [expected] * 4
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}},
+    {"response_format": {"type": "json_schema", "json_schema": "not an object"}},
+    {"structured_outputs": {"regex": "(unclosed"}},
+    {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+    {"structured_outputs": {"choice": []}},
+    {"structured_outputs": {"grammar": "start: nowhere"}},
+    {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+])
+def test_bad_constraints_get_400_and_the_server_keeps_serving(server, extra):
+    url = server[0]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": USER, **extra}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("response_format", "structured_outputs", None)
+    ok = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
