@@ -148,3 +148,43 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int, stop_ids=()) -
     if m.is_error():
         raise ValueError(f"invalid {c.kind}: {m.get_error()}")
     return Matcher(m, table.vocab_size)
+
+
+# -- generate.py's flags and its decode loop (a batch of rows, one matcher each) --------------------
+def add_args(p):
+    g = p.add_argument_group("constrained output (constrain.py)")
+    g.add_argument("--json_schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
+    g.add_argument("--regex", help="the output matches this regular expression")
+    g.add_argument("--choice", help="a,b,c: the output is one of these")
+    g.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF (llama.cpp) grammar file")
+
+
+def from_args(args):
+    """The constraint generate.py's flags ask for, or None; ValueError with what is wrong."""
+    given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(args, k)]
+    if len(given) > 1:
+        raise ValueError(f"give one constraint, not {' and '.join('--' + k for k in given)}")
+    if not given:
+        return None
+    if args.interactive or args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
+        raise ValueError(f"--{given[0]} works on a plain run (not with --interactive or speculative decoding)")
+    kind, value = given[0], getattr(args, given[0])
+    if kind in ("json_schema", "grammar"):
+        try:
+            with open(value) as f:
+                value = json.load(f) if kind == "json_schema" else f.read()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--{kind} {value}: {e}") from None
+    return Constraint(kind, value.split(",") if kind == "choice" else value)
+
+
+def masked(matchers, logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with each row's disallowed tokens at -inf (unchanged without matchers)."""
+    return logits if matchers is None else torch.stack([m.mask_logits(r) for m, r in zip(matchers, logits)])
+
+
+def advance(matchers, tokens: torch.Tensor):
+    """Each row's matcher takes its row's token [B]; a finished one takes nothing more."""
+    for m, t in zip(matchers or (), tokens.tolist()):
+        if not m.finished:
+            m.advance(t)

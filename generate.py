@@ -29,8 +29,10 @@ import time
 
 import torch
 
+import constrain
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
+from constrain import advance, masked
 from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
                      decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards,
                      verify_step)
@@ -39,9 +41,10 @@ from tokenizer import TextStream, load_tokenizer
 
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
-             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None, context=None):
+             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None, context=None, matchers=None):
     """Decode up to max_new_tokens after `prompt` [B, T] (already on the device). context: the ids
-    [B, start_pos + T] the repetition penalty sees besides the output (default: prompt).
+    [B, start_pos + T] the repetition penalty sees besides the output (default: prompt); matchers:
+    one constrain.Matcher per row, whose mask each step's logits pass through before sampling.
 
     Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
     Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
@@ -56,7 +59,9 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     start = time.perf_counter()
     with torch.no_grad():  # eager steps attend over exactly the positions in use, compiled ones over a bucket
         use_positions(start_pos + T, round_up=prefill_fn is not prefill)
-        token = sample(prefill_fn(model, cache, prompt, start_pos), params, generator, context, prompt[:, :0])  # [B]
+        token = sample(masked(matchers, prefill_fn(model, cache, prompt, start_pos)), params, generator, context,
+                       prompt[:, :0])  # [B]
+        advance(matchers, token)
     out, done = [token], torch.isin(token, stop)
     first_token_s = time.perf_counter() - start
     if on_token:
@@ -71,7 +76,9 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
         with torch.no_grad(), skip_guards(step > 0 and compiled and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
-        token = sample(logits, params, generator, context, torch.stack(out, 1) if params.needs_history else None)
+        token = sample(masked(matchers, logits), params, generator, context,
+                       torch.stack(out, 1) if params.needs_history else None)
+        advance(matchers, token)
         pos += 1
         done |= torch.isin(token, stop)
         out.append(token)
@@ -130,6 +137,7 @@ def parse_args(argv):
     p.add_argument("--cache", default="static", choices=("static", "paged"),
                    help="KV cache: kv_cache.py's static buffers or paged.py's block pool (same tokens; compare speed)")
     p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
+    constrain.add_args(p)
     g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
     g.add_argument("--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts")
     g.add_argument("--draft_layers", type=int, default=None, help="the target's own first N layers draft (LayerSkip)")
@@ -143,6 +151,7 @@ def parse_args(argv):
     try:  # JSONDecodeError is a ValueError
         args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
         SamplingParams.from_fields(args)  # checks every sampling flag
+        args.constraint = constrain.from_args(args)
     except ValueError as e:
         p.error(f"--logit_bias is not JSON: {e}" if isinstance(e, json.JSONDecodeError) else str(e))
     return args
@@ -258,8 +267,11 @@ def run(args) -> int:
             printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
             if stream:
                 print(args.prompt if not args.chat else "", end="", flush=True)
+            matchers = args.constraint and [constrain.compile_constraint(
+                args.constraint, tokenizer, model.config.vocab_size, tokenizer.stop_ids) for _ in range(args.batch_size)]
             rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
-                                    args.ignore_eos, decode_fn, prefill_fn, on_token=printer if stream else None)
+                                    args.ignore_eos, decode_fn, prefill_fn, on_token=printer if stream else None,
+                                    matchers=matchers)
             if stream:
                 printer.flush()
             report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream)

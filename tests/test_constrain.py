@@ -172,3 +172,28 @@ def test_bad_constraints_fail_alone_with_a_reason(tiny):
     logits = m.mask_logits(torch.zeros(model.config.vocab_size))
     allowed = (logits > float("-inf")).nonzero().flatten().tolist()
     assert allowed and all("ab".startswith(tokenizer.decode([t])) for t in allowed)
+
+
+def test_generate_cli_flags(tmp_path, capsys):
+    """generate.py --json_schema / --regex / --choice / --grammar, a batch of sampled rows each."""
+    import generate
+
+    folder = tiny_checkpoint(tmp_path / "m")
+    schema_file, grammar_file = tmp_path / "s.json", tmp_path / "g.lark"
+    schema_file.write_text(json.dumps(SCHEMAS[17]))
+    grammar_file.write_text('start: "<" /[a-c]{2}/ ">"')
+    base = ["--checkpoint", str(folder), "--prompt", "x", "--max_new_tokens", "150", "--batch_size", "3", "--seed",
+            "1", "--temperature", "1", "--top_k", "1000", "--json", "--dtype", "float32"]
+    checks = [(["--json_schema", str(schema_file)], lambda t: jsonschema.validate(json.loads(t), SCHEMAS[17]) is None),
+              (["--regex", "[0-9]{2}:[0-9]{2}"], lambda t: re.fullmatch("[0-9]{2}:[0-9]{2}", t)),
+              (["--choice", "alpha,beta"], lambda t: t in ("alpha", "beta")),
+              (["--grammar", str(grammar_file)], lambda t: re.fullmatch("<[a-c]{2}>", t))]
+    for flags, ok in checks:
+        assert generate.main(base + flags) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+        assert len(rows) == 3 and all(ok(r["text"]) for r in rows), (flags, [r["text"] for r in rows])
+    for bad in (["--regex", "a", "--choice", "b"], ["--regex", "a", "--interactive"], ["--json_schema", "/nope.json"]):
+        with pytest.raises(SystemExit) as exit_:
+            generate.main(base + bad)
+        assert exit_.value.code == 2
+    assert generate.main(base + ["--regex", "(unclosed"]) == 2
