@@ -59,12 +59,15 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     role: str
-    content: str | list[TextPart] = ""
+    content: str | list[TextPart] | None = ""
+    tool_calls: list[dict] = None  # an assistant's earlier calls
+    tool_call_id: str = None  # a tool's reply: the call it answers
+    name: str = None
 
     def text(self) -> str:
         """content as one string; a list of parts must be all text."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         if any(p.type != "text" or p.text is None for p in self.content):
             raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
         return "".join(p.text for p in self.content)
@@ -75,6 +78,13 @@ class ChatRequest(Sampling):
     max_completion_tokens: int = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int = Field(None, ge=0, le=20)
+    tools: list[dict] = None  # OpenAI function tools (tool_calls.py)
+    tool_choice: str | dict = None
+
+
+def template_messages(body) -> list:
+    """The chat messages as the template sees them (dicts, content as text); ValueError if bad."""
+    return [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages]
 
 
 def refusal(body, chat: bool):
@@ -230,9 +240,10 @@ class Outputs:
     """The choices of one response while its tokens arrive: choice i is sample i % n of prompt
     i // n. Holds each choice's text (tokenizer.TextStream), token ids and log-probability entries."""
 
-    def __init__(self, tokenizer, prompts, n: int, stop, chat: bool, logprobs: bool, echo: bool):
+    def __init__(self, tokenizer, prompts, n: int, stop, chat: bool, logprobs: bool, echo: bool, tools=None):
         self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
         self.logprobs, self.echo = logprobs, echo
+        self.tools = tools  # (format, tools) when the reply may hold tool calls: parsed when it ends
         self.streams = [TextStream(tokenizer, stop) for _ in range(len(prompts) * n)]
         self.ids = [[] for _ in self.streams]
         self.entries = [[] for _ in self.streams]
@@ -265,9 +276,9 @@ class Outputs:
         """Choice i of a whole (not streamed) response."""
         stream = self.streams[i]
         if self.chat:
-            body = {"message": {"role": "assistant", "content": stream.sent},
-                    "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
-            return {"index": i, **body, "finish_reason": stream.reason}
+            message, reason = self._message(i)
+            body = {"message": message, "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
+            return {"index": i, **body, "finish_reason": reason}
         text, logprobs = stream.sent, None
         if self.echo:
             prompt = self.prompts[i // self.n]
@@ -281,6 +292,18 @@ class Outputs:
             logprobs = self._logprobs(i, 0, 0)
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": stream.reason}
 
+    def _message(self, i: int):
+        """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given."""
+        from tool_calls import parse_calls
+
+        stream = self.streams[i]
+        if not self.tools:
+            return {"role": "assistant", "content": stream.sent}, stream.reason
+        content, calls = parse_calls(stream.sent, *self.tools)
+        if not calls:
+            return {"role": "assistant", "content": content}, stream.reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
     def delta(self, i: int, text: str, reason) -> dict:
         """A streamed chunk's choice: the new text and the log-probabilities of the tokens since the last."""
         logprobs = None
@@ -288,6 +311,13 @@ class Outputs:
             logprobs = self._logprobs(i, self.sent[i], self.offset[i])
             self.sent[i] = len(self.ids[i])
         self.offset[i] += len(text)
+        if self.chat and self.tools:  # the reply is parsed once it ends: one delta with content and calls
+            if not reason:
+                return None
+            message, reason = self._message(i)
+            calls = [{"index": k, **c} for k, c in enumerate(message.pop("tool_calls", []))]
+            delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         if self.chat:
             return {"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}

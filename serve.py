@@ -39,10 +39,11 @@ from starlette.exceptions import HTTPException
 
 from engine_loop import EngineLoop, Over, Unavailable
 from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, constraint_of,
-                           encode, error, logprob_counts, prompt_list, refusal, unavailable)
+                           encode, error, logprob_counts, prompt_list, refusal, template_messages, unavailable)
 from runtime import log
 from sampling import parse_logit_bias
 from scheduler import RequestParams
+from tool_calls import call_constraint, check_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 
@@ -171,7 +172,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return str(e), "logit_bias"
         return refusal(body, chat)
 
-    async def run(request, body, prompts, chat: bool):
+    async def run(request, body, prompts, chat: bool, tools=None, tool_constraint=None):
         lengths = [len(p) for p in prompts]
         default_max = context - max(lengths) if chat else 16
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -187,6 +188,10 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             constraint = constraint_of(body)
         except ValueError as e:
             return error(400, e.args[0], param=e.args[1])
+        if tool_constraint and constraint:
+            return error(400, "a tool_choice that forces a call cannot be combined with response_format",
+                         param="tool_choice")
+        constraint = constraint or tool_constraint
         try:
             params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                    top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
@@ -200,7 +205,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         except Unavailable as e:
             return unavailable(str(e))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()), "model": model_name}
-        out = Outputs(tokenizer, prompts, body.n, stop, chat, logprobs is not None, getattr(body, "echo", False))
+        out = Outputs(tokenizer, prompts, body.n, stop, chat, logprobs is not None, getattr(body, "echo", False), tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
             return StreamingResponse(sse(rids, events, out, meta, include_usage), media_type="text/event-stream")
@@ -257,8 +262,9 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
                                            "param": None, "code": None}})
                     continue
                 index, text, reason = event
-                if text or reason:
-                    yield chunk({**meta, "object": kind, "choices": [out.delta(index, text, reason)]})
+                part = out.delta(index, text, reason) if text or reason else None
+                if part:
+                    yield chunk({**meta, "object": kind, "choices": [part]})
             finished = True
             if include_usage:
                 yield chunk({**meta, "object": kind, "choices": [], "usage": out.usage()})
@@ -288,18 +294,29 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         if refused := check(body, 1, chat=True):
             return error(400, refused[0], param=refused[1])
         try:
-            messages = [m.model_dump() | {"content": m.text()} for m in body.messages]
+            messages, extra = template_messages(body), {}
         except ValueError as e:
             return error(400, f"messages: {e}", param="messages")
+        tools, tool_constraint = None, None
+        if body.tool_choice not in (None, "auto", "none") and not body.tools:
+            return error(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
+        if body.tools and body.tool_choice != "none":
+            try:
+                check_tools(body.tools, body.tool_choice)
+            except ValueError as e:
+                return error(400, f"tools: {e}", param="tools")
+            fmt = tool_format(tokenizer.chat_template)
+            messages, extra = render_args(messages, body.tools, body.tool_choice, tokenizer.chat_template)
+            tools, tool_constraint = (fmt, body.tools), call_constraint(body.tools, body.tool_choice, fmt)
         try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
         except Exception as e:  # a template that fails on these messages
             return error(400, f"the chat template failed on these messages: {e}", param="messages")
         try:  # the template writes BOS itself where the model wants it
             prompt = await asyncio.to_thread(encode, tokenizer, text, False)
         except ValueError as e:
             return error(400, f"messages: {e}", param="messages")
-        return await run(request, body, [prompt], chat=True)
+        return await run(request, body, [prompt], chat=True, tools=tools, tool_constraint=tool_constraint)
 
     return app
 

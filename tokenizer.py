@@ -56,12 +56,13 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return next((t for t, i in self.special.items() if i == token_id), None) or self.decode([token_id])
 
-    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt=True, **extra) -> str:
+        """extra: more template variables, e.g. tools (as HF's apply_chat_template passes them)."""
         if not self.chat_template:
             raise TokenizerError("this checkpoint has no chat template; run without --chat")
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
-                                    eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "")
+                                    eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "", **extra)
 
     def encode_chat(self, messages, add_generation_prompt=True) -> list:
         # The template writes BOS itself where the model wants it, so nothing is added here.

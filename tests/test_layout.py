@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["runtime", "model", "kv_cache", "sampling", "tp",
          "paged", "scoring", "constrain", "sequence", "quantize", "speculative", "gguf_weights", "gguf_tokenizer",
          "weights", "tokenizer",
-         "scheduler", "batch", "engine_loop", "openai_format", "serve",
+         "scheduler", "batch", "engine_loop", "tool_calls", "openai_format", "serve",
          "perplexity", "generate"]
 TORCH_ONLY = {"runtime", "model", "kv_cache", "sampling", "tp"}
 STDLIB = set(sys.stdlib_module_names)

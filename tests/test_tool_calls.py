@@ -1,0 +1,122 @@
+"""Tool calling (tool_calls.py) through serve.py and the real `openai` client: "required" and named
+tool_choice always produce calls that parse and validate against the tool's parameters (a random
+model included), streamed as OpenAI's tool-call deltas or not; the two output formats parse;
+tools reach a template that knows them, and a system message otherwise; a conversation with the
+call and the tool's answer continues; bad tools get 400."""
+import json
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+import tool_calls
+import weights
+from helpers import tiny_checkpoint
+from scheduler import Engine
+from test_serve import AUTH, client, start_server
+from tokenizer import load_tokenizer, render_chat_template
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                          "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+       "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """serve.py on a tiny model with room for the tools' system message (its tokenizer is nearly
+    byte-level, so the listing takes ~600 tokens)."""
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("tools-tiny"), max_position_embeddings=2048)
+    model, info = weights.load(folder, dtype=torch.float32)
+    tokenizer = load_tokenizer(info.source)
+    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    url, _, stop = start_server(engine, tokenizer)
+    yield (url,)
+    stop()
+
+
+def check_call(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in PARAMS and (name is None or call.function.name == name)
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_parse_both_formats_and_leave_what_does_not_parse():
+    content, calls = tool_calls.parse_calls('Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+                                            "hermes", TOOLS)
+    assert content == "Sure." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert tool_calls.parse_calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "hermes", TOOLS)[1] == []
+    assert tool_calls.parse_calls("<tool_call>{broken</tool_call>", "hermes", TOOLS) == ("<tool_call>{broken</tool_call>", [])
+    content, calls = tool_calls.parse_calls('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}',
+                                            "llama3", TOOLS)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    assert tool_calls.parse_calls("hello", "llama3", TOOLS) == ("hello", [])
+
+
+def test_tools_reach_the_template_or_a_system_message():
+    knows = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    messages, extra = tool_calls.render_args(USER, TOOLS, "auto", knows)
+    assert render_chat_template(knows, messages, **extra).startswith("[get_weather][add]")
+    messages, extra = tool_calls.render_args(USER, TOOLS, "auto", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert extra == {} and messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
+    assert tool_calls.render_args(USER, TOOLS, "none", knows) == (USER, {})
+    assert tool_calls.tool_format("... ipython ...") == "llama3" and tool_calls.tool_format(knows) == "hermes"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_and_named_tool_choice_always_give_valid_calls(server, seed):
+    url = server[0]
+    out = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                              max_tokens=120, seed=seed)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+    named = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=120, seed=seed,
+                                                tool_choice={"type": "function", "function": {"name": "add"}})
+    check_call(named.choices[0].message.tool_calls[0], "add")
+
+
+def test_streamed_tool_call_deltas_and_a_conversation_that_continues(server):
+    url = server[0]
+    stream = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=120, seed=3, stream=True)
+    calls, reasons = {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                calls[d.index]["arguments"] += d.function.arguments or ""
+    assert reasons[-1] == "tool_calls" and len(calls) == 1
+    call = calls[0]
+    jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+    turn = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"}]
+    reply = client(url).chat.completions.create(model="tiny", messages=turn, tools=TOOLS, max_tokens=8, seed=1)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    plain = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="none",
+                                                max_tokens=8, seed=1)
+    assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [{"type": "function"}]},
+    {"tools": [{"type": "retrieval", "function": {"name": "x"}}]},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+    {"tools": TOOLS, "tool_choice": "sometimes"},
+    {"tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+])
+def test_bad_tools_get_400(server, body):
+    url = server[0]
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": USER, **body}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("tools", "tool_choice")
