@@ -166,6 +166,8 @@ class Engine:
                 budget -= n
         while self.waiting and budget > 0:
             seq = self._next_waiting()
+            if seq is None:  # all that wait are prompts to score whose head another request computes now
+                break
             req = seq.request
             need = 1 if req.forked else req.params.n  # room for all its samples once it forks
             if len(self.running) + need > self.max_num_seqs:
@@ -197,14 +199,22 @@ class Engine:
         return batch
 
     def _next_waiting(self):
-        if len(self.waiting) == 1:
-            return self.waiting[0]
+        """The waiting sequence to admit next, or None. A prompt to score whose first block a
+        running request is scoring now waits for it (scoring.py caches that prefix's KV and scores
+        once it is done), so a question's answers compute the question once, not side by side."""
+        bs = self.block_size
+        computing = {tuple(s.request.prompt[:bs]) for s in self.running if s.request.scoring}
+        ready = [s for s in self.waiting if not (s.request.scoring and self.allocator.prefix_caching
+                                                  and len(s.request.prompt) > bs
+                                                  and tuple(s.request.prompt[:bs]) in computing)]
+        if len(ready) <= 1:
+            return ready[0] if ready else None
         if self.policy == "fcfs":  # the oldest of the requests with the fewest sequences running
             held = Counter(s.request for s in self.running)
-            return min(self.waiting, key=lambda s: held[s.request])  # min keeps the first of ties
+            return min(ready, key=lambda s: held[s.request])  # min keeps the first of ties
         # lpm: the request with the longest cached prefix first (ties: the earliest)
-        return max(self.waiting, key=lambda s: len(self.allocator.lookup_prefix(
-            s.tokens, (len(s.tokens) - 1) // self.block_size)[0]))
+        return max(ready, key=lambda s: len(self.allocator.lookup_prefix(
+            s.tokens, (len(s.tokens) - 1) // bs)[0]))
 
     def _take_fair_share(self, req, need: int):
         """Every sequence slot is taken and req, with none running, waits: preempt the newest

@@ -15,6 +15,8 @@ the shared question once:
 
     "Q: ... A: blue"    computes every block, caches its blocks' KV and scores
     "Q: ... A: green"   reuses the question's full blocks and their scores, computes the rest
+Answers sent together would each compute the question side by side, so the scheduler holds back
+a prompt to score while another running request is scoring the same first block.
 
 Scores are the model's own log-softmax (sampling.token_logprobs), turned into float32 [rows,
 vocab] LOGPROB_ROWS positions at a time, so a long prompt never holds [prompt_len, vocab].

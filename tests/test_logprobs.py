@@ -150,3 +150,16 @@ def test_a_long_echo_never_holds_prompt_by_vocab_logits(tmp_path, monkeypatch):
     req = run(engine, [prompt], RequestParams(max_new_tokens=0, prompt_logprobs=2))[0]
     assert max(rows) <= 256 and len(rows) >= 1500 // 256
     assert_entries(req.prompt_logprobs[1:], reference(model, prompt), prompt, 2)
+
+
+def test_answers_sent_together_compute_their_question_once(tiny64):
+    """Four prompts sharing a 40-token question, queued at once: the first is scored while the
+    others wait for its blocks, which they then reuse (KV and scores); every score is right."""
+    rng = random.Random(5)
+    question = [rng.randrange(3, 250) for _ in range(40)]
+    prompts = [question + [rng.randrange(3, 250) for _ in range(rng.randint(1, 4))] for _ in range(4)]
+    engine = Engine(tiny64, num_blocks=200, block_size=4)
+    reqs = run(engine, prompts, RequestParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1))
+    assert [r.prompt_tokens_hit for r in reqs] == [0, 39, 39, 39]  # 10 blocks, less the recomputed last position
+    for prompt, req in zip(prompts, reqs):
+        assert_entries(req.prompt_logprobs[1:], reference(tiny64, prompt), prompt, 1)
