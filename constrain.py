@@ -141,7 +141,7 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int, stop_ids=()) -
 
     try:
         grammar = grammar_text(c)
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # the GBNF converter raises plain Exceptions for a missing rule
         raise ValueError(f"invalid {c.kind}: {e}") from None
     table = token_table(tokenizer, vocab_size, tuple(sorted(stop_ids)))
     m = llguidance.LLMatcher(table, grammar, log_level=0)

@@ -142,7 +142,7 @@ class EngineLoop:
             for i, prompt in enumerate(prompts):
                 try:
                     ids.append(self.engine.add_request(prompt, params, request_id=uuid.uuid4().hex))
-                except (ValueError, TypeError) as e:
+                except Exception as e:  # a bad request fails alone; the engine thread goes on
                     for rid in ids:  # all or none
                         self.engine.abort(rid)
                         self.engine.requests.pop(rid)

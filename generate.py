@@ -32,7 +32,6 @@ import torch
 import constrain
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
-from constrain import advance, masked
 from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
                      decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards,
                      verify_step)
@@ -59,9 +58,9 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     start = time.perf_counter()
     with torch.no_grad():  # eager steps attend over exactly the positions in use, compiled ones over a bucket
         use_positions(start_pos + T, round_up=prefill_fn is not prefill)
-        token = sample(masked(matchers, prefill_fn(model, cache, prompt, start_pos)), params, generator, context,
-                       prompt[:, :0])  # [B]
-        advance(matchers, token)
+        logits = constrain.masked(matchers, prefill_fn(model, cache, prompt, start_pos))
+        token = sample(logits, params, generator, context, prompt[:, :0])  # [B]
+        constrain.advance(matchers, token)
     out, done = [token], torch.isin(token, stop)
     first_token_s = time.perf_counter() - start
     if on_token:
@@ -76,9 +75,9 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
         with torch.no_grad(), skip_guards(step > 0 and compiled and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
-        token = sample(masked(matchers, logits), params, generator, context,
-                       torch.stack(out, 1) if params.needs_history else None)
-        advance(matchers, token)
+        history = torch.stack(out, 1) if params.needs_history else None
+        token = sample(constrain.masked(matchers, logits), params, generator, context, history)
+        constrain.advance(matchers, token)
         pos += 1
         done |= torch.isin(token, stop)
         out.append(token)

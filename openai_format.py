@@ -284,8 +284,9 @@ class Outputs:
             prompt = self.prompts[i // self.n]
             head = self.tokenizer.decode(prompt)
             text = head + text
-            if self.logprobs:
-                logprobs = completion_logprobs(self.tokenizer, prompt, self.prompt_logprobs[i // self.n])
+            if self.logprobs:  # (a request aborted while prefilling has fewer scores than tokens)
+                scores = self.prompt_logprobs.get(i // self.n) or [None]
+                logprobs = completion_logprobs(self.tokenizer, prompt, scores + [None] * (len(prompt) - len(scores)))
                 for key, values in self._logprobs(i, 0, len(head)).items():
                     logprobs[key] += values
         elif self.logprobs:
@@ -307,13 +308,13 @@ class Outputs:
     def delta(self, i: int, text: str, reason) -> dict:
         """A streamed chunk's choice: the new text and the log-probabilities of the tokens since the last."""
         logprobs = None
+        if self.chat and self.tools and not reason:  # held until the reply ends (below)
+            return None
         if self.logprobs:
             logprobs = self._logprobs(i, self.sent[i], self.offset[i])
             self.sent[i] = len(self.ids[i])
         self.offset[i] += len(text)
         if self.chat and self.tools:  # the reply is parsed once it ends: one delta with content and calls
-            if not reason:
-                return None
             message, reason = self._message(i)
             calls = [{"index": k, **c} for k, c in enumerate(message.pop("tool_calls", []))]
             delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}

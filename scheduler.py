@@ -74,7 +74,8 @@ class Engine:
         self.stop_ids = set(stop_ids)
         self.waiting, self.running, self.requests = deque(), [], {}
         self.next_id = 0
-        self.scores = PromptScores(block_size, capacity=num_blocks)  # prompt scores by prefix block
+        # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
+        self.scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if self.allocator.prefix_caching else 0)
         self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
 

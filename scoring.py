@@ -77,7 +77,7 @@ class PromptScores:
         """Block block_index of req's prompt was just registered: cache its tokens' scores if known."""
         bs = self.block_size
         scores = req.prompt_logprobs
-        if scores is None or len(scores) < (block_index + 1) * bs:
+        if scores is None or len(scores) < (block_index + 1) * bs or not self.capacity:
             return
         entry = self.cached.get(block_hash)
         if entry is None or entry[0] < req.params.prompt_logprobs:

@@ -141,8 +141,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     async def tokenize(body: TokenizeRequest):
         try:
             if body.messages is not None:
-                text = await asyncio.to_thread(tokenizer.apply_chat_template, [m.model_dump() | {"content": m.text()}
-                                                                               for m in body.messages])
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, template_messages(body))
                 ids = await asyncio.to_thread(encode, tokenizer, text, False)
             else:
                 ids = await asyncio.to_thread(encode, tokenizer, body.prompt or "", None if body.add_special_tokens else False)

@@ -32,7 +32,8 @@ def check_tools(tools, tool_choice):
         if not isinstance(f.get("parameters", {}), dict):
             raise ValueError(f"tool {f['name']}: parameters must be a JSON schema object")
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names(tools):
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
     elif tool_choice not in (None, "auto", "none", "required"):

@@ -83,6 +83,27 @@ def evaluate(manager, model, model_args, batch_size=1):
     return seconds, [float(r[0][0]) for s in samples for r in s["resps"]], out["results"]["bench_mc"]["acc,none"]
 
 
+def engine_alone(folder: str, seconds_per_request=None):
+    """The same 256 requests (context + " " + choice, as lm-eval joins them) through
+    scheduler.Engine in this process, 32 in flight: the server's work without HTTP or a client."""
+    from scheduler import Engine, RequestParams
+    from tokenizer import load_tokenizer
+
+    model, info = weights.load(folder, dtype=torch.float32)
+    tok = load_tokenizer(info.source)
+    with open(os.path.join(folder, "mc.jsonl")) as f:
+        docs = [json.loads(line) for line in f]
+    pending = [tok.encode(d["question"]) + tok.encode(" " + c, bos=False) for d in docs for c in d["choices"]]
+    engine = Engine(model, num_blocks=3000, block_size=16)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and len(engine.waiting) + len(engine.running) < 32:
+            engine.add_request(pending.pop(0), RequestParams(max_new_tokens=1, temperature=0.0, logprobs=1,
+                                                             prompt_logprobs=1))
+        engine.step()
+    return time.perf_counter() - start
+
+
 def start_server(folder: str, threads: int, extra=()):
     """serve.py in its own process; returns (process, base url)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -127,12 +148,15 @@ def main():
             proc.wait(timeout=60)
         rows.append((f"{label}, lm-eval local-completions, {args.concurrency} concurrent x "
                      f"{args.prompts_per_request} prompts", seconds, ll, acc))
+    seconds = engine_alone(folder)
+    rows.append(("scheduler.Engine alone, in process (no HTTP, no lm-eval), 32 in flight", seconds, None, None))
     best_hf = min(s for name, s, _, _ in rows if name.startswith("lm-eval hf"))
     print("\n| backend | wall s | requests/s | vs best hf | max abs loglik diff vs hf | acc |")
     print("|---|---|---|---|---|---|")
     for name, seconds, ll, acc in rows:
-        diff = max(abs(a - b) for a, b in zip(ll, reference))
-        print(f"| {name} | {seconds:.1f} | {n_requests / seconds:.1f} | {best_hf / seconds:.2f}x | {diff:.2e} | {acc:.3f} |")
+        diff = f"{max(abs(a - b) for a, b in zip(ll, reference)):.2e}" if ll else "-"
+        acc = f"{acc:.3f}" if acc is not None else "-"
+        print(f"| {name} | {seconds:.1f} | {n_requests / seconds:.1f} | {best_hf / seconds:.2f}x | {diff} | {acc} |")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ def test_32_concurrent_schemas_beside_unconstrained_requests(server):
     {"structured_outputs": {"regex": "a", "choice": ["b"]}},
     {"structured_outputs": {"choice": []}},
     {"structured_outputs": {"grammar": "start: nowhere"}},
+    {"structured_outputs": {"grammar": "root ::= missing_rule"}},  # GBNF errors are plain Exceptions
+    {"structured_outputs": {"grammar": "hello world"}},
     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
 ])
 def test_bad_constraints_get_400_and_the_server_keeps_serving(server, extra):

@@ -86,15 +86,19 @@ def test_required_and_named_tool_choice_always_give_valid_calls(server, seed):
 def test_streamed_tool_call_deltas_and_a_conversation_that_continues(server):
     url = server[0]
     stream = client(url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
-                                                 max_tokens=120, seed=3, stream=True)
-    calls, reasons = {}, []
+                                                 max_tokens=120, seed=3, stream=True, logprobs=True,
+                                                 stream_options={"include_usage": True})
+    calls, reasons, logprobs, used = {}, [], 0, None
     for chunk in stream:
+        used = chunk.usage or used
         for c in chunk.choices:
             reasons.append(c.finish_reason)
+            logprobs += len(c.logprobs.content) if c.logprobs else 0
             for d in c.delta.tool_calls or []:
                 calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
                 calls[d.index]["arguments"] += d.function.arguments or ""
     assert reasons[-1] == "tool_calls" and len(calls) == 1
+    assert logprobs == used.completion_tokens  # every token's log-probability, in the one delta
     call = calls[0]
     jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
     turn = USER + [{"role": "assistant", "content": None, "tool_calls": [
@@ -112,6 +116,7 @@ def test_streamed_tool_call_deltas_and_a_conversation_that_continues(server):
     {"tools": [{"type": "retrieval", "function": {"name": "x"}}]},
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
     {"tools": TOOLS, "tool_choice": "sometimes"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}},
     {"tool_choice": "required"},
     {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
 ])
