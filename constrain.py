@@ -178,6 +178,11 @@ def from_args(args):
     return Constraint(kind, value.split(",") if kind == "choice" else value)
 
 
+def row_matchers(c: Constraint, tokenizer, vocab_size: int, rows: int):
+    """A fresh matcher per batch row for generate.py's loop, or None without a constraint."""
+    return c and [compile_constraint(c, tokenizer, vocab_size, tokenizer.stop_ids) for _ in range(rows)]
+
+
 def masked(matchers, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with each row's disallowed tokens at -inf (unchanged without matchers)."""
     return logits if matchers is None else torch.stack([m.mask_logits(r) for m, r in zip(matchers, logits)])

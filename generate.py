@@ -41,9 +41,9 @@ from tokenizer import TextStream, load_tokenizer
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
              decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None, context=None, matchers=None):
-    """Decode up to max_new_tokens after `prompt` [B, T] (already on the device). context: the ids
-    [B, start_pos + T] the repetition penalty sees besides the output (default: prompt); matchers:
-    one constrain.Matcher per row, whose mask each step's logits pass through before sampling.
+    """Decode up to max_new_tokens after `prompt` [B, T] (on the device). context: the ids [B,
+    start_pos + T] the repetition penalty sees besides the output (default: prompt); matchers: one
+    constrain.Matcher per row, whose mask each step's logits pass through before sampling.
 
     Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
     Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
@@ -266,8 +266,7 @@ def run(args) -> int:
             printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
             if stream:
                 print(args.prompt if not args.chat else "", end="", flush=True)
-            matchers = args.constraint and [constrain.compile_constraint(
-                args.constraint, tokenizer, model.config.vocab_size, tokenizer.stop_ids) for _ in range(args.batch_size)]
+            matchers = constrain.row_matchers(args.constraint, tokenizer, model.config.vocab_size, args.batch_size)
             rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
                                     args.ignore_eos, decode_fn, prefill_fn, on_token=printer if stream else None,
                                     matchers=matchers)

@@ -7,17 +7,13 @@ import json
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files; no hub is reachable
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import weights  # noqa: E402
 from helpers import tiny_checkpoint  # noqa: E402
-from scheduler import Engine  # noqa: E402
-from test_serve import KEY, start_server  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from test_serve import KEY, serve_checkpoint  # noqa: E402
 
 QUESTIONS = [("The sky is", ["blue", "green", "loud"], 0), ("Two plus two is", ["four", "five"], 0),
              ("Cats say", ["meow", "woof", "moo", "quack"], 0), ("Ice is", ["cold", "hot"], 0),
@@ -51,11 +47,7 @@ def evaluate(model, model_args, tasks, manager):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, monkeypatch_module):
     folder = tiny_checkpoint(tmp_path_factory.mktemp("lm-eval-tiny"), max_position_embeddings=512)
-    model, info = weights.load(folder, dtype=torch.float32)
-    tokenizer = load_tokenizer(info.source)
-    engine = Engine(model, num_blocks=300, block_size=8, max_num_seqs=16, max_num_batched_tokens=256,
-                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
-    url, _, stop = start_server(engine, tokenizer)
+    url, stop = serve_checkpoint(folder, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024)
     monkeypatch_module.setenv("OPENAI_API_KEY", KEY)
     manager = write_tasks(tmp_path_factory.mktemp("lm-eval-tasks"))
     yield folder, url, manager

@@ -53,6 +53,15 @@ def start_server(engine, tokenizer, limits=LIMITS):
     return url, app, stop
 
 
+def serve_checkpoint(folder, dtype=torch.float32, **engine_options):
+    """serve.py over a checkpoint folder's model and tokenizer, in a thread: (url, stop())."""
+    model, info = weights.load(folder, dtype=dtype)
+    tokenizer = load_tokenizer(info.source)
+    engine = Engine(model, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer, **engine_options)
+    url, _, stop = start_server(engine, tokenizer)
+    return url, stop
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tiny_checkpoint(tmp_path_factory.mktemp("serve-tiny"), max_position_embeddings=512)

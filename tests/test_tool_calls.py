@@ -8,14 +8,11 @@ import json
 import httpx
 import jsonschema
 import pytest
-import torch
 
 import tool_calls
-import weights
 from helpers import tiny_checkpoint
-from scheduler import Engine
-from test_serve import AUTH, client, start_server
-from tokenizer import load_tokenizer, render_chat_template
+from test_serve import AUTH, client, serve_checkpoint
+from tokenizer import render_chat_template
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -33,11 +30,7 @@ def server(tmp_path_factory):
     """serve.py on a tiny model with room for the tools' system message (its tokenizer is nearly
     byte-level, so the listing takes ~600 tokens)."""
     folder = tiny_checkpoint(tmp_path_factory.mktemp("tools-tiny"), max_position_embeddings=2048)
-    model, info = weights.load(folder, dtype=torch.float32)
-    tokenizer = load_tokenizer(info.source)
-    engine = Engine(model, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
-                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
-    url, _, stop = start_server(engine, tokenizer)
+    url, stop = serve_checkpoint(folder, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024)
     yield (url,)
     stop()
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weights
-from helpers import hf_model, save_hf, tiny_checkpoint, write_gguf
+from helpers import hf_model, tiny_checkpoint, write_gguf
 from kv_cache import NoCache
 from runtime import CheckpointError, TokenizerError
 from tokenizer import load_tokenizer
@@ -72,6 +72,15 @@ def mutate(data: bytes, mutation) -> bytes:
     return data[:i] + struct.pack("<q", rest[0]) + data[i + 8:]
 
 
+
+def fresh_copy(files, name: str):
+    """A new copy of the valid checkpoint folder, for one example to mutate."""
+    root, _, folder = files
+    target = root / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(folder, target)
+    return target
+
 @FUZZ
 @given(MUTATIONS)
 def test_mutated_gguf_loads_or_fails_clearly(files, mutation):
@@ -84,10 +93,7 @@ def test_mutated_gguf_loads_or_fails_clearly(files, mutation):
 @FUZZ
 @given(MUTATIONS)
 def test_mutated_safetensors_loads_or_fails_clearly(files, mutation):
-    root, _, folder = files
-    target = root / "st"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(folder, target)
+    target = fresh_copy(files, "st")
     weights_file = target / "model.safetensors"
     data = weights_file.read_bytes()
     weights_file.write_bytes(mutate(data, mutation))
@@ -98,10 +104,7 @@ def test_mutated_safetensors_loads_or_fails_clearly(files, mutation):
 @given(st.data())
 def test_mutated_safetensors_header_loads_or_fails_clearly(files, data):
     """The JSON header: wrong dtypes, negative or huge shapes, offsets past the end, duplicates."""
-    root, _, folder = files
-    target = root / "sth"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(folder, target)
+    target = fresh_copy(files, "sth")
     path = target / "model.safetensors"
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -129,10 +132,7 @@ CONFIG_VALUES = st.sampled_from([0, -1, 1, 2**40, 2**63, 1e308, float("nan"), "2
 @FUZZ
 @given(st.data())
 def test_mutated_config_loads_or_fails_clearly(files, data):
-    root, _, folder = files
-    target = root / "cfg"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(folder, target)
+    target = fresh_copy(files, "cfg")
     cfg = json.loads((target / "config.json").read_text())
     for _ in range(data.draw(st.integers(1, 3))):
         cfg[data.draw(st.sampled_from(sorted(cfg)))] = data.draw(CONFIG_VALUES)
@@ -143,10 +143,7 @@ def test_mutated_config_loads_or_fails_clearly(files, data):
 @FUZZ
 @given(st.data())
 def test_mutated_tokenizer_json_loads_or_fails_clearly(files, data):
-    root, _, folder = files
-    target = root / "tok"
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(folder, target)
+    target = fresh_copy(files, "tok")
     path = target / "tokenizer.json"
     raw = path.read_text()
     if data.draw(st.booleans()):
