@@ -104,7 +104,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--compile", action="store_true", help="compile decode steps (batch padded to a few sizes)")
-    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
+    p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory)")
     p.add_argument("--kv_cache_memory", type=parse_size, default=None,
@@ -125,21 +126,21 @@ def check_engine_args(p: argparse.ArgumentParser, args):
 
 def engine_options(args) -> dict:
     """The values of add_engine_args' flags, as load_engine's keywords."""
-    names = ("checkpoint", "device", "dtype", "compile", "quantize", "block_size", "num_blocks", "kv_cache_memory",
+    names = ("checkpoint", "device", "dtype", "compile", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
              "max_num_seqs", "max_num_batched_tokens", "schedule_policy")
     return {**{n: getattr(args, n) for n in names}, "prefix_caching": not args.no_prefix_caching}
 
 
 def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
                 num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
-                schedule_policy="fcfs", prefix_caching=True):
+                schedule_policy="fcfs", prefix_caching=True, dequantize=False):
     """(Engine, tokenizer, load info) for a checkpoint; prints the memory plan."""
     import weights
     from paged import plan_blocks
     from tokenizer import load_tokenizer
 
     device = pick_device(device)
-    model, info = weights.load(checkpoint, device=device, dtype=DTYPES[dtype])
+    model, info = weights.load(checkpoint, device=device, dtype=DTYPES[dtype], dequantize=dequantize or bool(quantize))
     if quantize:
         import quantize as quantization
 
@@ -147,7 +148,7 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
     tokenizer = load_tokenizer(info.source)
     num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                    max_tokens=max_num_seqs * model.config.max_position_embeddings)
-    log(f"loaded {info.source} in {info.load_s:.2f} s\n{plan}")
+    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.kept})" if info.kept else "") + f"\n{plan}")
     engine = Engine(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                     prefix_caching, schedule_policy, tokenizer.stop_ids, tokenizer, compile)
     return engine, tokenizer, info

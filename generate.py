@@ -128,7 +128,8 @@ def parse_args(argv):
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
     g = p.add_argument_group("quantization (quantize.py)")
-    g.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time")
+    g.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
+    g.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
     g.add_argument("--groupsize", type=int, default=64, help="int4 group size: 32, 64, 128 or 256")
     g.add_argument("--quantize_head", action="store_true", help="quantize the output head too (the largest matrix of small models)")
     g.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
@@ -230,7 +231,8 @@ def run(args) -> int:
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
-    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype], shard=(rank, world))
+    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype], shard=(rank, world),
+                               dequantize=args.dequantize or bool(args.quantize))
     if args.quantize:  # before tp.parallelize: each rank quantizes its own shard
         import quantize
 
@@ -242,7 +244,8 @@ def run(args) -> int:
         log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
-    log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s")
+    log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s"
+        + (f"\nat the file's own bits: {info.kept}" if info.kept else ""))
     if args.interactive:
         return interactive(args, model, tokenizer, device)
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
@@ -364,7 +367,7 @@ def run_speculative(args, model, tokenizer, device) -> int:
         drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
         label = f"first {args.draft_layers} layers"
     else:
-        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype])
+        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype], dequantize=bool(args.draft_quantize))
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({model.config.vocab_size}); a draft must share the target's tokenizer")

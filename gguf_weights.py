@@ -102,39 +102,131 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantize_fast(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """The legacy block types decoded with torch ops: [rows, n_blocks * block_bytes] uint8 ->
-    [rows, n_blocks * 32] float32. Each block holds 32 weights:
-      Q8_0: scale d (f16), 32 int8 q        -> d * q
-      Q4_0: scale d (f16), 16 bytes of nibbles -> d * (q - 8)
-      Q4_1: scale d (f16), min m (f16), 16 bytes of nibbles -> d * q + m
-    Nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
-    (gguf.quants does the same in numpy, several times slower; tests check one against the other.)"""
+# bytes per block and weights per block of each type decode_blocks reads
+BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+          "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values in groups of 32: the int4 kernels run them
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> [..., 1] float32 from little-endian float16."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n]: the n low nibbles, then the n high ones."""
+    return torch.cat((b & 0x0F, b >> 4), dim=-1)
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., n] bytes -> [..., count, n]: bit i of every byte in row i."""
+    shifts = torch.arange(count, dtype=torch.uint8).reshape(count, 1)
+    return (b.unsqueeze(-2) >> shifts) & 1
+
+
+def _k_scales(s: torch.Tensor):
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit minimums -> two [..., 8]."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc.float(), mn.float()
+
+
+def decode_blocks(blocks: torch.Tensor, kind: str):
+    """[rows, n_blocks * block_bytes] uint8 -> (q int8 [rows, K], scales float32 [rows, K/g], offsets
+    float32 [rows, K/g] or None) with weight = q * scale + offset, exactly as gguf.quants computes it:
+      Q8_0  d (f16), 32 int8                          q * d                      g = 32
+      Q4_0  d, 16 bytes of nibbles                    (q - 8) * d                g = 32
+      Q4_1  d, m (f16), 16 bytes of nibbles           q * d + m                  g = 32
+      Q5_0  d, 32 high bits, 16 bytes of nibbles      (q - 16) * d               g = 32
+      Q5_1  d, m, 32 high bits, nibbles               q * d + m                  g = 32
+      Q4_K  d, dmin, 12 bytes of 6-bit sc/m, 128 B    q * (d*sc) - dmin*m        g = 32 (8 per block)
+      Q5_K  as Q4_K plus 32 bytes of high bits        q * (d*sc) - dmin*m        g = 32
+      Q6_K  128 B low nibbles, 64 B 2-bit highs, 16 int8 sc, d     (q - 32) * (d*sc)    g = 16
+    Legacy nibbles: byte j holds weight j (low) and j + 16 (high); K-quants: each 32-byte run holds
+    one sub-block in its low nibbles and the next in its high ones."""
+    size, per = BLOCKS[kind]
     rows = blocks.shape[0]
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     b = blocks.reshape(rows, -1, size)  # [rows, n_blocks, block_bytes]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n_blocks, 1]
+    offsets = None
     if kind == "Q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(rows, -1)
-    packed = b[..., size - 16:]  # [rows, n_blocks, 16]
-    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # [rows, n_blocks, 32]
-    if kind == "Q4_0":
-        return (d * (q - 8)).reshape(rows, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(rows, -1)
+        q, scales = b[..., 2:].contiguous().view(torch.int8), _f16(b[..., 0:2])
+    elif kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        scales = _f16(b[..., 0:2])
+        if kind in ("Q4_1", "Q5_1"):
+            offsets = _f16(b[..., 2:4])
+        q = _nibbles(b[..., size - 16:])  # [rows, n_blocks, 32]
+        if kind in ("Q5_0", "Q5_1"):
+            high = b[..., size - 20: size - 16]  # a little-endian uint32: bit j is weight j's
+            q = q | (_bits(high, 8).transpose(-1, -2).reshape(rows, -1, 32) << 4)
+        q = q.to(torch.int8) - {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
+    elif kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        scales, offsets = d * sc, -(dmin * mn)  # [rows, n_blocks, 8]
+        low = b[..., size - 128:].reshape(rows, -1, 4, 32)
+        q = _nibbles(low).reshape(rows, -1, 8, 32)
+        if kind == "Q5_K":
+            q = q | (_bits(b[..., 16:48], 8) << 4)  # bit i of byte j: sub-block i, weight j
+        q = q.to(torch.int8)
+    elif kind == "Q6_K":
+        low = b[..., 0:128].reshape(rows, -1, 2, 1, 64)
+        low = torch.cat((low & 0x0F, low >> 4), dim=-2).reshape(rows, -1, 8, 32)
+        high = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+        high = ((high >> shifts) & 3).reshape(rows, -1, 8, 32)
+        q = (low | (high << 4)).to(torch.int8) - 32
+        scales = _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # [rows, nb, 16]
+    else:
+        raise ValueError(f"no block decoder for {kind}")
+    return q.reshape(rows, -1), scales.reshape(rows, -1), None if offsets is None else offsets.reshape(rows, -1)
+
+
+def _blocks(t, path, kind) -> torch.Tensor:
+    """The tensor's bytes as [rows, row_bytes], checked against its shape."""
+    size, per = BLOCKS[kind]
+    K = int(t.shape[0])  # GGUF lists the innermost (input) size first
+    data = np.asarray(t.data, dtype=np.uint8)
+    rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    if K % per or data.size != rows * K // per * size:
+        raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) holds {data.size:,} bytes of "
+                              f"blocks, expected {rows * (K // per) * size:,}: truncated or corrupt")
+    return torch.from_numpy(data.copy()).reshape(rows, -1)
+
+
+def packed(t, name: str, path):
+    """A quant_groups.Packed for a quantized 2-D weight (the int4 route where it is exact), else None."""
+    import quant_groups
+
+    kind = t.tensor_type.name
+    if kind not in BLOCKS or len(t.shape) != 2 or not name.endswith(".weight"):
+        return None
+    q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)
+    N, K = q.shape
+    g = K // scales.shape[1]
+    if kind in INT4_TYPES and not name.startswith("embed_tokens") and N % 16 == 0:
+        # quantize.Int4Linear computes (u - 8) * scale + zero with u = q (+ 8 for signed Q4_0); the
+        # zero = offset + 8 * scale must be exact in float32 for that to equal q * scale + offset
+        zeros = torch.zeros_like(scales) if offsets is None else offsets + 8 * scales
+        exact = offsets is None or torch.equal(zeros.double(), offsets.double() + 8 * scales.double())
+        if exact:
+            u = (q + 8 if offsets is None else q).to(torch.uint8)
+            tensors = {"weight": u[:, 0::2] | (u[:, 1::2] << 4), "scales": scales, "zeros": zeros}
+            return quant_groups.Packed("int4", tensors, (N, K), g, kind)
+    return quant_groups.Packed("int8g", {"q": q, "scales": scales, "offsets": offsets}, (N, K), g, kind)
 
 
 def dequantize(t, path) -> torch.Tensor:
     from gguf import quants
 
+    import quant_groups
+
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise CheckpointError(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
-    if kind in ("Q8_0", "Q4_0", "Q4_1") and t.data.ndim == 2:
-        size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
-        if t.data.shape[1] % size == 0:
-            return dequantize_fast(torch.from_numpy(np.array(t.data, dtype=np.uint8)), kind)
+    if kind in BLOCKS:
+        q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)
+        return quant_groups.dequantize_groups(q, scales, offsets).reshape(tuple(reversed([int(n) for n in t.shape])))
     try:
         array = quants.dequantize(t.data, t.tensor_type)
     except Exception as e:
@@ -143,8 +235,9 @@ def dequantize(t, path) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-def open_gguf(path: Path):
-    """(ModelConfig, iterator of (file, name, float32 tensor), total bytes) for a GGUF file."""
+def open_gguf(path: Path, keep_quantized: bool = True):
+    """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file. The tensors are
+    float32, or with keep_quantized a quant_groups.Packed for each block-quantized weight matrix."""
     reader = read(path)
     config = config_from_gguf(reader, path)
     arch = field(reader, "general.architecture")
@@ -153,9 +246,11 @@ def open_gguf(path: Path):
         for t in reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue  # folded into config.rope_scaling
-            name, w = model_name(t.name), dequantize(t, path)
+            name = model_name(t.name)
+            w = (keep_quantized and packed(t, name, path)) or dequantize(t, path)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                w = unpermute(w, config.n_heads if "q_proj" in name else config.n_kv_heads)
+                heads = config.n_heads if "q_proj" in name else config.n_kv_heads
+                w = unpermute(w, heads) if isinstance(w, torch.Tensor) else w.rows(unpermute(torch.arange(w.shape[0]), heads))
             yield path, name, w
 
     return config, tensors(), path.stat().st_size

@@ -61,6 +61,7 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--quantize", default=None, help="int8 or int4 (quantize.py) at load time")
     p.add_argument("--groupsize", type=int, default=64, help="int4 group size")
+    p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as --dtype (default: its own bits)")
     p.add_argument("--kv_cache_dtype", default="model", choices=sorted(KV_CACHES), help="int8: quantized KV cache")
     p.add_argument("--device", default=None, help="cpu or cuda")
     return p.parse_args(argv)
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     try:
         device = pick_device(args.device)
         text = Path(args.file).read_text(encoding="utf-8")
-        model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype])
+        model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype],
+                                   dequantize=args.dequantize or bool(args.quantize))
         if args.quantize:
             import quantize
 

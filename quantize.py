@@ -423,7 +423,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_mode(args.mode, args.groupsize)  # before the (slow) load
-        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32)
+        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32, dequantize=True)
         suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
         out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
         report = weights.save_quantized(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)

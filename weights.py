@@ -39,6 +39,7 @@ class LoadInfo:
     format: str  # "gguf", "safetensors" or "bin"
     load_s: float
     weight_bytes: int
+    kept: str = ""  # weights run at the file's own bits: "Q4_1 -> int4 g32 (q_proj, ...); ..." (empty if none)
 
 
 def default_checkpoint() -> Path:
@@ -208,9 +209,11 @@ def _hf_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None):
+def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None, dequantize=False):
     """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
 
+    A GGUF file's quantized weights run at their own bits (quant_groups.py), dtype then sets the
+    activations and the float tensors; dequantize=True turns every weight into dtype instead.
     shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
     path, quant = resolve(checkpoint), None
@@ -219,7 +222,8 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
         import gguf_weights
 
-        config, tensors, total, fmt = *gguf_weights.open_gguf(path), "gguf"
+        keep = not dequantize and not (shard is not None and shard[1] > 1)  # tp.py shards float tensors
+        config, tensors, total, fmt = *gguf_weights.open_gguf(path, keep_quantized=keep), "gguf"
     else:
         config = path / "config.json"
         if not config.exists():
@@ -242,14 +246,20 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         rank, world = shard
         config = tp.shard_config(config, world)
         tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
-    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant)
-    info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start, model.weight_bytes())
+    kept = {}
+    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant, kept=kept)
+    info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start,
+                    model.weight_bytes(), describe_kept(kept))
     return model, info
 
 
-def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None):
-    """A Transformer from (file, name, tensor) triples, each checked against the model's layout."""
+def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None, kept=None):
+    """A Transformer from (file, name, tensor) triples, each checked against the model's layout.
+    A tensor may be a quant_groups.Packed: that layer is built at the file's own bits, and
+    `kept` (a dict, if given) gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
+
+    from quant_groups import Packed
 
     with torch.device("meta"):
         model = Transformer(config)
@@ -267,7 +277,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
-    state = {}
+    state, packed = {}, {}
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
         progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
@@ -276,6 +286,12 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
             continue  # derived from the config, or the same tensor as the embedding
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
+        if isinstance(tensor, Packed):
+            if tuple(tensor.shape) != tuple(expected[name]):
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
+            packed[name.removesuffix(".weight")] = tensor
+            bar.update(tensor.nbytes())
+            continue
         if tuple(tensor.shape) != tuple(expected[name]):
             raise CheckpointError(
                 f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
@@ -285,17 +301,56 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
-    missing = [n for n in expected if n not in state]
+    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
     if quant:
         quantize.install(model, state, quant, dtype, device)
+    install_packed(model, packed, state, dtype, device, tied, kept if kept is not None else {})
     model.load_state_dict(state, strict=False, assign=True)
-    if tied:
+    if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
+
+
+def install_packed(model, packed: dict, state: dict, dtype, device, tied: bool, kept: dict):
+    """Replace the layers whose weights came quantized (their biases popped from `state`)."""
+    import quant_groups
+
+    for name, p in packed.items():
+        parent, _, leaf = name.rpartition(".")
+        if name == "embed_tokens":
+            module = p.embedding(dtype, device)
+        elif name == "lm_head" and p.kind == "int8g":  # see quant_groups.HEAD_NOTE
+            module = head_in_dtype(p, dtype, device)
+        else:
+            module = p.layer(state.pop(f"{name}.bias", None), dtype, device)
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+        route = "int4" if module.__class__.__name__ == "Int4Linear" else "int8"
+        kept.setdefault(leaf, set()).add(f"{p.source} -> {route} g{p.groupsize}")
+    if tied and "embed_tokens" in packed:
+        p = packed["embed_tokens"]
+        model.lm_head = head_in_dtype(p, dtype, device) if p.kind == "int8g" else quant_groups.tied_head(model.embed_tokens)
+        kept.setdefault("lm_head", set()).update(kept["embed_tokens"])
+    if isinstance(model.lm_head, torch.nn.Linear) and "lm_head" in kept:
+        kept["lm_head"] = {r.split(" -> ")[0] + f" -> {str(dtype).removeprefix('torch.')}" for r in kept["lm_head"]}
+
+
+def head_in_dtype(p, dtype, device) -> torch.nn.Linear:
+    head = torch.nn.Linear(p.shape[1], p.shape[0], bias=False, device="meta")
+    head.weight = torch.nn.Parameter(p.dequantize().to(device=device, dtype=dtype), requires_grad=False)
+    return head
+
+
+def describe_kept(kept: dict) -> str:
+    """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32: embed_tokens"."""
+    by_route = {}
+    for leaf, routes in kept.items():
+        for route in sorted(routes):
+            by_route.setdefault(route, []).append(leaf)
+    return "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
 
 
 def hf_state_dict(model, keep_head: bool = False) -> dict:

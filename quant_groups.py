@@ -1,0 +1,148 @@
+"""Weights kept in a checkpoint's own quantized form: int8 values with a scale (and an offset) per
+group of input channels, and the record that carries such a weight from a file reader to the model.
+
+    w[n, k] = q[n, k] * scale[n, g] + offset[n, g]      g = k // groupsize, q int8, scale/offset float32
+
+This one form holds every GGUF block type of the legacy and K families *exactly* (gguf_weights.py
+decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8) and d * (q - 16), stored
+as the signed q; Q4_1 and Q5_1 add a minimum m; Q4_K and Q5_K have per-32 scales d * sc and
+offsets -dmin * m; Q6_K per-16 scales d * sc. The arithmetic is float32 in the order gguf.quants
+uses, so `dequantize()` equals gguf's dequantization bit for bit.
+
+`Packed` is what a checkpoint reader yields for a weight it keeps quantized; weights.build turns it
+into a layer: "int4" -> quantize.Int4Linear (the int4 kernels: 4 bits per weight read), "int8g" ->
+Int8GroupLinear / Int8GroupEmbedding here. There is no ATen kernel for int8 with group scales:
+eager code dequantizes and runs a GEMM; under torch.compile few-row calls (decode) are written as a
+reduction over each group, which Inductor fuses so the weight is read once as int8.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import quantize
+
+# The output head is the largest matrix of small models and has no int8-with-groups kernel to run
+# at a bf16 GEMM's speed (SmolLM2's 49152 x 576 head at batch 1, Xeon AVX-512: bf16 F.linear 2.1 ms,
+# the compiled reduction below 2.8 ms, eager dequantize + GEMM 30-115 ms), so weights.py runs an
+# int8-group head (Q8_0, Q6_K, ...) dequantized to the activations' dtype; the embedding table stays
+# quantized. Int4 heads (Q4_*) keep the int4 kernel.
+HEAD_NOTE = "the output head of an int8-group type runs in the activations' dtype"
+FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
+
+
+def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> torch.Tensor:
+    """q int8 [N, K], scales/offsets float32 [N, K/G] -> float32 [N, K], as q * scale + offset."""
+    N, K = q.shape
+    G = scales.shape[1]
+    w = q.reshape(N, G, K // G).float() * scales.float()[..., None]
+    if offsets is not None:
+        w = w + offsets.float()[..., None]
+    return w.reshape(N, K)
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x @ (q * scale + offset).T with int8 q [N, K] and float32 scale/offset [N, K/G]."""
+
+    compile_autotune = False  # the compiled path is a fused reduction, not a GEMM template
+
+    def __init__(self, q, scales, offsets, bias, dtype):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.groupsize = self.in_features // scales.shape[1]
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if torch.compiler.is_compiling() and x2.shape[0] <= FEW_ROWS:
+            G = self.scales.shape[1]
+            xg = x2.float().reshape(-1, 1, G, self.groupsize)  # [M, 1, G, g]
+            z = (self.weight.reshape(self.out_features, G, self.groupsize).float() * xg).sum(-1)  # [M, N, G]
+            y = (z * self.scales).sum(-1)
+            if self.offsets is not None:
+                y = y + xg.sum(-1)[:, 0] @ self.offsets.t()  # sum_g offset[n, g] * sum_{k in g} x[k]
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_groups(self.weight, self.scales, self.offsets)
+
+
+class Int8GroupEmbedding(nn.Module):
+    """An embedding table in the same form: looks up rows of q and their groups, then dequantizes."""
+
+    def __init__(self, q, scales, offsets, dtype):
+        super().__init__()
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
+        self.dtype = dtype
+
+    def forward(self, tokens):  # [B, T] -> [B, T, dim]
+        offsets = None if self.offsets is None else self.offsets[tokens.reshape(-1)]
+        rows = dequantize_groups(self.weight[tokens.reshape(-1)], self.scales[tokens.reshape(-1)], offsets)
+        return rows.reshape(*tokens.shape, -1).to(self.dtype)
+
+
+@dataclass
+class Packed:
+    """A weight a checkpoint reader keeps quantized; weights.build makes it a layer.
+
+    kind "int4": tensors = quantize.py's portable int4 {"weight", "scales", "zeros"} (q in [0, 15]);
+    kind "int8g": tensors = {"q", "scales", "offsets" (or None)} as in this file's header."""
+
+    kind: str
+    tensors: dict
+    shape: tuple  # [N, K] of the float weight it stands for
+    groupsize: int
+    source: str  # what the file holds, for the load plan: "Q4_1", "gptq int4 g128", ...
+
+    def rows(self, index: torch.Tensor) -> "Packed":
+        """The same weight with its rows reordered (every tensor here is per row first)."""
+        tensors = {k: None if v is None else v[index] for k, v in self.tensors.items()}
+        return Packed(self.kind, tensors, self.shape, self.groupsize, self.source)
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values() if v is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        t = self.tensors
+        if self.kind == "int4":
+            return quantize.dequantize_int4(quantize.unpack_int4(t["weight"]), t["scales"], t["zeros"])
+        return dequantize_groups(t["q"], t["scales"], t["offsets"])
+
+    def layer(self, bias, dtype, device) -> nn.Module:
+        t = {k: None if v is None else v.to(device) for k, v in self.tensors.items()}
+        bias = None if bias is None else bias.to(device)
+        if self.kind == "int4":
+            try:
+                return quantize.make_layer(t, bias, "int4", self.groupsize, dtype, device)
+            except ValueError as e:  # no working int4 kernel here: the same values as int8
+                quantize.warn_once(f"{self.source} weights run as int8 groups: {e}")
+                return Int8GroupLinear(*self._int4_as_int8(t), bias, dtype)
+        return Int8GroupLinear(t["q"], t["scales"], t["offsets"], bias, dtype)
+
+    @staticmethod
+    def _int4_as_int8(t: dict):
+        """(q, scales, offsets) of int8 groups for portable int4: (u - 8) * scale + zero."""
+        return quantize.unpack_int4(t["weight"]).to(torch.int8) - 8, t["scales"], t["zeros"]
+
+    def embedding(self, dtype, device) -> nn.Module:
+        t = {k: None if v is None else v.to(device) for k, v in self.tensors.items()}
+        if self.kind == "int4":  # an int4 table is looked up as int8 values (1 byte per weight)
+            return Int8GroupEmbedding(*self._int4_as_int8(t), dtype)
+        return Int8GroupEmbedding(t["q"], t["scales"], t["offsets"], dtype)
+
+
+def tied_head(embedding: Int8GroupEmbedding) -> Int8GroupLinear:
+    """The output head reading the embedding's own table (tie_word_embeddings)."""
+    head = Int8GroupLinear(embedding.weight, embedding.scales, embedding.offsets, None, embedding.dtype)
+    head.weight, head.scales, head.offsets = embedding.weight, embedding.scales, embedding.offsets
+    return head
