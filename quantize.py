@@ -314,6 +314,8 @@ def _set(model, name: str, module):
 def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
                    log=None) -> dict:
     """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes before/after}."""
+    if any(hasattr(m, "dequantize") for m in model.modules()):
+        raise ValueError("the checkpoint is already quantized; drop --quantize, or quantize its float original")
     if mode == "int4":
         check_int4_device(model.norm.weight.device)
     layers = plan(model, mode, groupsize, head, embedding)

@@ -1,0 +1,172 @@
+"""GGUF weights kept at their own bits (gguf_weights.decode_blocks, quant_groups.py): every mapped
+block type decodes bit for bit as gguf.quants does, the layers built from it equal a float model of
+that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path does."""
+import numpy as np
+import pytest
+import torch
+
+import gguf_weights
+import quant_groups
+import quantize
+import weights
+from helpers import GGUF_NAMES, hf_model, write_gguf
+from kv_cache import NoCache
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+# byte offsets of each type's float16 fields: (scale fields, minimum fields)
+F16_FIELDS = {"Q8_0": ((0,), ()), "Q4_0": ((0,), ()), "Q5_0": ((0,), ()), "Q4_1": ((0,), (2,)), "Q5_1": ((0,), (2,)),
+              "Q4_K": ((0,), (2,)), "Q5_K": ((0,), (2,)), "Q6_K": ((208,), ())}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes (any bytes are valid blocks) with finite float16 scales of a weight's size."""
+    size, per = gguf_weights.BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    scales, minimums = F16_FIELDS[kind]
+    low_min, high_min = (1e-3, 3e-2) if kind.endswith("_K") else (-0.3, 0.3)  # K-quants: dmin, as d
+    for offsets, low, high in ((scales, 1e-3, 3e-2), (minimums, low_min, high_min)):
+        for at in offsets:
+            value = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
+            raw[:, :, at:at + 2] = value.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_reference(raw: np.ndarray, kind: str) -> torch.Tensor:
+    import gguf
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).copy())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_decoded_blocks_equal_gguf_quants_bit_for_bit(kind):
+    raw = random_blocks(kind, 24, 512, seed=1)
+    q, scales, offsets = gguf_weights.decode_blocks(torch.from_numpy(raw), kind)
+    assert q.dtype == torch.int8 and q.shape == (24, 512)
+    assert torch.equal(quant_groups.dequantize_groups(q, scales, offsets), gguf_reference(raw, kind))
+
+
+def write_random_gguf(tmp_path, kind: str):
+    """A tiny llama (every matrix a multiple of 256 wide, for the K-quants) whose matrices are random
+    blocks of `kind`; returns the path and {model.py name: gguf.quants' float weight}."""
+    hf = hf_model("llama3", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    raw, expected = {}, {}
+    for i, (name, t) in enumerate(hf.state_dict().items()):
+        if t.ndim != 2:
+            continue
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname, ours = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight", ".".join(parts[1:])
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}[name]
+            ours = name.removeprefix("model.")
+        raw[gname] = (kind, random_blocks(kind, *t.shape, seed=i))
+        w = gguf_reference(raw[gname][1], kind)
+        if gname.endswith(("attn_q.weight", "attn_k.weight")):  # stored in llama.cpp's row order
+            w = gguf_weights.unpermute(w, hf.config.num_attention_heads if "attn_q" in gname else hf.config.num_key_value_heads)
+        expected[ours] = w
+    return write_gguf(hf, tmp_path / f"{kind}.gguf", raw_blocks=raw), expected
+
+
+def logits(model, n=12):
+    x = torch.arange(n)[None] * 7 % model.config.vocab_size
+    with torch.no_grad():
+        return model(x, torch.arange(n)[None], NoCache())
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("kind", TYPES)
+def test_kept_layers_equal_the_gguf_decoding_and_a_float_model_of_it(tmp_path, kind):
+    path, expected = write_random_gguf(tmp_path, kind)
+    kept, info = weights.load(path)
+    ref, _ = weights.load(path, dequantize=True)
+    int4 = kind in gguf_weights.INT4_TYPES
+    for name, w in expected.items():
+        module = kept.get_submodule(name.removesuffix(".weight"))
+        assert torch.equal(ref.state_dict()[name], w), name  # the float path decodes the same values
+        if name == "lm_head.weight" and not int4:  # an int8-group head runs in the activations' dtype
+            assert isinstance(module, torch.nn.Linear) and torch.equal(module.weight, w)
+            continue
+        if name != "embed_tokens.weight":  # the int4 route wherever its zero is exact (always here)
+            assert isinstance(module, quantize.Int4Linear if int4 else quant_groups.Int8GroupLinear), name
+        got = module.dequantize() if hasattr(module, "dequantize") else quant_groups.dequantize_groups(
+            module.weight, module.scales, module.offsets)
+        assert torch.equal(got, w), name
+    assert kind in info.kept and kept.weight_bytes() < 0.5 * ref.weight_bytes()
+    a, b = logits(kept), logits(ref)
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-4 * b.abs().max().item())
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("offsets", [False, True])
+def test_int8_group_linear_equals_its_dequantized_reference(offsets):
+    """Eager (dequantize + GEMM) at several row counts, and compiled few-row decode (a fused
+    per-group reduction) against x @ dequantize().T."""
+    g = torch.Generator().manual_seed(0)
+    N, K, G = 48, 128, 32
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(N, K // G, generator=g) * 0.02
+    layer = quant_groups.Int8GroupLinear(q, scales, torch.randn(N, K // G, generator=g) if offsets else None,
+                                         None, torch.float32)
+    w = layer.dequantize()
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, K, generator=g)
+        torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()  # the weight rounded to bfloat16 once: within a few bf16 steps of the output's size
+        ref = xb.float() @ w.T
+        torch.testing.assert_close(layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(2, K, generator=g)
+    torch.testing.assert_close(compiled(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_embedded_q4_1_runs_as_int4_group_32(embedded):
+    """The default model at its own bits: every decoder matrix an Int4Linear of groups of 32 whose
+    values are the file's (the float reference is the same file dequantized), and the logits of
+    the int4 kernels those of quantize.py's int4 group-32 path on the float weights."""
+    float_model = embedded[0]
+    kept, info = weights.load(None)
+    assert "Q4_1 -> int4 g32" in info.kept
+    requantized, _ = weights.load(None, dequantize=True)
+    quantize.quantize_model(requantized, "int4", 32)
+    for name, m in kept.layers.named_modules():
+        if isinstance(m, quantize.Int4Linear):
+            assert m.groupsize == 32
+            assert torch.equal(m.dequantize(), float_model.layers.get_submodule(name).weight), name
+    a, b = logits(kept, 24), logits(requantized, 24)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * b.abs().max().item())
+
+
+class Record:  # a stand-in for one GGUF tensor record
+    def __init__(self, kind, data, name="blk.0.ffn_up.weight"):
+        import gguf
+
+        self.name, self.tensor_type, self.data = name, getattr(gguf.GGMLQuantizationType, kind), data
+        self.shape = np.array([data.shape[1] // gguf_weights.BLOCKS[kind][0] * gguf_weights.BLOCKS[kind][1], data.shape[0]])
+
+
+def test_an_int4_group_whose_zero_is_not_exact_keeps_int8_groups(tmp_path):
+    """int4 computes (q - 8) * d + (m + 8d): where m + 8d rounds in float32 the tensor stays in
+    int8 groups (q * d + m), so no weight ever differs from the file's."""
+    raw = random_blocks("Q4_1", 16, 64, seed=3)
+    block = raw.reshape(16, 2, 20)[0, 0]
+    block[0:2], block[2:4] = (np.array([v], dtype=np.float16).view(np.uint8) for v in (1.0, 3e-7))  # 8d + m: 28 bits
+    p = gguf_weights.packed(Record("Q4_1", raw), "layers.0.mlp.up_proj.weight", tmp_path / "x.gguf")
+    assert p.kind == "int8g" and torch.equal(p.dequantize(), gguf_reference(raw, "Q4_1"))
+    block[2:4] = np.array([-4.0], dtype=np.float16).view(np.uint8)
+    p = gguf_weights.packed(Record("Q4_1", raw), "layers.0.mlp.up_proj.weight", tmp_path / "x.gguf")
+    assert p.kind == "int4" and torch.equal(p.dequantize(), gguf_reference(raw, "Q4_1"))
+
+
+def test_block_data_shorter_than_its_shape_is_named(tmp_path):
+    record = Record("Q4_1", np.zeros((8, 20 * 16), dtype=np.uint8))
+    record.data = record.data[:, : 20 * 15]  # 15 of the 16 blocks each row's shape implies
+    with pytest.raises(weights.CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q4_1.*truncated or corrupt"):
+        gguf_weights.packed(record, "layers.0.mlp.up_proj.weight", tmp_path / "x.gguf")
+
+
+def test_quantize_refuses_an_already_quantized_model():
+    model, _ = weights.load(None)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize.quantize_model(model, "int8")
