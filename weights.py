@@ -216,7 +216,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
     activations and the float tensors; dequantize=True turns every weight into dtype instead.
     shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
-    path, quant = resolve(checkpoint), None
+    path, quant, hf_quantized = resolve(checkpoint), None, None
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
@@ -229,15 +229,23 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         if not config.exists():
             raise CheckpointError(f"{path}: no config.json in this folder")
         try:
-            config = config_from_hf(json.loads(config.read_text()), config)
+            raw = json.loads(config.read_text())
+            config = config_from_hf(raw, config)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config}: not valid JSON ({e})") from None
         fmt, files = _hf_tensors(path)
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
+        hf_quantized = raw.get("quantization_config")
+        if hf_quantized is not None:  # GPTQ, AWQ or compressed-tensors: int4 layers (hf_quant.py)
+            import hf_quant
+
+            hf_quant.check(hf_quantized, path / "config.json")
+            tensors = hf_quant.packed_tensors(hf_quantized, tensors, path, dequantize)
+            fmt += f" {hf_quant.method_of(hf_quantized)}"
     check_config(config, total, path)
-    if quant and shard is not None and shard[1] > 1:
+    if (quant or hf_quantized is not None) and shard is not None and shard[1] > 1:
         raise CheckpointError(f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
                               "load the float checkpoint with --quantize instead (each rank quantizes its shard)")
     if shard is not None and shard[1] > 1:
