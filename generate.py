@@ -244,6 +244,7 @@ def run(args) -> int:
         log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
+    weights.settle()
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s"
         + (f"\nat the file's own bits: {info.kept}" if info.kept else ""))
     if args.interactive:

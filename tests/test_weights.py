@@ -267,3 +267,23 @@ def test_a_config_is_checked_against_bounds_and_the_weights_before_building(tiny
     with pytest.raises(CheckpointError, match=message):
         weights.load(tmp_path / "m")
     assert time.perf_counter() - start < 5
+
+
+def test_gguf_file_reads_what_the_gguf_package_reads(tiny, tmp_path):
+    """gguf_file.GGUFFile (our reader) against gguf.GGUFReader: every metadata value and type, and
+    every tensor's name, type, shape and bytes, on the embedded file and a tiny quantized one."""
+    import gguf
+
+    import gguf_file
+
+    for path in (weights.default_checkpoint(), write_gguf(tiny[0], tmp_path / "q.gguf", qtype="Q4_1")):
+        ours, ref = gguf_file.GGUFFile(path), gguf.GGUFReader(str(path))
+        fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert fields.keys() == ours.fields.keys()
+        for key, f in fields.items():
+            assert ours.fields[key].contents() == f.contents(), key
+            assert ours.fields[key].types == [int(t) for t in f.types], key
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(ours.tensors, ref.tensors):
+            assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
