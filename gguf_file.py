@@ -104,6 +104,18 @@ class GGUFFile:
                 data = self.map[at:at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
             self.tensors.append(Tensor(name, kind, np.array(dims, dtype=np.uint64), data))
 
+    def release(self, tensor: Tensor):
+        """Drop a tensor's pages from this process's resident set once it has been copied out (the
+        map stays valid: a later read faults them in again from the file)."""
+        import mmap
+
+        start = tensor.data.ctypes.data - self.map.ctypes.data
+        first, end = start // mmap.PAGESIZE * mmap.PAGESIZE, start + tensor.data.nbytes
+        try:
+            self.map._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
+        except (AttributeError, OSError, ValueError):  # no madvise here: the pages stay until unmapped
+            pass
+
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.buf):
             raise ValueError(f"metadata runs past the end of the file at byte {self.pos:,}: truncated")

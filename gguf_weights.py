@@ -270,6 +270,7 @@ def open_gguf(path: Path, keep_quantized: bool = True):
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
                 w = unpermute(w, heads) if isinstance(w, torch.Tensor) else w.rows(unpermute(torch.arange(w.shape[0]), heads))
+            reader.release(t)  # w is a copy: its pages of the file need not stay resident
             yield path, name, w
 
     return config, tensors(), path.stat().st_size
