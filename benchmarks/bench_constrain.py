@@ -117,7 +117,7 @@ def outlines_vocabulary(table, stop_id):
 
 
 def main():
-    model, info = weights.load(None, dtype=torch.bfloat16)
+    model, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     tokenizer, vocab = load_tokenizer(info.source), model.config.vocab_size
     stop = min(tokenizer.stop_ids)
     prep_s, table = timed(lambda: constrain.token_table(tokenizer, vocab, tuple(sorted(tokenizer.stop_ids))))

@@ -101,7 +101,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     dtype = runtime.DTYPES[args.dtype]
-    model, info = weights.load(None, dtype=dtype)
+    model, info = weights.load(None, dtype=dtype, dequantize=True)
     tokenizer = load_tokenizer(info.source)
     context = model.config.max_position_embeddings
     capacity = args.capacity or context
@@ -111,7 +111,7 @@ def main():
           f"{args.new_tokens} new tokens, skipped (beyond capacity): {sorted(set(args.in_use) - set(lengths))}", flush=True)
     hf = None
     if not args.skip_hf:
-        folder = weights.save_hf_folder(weights.load(None)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+        folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     compiled = None if args.skip_compile else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
     runs = []  # (label, in_use, fn returning (tokens/s, tokens))

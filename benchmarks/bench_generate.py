@@ -116,12 +116,12 @@ def main():
     tok = load_tokenizer(path)
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = weights.save_hf_folder(weights.load(None)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
     seq_len = len(ids) + args.new_tokens
     rows = []
     for name in args.dtypes:
         dtype = runtime.DTYPES[name]
-        model, _ = weights.load(None, dtype=dtype)
+        model, _ = weights.load(None, dtype=dtype, dequantize=True)
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         step_bytes = model.bytes_read_per_token()
         runs = [("HF transformers eager", lambda: run_hf(hf, ids, args.new_tokens))]

@@ -50,7 +50,7 @@ MODES = [  # label, dtype, quantize mode, KV cache
 
 
 def load(mode, dtype):
-    model, _ = weights.load(None, dtype=dtype)
+    model, _ = weights.load(None, dtype=dtype, dequantize=True)
     if mode:
         quantize.quantize_model(model, mode, 64, head=True, embedding=mode == "int8")
     return model
@@ -166,7 +166,7 @@ def main():
 
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = weights.save_hf_folder(weights.load(None)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     run_hf(hf, ids, 8)
     hf_first = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])

@@ -38,7 +38,7 @@ def hf_folder(folder: str) -> str:
     """The embedded model as an HF folder: float32 safetensors, config.json, its tokenizer."""
     from transformers import AutoTokenizer
 
-    model, _ = weights.load(None, dtype=torch.float32)
+    model, _ = weights.load(None, dtype=torch.float32, dequantize=True)
     weights.save_hf_folder(model, folder)
     gguf = weights.default_checkpoint()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)

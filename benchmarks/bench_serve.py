@@ -28,7 +28,7 @@ from batch import percentile  # noqa: E402
 
 def start_server(max_num_seqs: int):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--port", "0", "--max_num_seqs",
-                             str(max_num_seqs), "--num_blocks", "4000"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             str(max_num_seqs), "--num_blocks", "4000", "--dequantize"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
     for line in proc.stderr:
         if line.startswith("serving on "):
             return proc, line.split()[2]
@@ -71,7 +71,7 @@ def offline(prompts, max_tokens: int, max_num_seqs: int) -> float:
     import weights
     from scheduler import Engine, RequestParams
 
-    model, _ = weights.load(None, dtype=torch.bfloat16)
+    model, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     engine = Engine(model, num_blocks=4000, max_num_seqs=max_num_seqs)
     start = time.perf_counter()
     out = engine.generate(prompts, RequestParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -87,7 +87,7 @@ def main():
     import weights
     from tokenizer import load_tokenizer
 
-    _, info = weights.load(None)
+    _, info = weights.load(None, dequantize=True)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         ids = load_tokenizer(info.source).encode(f.read())
     rng = random.Random(0)

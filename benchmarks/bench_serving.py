@@ -150,7 +150,7 @@ def throughput_and_paging(model, ids, only):
         from transformers import AutoModelForCausalLM
 
         import tempfile
-        folder = weights.save_hf_folder(weights.load(None)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+        folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
         run_hf_static(hf, prompts[:2], [4, 4])  # warm-up
         hf_run = run_hf_static(hf, prompts, news)
@@ -248,7 +248,7 @@ def main():
     args = p.parse_args()
     only = set(args.only.split(","))
     torch.manual_seed(0)
-    model, info = weights.load(None, dtype=torch.bfloat16)
+    model, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     ids = corpus(load_tokenizer(info.source))
     print(f"SmolLM2-135M bf16, {torch.get_num_threads()} threads, torch {torch.__version__}")
     if "batch1" in only:

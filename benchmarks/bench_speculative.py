@@ -60,7 +60,7 @@ def main():
     p.add_argument("--layers", type=int, default=15, help="layer-skip draft depth")
     args = p.parse_args()
     k, n = args.k, args.new_tokens
-    target, info = weights.load(None, dtype=torch.bfloat16)
+    target, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     tok = load_tokenizer(info.source)
     seq_len = 512
     cache = StaticKVCache.for_model(target, 1, seq_len)
@@ -71,7 +71,7 @@ def main():
                 f"layer-skip, first {args.layers} of 30 layers": ModelDrafter(
                     target, seq_len, GREEDY, layers=args.layers, step_fn=runtime.compile_decode("cpu", draft_forward))}
     for mode, group in (("int8", 64), ("int4", 64)):
-        draft, _ = weights.load(None, dtype=torch.bfloat16)
+        draft, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
         quantize.quantize_model(draft, mode, group, head=True, log=lambda s: None)
         step = runtime.compile_decode("cpu", draft_forward, autotune=runtime.autotune(draft))
         label = f"{mode} copy of the target" + (f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)")

@@ -79,7 +79,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="the engine's compiled decode steps (one graph per batch bucket)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
-    model, info = weights.load(None, dtype=dtype)
+    model, info = weights.load(None, dtype=dtype, dequantize=True)
     tokenizer = load_tokenizer(info.source)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         text = tokenizer.encode(f.read())
