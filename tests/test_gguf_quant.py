@@ -8,6 +8,7 @@ import torch
 import gguf_weights
 import quant_groups
 import quantize
+import runtime
 import weights
 from helpers import GGUF_NAMES, hf_model, write_gguf
 from kv_cache import NoCache
@@ -116,6 +117,7 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
         xb = x.bfloat16()  # the weight rounded to bfloat16 once: within a few bf16 steps of the output's size
         ref = xb.float() @ w.T
         torch.testing.assert_close(layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+    runtime.configure_inductor_cpu()  # as generate.py --compile does (Inductor's vector width per capability)
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(2, K, generator=g)
     torch.testing.assert_close(compiled(x), x @ w.T, rtol=1e-5, atol=1e-5)
