@@ -25,6 +25,7 @@ import json
 import sys
 import time
 
+import fuse_layers
 from runtime import DTYPES, log, pick_device
 from scheduler import Engine, RequestParams
 
@@ -145,6 +146,7 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
         import quantize as quantization
 
         quantization.quantize_model(model, quantize, log=log)
+    fuse_layers.fuse_projections(model)  # q/k/v and gate/up as one matmul each
     tokenizer = load_tokenizer(info.source)
     num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                    max_tokens=max_num_seqs * model.config.max_position_embeddings)

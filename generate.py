@@ -30,6 +30,7 @@ import time
 import torch
 
 import constrain
+import fuse_layers
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
 from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
@@ -242,6 +243,8 @@ def run(args) -> int:
         tp.parallelize(model)
         args.seed = tp.shared_seed(args.seed)
         log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
+    else:
+        fuse_layers.fuse_projections(model)  # q/k/v and gate/up as one matmul each (after quantizing)
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
     weights.settle()

@@ -115,6 +115,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
+        self.qkv_proj = None  # fuse_layers.py may replace q/k/v by one layer with their rows stacked
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -123,9 +124,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, input_pos, cache):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.qkv_proj is not None:
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -141,9 +147,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+        self.gate_up_proj = None  # or gate and up stacked in one layer (fuse_layers.py)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top; a file may import only files listed before it. The first five import only torch.
 ORDER = ["runtime", "model", "kv_cache", "sampling", "tp",
-         "paged", "scoring", "constrain", "sequence", "quantize", "quant_groups", "hf_quant", "speculative", "gguf_file", "gguf_weights", "gguf_tokenizer",
+         "paged", "scoring", "constrain", "sequence", "quantize", "quant_groups", "fuse_layers", "hf_quant", "speculative", "gguf_file", "gguf_weights", "gguf_tokenizer",
          "weights", "tokenizer",
          "scheduler", "batch", "engine_loop", "tool_calls", "openai_format", "serve",
          "perplexity", "generate"]
