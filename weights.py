@@ -375,7 +375,11 @@ def describe_kept(kept: dict) -> str:
     for leaf, routes in kept.items():
         for route in sorted(routes):
             by_route.setdefault(route, []).append(leaf)
-    return "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
+    text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
+    if any(" -> int8 " in r for leaf, routes in kept.items() if leaf != "embed_tokens" for r in routes):
+        text += (" (int8-group matrices have no fast CPU kernel yet: --dequantize decodes about 2x faster "
+                 "in twice the memory; benchmarks/RESULTS.md)")
+    return text
 
 
 def hf_state_dict(model, keep_head: bool = False) -> dict:

@@ -1,0 +1,141 @@
+"""GGUF files at their own bits: generate.py against llama.cpp (llama-cpp-python) on the same file.
+
+    .venv/bin/pip install -r benchmarks/requirements-bench.txt   # llama-cpp-python: see that file
+    .venv/bin/python benchmarks/bench_gguf.py [--types Q4_1 Q4_K_M Q8_0] [--new_tokens 128] [--rounds 2]
+
+The embedded SmolLM2-135M Q4_1 file, and Q4_K_M and Q8_0 copies of it made by llama.cpp's own
+quantizer (llama_model_quantize with allow_requantize, as `llama-quantize --allow-requantize` does:
+the copies hold the Q4_1 values requantized, which is what their speed and size need). Every run is
+a fresh process, batch 1, greedy, a 16-token prompt then exactly --new_tokens tokens (EOS ignored),
+the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. Columns:
+- decode tok/s: tokens after the first over the time after the first (best of the rounds);
+- load s: from process start of the weights' read to a model ready (ours: weights.load's own
+  timing, the "loaded ... in X s" line; llama.cpp: the Llama() constructor);
+- peak RSS: the child's maximum resident set (os.wait4), and for ours the same less a bare
+  `python -c "import torch"` (measured in the same run), the figure the goal compares.
+Ours runs eager (the README's command) and --compile (bf16 activations both).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import weights  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+
+# A build with GGML_BACKEND_DL=ON installs its per-CPU backends in site-packages/bin; they are
+# loaded through libllama's own handle (the same ggml instance the model uses), best variant first.
+LOAD_BACKENDS = r"""
+import os, llama_cpp, llama_cpp.llama_cpp
+llama_cpp.llama_cpp._lib.ggml_backend_load_all_from_path(
+    os.path.join(os.path.dirname(os.path.dirname(llama_cpp.__file__)), "bin").encode())
+"""
+
+LLAMA_CPP = LOAD_BACKENDS + r"""
+import json, sys, time
+from llama_cpp import Llama
+path, new, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+start = time.perf_counter()
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+load = time.perf_counter() - start
+n, first = 0, None
+for _ in llm.generate(llm.tokenize(prompt.encode()), temp=0.0, top_k=1):
+    n += 1
+    if n == 1:
+        first = time.perf_counter()
+    if n == new:
+        break
+print(json.dumps({"decode": (new - 1) / (time.perf_counter() - first), "load": load}))
+"""
+
+QUANTIZE = LOAD_BACKENDS + r"""
+import sys
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize, params.nthread = int(sys.argv[3]), True, 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+
+def run_rss(cmd) -> tuple:
+    """(stdout, stderr, peak resident bytes) of a child process."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out, err = [], []
+    readers = [threading.Thread(target=lambda f=f, buf=buf: buf.append(f.read())) for f, buf in ((p.stdout, out), (p.stderr, err))]
+    for t in readers:  # both pipes drained at once: a chatty child never blocks on a full pipe
+        t.start()
+    _, status, usage = os.wait4(p.pid, 0)
+    for t in readers:
+        t.join()
+    out, err = out[0], err[0]
+    if status:
+        raise RuntimeError(f"{' '.join(map(str, cmd[:4]))} failed:\n{err[-2000:]}")
+    return out, err, usage.ru_maxrss * 1024
+
+
+def ours(path, new, compile_) -> dict:
+    cmd = [sys.executable, "generate.py", "--checkpoint", str(path), "--prompt", PROMPT, "--max_new_tokens", str(new),
+           "--temperature", "0", "--ignore_eos", "--json"] + (["--compile"] if compile_ else [])
+    out, err, rss = run_rss(cmd)
+    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    load = float(re.search(r"loaded .* in ([0-9.]+) s", err).group(1))
+    return {"decode": stats["tokens_per_s"], "load": load, "rss": rss}  # tokens after the first / their time
+
+
+def llama_cpp(path, new, threads) -> dict:
+    out, _, rss = run_rss([sys.executable, "-c", LLAMA_CPP, str(path), str(new), str(threads), PROMPT])
+    return {**json.loads(out.strip().splitlines()[-1]), "rss": rss}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--types", nargs="+", default=["Q4_1", "Q4_K_M", "Q8_0"])
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    import torch
+
+    threads = torch.get_num_threads()
+    source = weights.default_checkpoint()
+    folder = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
+    files = {}
+    for kind in args.types:
+        if kind == "Q4_1":
+            files[kind] = source
+            continue
+        files[kind] = folder / f"SmolLM2-135M-Instruct.{kind}.gguf"
+        run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
+    bare = run_rss([sys.executable, "-c", "import torch"])[2]
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare `import torch` peak RSS "
+          f"{bare / 2**20:.0f} MiB\n")
+    print("| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB | vs llama.cpp RSS |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, path in files.items():
+        best = {}
+        for _ in range(args.rounds):
+            for name, fn in (("llama.cpp", lambda: llama_cpp(path, args.new_tokens, threads)),
+                             ("ours eager", lambda: ours(path, args.new_tokens, False)),
+                             ("ours --compile", lambda: ours(path, args.new_tokens, True))):
+                r = fn()
+                b = best.setdefault(name, r)
+                best[name] = {"decode": max(b["decode"], r["decode"]), "load": min(b["load"], r["load"]),
+                              "rss": min(b["rss"], r["rss"])}
+        ref = best["llama.cpp"]
+        for name, r in best.items():
+            net = r["rss"] - bare if name != "llama.cpp" else r["rss"]
+            print(f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | {r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
+                  f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | {net / ref['rss']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
