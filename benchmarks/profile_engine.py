@@ -22,6 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import fuse_layers  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
 from scheduler import Engine, RequestParams  # noqa: E402
@@ -77,9 +78,12 @@ def main():
                    help="140: the context stays within one attend-width bucket (12 blocks of 16) while timed")
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch size")
     p.add_argument("--compile", action="store_true", help="the engine's compiled decode steps (one graph per batch bucket)")
+    p.add_argument("--no_fuse", action="store_true", help="keep q/k/v and gate/up separate (batch.load_engine fuses them)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, info = weights.load(None, dtype=dtype, dequantize=True)
+    if not args.no_fuse:
+        fuse_layers.fuse_projections(model)
     tokenizer = load_tokenizer(info.source)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         text = tokenizer.encode(f.read())
