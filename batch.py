@@ -25,7 +25,6 @@ import json
 import sys
 import time
 
-import fuse_layers
 from runtime import DTYPES, log, pick_device
 from scheduler import Engine, RequestParams
 
@@ -141,12 +140,7 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
     from tokenizer import load_tokenizer
 
     device = pick_device(device)
-    model, info = weights.load(checkpoint, device=device, dtype=DTYPES[dtype], dequantize=dequantize or bool(quantize))
-    if quantize:
-        import quantize as quantization
-
-        quantization.quantize_model(model, quantize, log=log)
-    fuse_layers.fuse_projections(model)  # q/k/v and gate/up as one matmul each
+    model, info = weights.load_for_inference(checkpoint, device, DTYPES[dtype], quantize, dequantize=dequantize, log=log)
     tokenizer = load_tokenizer(info.source)
     num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                    max_tokens=max_num_seqs * model.config.max_position_embeddings)

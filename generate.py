@@ -30,7 +30,6 @@ import time
 import torch
 
 import constrain
-import fuse_layers
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
 from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
@@ -232,19 +231,13 @@ def run(args) -> int:
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
-    model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype], shard=(rank, world),
-                               dequantize=args.dequantize or bool(args.quantize))
-    if args.quantize:  # before tp.parallelize: each rank quantizes its own shard
-        import quantize
-
-        quantize.quantize_model(model, args.quantize, args.groupsize, args.quantize_head, args.quantize_embedding, log=log)
+    model, info = weights.load_for_inference(args.checkpoint, device, DTYPES[args.dtype], args.quantize, args.groupsize,
+                                             args.quantize_head, args.quantize_embedding, args.dequantize, (rank, world), log)
     if world > 1:
         tp.check_same_checkpoint(model)
         tp.parallelize(model)
         args.seed = tp.shared_seed(args.seed)
         log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
-    else:
-        fuse_layers.fuse_projections(model)  # q/k/v and gate/up as one matmul each (after quantizing)
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
     weights.settle()

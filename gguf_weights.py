@@ -14,7 +14,7 @@ into integers and per-group scales without passing through float:
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
     IQ* and others          refused, naming the tensor and its type
     token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled)
-    output (int8-group types)      float in --dtype (quant_groups.HEAD_NOTE); int4 types keep int4
+    output (int8-group types)      float in --dtype (quant_groups.HEAD_NOTE, tied or not); int4 types keep int4
 
 The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With
 dequantize (generate.py --dequantize) every tensor becomes float32 and weights.py casts it to the

@@ -75,12 +75,8 @@ def main(argv=None) -> int:
     try:
         device = pick_device(args.device)
         text = Path(args.file).read_text(encoding="utf-8")
-        model, info = weights.load(args.checkpoint, device=device, dtype=DTYPES[args.dtype],
-                                   dequantize=args.dequantize or bool(args.quantize))
-        if args.quantize:
-            import quantize
-
-            quantize.quantize_model(model, args.quantize, args.groupsize, log=lambda s: print(s, file=sys.stderr))
+        model, info = weights.load_for_inference(args.checkpoint, device, DTYPES[args.dtype], args.quantize, args.groupsize,
+                                                 dequantize=args.dequantize, log=lambda s: print(s, file=sys.stderr))
         ids = load_tokenizer(info.source).encode(text)[: args.max_tokens]
         if len(ids) < 2:
             raise ValueError(f"{args.file}: fewer than 2 tokens to score")

@@ -22,10 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import quantize
+from runtime import release_memory
 
 # The output head is the largest matrix of small models and has no int8-with-groups kernel to run
 # at a bf16 GEMM's speed (SmolLM2's 49152 x 576 head at batch 1, Xeon AVX-512: bf16 F.linear 2.1 ms,
-# the compiled reduction below 2.8 ms, eager dequantize + GEMM 30-115 ms), so weights.py runs an
+# the compiled reduction below 2.8 ms, eager dequantize + GEMM 30-115 ms), so install() runs an
 # int8-group head (Q8_0, Q6_K, ...) dequantized to the activations' dtype; the embedding table stays
 # quantized. Int4 heads (Q4_*) keep the int4 kernel.
 HEAD_NOTE = "the output head of an int8-group type runs in the activations' dtype"
@@ -86,8 +87,9 @@ class Int8GroupEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, tokens):  # [B, T] -> [B, T, dim]
-        offsets = None if self.offsets is None else self.offsets[tokens.reshape(-1)]
-        rows = dequantize_groups(self.weight[tokens.reshape(-1)], self.scales[tokens.reshape(-1)], offsets)
+        flat = tokens.reshape(-1)
+        offsets = None if self.offsets is None else self.offsets[flat]
+        rows = dequantize_groups(self.weight[flat], self.scales[flat], offsets)
         return rows.reshape(*tokens.shape, -1).to(self.dtype)
 
 
@@ -118,31 +120,74 @@ class Packed:
             return quantize.dequantize_int4(quantize.unpack_int4(t["weight"]), t["scales"], t["zeros"])
         return dequantize_groups(t["q"], t["scales"], t["offsets"])
 
-    def layer(self, bias, dtype, device) -> nn.Module:
+    def int8_tensors(self, device=None):
+        """(q int8, scales, offsets) of this weight as int8 groups; int4 is (u - 8) * scale + zero."""
         t = {k: None if v is None else v.to(device) for k, v in self.tensors.items()}
+        if self.kind == "int4":
+            return quantize.unpack_int4(t["weight"]).to(torch.int8) - 8, t["scales"], t["zeros"]
+        return t["q"], t["scales"], t["offsets"]
+
+    def layer(self, bias, dtype, device) -> nn.Module:
         bias = None if bias is None else bias.to(device)
         if self.kind == "int4":
             try:
+                t = {k: v.to(device) for k, v in self.tensors.items()}
                 return quantize.make_layer(t, bias, "int4", self.groupsize, dtype, device)
             except ValueError as e:  # no working int4 kernel here: the same values as int8
                 quantize.warn_once(f"{self.source} weights run as int8 groups: {e}")
-                return Int8GroupLinear(*self._int4_as_int8(t), bias, dtype)
-        return Int8GroupLinear(t["q"], t["scales"], t["offsets"], bias, dtype)
-
-    @staticmethod
-    def _int4_as_int8(t: dict):
-        """(q, scales, offsets) of int8 groups for portable int4: (u - 8) * scale + zero."""
-        return quantize.unpack_int4(t["weight"]).to(torch.int8) - 8, t["scales"], t["zeros"]
+        return Int8GroupLinear(*self.int8_tensors(device), bias, dtype)
 
     def embedding(self, dtype, device) -> nn.Module:
-        t = {k: None if v is None else v.to(device) for k, v in self.tensors.items()}
-        if self.kind == "int4":  # an int4 table is looked up as int8 values (1 byte per weight)
-            return Int8GroupEmbedding(*self._int4_as_int8(t), dtype)
-        return Int8GroupEmbedding(t["q"], t["scales"], t["offsets"], dtype)
+        return Int8GroupEmbedding(*self.int8_tensors(device), dtype)
+
+    def float_layer(self, dtype, device) -> nn.Linear:
+        """The weight dequantized to `dtype` as a plain linear layer (see HEAD_NOTE)."""
+        head = nn.Linear(self.shape[1], self.shape[0], bias=False, device="meta")
+        weight = torch.empty(self.shape, device=device, dtype=dtype)
+        for i in range(0, self.shape[0], 4096):  # in slices: no float32 copy of the whole table at once
+            weight[i:i + 4096] = self.rows(torch.arange(i, min(i + 4096, self.shape[0]))).dequantize()
+        head.weight = nn.Parameter(weight, requires_grad=False)
+        return head
 
 
-def tied_head(embedding: Int8GroupEmbedding) -> Int8GroupLinear:
-    """The output head reading the embedding's own table (tie_word_embeddings)."""
-    head = Int8GroupLinear(embedding.weight, embedding.scales, embedding.offsets, None, embedding.dtype)
-    head.weight, head.scales, head.offsets = embedding.weight, embedding.scales, embedding.offsets
-    return head
+def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict:
+    """Replace the layers whose weights came as Packed ({module name: Packed}; their biases popped
+    from `state`). Returns {layer kind: {"<file type> -> <what runs>"}} for the load line."""
+    kept = {}
+    for i, name in enumerate(list(packed)):
+        if i % 32 == 31:
+            release_memory()  # the int4 packing's temporaries, before they pile up
+        p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
+        if name == "embed_tokens":
+            module = p.embedding(dtype, device)
+        elif name == "lm_head" and p.kind == "int8g":  # see HEAD_NOTE
+            module = p.float_layer(dtype, device)
+        else:
+            module = p.layer(state.pop(f"{name}.bias", None), dtype, device)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+        kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
+    if tied and "embed_tokens" in packed:  # the tied head reads the same table, in the activations' dtype
+        p = packed["embed_tokens"]
+        model.lm_head = p.float_layer(dtype, device)
+        kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
+    return kept
+
+
+def _runs_as(module, p: Packed) -> str:
+    if isinstance(module, nn.Linear):
+        return str(module.weight.dtype).removeprefix("torch.")
+    return f"{'int4' if isinstance(module, quantize.Int4Linear) else 'int8'} g{p.groupsize}"
+
+
+def describe(kept: dict) -> str:
+    """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32: embed_tokens"."""
+    by_route = {}
+    for leaf, routes in kept.items():
+        for route in sorted(routes):
+            by_route.setdefault(route, []).append(leaf)
+    text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
+    if any(" -> int8 " in r for leaf, routes in kept.items() if leaf != "embed_tokens" for r in routes):
+        text += (" (int8-group matrices have no fast CPU kernel yet: --dequantize decodes about 2x faster "
+                 "in twice the memory; benchmarks/RESULTS.md)")
+    return text

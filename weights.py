@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import quant_groups
 from model import ModelConfig, Transformer, rope_inv_freq
 from runtime import CheckpointError, release_memory
 
@@ -257,7 +258,24 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
     kept = {}
     model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant, kept=kept)
     info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start,
-                    model.weight_bytes(), describe_kept(kept))
+                    model.weight_bytes(), quant_groups.describe(kept))
+    return model, info
+
+
+def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quantize=None, groupsize=64,
+                       quantize_head=False, quantize_embedding=False, dequantize=False, shard=None, log=None):
+    """load(), then what running it needs: `quantize` applied (a GGUF file is dequantized first,
+    then quantized again), and q/k/v and gate/up fused (fuse_layers.py), except on a model to be
+    sharded by tp.parallelize, which needs the separate layers."""
+    model, info = load(checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize))
+    if quantize:  # before tp.parallelize: each rank quantizes its own shard
+        import quantize as quantization
+
+        quantization.quantize_model(model, quantize, groupsize, quantize_head, quantize_embedding, log=log)
+    if shard is None or shard[1] == 1:
+        import fuse_layers
+
+        fuse_layers.fuse_projections(model)
     return model, info
 
 
@@ -267,7 +285,6 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     `kept` (a dict, if given) gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
 
-    from quant_groups import Packed
 
     with torch.device("meta"):
         model = Transformer(config)
@@ -294,7 +311,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
             continue  # derived from the config, or the same tensor as the embedding
         if name not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
-        if isinstance(tensor, Packed):
+        if isinstance(tensor, quant_groups.Packed):
             if tuple(tensor.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
             packed[name.removesuffix(".weight")] = tensor
@@ -317,47 +334,14 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
     if quant:
         quantize.install(model, state, quant, dtype, device)
-    install_packed(model, packed, state, dtype, device, tied, kept if kept is not None else {})
+    installed = quant_groups.install(model, packed, state, dtype, device, tied)
+    if kept is not None:
+        kept.update(installed)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
-
-
-def install_packed(model, packed: dict, state: dict, dtype, device, tied: bool, kept: dict):
-    """Replace the layers whose weights came quantized (their biases popped from `state`)."""
-    import quant_groups
-
-    for i, name in enumerate(list(packed)):
-        if i % 32 == 31:
-            release_memory()  # the int4 packing's temporaries, before they pile up
-        p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
-        parent, _, leaf = name.rpartition(".")
-        if name == "embed_tokens":
-            module = p.embedding(dtype, device)
-        elif name == "lm_head" and p.kind == "int8g":  # see quant_groups.HEAD_NOTE
-            module = head_in_dtype(p, dtype, device)
-        else:
-            module = p.layer(state.pop(f"{name}.bias", None), dtype, device)
-        setattr(model.get_submodule(parent) if parent else model, leaf, module)
-        route = "int4" if module.__class__.__name__ == "Int4Linear" else "int8"
-        kept.setdefault(leaf, set()).add(f"{p.source} -> {route} g{p.groupsize}")
-    if tied and "embed_tokens" in packed:
-        p = packed["embed_tokens"]
-        model.lm_head = head_in_dtype(p, dtype, device) if p.kind == "int8g" else quant_groups.tied_head(model.embed_tokens)
-        kept.setdefault("lm_head", set()).update(kept["embed_tokens"])
-    if isinstance(model.lm_head, torch.nn.Linear) and "lm_head" in kept:
-        kept["lm_head"] = {r.split(" -> ")[0] + f" -> {str(dtype).removeprefix('torch.')}" for r in kept["lm_head"]}
-
-
-def head_in_dtype(p, dtype, device) -> torch.nn.Linear:
-    head = torch.nn.Linear(p.shape[1], p.shape[0], bias=False, device="meta")
-    weight = torch.empty(p.shape, device=device, dtype=dtype)
-    for i in range(0, p.shape[0], 4096):  # in slices: no float32 copy of the whole table at once
-        weight[i:i + 4096] = p.rows(torch.arange(i, min(i + 4096, p.shape[0]))).dequantize()
-    head.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return head
 
 
 def settle():
@@ -367,19 +351,6 @@ def settle():
 
     gguf_weights.forget_readers()
     release_memory()
-
-
-def describe_kept(kept: dict) -> str:
-    """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32: embed_tokens"."""
-    by_route = {}
-    for leaf, routes in kept.items():
-        for route in sorted(routes):
-            by_route.setdefault(route, []).append(leaf)
-    text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
-    if any(" -> int8 " in r for leaf, routes in kept.items() if leaf != "embed_tokens" for r in routes):
-        text += (" (int8-group matrices have no fast CPU kernel yet: --dequantize decodes about 2x faster "
-                 "in twice the memory; benchmarks/RESULTS.md)")
-    return text
 
 
 def hf_state_dict(model, keep_head: bool = False) -> dict:
