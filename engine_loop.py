@@ -14,8 +14,15 @@ event a caller receives is one of:
 
 Admission is decided in the engine thread, before anything is queued: while `draining`, or when
 `max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).
+
+Load the model on the thread that will step it (EngineThread, as serve.py does): torch's CPU
+ops run on an OpenMP pool that belongs to the thread calling them, so a model loaded on the main
+thread and stepped on another leaves two pools. With more OpenMP threads than cores, libgomp
+stops spinning between parallel regions and every op then waits for its workers to wake: on 2
+cores, prompt scoring through serve.py took 1.4x as long (benchmarks/RESULTS.md).
 """
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -36,17 +43,40 @@ class Unavailable(Exception):
     """The server cannot take this request now (queue full, or shutting down); retry later."""
 
 
+class EngineThread:
+    """One daemon thread that runs the calls it is given, in order: first the model's loading,
+    then EngineLoop's loop, so that every torch op of the server runs on this one thread."""
+
+    def __init__(self):
+        self.jobs = queue.Queue()
+        threading.Thread(target=self._work, daemon=True, name="engine").start()
+
+    def _work(self):
+        while True:
+            fn, args, kwargs, done = self.jobs.get()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the caller
+                done.set_exception(e)
+
+    def call(self, fn, *args, **kwargs):
+        """Run fn(*args, **kwargs) on the thread; a Future of its result."""
+        done = concurrent.futures.Future()
+        self.jobs.put((fn, args, kwargs, done))
+        return done
+
+
 class EngineLoop:
     """The engine in its own thread. submit() and abort() may be called from any thread."""
 
-    def __init__(self, engine, max_waiting: int = 256):
+    def __init__(self, engine, max_waiting: int = 256, thread: EngineThread = None):
         self.engine, self.inbox, self.max_waiting = engine, queue.Queue(), max_waiting
         self.streams = {}  # request id -> (event loop, asyncio.Queue of events, index of its first choice)
         self.started = set()  # requests that have their first token
         self.draining = False
         self.tokens_generated, self.requests_done, self.refused = 0, 0, 0
         self.ttft_counts, self.ttft_sum = [0] * len(TTFT_BUCKETS), 0.0
-        threading.Thread(target=self._run, daemon=True, name="engine").start()
+        (thread or EngineThread()).call(self._run)  # runs until the process ends
 
     async def submit(self, prompts, params):
         """Queue one engine request per prompt, all or none; returns (ids, asyncio.Queue of events

@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine_loop import EngineLoop, Over, Unavailable
+from engine_loop import EngineLoop, EngineThread, Over, Unavailable
 from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, constraint_of,
                            encode, error, logprob_counts, prompt_list, refusal, template_messages, unavailable)
 from runtime import log
@@ -105,10 +105,11 @@ async def disconnected(request: Request):
         pass
 
 
-def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None):
-    """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else."""
+def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None, thread=None):
+    """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else. `thread`:
+    the EngineThread the engine was loaded on (engine_loop.py says why), else a new one."""
     limits = limits or Limits()
-    app, loop = FastAPI(title="llm inference server"), EngineLoop(engine, limits.max_waiting)
+    app, loop = FastAPI(title="llm inference server"), EngineLoop(engine, limits.max_waiting, thread)
     app.state.engine_loop = loop
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=loop)
     context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
@@ -222,8 +223,9 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             return error(499, "the client closed the request")
         if collect.result():
             return error(500, f"the request failed: {collect.result()}", "server_error")
-        return {**meta, "object": "chat.completion" if chat else "text_completion",
-                "choices": [out.choice(i) for i in range(len(out.streams))], "usage": out.usage()}
+        # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [out.choice(i) for i in range(len(out.streams))], "usage": out.usage()})
 
     async def events_of(rids, events, out):
         """(choice index, new text, finish_reason) until every request is over; an error message
@@ -368,14 +370,15 @@ def main(argv=None) -> int:
     for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    thread = EngineThread()  # loads the model and then steps it (engine_loop.py says why)
     try:
-        engine, tokenizer, info = load_engine(**engine_options(args))
+        engine, tokenizer, info = thread.call(load_engine, **engine_options(args)).result()
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
-    app = make_app(engine, tokenizer, name, args.api_key, limits)
+    app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
     engine_loop = app.state.engine_loop
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     threading.Thread(target=announce, args=(server, log), daemon=True).start()

@@ -33,9 +33,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = Limits(max_n=8, max_body_bytes=2**20, max_prompts=4, max_stop=4)
 
 
-def start_server(engine, tokenizer, limits=LIMITS):
+def start_server(engine, tokenizer, limits=LIMITS, engine_thread=None):
     """serve.py's app on a free port in a thread; returns (url, app, stop())."""
-    app = make_app(engine, tokenizer, "tiny", KEY, limits)
+    app = make_app(engine, tokenizer, "tiny", KEY, limits, engine_thread)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -407,6 +407,43 @@ def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
     assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable" for r, _ in refused)
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in done)
     wait_idle(engine)
+
+
+def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
+    """serve.py loads the model on the thread that then steps it (engine_loop.EngineThread): a
+    model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
+    cores every op then waits for its workers to wake."""
+    import batch
+    import serve
+    from engine_loop import EngineThread
+
+    loaded_on = []
+
+    def load_engine(**options):
+        loaded_on.append(threading.current_thread())
+        raise ValueError("no checkpoint here")
+    monkeypatch.setattr(batch, "load_engine", load_engine)
+    assert serve.main(["--checkpoint", "nowhere"]) == 2  # the loader's error reaches the main thread
+    assert loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
+
+    thread = EngineThread()
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0).result()
+    _, model, tokenizer = tiny
+    engine = thread.call(Engine, model, num_blocks=64, block_size=8, tokenizer=tokenizer).result()
+    built_on = thread.call(threading.current_thread).result()
+    stepped_on, step = set(), engine.step
+
+    def recorded_step():
+        stepped_on.add(threading.current_thread())
+        return step()
+    monkeypatch.setattr(engine, "step", recorded_step)
+    url, _, stop = start_server(engine, tokenizer, engine_thread=thread)
+    try:
+        r = client(url).completions.create(model="tiny", prompt="hello world", max_tokens=3, temperature=0)
+        assert r.choices[0].text and stepped_on == {built_on}
+    finally:
+        stop()
 
 
 def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
