@@ -1,0 +1,147 @@
+"""serve.py as a process lives: overload refused at once with 503, the model loaded and stepped
+on one thread, SIGTERM draining running requests, and a short soak of mixed, malformed and
+disconnecting clients. The model is the tiny one of test_serve.py."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import tiny_checkpoint
+from scheduler import Engine
+from serve import Limits
+from test_serve import AUTH, KEY, client, start_server, tiny, wait_idle  # noqa: F401 (fixtures)
+
+
+def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
+    _, model, tokenizer = tiny
+    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    limits = Limits(max_waiting=4)
+    url, _, stop = start_server(engine, tokenizer, limits)
+
+    async def one(h):
+        start = time.perf_counter()
+        r = await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True})
+        return r, time.perf_counter() - start
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as h:
+            return await asyncio.gather(*(one(h) for _ in range(5 * limits.max_waiting)))
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        stop()
+    refused = [(r, s) for r, s in results if r.status_code == 503]
+    done = [r for r, _ in results if r.status_code == 200]
+    assert len(refused) + len(done) == len(results) and len(refused) >= limits.max_waiting
+    assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable" for r, _ in refused)
+    assert all(len(r.json()["choices"][0]["text"]) > 0 for r in done)
+    wait_idle(engine)
+
+
+def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
+    """serve.py loads the model on the thread that then steps it (engine_loop.EngineThread): a
+    model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
+    cores every op then waits for its workers to wake."""
+    import batch
+    import serve
+    from engine_loop import EngineThread
+
+    loaded_on = []
+
+    def load_engine(**options):
+        loaded_on.append(threading.current_thread())
+        raise ValueError("no checkpoint here")
+    monkeypatch.setattr(batch, "load_engine", load_engine)
+    assert serve.main(["--checkpoint", "nowhere"]) == 2  # the loader's error reaches the main thread
+    assert loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
+
+    thread = EngineThread()
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0).result()
+    _, model, tokenizer = tiny
+    engine = thread.call(Engine, model, num_blocks=64, block_size=8, tokenizer=tokenizer).result()
+    built_on = thread.call(threading.current_thread).result()
+    stepped_on, step = set(), engine.step
+
+    def recorded_step():
+        stepped_on.add(threading.current_thread())
+        return step()
+    monkeypatch.setattr(engine, "step", recorded_step)
+    url, _, stop = start_server(engine, tokenizer, engine_thread=thread)
+    try:
+        r = client(url).completions.create(model="tiny", prompt="hello world", max_tokens=3, temperature=0)
+        assert r.choices[0].text and stepped_on == {built_on}
+    finally:
+        stop()
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
+    """In flight when SIGTERM comes: a short request ends with its text, long ones with "abort"
+    after --shutdown_timeout; meanwhile /health says draining and new requests get 503."""
+    folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
+                             "float32", "--num_blocks", "1200", "--shutdown_timeout", "1", "--api_key", KEY],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        while "serving on" not in (line := proc.stderr.readline()):
+            assert line, "serve.py exited before serving"
+        url = line.split("serving on ")[1].split()[0]
+        reasons, texts = {}, {}
+
+        def stream(name, max_tokens):
+            body = {"prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        part = json.loads(line[6:])["choices"][0]
+                        texts[name] = texts.get(name, "") + part["text"]
+                        reasons[name] = part["finish_reason"] or reasons.get(name)
+
+        threads = [threading.Thread(target=stream, args=(f"long{i}", 4000)) for i in range(2)]
+        threads.append(threading.Thread(target=stream, args=("short", 20)))
+        for t in threads:
+            t.start()
+        while len(texts) < 3:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        start = time.time()
+        deadline = start + 5
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.time() < deadline, "/health never said draining"
+        assert httpx.get(url + "/health").json() == {"status": "draining"}
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
+        assert proc.wait(timeout=1 + 5) == 0
+        for t in threads:
+            t.join(timeout=5)
+        assert reasons == {"long0": "abort", "long1": "abort", "short": "length"}, reasons
+        assert all(texts.values())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
+    """benchmarks/soak_serve.py at 40 requests: mixed, malformed and disconnecting clients on a
+    pool small enough to preempt; greedy texts equal their alone-runs, no block or request left."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import soak_serve
+
+    _, model, tokenizer = tiny
+    engine = Engine(model, num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
+                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    report = soak_serve.soak(engine, tokenizer, 40, rate=200.0, seed=1)
+    assert report["greedy_checked"] > 5 and report["mismatches"] == []
+    assert report["blocks_in_use"] == 0 and report["requests_left"] == 0
+    assert report["server_errors"] == 0 and report["malformed_not_4xx"] == 0
+    assert report["preemptions"] > 0
