@@ -62,8 +62,8 @@ def concat_rows(layers):
     if type(first) is Int8GroupLinear:
         if any(m.groupsize != first.groupsize or (m.offsets is None) != (first.offsets is None) for m in layers):
             return None
-        return Int8GroupLinear(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]),
-                               _cat([m.offsets for m in layers]), bias, bias.dtype if bias is not None else None)
+        return Int8GroupLinear(torch.cat([m.int8_values() for m in layers]), torch.cat([m.scales for m in layers]),
+                               _cat([m.offsets for m in layers]), bias, first.dtype)
     return None
 
 

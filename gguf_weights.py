@@ -8,13 +8,15 @@ into integers and per-group scales without passing through float:
     file type               runs as                          exact?
     Q4_0, Q4_1, Q4_K        quantize.Int4Linear, groups of 32 yes: zero = min + 8 * scale is checked
                             (the int4 kernels)                to be exact in float32, else int8 groups
-    Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's order)
-                            groups of 32
+    Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's order);
+                            groups of 32 (bf16 on CPU: the     the int4 kernel takes bf16 scales
+                            int4 kernel on two halves of q)
     Q6_K                    Int8GroupLinear, groups of 16     yes
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
     IQ* and others          refused, naming the tensor and its type
     token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled)
-    output (int8-group types)      float in --dtype (quant_groups.HEAD_NOTE, tied or not); int4 types keep int4
+    output (int8-group types)      two int4 halves in bf16 on CPU, else float in --dtype
+                                   (quant_groups.HEAD_NOTE, tied or not); int4 types keep int4
 
 The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With
 dequantize (generate.py --dequantize) every tensor becomes float32 and weights.py casts it to the

@@ -11,9 +11,11 @@ uses, so `dequantize()` equals gguf's dequantization bit for bit.
 
 `Packed` is what a checkpoint reader yields for a weight it keeps quantized; weights.build turns it
 into a layer: "int4" -> quantize.Int4Linear (the int4 kernels: 4 bits per weight read), "int8g" ->
-Int8GroupLinear / Int8GroupEmbedding here. There is no ATen kernel for int8 with group scales:
-eager code dequantizes and runs a GEMM; under torch.compile few-row calls (decode) are written as a
-reduction over each group, which Inductor fuses so the weight is read once as int8.
+Int8GroupLinear / Int8GroupEmbedding here. There is no ATen kernel for int8 with group scales. In
+bf16 on CPU, Int8GroupLinear splits each int8 value into two nibbles and runs the int4 kernel once
+over both halves (its docstring shows the arithmetic). Otherwise eager code dequantizes and runs a
+GEMM, and under torch.compile few-row calls (decode) are written as a reduction over each group,
+which Inductor fuses so the weight is read once as int8.
 """
 from dataclasses import dataclass
 
@@ -24,13 +26,16 @@ import torch.nn.functional as F
 import quantize
 from runtime import release_memory
 
-# The output head is the largest matrix of small models and has no int8-with-groups kernel to run
-# at a bf16 GEMM's speed (SmolLM2's 49152 x 576 head at batch 1, Xeon AVX-512: bf16 F.linear 2.1 ms,
-# the compiled reduction below 2.8 ms, eager dequantize + GEMM 30-115 ms), so install() runs an
-# int8-group head (Q8_0, Q6_K, ...) dequantized to the activations' dtype; the embedding table stays
-# quantized. Int4 heads (Q4_*) keep the int4 kernel.
-HEAD_NOTE = "the output head of an int8-group type runs in the activations' dtype"
+# The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
+# as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, groups of 32 or more: SmolLM2's
+# 49152 x 576 head at batch 1, Xeon AVX-512, 1.9 ms against 2.2 ms for a bf16 F.linear, at half its
+# bytes); otherwise dequantized to the activations' dtype, because the other int8-group paths are
+# slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
+# tied head is a second copy of the embedding table's values. Int4 heads (Q4_*) keep the int4 kernel.
+HEAD_NOTE = "an int8-group output head runs as two int4 halves in bf16 on CPU, else in the activations' dtype"
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
+PAIR_GROUPS = (32, 64, 128, 256)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
+PACK_ROWS = 4096  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> torch.Tensor:
@@ -44,22 +49,97 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> to
 
 
 class Int8GroupLinear(nn.Module):
-    """y = x @ (q * scale + offset).T with int8 q [N, K] and float32 scale/offset [N, K/G]."""
+    """y = x @ (q * scale + offset).T with int8 q [N, K] and float32 scale/offset [N, K/G].
 
-    compile_autotune = False  # the compiled path is a fused reduction, not a GEMM template
+    In bf16 on CPU the int8 values are stored as two nibbles instead (`pair`), as one int4 matrix
+    of 2K columns for the CPU int4 kernel, whose value v means (v - 8) * scale + zero per group:
+    - G >= 32 (a kernel group size): q = lo + 16 * hi, lo in [0, 15], hi in [-8, 7]; columns
+      [lo | hi + 8], input [x, x]; lo groups: scale s, zero 8 * s (-> s * lo); hi groups: scale
+      16 * s, zero offset (-> 16 * s * hi + offset).
+    - G = 16 (Q6_K; symmetric, q in [-120, 119]): q = lo + 16 * hi with lo, hi in [-8, 7]; each
+      group's 16 lo then its 16 hi make one kernel group of 32 with scale s and zero 0, and the
+      input is x with each 16-group followed by 16 * x of it (a power of two: exact in bf16).
+    One kernel call then sums both halves to x @ (s * q + o).T, reading 1 byte per weight as int8
+    does. The kernel takes bf16 scales: the weights it uses are bf16(s) * q + bf16(o) (GGUF's s is
+    float16, rounded to bf16 as the int4 layers' scales are). Float32 models keep the int8 values
+    (the kernel has no fast float32 path)."""
+
+    compile_autotune = False  # the compiled path is a fused reduction or the int4 kernel, not a GEMM template
 
     def __init__(self, q, scales, offsets, bias, dtype):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.groupsize = self.in_features // scales.shape[1]
+        self.groupsize, self.dtype = self.in_features // scales.shape[1], dtype
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.register_buffer("pair", None)  # the int4 kernel's [N, 2K] matrix of nibbles (see above)
+        self.register_buffer("pair_scales", None)  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
+        self.layout = None  # the kernel's packed layout (quantize.CPU_INT4_LAYOUTS) when `pair` is used
+        if dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[0] % 16 == 0 and (
+                self.groupsize in PAIR_GROUPS or self._interleaved()):
+            self._pack_pair()  # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
+
+    def _interleaved(self) -> bool:
+        """Groups of 16 as balanced nibbles (the G = 16 layout above): symmetric, q in [-120, 119]."""
+        return self.groupsize == 16 and self.offsets is None and bool(self.weight.min() >= -120) and bool(
+            self.weight.max() <= 119)
+
+    def _nibbles(self, q: torch.Tensor) -> torch.Tensor:
+        """q int8 [R, K] -> the kernel's values uint8 [R, 2K] (the layouts in the docstring)."""
+        R, K = q.shape
+        if self.groupsize == 16:
+            hi = (q + 8) >> 4  # arithmetic shift: lo = q - 16 * hi in [-8, 7]
+            return (torch.stack([(q - 16 * hi).view(R, -1, 16), hi.view(R, -1, 16)], 2).view(R, 2 * K) + 8).to(torch.uint8)
+        return torch.cat([q & 15, (q >> 4) + 8], 1).to(torch.uint8)  # lo, hi + 8
+
+    def _pack_pair(self):
+        try:
+            quantize.check_int4_device(self.weight.device)
+        except ValueError:  # no working int4 kernel under this CPU capability: keep int8
+            return
+        q, s, (N, K) = self.weight, self.scales, self.weight.shape
+        # PACK_ROWS rows at a time: the op takes int32 values, 4 bytes per weight for a moment
+        packed, layout = torch.empty(N, K, dtype=torch.uint8), None
+        for i in range(0, N, PACK_ROWS):
+            values = self._nibbles(q[i:i + PACK_ROWS])
+            packed[i:i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+            layout = layout or quantize.find_cpu_int4_layout(packed[i:i + PACK_ROWS], values)
+            if layout is None:  # a layout this file cannot read back: keep int8 (dequantize needs the values)
+                return
+        if not torch.equal(quantize.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values):  # the last chunk too
+            return
+        if self.groupsize == 16:
+            sz = torch.stack([s, torch.zeros_like(s)], 2)  # [N, K/16 = 2K/32, 2]
+        else:
+            o = self.offsets if self.offsets is not None else torch.zeros_like(s)
+            sz = torch.stack([torch.cat([s, 16 * s], 1), torch.cat([8 * s, o], 1)], 2)  # [N, 2K/G, 2]
+        self.pair, self.pair_scales, self.layout = packed, sz.transpose(0, 1).to(torch.bfloat16).contiguous(), layout
+        self.weight = None
+
+    def int8_values(self) -> torch.Tensor:
+        """q int8 [N, K], read back from the nibble pair when that is what is stored."""
+        if self.pair is None:
+            return self.weight
+        N, K = self.out_features, self.in_features
+        v = quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout).to(torch.int16) - 8
+        if self.groupsize == 16:
+            v = v.view(N, -1, 2, 16)
+            return (v[:, :, 0] + 16 * v[:, :, 1]).reshape(N, K).to(torch.int8)
+        return (v[:, :K] + 8 + 16 * v[:, K:]).to(torch.int8)
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if torch.compiler.is_compiling() and x2.shape[0] <= FEW_ROWS:
+        if self.pair is not None and x2.shape[0] < quantize.INT4_LARGE_M:
+            xb = x2.to(torch.bfloat16)
+            if self.groupsize == 16:  # [M, K/16, 2, 16]: each group, then 16 times it -> [M, 2K]
+                xg = xb.view(xb.shape[0], -1, 1, 16)
+                xx, group = torch.cat([xg, 16 * xg], 2).view(xb.shape[0], -1), 32
+            else:  # [M, 2K]: the lo and the hi halves
+                xx, group = torch.cat([xb, xb], 1), self.groupsize
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.pair, group, self.pair_scales).to(x.dtype)
+        elif self.pair is None and torch.compiler.is_compiling() and x2.shape[0] <= FEW_ROWS:
             G = self.scales.shape[1]
             xg = x2.float().reshape(-1, 1, G, self.groupsize)  # [M, 1, G, g]
             z = (self.weight.reshape(self.out_features, G, self.groupsize).float() * xg).sum(-1)  # [M, N, G]
@@ -73,7 +153,7 @@ class Int8GroupLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_groups(self.weight, self.scales, self.offsets)
+        return dequantize_groups(self.int8_values(), self.scales, self.offsets)
 
 
 class Int8GroupEmbedding(nn.Module):
@@ -160,8 +240,8 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict
         p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
         if name == "embed_tokens":
             module = p.embedding(dtype, device)
-        elif name == "lm_head" and p.kind == "int8g":  # see HEAD_NOTE
-            module = p.float_layer(dtype, device)
+        elif name == "lm_head" and p.kind == "int8g":
+            module = _head(p, dtype, device)
         else:
             module = p.layer(state.pop(f"{name}.bias", None), dtype, device)
         parent, _, leaf = name.rpartition(".")
@@ -169,14 +249,22 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict
         kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
     if tied and "embed_tokens" in packed:  # the tied head reads the same table, in the activations' dtype
         p = packed["embed_tokens"]
-        model.lm_head = p.float_layer(dtype, device)
+        model.lm_head = _head(p, dtype, device)
         kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
     return kept
+
+
+def _head(p: Packed, dtype, device) -> nn.Module:
+    """An int8-group output head: the two int4 halves where they run, else float (HEAD_NOTE)."""
+    layer = p.layer(None, dtype, device)
+    return layer if layer.pair is not None else p.float_layer(dtype, device)
 
 
 def _runs_as(module, p: Packed) -> str:
     if isinstance(module, nn.Linear):
         return str(module.weight.dtype).removeprefix("torch.")
+    if isinstance(module, Int8GroupLinear) and module.pair is not None:
+        return f"int8 g{p.groupsize} (two int4 halves)"
     return f"{'int4' if isinstance(module, quantize.Int4Linear) else 'int8'} g{p.groupsize}"
 
 
@@ -187,7 +275,8 @@ def describe(kept: dict) -> str:
         for route in sorted(routes):
             by_route.setdefault(route, []).append(leaf)
     text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
-    if any(" -> int8 " in r for leaf, routes in kept.items() if leaf != "embed_tokens" for r in routes):
-        text += (" (int8-group matrices have no fast CPU kernel yet: --dequantize decodes about 2x faster "
-                 "in twice the memory; benchmarks/RESULTS.md)")
+    if any(" -> int8 " in r and "int4" not in r for leaf, routes in kept.items() if leaf != "embed_tokens"
+           for r in routes):
+        text += (" (int8-group matrices outside bf16 or of groups under 32 have no fast CPU kernel: where they "
+                 "are most of the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)")
     return text

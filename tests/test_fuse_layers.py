@@ -44,13 +44,16 @@ def test_fused_quantized_layers_equal_separate(tmp_path, mode):
 
 
 @pytest.mark.isa
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_fused_gguf_layers_at_their_bits_equal_separate(tmp_path, qtype):
+@pytest.mark.parametrize("qtype,dtype", [("Q8_0", torch.float32), ("Q8_0", torch.bfloat16), ("Q4_1", torch.float32)])
+def test_fused_gguf_layers_at_their_bits_equal_separate(tmp_path, qtype, dtype):
+    """bf16 Q8_0: the int8 groups as two int4 halves (quant_groups.Int8GroupLinear), fused too."""
     hf = hf_model("llama3", hidden_size=64, intermediate_size=128)
-    model, plain = fused_copy(write_gguf(hf, tmp_path / "m.gguf", qtype=qtype), torch.float32)
+    model, plain = fused_copy(write_gguf(hf, tmp_path / "m.gguf", qtype=qtype), dtype)
     kind = quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear
-    assert isinstance(model.layers[0].mlp.gate_up_proj, kind)
-    torch.testing.assert_close(logits(model), plain, rtol=0, atol=1e-4 * plain.abs().max().item())
+    fused = model.layers[0].mlp.gate_up_proj
+    assert isinstance(fused, kind) and (getattr(fused, "pair", None) is not None) == (dtype == torch.bfloat16)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits(model), plain, rtol=0, atol=tol * plain.abs().max().item())
 
 
 def test_mixed_formats_stay_separate(tmp_path):

@@ -19,14 +19,16 @@ F16_FIELDS = {"Q8_0": ((0,), ()), "Q4_0": ((0,), ()), "Q5_0": ((0,), ()), "Q4_1"
               "Q4_K": ((0,), (2,)), "Q5_K": ((0,), (2,)), "Q6_K": ((208,), ())}
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random bytes (any bytes are valid blocks) with finite float16 scales of a weight's size."""
+def random_blocks(kind: str, rows: int, cols: int, seed: int, small: bool = False) -> np.ndarray:
+    """Random bytes (any bytes are valid blocks) with finite float16 scales of a weight's size
+    (100x smaller scales if `small`)."""
     size, per = gguf_weights.BLOCKS[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
     scales, minimums = F16_FIELDS[kind]
     low_min, high_min = (1e-3, 3e-2) if kind.endswith("_K") else (-0.3, 0.3)  # K-quants: dmin, as d
-    for offsets, low, high in ((scales, 1e-3, 3e-2), (minimums, low_min, high_min)):
+    low, high = (1e-5, 3e-4) if small else (1e-3, 3e-2)
+    for offsets, low, high in ((scales, low, high), (minimums, low_min, high_min)):
         for at in offsets:
             value = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
             raw[:, :, at:at + 2] = value.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -48,7 +50,7 @@ def test_decoded_blocks_equal_gguf_quants_bit_for_bit(kind):
     assert torch.equal(quant_groups.dequantize_groups(q, scales, offsets), gguf_reference(raw, kind))
 
 
-def write_random_gguf(tmp_path, kind: str):
+def write_random_gguf(tmp_path, kind: str, small: bool = False):
     """A tiny llama (every matrix a multiple of 256 wide, for the K-quants) whose matrices are random
     blocks of `kind`; returns the path and {model.py name: gguf.quants' float weight}."""
     hf = hf_model("llama3", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
@@ -62,7 +64,7 @@ def write_random_gguf(tmp_path, kind: str):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}[name]
             ours = name.removeprefix("model.")
-        raw[gname] = (kind, random_blocks(kind, *t.shape, seed=i))
+        raw[gname] = (kind, random_blocks(kind, *t.shape, seed=i, small=small))
         w = gguf_reference(raw[gname][1], kind)
         if gname.endswith(("attn_q.weight", "attn_k.weight")):  # stored in llama.cpp's row order
             w = gguf_weights.unpermute(w, hf.config.num_attention_heads if "attn_q" in gname else hf.config.num_key_value_heads)
@@ -121,6 +123,64 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(2, K, generator=g)
     torch.testing.assert_close(compiled(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("G", [16, 32, 64])
+def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offsets, G, monkeypatch):
+    """bf16 on CPU: the int8 values stored as nibbles (lo, hi) for the int4 kernel read back
+    exactly, and its output at 1 and 3 rows (kernel), 40 rows (dequantize + GEMM) and compiled
+    equals x @ (bf16(scale) * q + bf16(offset)).T, the weights the kernel holds. Groups of 16 (Q6_K)
+    take the interleaved layout, symmetric only: with offsets they keep int8."""
+    g = torch.Generator().manual_seed(G)
+    N, K = 80, 256
+    q = torch.randint(-32 if G == 16 else -128, 32 if G == 16 else 128, (N, K), generator=g, dtype=torch.int8)
+    scales, offs = torch.rand(N, K // G, generator=g) * 0.02, torch.randn(N, K // G, generator=g) * 0.1
+    monkeypatch.setattr(quant_groups, "PACK_ROWS", 64)  # packed in two pieces, 64 and 16 rows
+    layer = quant_groups.Int8GroupLinear(q, scales, offs if offsets else None, None, torch.bfloat16)
+    halves = not (G == 16 and offsets)
+    assert (layer.pair is not None) == halves and (layer.weight is None) == halves, runtime.cpu_capability()
+    assert torch.equal(layer.int8_values(), q)
+    assert torch.equal(layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None))
+    s = scales.bfloat16().float().repeat_interleave(G, 1)
+    w = q.float() * s + (offs.bfloat16().float().repeat_interleave(G, 1) if offsets else 0)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, K, generator=g).bfloat16()
+        ref = x.float() @ (w if halves else layer.dequantize()).T
+        torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
+    runtime.configure_inductor_cpu()
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(1, K, generator=g).bfloat16()
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0 if halves else 1e-2 * layer(x).abs().max().item())
+    float32 = quant_groups.Int8GroupLinear(q, scales, None, None, torch.float32)
+    assert float32.pair is None and float32.weight is not None  # the kernel has no fast float32 path
+    odd = quant_groups.Int8GroupLinear(q[:72], scales[:72], None, None, torch.bfloat16)  # 72 rows: not for the kernel
+    x = torch.randn(2, K, generator=g).bfloat16()
+    ref = x.float() @ odd.dequantize().T
+    assert odd.pair is None
+    torch.testing.assert_close(odd(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q6_K"])
+def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
+    """In bf16 the int8-group types run as two int4 halves, the output head included
+    (quant_groups.HEAD_NOTE). Values still the file's, logits those of the float model of the same
+    decoding within twice the error of the same model with its weights rounded to bf16 (Q6_K's
+    scales kept small: its random weights would reach +-120, where bf16 sums cancel too much)."""
+    path, expected = write_random_gguf(tmp_path, kind, small=kind == "Q6_K")
+    kept, info = weights.load(path, dtype=torch.bfloat16)
+    ref, _ = weights.load(path, dtype=torch.float32, dequantize=True)
+    for name in ("layers.0.mlp.up_proj", "lm_head"):
+        module = kept.get_submodule(name)
+        assert isinstance(module, quant_groups.Int8GroupLinear) and module.pair is not None, name
+        assert torch.equal(module.dequantize(), expected[f"{name}.weight"]), name
+    assert "two int4 halves" in info.kept
+    bf16, _ = weights.load(path, dtype=torch.bfloat16, dequantize=True)  # the weights rounded to bf16 instead
+    exact = logits(ref)
+    error, bf16_error = ((logits(m).float() - exact).abs().max().item() for m in (kept, bf16))
+    assert error <= 2 * bf16_error, (error, bf16_error)  # bf16 scales cost no more than bf16 weights, within 2x
 
 
 def test_embedded_q4_1_runs_as_int4_group_32(embedded):
