@@ -79,16 +79,18 @@ def main():
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch size")
     p.add_argument("--compile", action="store_true", help="the engine's compiled decode steps (one graph per batch bucket)")
     p.add_argument("--no_fuse", action="store_true", help="keep q/k/v and gate/up separate (batch.load_engine fuses them)")
+    p.add_argument("--kept", action="store_true", help="the embedded GGUF at its own bits (as serve.py loads it), "
+                   "not dequantized")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
-    model, info = weights.load(None, dtype=dtype, dequantize=True)
+    model, info = weights.load(None, dtype=dtype, dequantize=not args.kept)
     if not args.no_fuse:
         fuse_layers.fuse_projections(model)
     tokenizer = load_tokenizer(info.source)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         text = tokenizer.encode(f.read())
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"{args.dtype} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
+          f"{args.dtype}{' at the file' + chr(39) + 's bits' if args.kept else ''} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
           f"{'compiled' if args.compile else 'eager'}")
     rows = []
     for B in args.batches:

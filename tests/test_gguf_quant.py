@@ -130,7 +130,7 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
 @pytest.mark.parametrize("G", [16, 32, 64])
 def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offsets, G, monkeypatch):
     """bf16 on CPU: the int8 values stored as nibbles (lo, hi) for the int4 kernel read back
-    exactly, and its output at 1 and 3 rows (kernel), 40 rows (dequantize + GEMM) and compiled
+    exactly, and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM) and compiled
     equals x @ (bf16(scale) * q + bf16(offset)).T, the weights the kernel holds. Groups of 16 (Q6_K)
     take the interleaved layout, symmetric only: with offsets they keep int8."""
     g = torch.Generator().manual_seed(G)
@@ -145,7 +145,7 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
     assert torch.equal(layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None))
     s = scales.bfloat16().float().repeat_interleave(G, 1)
     w = q.float() * s + (offs.bfloat16().float().repeat_interleave(G, 1) if offsets else 0)
-    for rows in (1, 3, 40):
+    for rows in (1, 3, quantize.INT4_LARGE_M + 8):
         x = torch.randn(rows, K, generator=g).bfloat16()
         ref = x.float() @ (w if halves else layer.dequantize()).T
         torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())

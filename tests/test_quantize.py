@@ -71,7 +71,7 @@ def test_cpu_int4_kernel_passes_its_load_time_probe():
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
     torch.manual_seed(0)
-    w, x = torch.randn(64, 128), torch.randn(40, 128)  # 40 rows: the dequantize + GEMM route
+    w, x = torch.randn(64, 128), torch.randn(quantize.INT4_LARGE_M + 8, 128)  # the dequantize + GEMM route
     known = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
     monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
