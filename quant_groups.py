@@ -27,7 +27,7 @@ import quantize
 from runtime import release_memory
 
 # The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
-# as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, groups of 32 or more: SmolLM2's
+# as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, any group size: SmolLM2's
 # 49152 x 576 head at batch 1, Xeon AVX-512, 1.9 ms against 2.2 ms for a bf16 F.linear, at half its
 # bytes); otherwise dequantized to the activations' dtype, because the other int8-group paths are
 # slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
@@ -247,7 +247,7 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, module)
         kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
-    if tied and "embed_tokens" in packed:  # the tied head reads the same table, in the activations' dtype
+    if tied and "embed_tokens" in packed:  # the tied head: a copy of the same table's values (_head)
         p = packed["embed_tokens"]
         model.lm_head = _head(p, dtype, device)
         kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
@@ -277,6 +277,6 @@ def describe(kept: dict) -> str:
     text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
     if any(" -> int8 " in r and "int4" not in r for leaf, routes in kept.items() if leaf != "embed_tokens"
            for r in routes):
-        text += (" (int8-group matrices outside bf16 or of groups under 32 have no fast CPU kernel: where they "
-                 "are most of the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)")
+        text += (" (int8-group matrices run without a fast kernel unless bf16 on CPU: where they are most of "
+                 "the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)")
     return text
