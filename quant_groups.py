@@ -35,7 +35,7 @@ from runtime import release_memory
 HEAD_NOTE = "an int8-group output head runs as two int4 halves in bf16 on CPU, else in the activations' dtype"
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
 PAIR_GROUPS = (32, 64, 128, 256)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
-PACK_ROWS = 4096  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
+PACK_ROWS = 1024  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> torch.Tensor:
@@ -251,6 +251,7 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict
         p = packed["embed_tokens"]
         model.lm_head = _head(p, dtype, device)
         kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
+    release_memory()
     return kept
 
 

@@ -281,8 +281,9 @@ def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quant
 
 def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None, kept=None):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout.
-    A tensor may be a quant_groups.Packed: that layer is built at the file's own bits, and
-    `kept` (a dict, if given) gets {layer kind: {"<file type> -> <layer>"}}."""
+    A tensor may be a quant_groups.Packed: that layer is built at the file's own bits as soon as
+    it (and its bias) has arrived, so decoded copies never pile up, and `kept` (a dict, if given)
+    gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
 
 
@@ -302,7 +303,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
-    state, packed = {}, {}
+    state, packed, routes, streamed = {}, {}, {}, set()
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
         progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
@@ -314,9 +315,15 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         if isinstance(tensor, quant_groups.Packed):
             if tuple(tensor.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
-            packed[name.removesuffix(".weight")] = tensor
-            if len(packed) % 32 == 0:
-                release_memory()  # the block decoding's temporaries
+            key = name.removesuffix(".weight")
+            packed[key] = tensor
+            if key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
+                # built at once: the decoded copies and the layers never pile up (peak memory)
+                for leaf, r in quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False).items():
+                    routes.setdefault(leaf, set()).update(r)
+                streamed.add(key)
+            if (len(packed) + len(streamed)) % 8 == 0:
+                release_memory()  # the block decoding's and the packing's temporaries
             bar.update(tensor.nbytes())
             continue
         if tuple(tensor.shape) != tuple(expected[name]):
@@ -328,15 +335,16 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
-    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed]
+    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed.keys() | streamed]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
     if quant:
         quantize.install(model, state, quant, dtype, device)
-    installed = quant_groups.install(model, packed, state, dtype, device, tied)
+    for leaf, r in quant_groups.install(model, packed, state, dtype, device, tied).items():
+        routes.setdefault(leaf, set()).update(r)
     if kept is not None:
-        kept.update(installed)
+        kept.update(routes)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight

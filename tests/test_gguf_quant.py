@@ -183,6 +183,21 @@ def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
     assert error <= 2 * bf16_error, (error, bf16_error)  # bf16 scales cost no more than bf16 weights, within 2x
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_layers_with_biases_at_their_bits_equal_the_float_model(tmp_path, qtype):
+    """qwen2's q/k/v carry biases: a layer whose bias comes later in the file is built once it is
+    there (weights.build builds the others as they arrive, so decoded copies never pile up)."""
+    hf = hf_model("qwen2")
+    path = write_gguf(hf, tmp_path / "q.gguf", arch="qwen2", qtype=qtype)
+    kept, info = weights.load(path)
+    ref, _ = weights.load(path, dequantize=True)
+    q = kept.layers[0].self_attn.q_proj
+    assert isinstance(q, quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear), info.kept
+    assert torch.equal(q.bias, ref.layers[0].self_attn.q_proj.bias)
+    a, b = logits(kept), logits(ref)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
+
+
 def test_embedded_q4_1_runs_as_int4_group_32(embedded):
     """The default model at its own bits: every decoder matrix an Int4Linear of groups of 32 whose
     values are the file's (the float reference is the same file dequantized), and the logits of
