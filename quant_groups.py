@@ -230,10 +230,9 @@ class Packed:
         return head
 
 
-def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict:
+def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: dict):
     """Replace the layers whose weights came as Packed ({module name: Packed}; their biases popped
-    from `state`). Returns {layer kind: {"<file type> -> <what runs>"}} for the load line."""
-    kept = {}
+    from `state`); `kept` gets {layer kind: {"<file type> -> <what runs>"}} for the load line."""
     for i, name in enumerate(list(packed)):
         if i % 32 == 31:
             release_memory()  # the int4 packing's temporaries, before they pile up
@@ -252,7 +251,6 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool) -> dict
         model.lm_head = _head(p, dtype, device)
         kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
     release_memory()
-    return kept
 
 
 def _head(p: Packed, dtype, device) -> nn.Module:

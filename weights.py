@@ -286,7 +286,6 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
 
-
     with torch.device("meta"):
         model = Transformer(config)
     expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
@@ -303,7 +302,13 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
-    state, packed, routes, streamed = {}, {}, {}, set()
+    state, packed, built, kept = {}, {}, set(), {} if kept is None else kept
+
+    def build_when_ready(key):  # a layer kept at its bits, once its weight and its bias (if any) are in
+        if key in packed and key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
+            quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False, kept)
+            built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)
+
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
         progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
@@ -315,15 +320,8 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         if isinstance(tensor, quant_groups.Packed):
             if tuple(tensor.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
-            key = name.removesuffix(".weight")
-            packed[key] = tensor
-            if key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
-                # built at once: the decoded copies and the layers never pile up (peak memory)
-                for leaf, r in quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False).items():
-                    routes.setdefault(leaf, set()).update(r)
-                streamed.add(key)
-            if (len(packed) + len(streamed)) % 8 == 0:
-                release_memory()  # the block decoding's and the packing's temporaries
+            packed[name.removesuffix(".weight")] = tensor
+            build_when_ready(name.removesuffix(".weight"))
             bar.update(tensor.nbytes())
             continue
         if tuple(tensor.shape) != tuple(expected[name]):
@@ -333,18 +331,17 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         if name in qdtypes and tensor.dtype != qdtypes[name]:
             raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
         state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
+        build_when_ready(name.removesuffix(".bias"))
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
-    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed.keys() | streamed]
+    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed.keys() | built
+               and n.removesuffix(".bias") not in built]  # a built layer took its bias from `state`
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
     if quant:
         quantize.install(model, state, quant, dtype, device)
-    for leaf, r in quant_groups.install(model, packed, state, dtype, device, tied).items():
-        routes.setdefault(leaf, set()).update(r)
-    if kept is not None:
-        kept.update(routes)
+    quant_groups.install(model, packed, state, dtype, device, tied, kept)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
