@@ -89,8 +89,9 @@ def main():
     tokenizer = load_tokenizer(info.source)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         text = tokenizer.encode(f.read())
+    bits = " at the file's bits" if args.kept else ""
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"{args.dtype + (" at the file's bits" if args.kept else '')} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
+          f"{args.dtype}{bits} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
           f"{'compiled' if args.compile else 'eager'}")
     rows = []
     for B in args.batches:

@@ -51,6 +51,20 @@ def test_every_file_has_a_floor():
     assert set(project_files()) == set(ORDER), "add new files to ORDER at their floor"
 
 
+def test_every_python_file_parses_on_this_python():
+    """Benchmarks and tests too, which nothing imports: an f-string nesting its own quotes (a
+    Python 3.12 feature) once broke a benchmark on 3.11 while the suite passed."""
+    bad = []
+    for folder in (ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "tests")):
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".py"):
+                try:
+                    ast.parse(open(os.path.join(folder, f)).read(), filename=f)
+                except SyntaxError as e:
+                    bad.append(f"{os.path.relpath(os.path.join(folder, f), ROOT)}:{e.lineno}: {e.msg}")
+    assert not bad, f"Python {sys.version.split()[0]} cannot parse:\n" + "\n".join(bad)
+
+
 def test_library_files_import_only_downward():
     problems = []
     for name in ORDER:
