@@ -9,10 +9,11 @@ its block table, and grows one block at a time. Position p of a sequence lives a
 
     block = block_table[p // block_size],  offset = p % block_size   (at most block_size - 1 slots wasted)
 
-    k_pool[layer], v_pool[layer]  [num_blocks, block_size, Hkv, D]
+    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see attend)
+    v_pool[layer]  [num_blocks, block_size, Hkv, D]
 
 Block 0 is the null block: never handed out, it is where padding tokens write and what unused
-entries of a block table point at (they are gathered but masked, so what it holds never matters).
+entries of a block table point at (they are read but masked, so what it holds never matters).
 
 Batch layout. A ragged batch (decodes of one token next to prefill chunks of hundreds) is
 flattened: tokens [1, N], every token of every sequence side by side, so the linear layers do no
@@ -25,10 +26,16 @@ generate.py's rectangular batches need no groups: with `groups = None` the whole
 one group over `block_tables`.
 
 Per-step metadata the caller sets before the forward: `groups` (the block tables; their width W,
-in blocks, is the gather width: the longest context in the group rounded up to a power of two,
+in blocks, is the attend width: the longest context in the group rounded up to a power of two,
 never the model's whole context). Slot mappings are derived from the positions inside `attend`
 (above), so a compiled decode step needs no host work per token. Padding rows point at the null
 block at position 0.
+
+Attention reads a group's W blocks. Prefill chunks (T > 1) gather them into one contiguous
+[rows, Hkv, W * block_size, D] copy for SDPA, whose matrix products then run at full rate.
+Decode rows (T = 1) on CPU read the pool in place with F.embedding_bag (_decode_in_place): at 64
+rows the gather-then-SDPA route spent about as long on attention as on the GEMMs, writing a copy
+of every block and reading it twice. Either way a step's attention costs rows x W blocks.
 
 Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
 so equal hashes mean equal whole prefixes. A new request reuses every cached block of its longest
@@ -207,14 +214,15 @@ class PagedKVCache:
     inputs."""
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None):
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        # zeros, not empty: gathered-but-masked slots must hold finite numbers (0 * NaN is NaN)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
+        # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (attend)
+        self.k = [torch.zeros(num_blocks, n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
+        self._bag_cache = (None, None)  # (block table, its rows for _decode_in_place)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
@@ -273,26 +281,69 @@ class PagedKVCache:
         # q [R, T, H, D]; k, v [R, T, Hkv, D]; pos [R, T]; table [R, W] -> [R, T, H, D]
         pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
-        pool_k[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
+        pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
         R, W = table.shape
-        L = W * bs  # the gather width: this group's blocks, not the model's context
-        # each table entry picks one block, [R, W] -> [R, W * bs, Hkv, D] -> [R, Hkv, L, D]; slots
-        # beyond each query's position are masked. F.embedding is the gather: it copies whole rows
-        # (a block is one contiguous row of the pool), several times faster than pool[table] on CPU.
-        k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, L, *pool_k.shape[2:]).transpose(1, 2)
-        v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, *pool_v.shape[2:]).transpose(1, 2)
-        mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]
-        if (R == 1 and q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
-                and torch.compiler.is_compiling()):
-            # batch 1 compiled only: the SDPA call below, softmax(q k^T / sqrt(D) + mask) v, as the
-            # one-token reductions of kv_cache.py (decode_attention). as_strided makes Inductor
-            # write the gathered blocks out first (one vectorised copy) instead of fusing the gather
-            # into the reductions, whose indirect loads ran 1.5x slower.
+        T, H, D = q.shape[1:]
+        Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
+        fused = R == 1 and L <= FUSED_DECODE_MAX_SLOTS and torch.compiler.is_compiling()
+        if T == 1 and q.device.type == "cpu" and not fused:
+            return self._decode_in_place(pool_k, pool_v, q, pos, table)
+        # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
+        # F.embedding is the gather, several times faster than pool[table] on CPU.
+        k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, W, Hkv, D, bs)
+        k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
+        v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
+        mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]: slots beyond each query's position
+        if T == 1 and q.device.type == "cpu":  # fused
+            # batch 1 compiled: the SDPA call below as the one-token reductions of kv_cache.py
+            # (decode_attention). as_strided makes Inductor write the gathered blocks out first (one
+            # vectorised copy) instead of fusing the gather into the reductions (1.5x slower).
             k_ctx, v_ctx = k_ctx.as_strided(k_ctx.shape, k_ctx.stride()), v_ctx.as_strided(v_ctx.shape, v_ctx.stride())
             return decode_attention(q, k_ctx, v_ctx, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)
+
+    def _decode_in_place(self, pool_k, pool_v, q, pos, table):
+        """One query token per row, reading K and V where they lie in the pool: no gathered copy.
+
+        F.embedding_bag(indices, rows, per_sample_weights) sums weighted rows picked by index,
+        which is both halves of attention over a block table. Scores: the K pool holds each
+        block transposed, [Hkv, D, bs], so the D rows of one head's block weighted by that query
+        head's q sum to its bs scores. Output: V's rows are one token's one head, weighted by the
+        softmax. Each byte of the pool is read once (the G query heads sharing a KV head read it
+        from cache); the gather-then-SDPA route wrote a copy and read it twice (on CPU, SDPA's
+        bf16 kernel at one query token ran 5x slower than this).
+
+        q [R, 1, H, D]; pos [R, 1]; table [R, W] -> [R, 1, H, D]"""
+        R, _, H, D = q.shape
+        W, bs, Hkv = table.shape[1], self.block_size, pool_v.shape[2]
+        k_index, v_index = self._bag_indices(table, H, Hkv, D)
+        weights = (q.view(R, H, 1, D) * D**-0.5).to(pool_k.dtype).expand(R, H, W, D).reshape(-1, D)
+        scores = F.embedding_bag(k_index, pool_k.view(-1, bs), mode="sum", per_sample_weights=weights)
+        scores = scores.view(R, H, W * bs).to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(self.slots[:W * bs] > pos[:, :, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(pool_v.dtype)  # [R, H, L]
+        y = F.embedding_bag(v_index, pool_v.view(-1, D), mode="sum", per_sample_weights=p.view(R * H, -1))
+        return y.view(R, 1, H, D).to(q.dtype)
+
+    def _bag_indices(self, table, H, Hkv, D):
+        """The rows _decode_in_place sums, from a block table [R, W]: K's [R * H * W, D] (query
+        head h of row r, block w: the D rows of its KV head's transposed block) and V's
+        [R * H, L] (the L tokens' rows of its KV head). Every layer reads the same table, so
+        eager steps build them once per table."""
+        if not torch.compiler.is_compiling() and self._bag_cache[0] is table:
+            return self._bag_cache[1]
+        R, W = table.shape
+        bs, G = self.block_size, H // Hkv
+        kv_head = torch.arange(H, device=table.device) // G  # [H]
+        k_index = ((table[:, None, :] * Hkv + kv_head[:, None])[..., None] * D
+                   + torch.arange(D, device=table.device))  # [R, H, W, D]
+        slot = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).view(R, 1, W * bs)
+        v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
+        out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
+        if not torch.compiler.is_compiling():
+            self._bag_cache = (table, out)
+        return out
 
 
 def available_memory(device: str) -> int:

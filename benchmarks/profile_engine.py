@@ -30,7 +30,7 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
     ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "onednn", "mkldnn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::embedding", "aten::index", "aten::gather",
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::embedding", "embedding_bag", "aten::index", "aten::gather",
                    "aten::masked_fill", "aten::where", "aten::scatter", "index_put")),
     ("sampling", ("aten::argmax", "aten::softmax", "aten::multinomial", "aten::topk", "aten::sort", "log_softmax")),
     ("host syncs", ("aten::item", "_local_scalar_dense", "aten::tolist")),
