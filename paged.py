@@ -222,7 +222,7 @@ class PagedKVCache:
         self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
-        self._bag_cache = (None, None)  # (block table, its rows for _decode_in_place)
+        self._bag_cache = (None, None, None)  # (id, version, rows) of the last block table _decode_in_place read
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
@@ -321,8 +321,9 @@ class PagedKVCache:
         k_index, v_index = self._bag_indices(table, H, Hkv, D)
         weights = (q.view(R, H, 1, D) * D**-0.5).to(pool_k.dtype).expand(R, H, W, D).reshape(-1, D)
         scores = F.embedding_bag(k_index, pool_k.view(-1, bs), mode="sum", per_sample_weights=weights)
-        scores = scores.view(R, H, W * bs).to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(self.slots[:W * bs] > pos[:, :, None], float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(pool_v.dtype)  # [R, H, L]
+        scores = scores.view(R, H, W * bs).to(torch.promote_types(scores.dtype, torch.float32))  # float64 stays
+        p = torch.softmax(scores.masked_fill(self.slots[:W * bs] > pos[:, :, None], float("-inf")), dim=-1)
+        p = p.to(pool_v.dtype)  # [R, H, L]
         y = F.embedding_bag(v_index, pool_v.view(-1, D), mode="sum", per_sample_weights=p.view(R * H, -1))
         return y.view(R, 1, H, D).to(q.dtype)
 
@@ -330,9 +331,9 @@ class PagedKVCache:
         """The rows _decode_in_place sums, from a block table [R, W]: K's [R * H * W, D] (query
         head h of row r, block w: the D rows of its KV head's transposed block) and V's
         [R * H, L] (the L tokens' rows of its KV head). Every layer reads the same table, so
-        eager steps build them once per table."""
-        if not torch.compiler.is_compiling() and self._bag_cache[0] is table:
-            return self._bag_cache[1]
+        eager steps build them once per table (and again if it is changed in place)."""
+        if not torch.compiler.is_compiling() and self._bag_cache[:2] == (id(table), table._version):
+            return self._bag_cache[2]
         R, W = table.shape
         bs, G = self.block_size, H // Hkv
         kv_head = torch.arange(H, device=table.device) // G  # [H]
@@ -342,7 +343,7 @@ class PagedKVCache:
         v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
         out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
         if not torch.compiler.is_compiling():
-            self._bag_cache = (table, out)
+            self._bag_cache = (id(table), table._version, out, table)  # holding table keeps its id unique
         return out
 
 
