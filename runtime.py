@@ -93,10 +93,24 @@ def inductor_vector_bits():
     return want if want in widths else None  # None: Inductor's own choice (other CPUs)
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (and ATen may use them: ATEN_CPU_CAPABILITY not lowered)."""
+    return cpu_capability() == "AVX512" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
 def autotune(model) -> bool:
-    """Whether max-autotune pays for this model: not where a layer says it does not (int4's
-    kernel gains nothing from it and its search takes many GiB)."""
-    return all(getattr(m, "compile_autotune", True) for m in model.modules())
+    """Whether max-autotune pays for this model on this CPU, as measured (benchmarks/RESULTS.md,
+    "Batch-1 speed by instruction set"): not where a layer says it does not (int4's kernel gains
+    nothing from it and its search takes many GiB); not for a model whose matrices are all bf16 on
+    an AVX-512 CPU without AMX, where Inductor's bf16 GEMM templates ran slower than the oneDNN
+    kernels freezing prepacks (98.9 vs 82.4 tok/s at batch 1, and half the compile time). Float32
+    gained 1.8-3.1x from it, int8 1.07-1.16x, bf16 1.05x under AVX2; AMX is what it is for."""
+    if not all(getattr(m, "compile_autotune", True) for m in model.modules()):
+        return False
+    matrices = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                and m.weight.dim() == 2]
+    dense_bf16 = all(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in matrices)
+    return not (dense_bf16 and cpu_capability() == "AVX512" and not has_amx())
 
 
 def compile_decode(device: str, fn=decode_one, autotune: bool = True):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import generate
+import quantize
 import runtime
 import weights
 from helpers import tiny_checkpoint
@@ -49,6 +50,27 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
         again, _ = generate.generate(model, fresh, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
     assert ours == eager == again
     assert len(ours[0]) == 21
+
+
+def test_max_autotune_is_chosen_per_model_and_cpu(tiny, monkeypatch):
+    """runtime.autotune follows the measurements (RESULTS.md): off for all-bf16 matrices on an
+    AVX-512 CPU without AMX, and for int4; on for float32, int8, bf16 with AMX or under AVX2."""
+    fp32, _ = weights.load(tiny)
+    bf16, _ = weights.load(tiny, dtype=torch.bfloat16)
+    int8, _ = weights.load(tiny, dtype=torch.bfloat16)
+    quantize.quantize_model(int8, "int8")
+    int4, _ = weights.load(tiny, dtype=torch.bfloat16)
+    quantize.quantize_model(int4, "int4", 32)
+    table = {  # (capability, AMX): autotune for fp32, bf16, int8, int4
+        ("AVX512", False): (True, False, True, False),
+        ("AVX512", True): (True, True, True, False),
+        ("AVX2", False): (True, True, True, False),
+    }
+    for (cap, amx), want in table.items():
+        monkeypatch.setattr(runtime, "cpu_capability", lambda cap=cap: cap)
+        monkeypatch.setattr(runtime, "has_amx", lambda amx=amx: amx)
+        got = tuple(runtime.autotune(m) for m in (fp32, bf16, int8, int4))
+        assert got == want, f"{cap}, AMX {amx}: {got}"
 
 
 @pytest.mark.isa
