@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 
 # Compiled one-token CPU steps over caches up to this many slots use decode_attention (cheaper
-# than the flash kernel's fixed cost per call); longer caches use SDPA, which streams them faster.
+# than the flash kernel's fixed cost per call); longer ones, and eager steps, use SDPA in float32
+# and grouped_decode_attention in bf16/fp16 (where SDPA's one-token kernel is slow).
 FUSED_DECODE_MAX_SLOTS = 1024
 MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
 
@@ -118,11 +119,13 @@ class StaticKVCache:
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
         k_cache, v_cache = self.k[layer][:, :, :L], self.v[layer][:, :, :L]  # [B, Hkv, L, D]
         mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
-        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
-                and torch.compiler.is_compiling()):
-            # compiled CPU decode only: the same maths as the SDPA call below, softmax(q k^T / sqrt(D)
-            # + mask) v, written as two reductions Inductor fuses (decode_attention)
-            return decode_attention(q, k_cache, v_cache, mask)
+        if q.shape[1] == 1 and q.device.type == "cpu":
+            if L <= FUSED_DECODE_MAX_SLOTS and torch.compiler.is_compiling():
+                # compiled CPU decode: the same maths as the SDPA call below, softmax(q k^T / sqrt(D)
+                # + mask) v, written as two reductions Inductor fuses (decode_attention)
+                return decode_attention(q, k_cache, v_cache, mask)
+            if k_cache.dtype in (torch.bfloat16, torch.float16):
+                return grouped_decode_attention(q, k_cache, v_cache, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)  # [B, T, H, D]
 
@@ -150,6 +153,22 @@ def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
         p = p * v_scale[:, :, None, :, 0].float()
     y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
     return y.reshape(B, 1, H, D).to(q.dtype)
+
+
+def grouped_decode_attention(q, k_cache, v_cache, mask):
+    """One query token's attention as two batched matrix products, the query heads of each KV head
+    stacked as the rows of one product (no K/V repeated per head), softmax in float32. On CPU in
+    bf16, SDPA's kernel at one query token ran 7x slower than this (53 against 7.4 ms for 30
+    layers over 4,000 positions; float32: about equal, so float32 keeps SDPA).
+
+    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D] (views are fine); mask [B, 1, 1, S] -> [B, 1, H, D]"""
+    B, _, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k_cache.transpose(-1, -2))  # [B, Hkv, G, S]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D**-0.5
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v_cache.dtype)
+    return torch.matmul(p, v_cache).reshape(B, 1, H, D)
 
 
 def quantize_per_token(x: torch.Tensor):

@@ -260,6 +260,25 @@ def test_decode_attention_equals_sdpa(int8):
 
 
 @pytest.mark.isa
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_grouped_decode_attention_equals_sdpa(dtype):
+    """The bf16 one-token route of kv_cache.py (two grouped matmuls) against SDPA in float64 on
+    the same values; on a slice of a longer cache, as StaticKVCache.attend passes it."""
+    from kv_cache import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, H, S, D = 3, 2, 6, 64, 16
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, S + 8, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.arange(S) <= torch.tensor([0, 17, 63])[:, None, None, None]  # [B, 1, 1, S]
+    y = grouped_decode_attention(q, k[:, :, :S], v[:, :, :S], mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), k[:, :, :S].double(), v[:, :, :S].double(), attn_mask=mask, enable_gqa=True)
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(y.double(), ref.transpose(1, 2), atol=tol, rtol=tol)
+
+
+@pytest.mark.isa
 def test_compiled_int8_kv_decode_equals_eager(tiny):
     import torch._dynamo
 
