@@ -17,6 +17,9 @@ The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
 at position p sees slots 0..p, which is causal attention within the step and full attention to
 the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+One-token CPU steps take other routes to the same maths: compiled ones over up to 1,024 slots
+decode_attention (reductions Inductor fuses), bf16/fp16 ones grouped_decode_attention (two
+matmuls with each KV head's query heads stacked; SDPA's one-token bf16 kernel is slow on CPU).
 
 Cost follows the tokens in use, not the capacity. Before a step its caller (generate.generate,
 which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
@@ -182,7 +185,8 @@ class Int8KVCache(StaticKVCache):
 
     A one-token decode step under torch.compile runs decode_attention on the int8 cache directly
     (Inductor fuses the int8 -> float conversion into its loops), so the step reads half the
-    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA."""
+    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA (eager bf16 decode:
+    grouped_decode_attention)."""
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
         super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device)
@@ -208,6 +212,8 @@ class Int8KVCache(StaticKVCache):
             # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
         kf, vf = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale
+        if q.shape[1] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            return grouped_decode_attention(q, kf, vf, mask)  # as StaticKVCache.attend
         y = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)
 

@@ -165,7 +165,7 @@ def main():
                     else "-".join(sorted({str(attend_len_for(n, slots)), str(attend_len_for(n + args.new_tokens - 1, slots))}, key=int)))
         same = sum(a == b for a, b in zip(agree[(label, n)], agree[("ours eager", n)]))
         print(f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | {med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
-              f"{med / hf_med:.2f}x | {same}/{args.new_tokens} |", flush=True)
+              f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | {same}/{args.new_tokens} |", flush=True)
 
 
 if __name__ == "__main__":
