@@ -51,7 +51,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from kv_cache import FUSED_DECODE_MAX_SLOTS, bucket, decode_attention, kv_bytes_per_token
+from kv_cache import bucket, kv_bytes_per_token
 
 NULL_BLOCK = 0
 
@@ -286,8 +286,7 @@ class PagedKVCache:
         R, W = table.shape
         T, H, D = q.shape[1:]
         Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
-        fused = R == 1 and L <= FUSED_DECODE_MAX_SLOTS and torch.compiler.is_compiling()
-        if T == 1 and q.device.type == "cpu" and not fused:
+        if T == 1 and q.device.type == "cpu":
             return self._decode_in_place(pool_k, pool_v, q, pos, table)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
         # F.embedding is the gather, several times faster than pool[table] on CPU.
@@ -295,12 +294,6 @@ class PagedKVCache:
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
         mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]: slots beyond each query's position
-        if T == 1 and q.device.type == "cpu":  # fused
-            # batch 1 compiled: the SDPA call below as the one-token reductions of kv_cache.py
-            # (decode_attention). as_strided makes Inductor write the gathered blocks out first (one
-            # vectorised copy) instead of fusing the gather into the reductions (1.5x slower).
-            k_ctx, v_ctx = k_ctx.as_strided(k_ctx.shape, k_ctx.stride()), v_ctx.as_strided(v_ctx.shape, v_ctx.stride())
-            return decode_attention(q, k_ctx, v_ctx, mask)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
         return y.transpose(1, 2)
 

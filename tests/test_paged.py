@@ -97,7 +97,8 @@ def test_generate_paged_equals_static(tiny64):
 
 @pytest.mark.isa
 def test_compiled_paged_decode_equals_eager(tiny64):
-    """The compiled one-token step (gather, then Inductor's fused reductions on CPU) gives eager's tokens."""
+    """The compiled one-token step (the in-place read, embedding_bag as an ATen call inside
+    Inductor's graph) gives eager's tokens."""
     import torch._dynamo
 
     torch._dynamo.reset()
