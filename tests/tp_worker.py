@@ -4,6 +4,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 PROMPT = [[3, 17, 42, 7, 99, 5, 23, 8]]
@@ -11,6 +12,9 @@ PROMPT = [[3, 17, 42, 7, 99, 5, 23, 8]]
 
 def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_decode=False, quantize=None):
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    # and compile in process: Inductor's pool of compile workers (2 on a 2-core machine) once
+    # aborted a rank ("terminate called without an active exception") in a full-suite run
+    torch._inductor.config.compile_threads = 1
     out = Path(out_dir)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))
