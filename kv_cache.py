@@ -122,15 +122,12 @@ class StaticKVCache:
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
         k_cache, v_cache = self.k[layer][:, :, :L], self.v[layer][:, :, :L]  # [B, Hkv, L, D]
         mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
-        if q.shape[1] == 1 and q.device.type == "cpu":
-            if L <= FUSED_DECODE_MAX_SLOTS and torch.compiler.is_compiling():
-                # compiled CPU decode: the same maths as the SDPA call below, softmax(q k^T / sqrt(D)
-                # + mask) v, written as two reductions Inductor fuses (decode_attention)
-                return decode_attention(q, k_cache, v_cache, mask)
-            if k_cache.dtype in (torch.bfloat16, torch.float16):
-                return grouped_decode_attention(q, k_cache, v_cache, mask)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        return y.transpose(1, 2)  # [B, T, H, D]
+        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
+                and torch.compiler.is_compiling()):
+            # compiled CPU decode: the same maths as `attention`, softmax(q k^T / sqrt(D) + mask) v,
+            # written as two reductions Inductor fuses (decode_attention)
+            return decode_attention(q, k_cache, v_cache, mask)
+        return attention(q, k_cache, v_cache, mask)
 
     def reset(self):
         for t in self.tensors():
@@ -156,6 +153,17 @@ def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
         p = p * v_scale[:, :, None, :, 0].float()
     y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
     return y.reshape(B, 1, H, D).to(q.dtype)
+
+
+def attention(q, k_cache, v_cache, mask):
+    """softmax(q k^T / sqrt(D) + mask) v, K/V never repeated per query head: SDPA (enable_gqa),
+    but grouped_decode_attention for a bf16/fp16 one-token step on CPU.
+
+    q [B, T, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, T, S] -> [B, T, H, D]"""
+    if q.shape[1] == 1 and q.device.type == "cpu" and k_cache.dtype in (torch.bfloat16, torch.float16):
+        return grouped_decode_attention(q, k_cache, v_cache, mask)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    return y.transpose(1, 2)
 
 
 def grouped_decode_attention(q, k_cache, v_cache, mask):
@@ -185,8 +193,7 @@ class Int8KVCache(StaticKVCache):
 
     A one-token decode step under torch.compile runs decode_attention on the int8 cache directly
     (Inductor fuses the int8 -> float conversion into its loops), so the step reads half the
-    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call SDPA (eager bf16 decode:
-    grouped_decode_attention)."""
+    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call `attention`."""
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
         super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device)
@@ -211,11 +218,7 @@ class Int8KVCache(StaticKVCache):
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
-        kf, vf = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale
-        if q.shape[1] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            return grouped_decode_attention(q, kf, vf, mask)  # as StaticKVCache.attend
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, attn_mask=mask, enable_gqa=True)
-        return y.transpose(1, 2)
+        return attention(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale, mask)
 
 
 class NoCache:

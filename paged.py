@@ -51,7 +51,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from kv_cache import bucket, kv_bytes_per_token
+from kv_cache import attention, bucket, kv_bytes_per_token
 
 NULL_BLOCK = 0
 
@@ -222,7 +222,7 @@ class PagedKVCache:
         self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
-        self._bag_cache = (None, None, None)  # (id, version, rows) of the last block table _decode_in_place read
+        self._bag_cache = (None, None, None)  # (block table, its version, its rows) last read by _decode_in_place
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
@@ -294,8 +294,7 @@ class PagedKVCache:
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
         mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]: slots beyond each query's position
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, enable_gqa=True)
-        return y.transpose(1, 2)
+        return attention(q, k_ctx, v_ctx, mask)
 
     def _decode_in_place(self, pool_k, pool_v, q, pos, table):
         """One query token per row, reading K and V where they lie in the pool: no gathered copy.
@@ -325,8 +324,9 @@ class PagedKVCache:
         head h of row r, block w: the D rows of its KV head's transposed block) and V's
         [R * H, L] (the L tokens' rows of its KV head). Every layer reads the same table, so
         eager steps build them once per table (and again if it is changed in place)."""
-        if not torch.compiler.is_compiling() and self._bag_cache[:2] == (id(table), table._version):
-            return self._bag_cache[2]
+        cached_table, version, rows = self._bag_cache
+        if not torch.compiler.is_compiling() and cached_table is table and version == table._version:
+            return rows
         R, W = table.shape
         bs, G = self.block_size, H // Hkv
         kv_head = torch.arange(H, device=table.device) // G  # [H]
@@ -336,7 +336,7 @@ class PagedKVCache:
         v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
         out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
         if not torch.compiler.is_compiling():
-            self._bag_cache = (id(table), table._version, out, table)  # holding table keeps its id unique
+            self._bag_cache = (table, table._version, out)
         return out
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 import fuse_layers  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
-from bench_serving import corpus, window  # noqa: E402
+from bench_serving import corpus, run_hf_static, window  # noqa: E402
 from scheduler import Engine, RequestParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -53,20 +53,6 @@ def run_ours(model, prompts, news):
         engine.step()
     elapsed = time.perf_counter() - start
     return elapsed, [engine.requests[i].seqs[0].output for i in ids], engine.stats["steps"]
-
-
-def run_hf_static(hf, prompts, news, batch_size=16, pad_id=0):
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        ps, ns = prompts[i:i + batch_size], news[i:i + batch_size]
-        width = max(map(len, ps))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
-                              do_sample=False, pad_token_id=pad_id)
-        outs += [row[width:width + n].tolist() for row, n in zip(out, ns)]
-    return time.perf_counter() - start, outs
 
 
 def run_hf_continuous(hf, prompts, news):
@@ -110,7 +96,8 @@ def main():
         for name in args.workloads:
             prompts, news = workload(name, ids)
             results = {}
-            results["HF generate, static batches of 16"] = run_hf_static(hf, prompts, news)
+            static = run_hf_static(hf, prompts, news)
+            results["HF generate, static batches of 16"] = static["elapsed"], static["outputs"]
             results["HF generate_batch (continuous)"] = run_hf_continuous(hf, prompts, news)
             secs, outs, steps = run_ours(ours_model, prompts, news)
             results[f"ours: scheduler.Engine ({steps} steps)"] = secs, outs

@@ -88,18 +88,20 @@ def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
 
 
 def run_hf_static(hf, prompts, news, batch_size=16, pad_id=0) -> dict:
-    """HF generate in left-padded static batches; counts only the tokens each request asked for."""
-    start = time.perf_counter()
+    """HF generate in left-padded static batches; counts only the tokens each request asked for
+    (and returns them, per request, as "outputs")."""
+    outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         ps, ns = prompts[i:i + batch_size], news[i:i + batch_size]
         width = max(map(len, ps))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
-                        do_sample=False, pad_token_id=pad_id)
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
+                              do_sample=False, pad_token_id=pad_id)
+        outputs += [row[width:width + n].tolist() for row, n in zip(out, ns)]
     elapsed = time.perf_counter() - start
-    return {"elapsed": elapsed, "out_tps": sum(news) / elapsed}
+    return {"elapsed": elapsed, "out_tps": sum(news) / elapsed, "outputs": outputs}
 
 
 def batch1_decode(model, prompt, n, compiled: bool) -> float:
