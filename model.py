@@ -56,9 +56,11 @@ class ModelConfig:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation speeds [head_dim/2], with the checkpoint's frequency scaling applied."""
+    """Per-pair rotation speeds [head_dim/2], with the checkpoint's frequency scaling applied.
+    Computed on the CPU whatever the default device (on meta tensors this arithmetic would import
+    the compiler stack); the caller moves it."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -77,7 +79,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, smoothed, scaled)
     if kind == "freq_factors":  # GGUF's rope_freqs.weight: one divisor per pair, precomputed
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     raise ValueError(f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
@@ -181,7 +183,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Not a parameter: rebuilt from config wherever the model is created, never loaded.
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(self.norm.weight.device), persistent=False)
 
     def rope(self, input_pos: torch.Tensor):
         # input_pos [B, T] -> cos, sin [B, T, D], computed in float32 then cast like the reference

@@ -279,6 +279,19 @@ def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quant
     return model, info
 
 
+class _NoInit(torch.overrides.TorchFunctionMode):
+    """Modules built on the meta device have nothing to fill: their in-place initialisers are
+    skipped. On meta tensors nn.Embedding's normal_ runs a Python reference that imports the
+    compiler stack (torch._dynamo, sympy, about 100 MiB resident), which eager runs never need."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")  # nn.init's functions pass it by name
+        if getattr(func, "__name__", "") in ("normal_", "uniform_") and getattr(tensor, "is_meta", False):
+            return tensor
+        return func(*args, **kwargs)
+
+
 def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None, kept=None):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout.
     A tensor may be a quant_groups.Packed: that layer is built at the file's own bits as soon as
@@ -286,7 +299,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
 
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInit():
         model = Transformer(config)
     expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
     quantized, qdtypes = set(), {}

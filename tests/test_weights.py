@@ -65,6 +65,20 @@ def test_loaded_dtype_and_size(tiny):
     assert info.weight_bytes == sum(p.numel() * 2 for p in model.parameters())
 
 
+def test_eager_runs_never_import_the_compiler_stack(tiny):
+    """Loading (the model built on the meta device, RoPE set up) and eager steps leave torch._dynamo
+    and sympy unimported: about 100 MiB resident that only --compile needs. nn.Embedding's normal_
+    on meta tensors imported them until weights.build skipped initialisers."""
+    code = ("import sys, torch, weights, runtime; from kv_cache import StaticKVCache\n"
+            f"m, _ = weights.load_for_inference({str(tiny[1])!r}, dtype=torch.bfloat16)\n"
+            "c = StaticKVCache.for_model(m, 1, 64); runtime.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
+            "runtime.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
+            "print([n for n in ('torch._dynamo', 'sympy') if n in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_hub_id_through_a_real_offline_cache(tiny, tmp_path):
     """A Hub cache laid out as huggingface_hub lays it out, HF_HOME pointing at it, offline."""
     _, folder = tiny
