@@ -31,7 +31,11 @@ slots (powers of two and the points halfway between), so a step's attention read
 slots (e.g. 192 of 4096 with 130 in use): its cost grows with the tokens in use, linearly, plus
 the weights' fixed cost per step. A compiled step needs one graph per bucket reached (13 for a
 whole 8192-slot cache, 2 or 3 for a run of a few hundred tokens), never one per length.
-Eager steps need no buckets: `use_positions(n, round_up=False)` attends over exactly n slots.
+Eager steps need no graphs: `use_positions(n, round_up=False)` attends over n rounded up to a
+multiple of EAGER_SLOTS (256), at most 255 slots of padding. Not exactly n: each new length is a
+new matmul shape, and oneDNN keeps the kernels it builds per shape (two caches of up to 1,024
+entries, about 0.65 MiB per bf16 shape on CPU), so exact lengths grew a bf16 decode's resident
+memory by 1.3 MiB per token (benchmarks/RESULTS.md, "Resident memory").
 Measured (benchmarks/RESULTS.md, SmolLM2-135M bf16, one CPU thread, 8192 slots): eager decode at
 18.3 tok/s with 128 tokens in use (as fast as a 256-slot cache), 14.0 at 4096, 11.2 at 8000;
 attending over all 8192 slots ran at 11.2 with 128 in use.
@@ -53,6 +57,7 @@ import torch.nn.functional as F
 # and grouped_decode_attention in bf16/fp16 (where SDPA's one-token kernel is slow).
 FUSED_DECODE_MAX_SLOTS = 1024
 MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
+EAGER_SLOTS = 256  # eager steps attend over a multiple of this many slots (few matmul shapes)
 
 
 def bucket(n: int) -> int:
@@ -105,13 +110,15 @@ class StaticKVCache:
 
     def use_positions(self, n_positions, round_up: bool = True) -> int:
         """The next steps use positions < n_positions (None: any): attend reads only the prefix
-        attend_len_for(n_positions) of the slots, or exactly n_positions without round_up (eager
-        steps: no graphs to keep few). Returns that length. Under torch.compile the length is a
-        constant of the graph, so each length compiles (once) its own graph."""
+        attend_len_for(n_positions) of the slots, or without round_up (eager steps: no graphs to
+        keep few) n_positions rounded up to a multiple of EAGER_SLOTS. Returns that length. Under
+        torch.compile the length is a constant of the graph, so each length compiles its own graph."""
         if n_positions is None:
             self.attend_len = self.max_seq_len
+        elif round_up:
+            self.attend_len = attend_len_for(n_positions, self.max_seq_len)
         else:
-            self.attend_len = attend_len_for(n_positions, self.max_seq_len) if round_up else min(n_positions, self.max_seq_len)
+            self.attend_len = min(-(-n_positions // EAGER_SLOTS) * EAGER_SLOTS, self.max_seq_len)
         return self.attend_len
 
     def attend(self, layer, q, k, v, input_pos):
