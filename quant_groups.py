@@ -99,24 +99,29 @@ class Int8GroupLinear(nn.Module):
             quantize.check_int4_device(self.weight.device)
         except ValueError:  # no working int4 kernel under this CPU capability: keep int8
             return
-        q, s, (N, K) = self.weight, self.scales, self.weight.shape
+        q, (N, K) = self.weight, self.weight.shape
         # PACK_ROWS rows at a time: the op takes int32 values, 4 bytes per weight for a moment
         packed, layout = torch.empty(N, K, dtype=torch.uint8), None
+        sz = torch.empty(self.scales.shape[1] * (1 if self.groupsize == 16 else 2), N, 2, dtype=torch.bfloat16)
         for i in range(0, N, PACK_ROWS):
             values = self._nibbles(q[i:i + PACK_ROWS])
             packed[i:i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
             layout = layout or quantize.find_cpu_int4_layout(packed[i:i + PACK_ROWS], values)
             if layout is None:  # a layout this file cannot read back: keep int8 (dequantize needs the values)
                 return
+            sz[:, i:i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
         if not torch.equal(quantize.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values):  # the last chunk too
             return
-        if self.groupsize == 16:
-            sz = torch.stack([s, torch.zeros_like(s)], 2)  # [N, K/16 = 2K/32, 2]
-        else:
-            o = self.offsets if self.offsets is not None else torch.zeros_like(s)
-            sz = torch.stack([torch.cat([s, 16 * s], 1), torch.cat([8 * s, o], 1)], 2)  # [N, 2K/G, 2]
-        self.pair, self.pair_scales, self.layout = packed, sz.transpose(0, 1).to(torch.bfloat16).contiguous(), layout
+        self.pair, self.pair_scales, self.layout = packed, sz, layout
         self.weight = None
+
+    def _pair_scales(self, start: int, end: int) -> torch.Tensor:
+        """The kernel's (scale, zero) of rows start..end-1 (the layouts in the docstring): [R, 2K/G', 2]."""
+        s = self.scales[start:end]
+        if self.groupsize == 16:
+            return torch.stack([s, torch.zeros_like(s)], 2)  # [R, K/16 = 2K/32, 2]
+        o = self.offsets[start:end] if self.offsets is not None else torch.zeros_like(s)
+        return torch.stack([torch.cat([s, 16 * s], 1), torch.cat([8 * s, o], 1)], 2)  # [R, 2K/G, 2]
 
     def int8_values(self) -> torch.Tensor:
         """q int8 [N, K], read back from the nibble pair when that is what is stored."""
