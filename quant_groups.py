@@ -152,6 +152,8 @@ class Int8GroupLinear(nn.Module):
             if self.offsets is not None:
                 y = y + xg.sum(-1)[:, 0] @ self.offsets.t()  # sum_g offset[n, g] * sum_{k in g} x[k]
             y = y.to(x.dtype)
+        elif x2.shape[0] >= quantize.INT4_LARGE_M:
+            y = quantize.padded_linear(x2, self.dequantize().to(x.dtype))
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         y = y.reshape(*x.shape[:-1], self.out_features)

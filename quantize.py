@@ -44,6 +44,20 @@ GROUP_SIZES = (32, 64, 128, 256)
 # costs about as much as 60-150 rows of the kernel (Xeon AVX-512, 2 threads: 1536 x 576 int4 at 128
 # rows, kernel 1.7 ms, dequantize + GEMM 2.6 ms; a 49152 x 576 head 54 vs 217 ms; RESULTS.md)
 INT4_LARGE_M = 128
+GEMM_ROWS = 16  # those GEMMs' rows are padded to a multiple of this (padded_linear)
+
+
+def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x2 [M, K], w [N, K]) -> [M, N] with M padded to a multiple of GEMM_ROWS for a
+    bf16/fp16 CPU GEMM. oneDNN keeps the kernels it builds for every shape it sees (about 0.65
+    MiB per bf16 shape, up to 1,024 shapes per cache), and the engine's prefill steps have every
+    row count: without padding a server's resident memory grew about 300 MiB per 150 requests
+    (benchmarks/RESULTS.md, "Resident memory"). At most 15 extra rows on 128 or more."""
+    M = x2.shape[0]
+    pad = -M % GEMM_ROWS if x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16) else 0
+    if not pad:
+        return F.linear(x2, w)
+    return F.linear(F.pad(x2, (0, 0, 0, pad)), w)[:M]
 
 
 # ---- quantizing one weight to portable tensors ---------------------------------------------
@@ -237,7 +251,7 @@ class Int4Linear(nn.Module):
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
         if self.cpu and x2.shape[0] >= INT4_LARGE_M:
-            y = F.linear(x2, self.dequantize().to(x.dtype))
+            y = padded_linear(x2, self.dequantize().to(x.dtype))
         elif self.cpu:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.groupsize, self.scales_and_zeros)
         else:

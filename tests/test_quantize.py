@@ -53,6 +53,33 @@ def test_kernel_path_equals_dequantized_reference(mode, rows, dtype):
     torch.testing.assert_close(layer(x).float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
+def test_large_gemms_see_few_row_counts():
+    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of GEMM_ROWS in
+    bf16, so that oneDNN builds and keeps few kernels (one per shape): every row count from 128 to
+    160 reaches the GEMM as 128, 144 or 160 rows, with each row's result that of its own product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Rows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                seen.add(args[-2].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = quantize.make_layer(quantize.portable_tensors(torch.randn(64, 256) * 0.05, "int4", 64), None, "int4", 64,
+                                torch.bfloat16, "cpu")
+    w = layer.dequantize().to(torch.bfloat16)
+    for rows in range(128, 161):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        with Rows():
+            y = layer(x)
+        assert y.shape == (rows, 64)
+        torch.testing.assert_close(y.float(), (x.float() @ w.float().T), atol=2e-2, rtol=2e-2)
+    assert seen == {128, 144, 160}
+
+
 @pytest.mark.isa
 @pytest.mark.parametrize("n", [16, 48, 64, 96, 192, 208])
 def test_cpu_int4_unpack_inverts_the_packing_op(n):
