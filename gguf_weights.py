@@ -14,7 +14,8 @@ into integers and per-group scales without passing through float:
     Q6_K                    Int8GroupLinear, groups of 16     yes
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
     IQ* and others          refused, naming the tensor and its type
-    token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled)
+    token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled;
+                                   tied to a head kept as two int4 halves: rows read from those)
     output (int8-group types)      two int4 halves in bf16 on CPU, else float in --dtype
                                    (quant_groups.HEAD_NOTE, tied or not); int4 types keep int4
 

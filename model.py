@@ -218,7 +218,7 @@ class Transformer(nn.Module):
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step reads: an embedding table that is not also the output head
         is only indexed (one row), so it does not count."""
-        total = self.weight_bytes()
-        if getattr(self.lm_head, "weight", None) is not self.embed_tokens.weight:
+        total, head = self.weight_bytes(), getattr(self.lm_head, "weight", None)
+        if head is None or head is not self.embed_tokens.weight:  # (None: a head kept quantized)
             total -= sum(t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values())
         return total

@@ -128,10 +128,22 @@ class Int8GroupLinear(nn.Module):
         if self.pair is None:
             return self.weight
         N, K = self.out_features, self.in_features
-        v = quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout).to(torch.int16) - 8
+        return self._from_nibbles(quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
+
+    def int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
+        if self.pair is None:
+            return self.weight[rows]
+        return self._from_nibbles(quantize.cpu_int4_rows(self.pair, self.out_features, 2 * self.in_features, rows,
+                                                         *self.layout))
+
+    def _from_nibbles(self, v: torch.Tensor) -> torch.Tensor:
+        """The kernel's values uint8 [R, 2K] -> q int8 [R, K] (inverts _nibbles)."""
+        R, K = v.shape[0], self.in_features
+        v = v.to(torch.int16) - 8
         if self.groupsize == 16:
-            v = v.view(N, -1, 2, 16)
-            return (v[:, :, 0] + 16 * v[:, :, 1]).reshape(N, K).to(torch.int8)
+            v = v.view(R, -1, 2, 16)
+            return (v[:, :, 0] + 16 * v[:, :, 1]).reshape(R, K).to(torch.int8)
         return (v[:, :K] + 8 + 16 * v[:, K:]).to(torch.int8)
 
     def forward(self, x):
@@ -164,20 +176,33 @@ class Int8GroupLinear(nn.Module):
 
 
 class Int8GroupEmbedding(nn.Module):
-    """An embedding table in the same form: looks up rows of q and their groups, then dequantizes."""
+    """An embedding table in the same form: looks up rows of q and their groups, then dequantizes.
 
-    def __init__(self, q, scales, offsets, dtype):
+    head: the tied output head over the same values, when it keeps them as an int4 nibble pair;
+    rows are then read back from its pair (Int8GroupLinear.int8_rows) and q is not kept twice
+    (SmolLM2's 49152 x 576 table: 27 MiB). The scales stay float32 here, so the rows are the
+    file's values exactly."""
+
+    def __init__(self, q, scales, offsets, dtype, head=None):
         super().__init__()
-        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("weight", None if head is not None else q.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.dtype = dtype
+        self.__dict__["head"] = head  # a plain reference: the model holds the head as lm_head already
 
     def forward(self, tokens):  # [B, T] -> [B, T, dim]
         flat = tokens.reshape(-1)
         offsets = None if self.offsets is None else self.offsets[flat]
-        rows = dequantize_groups(self.weight[flat], self.scales[flat], offsets)
+        q = self.weight[flat] if self.head is None else self.head.int8_rows(flat)
+        rows = dequantize_groups(q, self.scales[flat], offsets)
         return rows.reshape(*tokens.shape, -1).to(self.dtype)
+
+    def int8_values(self) -> torch.Tensor:
+        return self.weight if self.head is None else self.head.int8_values()
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_groups(self.int8_values(), self.scales, self.offsets)
 
 
 @dataclass
@@ -224,8 +249,8 @@ class Packed:
                 quantize.warn_once(f"{self.source} weights run as int8 groups: {e}")
         return Int8GroupLinear(*self.int8_tensors(device), bias, dtype)
 
-    def embedding(self, dtype, device) -> nn.Module:
-        return Int8GroupEmbedding(*self.int8_tensors(device), dtype)
+    def embedding(self, dtype, device, head=None) -> nn.Module:
+        return Int8GroupEmbedding(*self.int8_tensors(device), dtype, head)
 
     def float_layer(self, dtype, device) -> nn.Linear:
         """The weight dequantized to `dtype` as a plain linear layer (see HEAD_NOTE)."""
@@ -244,6 +269,8 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: d
         if i % 32 == 31:
             release_memory()  # the int4 packing's temporaries, before they pile up
         p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
+        if name == "embed_tokens" and tied:
+            continue  # with its head, below
         if name == "embed_tokens":
             module = p.embedding(dtype, device)
         elif name == "lm_head" and p.kind == "int8g":
@@ -255,8 +282,12 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: d
         kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
     if tied and "embed_tokens" in packed:  # the tied head: a copy of the same table's values (_head)
         p = packed["embed_tokens"]
-        model.lm_head = _head(p, dtype, device)
+        model.lm_head = head = _head(p, dtype, device)
+        shared = isinstance(head, Int8GroupLinear) and head.pair is not None  # the table read from the head's pair
+        model.embed_tokens = p.embedding(dtype, device, head if shared else None)
         kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
+        kept.setdefault("embed_tokens", set()).add(
+            f"{p.source} -> {_runs_as(model.embed_tokens, p)}" + (" (read from lm_head's halves)" if shared else ""))
     release_memory()
 
 

@@ -215,6 +215,23 @@ def test_embedded_q4_1_runs_as_int4_group_32(embedded):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * b.abs().max().item())
 
 
+@pytest.mark.isa
+def test_a_tied_embedding_reads_its_rows_from_the_heads_int4_halves(embedded):
+    """bf16: the embedded file's Q8_0 table is also its output head, kept as two int4 halves; the
+    embedding reads its rows back from those halves (no second int8 copy), each value the file's."""
+    kept, info = weights.load(None, dtype=torch.bfloat16)
+    emb, head = kept.embed_tokens, kept.lm_head
+    if head.pair is not None:  # the int4 kernel runs under this capability
+        assert emb.weight is None and emb.head is head and "read from lm_head's halves" in info.kept
+    else:
+        assert emb.weight is not None and emb.head is None
+    table = embedded[0].embed_tokens.weight  # the same file dequantized, float32
+    assert torch.equal(emb.dequantize(), table)
+    ids = torch.randint(0, table.shape[0], (3, 50), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(emb(ids), table[ids].to(torch.bfloat16))
+    assert kept.weight_bytes() < 105 * 2**20  # 127.5 MiB with the int8 copy
+
+
 class Record:  # a stand-in for one GGUF tensor record
     def __init__(self, kind, data, name="blk.0.ffn_up.weight"):
         import gguf

@@ -89,6 +89,8 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     layout = quantize.find_cpu_int4_layout(packed, q)
     assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
     assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
+    rows = torch.randint(0, n, (40,))  # and a lookup of some rows (a tied head read as the embedding)
+    assert torch.equal(quantize.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 @pytest.mark.isa
