@@ -17,6 +17,7 @@ and not before saving a checkpoint (the fused model has other module names).
 import torch
 import torch.nn as nn
 
+import int4_layout
 import quantize
 from quant_groups import Int8GroupLinear
 from runtime import release_memory
@@ -29,7 +30,7 @@ def _cat(tensors):
 def _int4_values(m: quantize.Int4Linear):
     """(q [N, K] uint8, scales, zeros [N, K/G]) of a CPU int4 layer."""
     N, K = m.out_features, m.in_features
-    q = quantize.unpack_int4(m.portable_weight) if m.layout is None else quantize.cpu_int4_unpack(m.weight, N, K, *m.layout)
+    q = quantize.unpack_int4(m.portable_weight) if m.layout is None else int4_layout.cpu_int4_unpack(m.weight, N, K, *m.layout)
     sz = m.scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
     return q, sz[..., 0], sz[..., 1]
 

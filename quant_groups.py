@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import int4_layout
 import quantize
 from runtime import release_memory
 
@@ -76,7 +77,7 @@ class Int8GroupLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.register_buffer("pair", None)  # the int4 kernel's [N, 2K] matrix of nibbles (see above)
         self.register_buffer("pair_scales", None)  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
-        self.layout = None  # the kernel's packed layout (quantize.CPU_INT4_LAYOUTS) when `pair` is used
+        self.layout = None  # the kernel's packed layout (int4_layout.CPU_INT4_LAYOUTS) when `pair` is used
         if dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[0] % 16 == 0 and (
                 self.groupsize in PAIR_GROUPS or self._interleaved()):
             self._pack_pair()  # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
@@ -106,11 +107,11 @@ class Int8GroupLinear(nn.Module):
         for i in range(0, N, PACK_ROWS):
             values = self._nibbles(q[i:i + PACK_ROWS])
             packed[i:i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
-            layout = layout or quantize.find_cpu_int4_layout(packed[i:i + PACK_ROWS], values)
+            layout = layout or int4_layout.find_cpu_int4_layout(packed[i:i + PACK_ROWS], values)
             if layout is None:  # a layout this file cannot read back: keep int8 (dequantize needs the values)
                 return
             sz[:, i:i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
-        if not torch.equal(quantize.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values):  # the last chunk too
+        if not torch.equal(int4_layout.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values):  # the last chunk too
             return
         self.pair, self.pair_scales, self.layout = packed, sz, layout
         self.weight = None
@@ -128,13 +129,13 @@ class Int8GroupLinear(nn.Module):
         if self.pair is None:
             return self.weight
         N, K = self.out_features, self.in_features
-        return self._from_nibbles(quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
+        return self._from_nibbles(int4_layout.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
 
     def int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
         if self.pair is None:
             return self.weight[rows]
-        return self._from_nibbles(quantize.cpu_int4_rows(self.pair, self.out_features, 2 * self.in_features, rows,
+        return self._from_nibbles(int4_layout.cpu_int4_rows(self.pair, self.out_features, 2 * self.in_features, rows,
                                                          *self.layout))
 
     def _from_nibbles(self, v: torch.Tensor) -> torch.Tensor:

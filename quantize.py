@@ -23,7 +23,7 @@ The CPU int4 kernel is a matrix-vector product at heart: its time grows with the
 so many-row calls (prefill, speculative verification of many tokens) take another route: the
 layer is dequantized on the fly and multiplied with a regular GEMM. The kernel's packed layout is
 private to ATen and differs by instruction set (AVX-512, AVX2, none), so each layer checks at load,
-on the running CPU, which known layout unpacks its weight back to its values (CPU_INT4_LAYOUTS);
+on the running CPU, which known layout unpacks its weight back to its values (int4_layout.py);
 if none does, it keeps its portable values as well. The kernel itself is checked once per process
 on a probe matrix; where it is wrong or missing, int4 is refused with a message, never run. `dequantize()` on every layer is the plain reference path tests
 compare the kernels against.
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -144,58 +146,6 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
-
-
-# The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
-# torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
-# and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
-# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored as
-# [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
-# packed weight with each candidate and keeps the one that gives its values back (a round trip on
-# the running machine), else it keeps the portable values too.
-CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
-
-
-def cpu_int4_unpack(packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves") -> torch.Tensor:
-    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see CPU_INT4_LAYOUTS)."""
-    flat, full = packed.reshape(-1), N // block * block
-    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
-    if pairing == "halves":  # byte j holds rows j and j + block / 2
-        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
-    else:  # byte j holds rows 2j and 2j + 1
-        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
-    q = q.transpose(1, 2).reshape(full, K)
-    if full == N:
-        return q
-    b = flat[full * K // 2:].view(K, (N - full) // 2)
-    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
-    return torch.cat([q, tail], dim=0)
-
-
-def cpu_int4_rows(packed: torch.Tensor, N: int, K: int, rows: torch.Tensor, block: int = 64,
-                  pairing: str = "halves") -> torch.Tensor:
-    """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
-    those rows' bytes (an embedding lookup into a tied head kept packed)."""
-    flat, full = packed.reshape(-1), N // block * block
-    b = flat[: full * K // 2].view(N // block, K, block // 2)
-    tail = flat[full * K // 2:].view(K, (N - full) // 2)  # rows past the last whole block: neighbours
-    r = rows.clamp(max=full - 1) % block if full else rows * 0
-    col, high = (r % (block // 2), r >= block // 2) if pairing == "halves" else (r // 2, r % 2 == 1)
-    got = b[rows.clamp(max=full - 1) // block, :, col] if full else torch.zeros(len(rows), K, dtype=torch.uint8)  # [T, K]
-    if full < N:
-        t = (rows - full).clamp(min=0)
-        in_tail = (rows >= full)[:, None]
-        got = torch.where(in_tail, tail[:, t // 2].t(), got)
-        high = torch.where(rows >= full, t % 2 == 1, high)
-    return torch.where(high[:, None], got >> 4, got & 15)
-
-
-def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
-    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or None."""
-    for layout in CPU_INT4_LAYOUTS:
-        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
-            return layout
-    return None
 
 
 @functools.cache

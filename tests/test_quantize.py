@@ -7,6 +7,7 @@ import torch
 
 import generate
 import runtime
+import int4_layout
 import quantize
 import weights
 from helpers import tiny_checkpoint
@@ -86,11 +87,11 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     # the layout is the running capability's; a known one must be found, and must give q back
     q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    layout = quantize.find_cpu_int4_layout(packed, q)
+    layout = int4_layout.find_cpu_int4_layout(packed, q)
     assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
-    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
+    assert torch.equal(int4_layout.cpu_int4_unpack(packed, n, 128, *layout), q)
     rows = torch.randint(0, n, (40,))  # and a lookup of some rows (a tied head read as the embedding)
-    assert torch.equal(quantize.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
+    assert torch.equal(int4_layout.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 @pytest.mark.isa
@@ -102,7 +103,7 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
     torch.manual_seed(0)
     w, x = torch.randn(64, 128), torch.randn(quantize.INT4_LARGE_M + 8, 128)  # the dequantize + GEMM route
     known = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
-    monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
+    monkeypatch.setattr(int4_layout, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
     unknown = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
     assert "not one this file knows" in capsys.readouterr().err
