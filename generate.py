@@ -56,7 +56,7 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     compiled = decode_fn is not decode_one
     context = prompt if context is None else context  # out (the output so far) is stacked only for a penalty
     start = time.perf_counter()
-    with torch.no_grad():  # eager steps attend over exactly the positions in use, compiled ones over a bucket
+    with torch.no_grad():  # eager steps attend over the positions in use (to 256 slots), compiled ones over a bucket
         use_positions(start_pos + T, round_up=prefill_fn is not prefill)
         logits = constrain.masked(matchers, prefill_fn(model, cache, prompt, start_pos))
         token = sample(logits, params, generator, context, prompt[:, :0])  # [B]

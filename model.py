@@ -219,6 +219,6 @@ class Transformer(nn.Module):
         """Weight bytes one decode step reads: an embedding table that is not also the output head
         is only indexed (one row), so it does not count."""
         total, head = self.weight_bytes(), getattr(self.lm_head, "weight", None)
-        if head is None or head is not self.embed_tokens.weight:  # (None: a head kept quantized)
+        if head is None or head is not self.embed_tokens.weight:  # (None: a head kept as two int4 halves)
             total -= sum(t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values())
         return total

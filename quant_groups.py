@@ -32,7 +32,8 @@ from runtime import release_memory
 # 49152 x 576 head at batch 1, Xeon AVX-512, 1.9 ms against 2.2 ms for a bf16 F.linear, at half its
 # bytes); otherwise dequantized to the activations' dtype, because the other int8-group paths are
 # slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
-# tied head is a second copy of the embedding table's values. Int4 heads (Q4_*) keep the int4 kernel.
+# tied head holds the embedding table's values: where it keeps them as the two halves, the
+# embedding reads its rows from there (no second int8 copy). Int4 heads (Q4_*) keep the int4 kernel.
 HEAD_NOTE = "an int8-group output head runs as two int4 halves in bf16 on CPU, else in the activations' dtype"
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
 PAIR_GROUPS = (32, 64, 128, 256)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
@@ -143,7 +144,7 @@ class Int8GroupLinear(nn.Module):
         R, K = v.shape[0], self.in_features
         v = v.to(torch.int16) - 8
         if self.groupsize == 16:
-            v = v.view(R, -1, 2, 16)
+            v = v.view(R, K // 16, 2, 16)
             return (v[:, :, 0] + 16 * v[:, :, 1]).reshape(R, K).to(torch.int8)
         return (v[:, :K] + 8 + 16 * v[:, K:]).to(torch.int8)
 
@@ -281,7 +282,7 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: d
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, module)
         kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
-    if tied and "embed_tokens" in packed:  # the tied head: a copy of the same table's values (_head)
+    if tied and "embed_tokens" in packed:  # the tied head (_head), then the table, read from it where it can
         p = packed["embed_tokens"]
         model.lm_head = head = _head(p, dtype, device)
         shared = isinstance(head, Int8GroupLinear) and head.pair is not None  # the table read from the head's pair

@@ -54,7 +54,9 @@ def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bf16/fp16 CPU GEMM. oneDNN keeps the kernels it builds for every shape it sees (about 0.65
     MiB per bf16 shape, up to 1,024 shapes per cache), and the engine's prefill steps have every
     row count: without padding a server's resident memory grew about 300 MiB per 150 requests
-    (benchmarks/RESULTS.md, "Resident memory"). At most 15 extra rows on 128 or more."""
+    (benchmarks/RESULTS.md, "Resident memory"). At most 15 extra rows on 128 or more. Under
+    torch.compile with dynamic shapes (--compile_prefill) the padding is a guard on M % 16: one
+    more graph."""
     M = x2.shape[0]
     pad = -M % GEMM_ROWS if x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16) else 0
     if not pad:

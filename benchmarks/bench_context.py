@@ -6,7 +6,8 @@
 A static KV cache of `--capacity` slots (default: the model's whole context, as
 `generate.py --interactive` reserves) is filled with `in_use` tokens of real text by one prefill,
 then `--new_tokens` tokens are decoded greedily from there, batch 1, EOS ignored. The decode step
-attends over only the positions in use, rounded up to a power of two (kv_cache.py), so its cost
+attends over only the positions in use, rounded up (kv_cache.py: compiled steps to a bucket,
+eager ones to a multiple of 256 slots), so its cost
 should follow `in_use`, not `--capacity`. Rows:
 
 - HF transformers eager, its default attention, on the same dequantized weights (a plain
@@ -35,7 +36,7 @@ sys.path.insert(0, ROOT)
 import generate  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
-from kv_cache import StaticKVCache, attend_len_for  # noqa: E402
+from kv_cache import EAGER_SLOTS, StaticKVCache, attend_len_for  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -82,6 +83,12 @@ def run_hf(hf, dc, last, in_use, n):
             token = hf(input_ids=token, past_key_values=dc, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             out.append(int(token))
     return (n - 1) / (time.perf_counter() - start), out
+
+
+def attend_range(first: int, last: int, slots: int, eager: bool) -> str:
+    """The slots a run's steps attend over (kv_cache.py): eager a multiple of EAGER_SLOTS, compiled a bucket."""
+    length = (lambda m: min(-(-m // EAGER_SLOTS) * EAGER_SLOTS, slots)) if eager else (lambda m: attend_len_for(m, slots))
+    return "-".join(sorted({str(length(first)), str(length(last))}, key=int))
 
 
 def main():
@@ -160,9 +167,8 @@ def main():
         hf_r = sorted(results.get(("HF transformers eager", n), [float("nan")]))
         med, hf_med = r[len(r) // 2], hf_r[len(hf_r) // 2]
         slots = 256 if "256-slot" in label else capacity
-        attended = (str(capacity) if "all" in label else f"{n}-{n + args.new_tokens - 1}"
-                    if label.startswith("HF") or label.endswith("eager")
-                    else "-".join(sorted({str(attend_len_for(n, slots)), str(attend_len_for(n + args.new_tokens - 1, slots))}, key=int)))
+        attended = (str(capacity) if "all" in label else f"{n}-{n + args.new_tokens - 1}" if label.startswith("HF")
+                    else attend_range(n, n + args.new_tokens - 1, slots, label.endswith("eager")))
         same = sum(a == b for a, b in zip(agree[(label, n)], agree[("ours eager", n)]))
         print(f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | {med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
               f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | {same}/{args.new_tokens} |", flush=True)

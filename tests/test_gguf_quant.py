@@ -142,6 +142,8 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
     halves = not (G == 16 and offsets)
     assert (layer.pair is not None) == halves and (layer.weight is None) == halves, runtime.cpu_capability()
     assert torch.equal(layer.int8_values(), q)
+    idx = torch.tensor([0, 79, 64, 5, 5])  # rows of both packed pieces, the 16-row tail, repeated (an embedding's lookup)
+    assert torch.equal(layer.int8_rows(idx), q[idx]) and layer.int8_rows(idx[:0]).shape == (0, K)
     assert torch.equal(layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None))
     s = scales.bfloat16().float().repeat_interleave(G, 1)
     w = q.float() * s + (offs.bfloat16().float().repeat_interleave(G, 1) if offsets else 0)
@@ -219,17 +221,17 @@ def test_embedded_q4_1_runs_as_int4_group_32(embedded):
 def test_a_tied_embedding_reads_its_rows_from_the_heads_int4_halves(embedded):
     """bf16: the embedded file's Q8_0 table is also its output head, kept as two int4 halves; the
     embedding reads its rows back from those halves (no second int8 copy), each value the file's."""
-    kept, info = weights.load(None, dtype=torch.bfloat16)
-    emb, head = kept.embed_tokens, kept.lm_head
-    if head.pair is not None:  # the int4 kernel runs under this capability
+    model, info = weights.load(None, dtype=torch.bfloat16)
+    emb, head = model.embed_tokens, model.lm_head
+    if isinstance(head, quant_groups.Int8GroupLinear) and head.pair is not None:  # the int4 kernel runs here
         assert emb.weight is None and emb.head is head and "read from lm_head's halves" in info.kept
+        assert model.weight_bytes() < 105 * 2**20  # 127.5 MiB with the int8 copy
     else:
         assert emb.weight is not None and emb.head is None
     table = embedded[0].embed_tokens.weight  # the same file dequantized, float32
     assert torch.equal(emb.dequantize(), table)
     ids = torch.randint(0, table.shape[0], (3, 50), generator=torch.Generator().manual_seed(0))
     assert torch.equal(emb(ids), table[ids].to(torch.bfloat16))
-    assert kept.weight_bytes() < 105 * 2**20  # 127.5 MiB with the int8 copy
 
 
 class Record:  # a stand-in for one GGUF tensor record
