@@ -70,6 +70,29 @@ def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect)
     assert engine.allocator.num_used() == 0, "blocks leaked"
 
 
+def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
+    """Steps of 128 tokens or more are padded to a multiple of 16 (scheduler.PAD_TO; in bf16 on
+    CPU, where each row count is a new oneDNN kernel): forced here in float64, every request still
+    gets its alone-run tokens, and the padded forwards really ran."""
+    import scheduler
+
+    widths, forward = [], scheduler.flat_forward
+
+    def counting(model, cache, tokens, pos, keep=None):
+        widths.append(tokens.shape[1])
+        return forward(model, cache, tokens, pos, keep)
+
+    monkeypatch.setattr(scheduler, "PAD_DTYPES", (torch.float64,))
+    monkeypatch.setattr(scheduler, "flat_forward", counting)
+    prompts, news, reference = workload
+    engine = Engine(tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200)
+    out = engine.generate(prompts, [greedy(n) for n in news])
+    assert [o["tokens"] for o in out] == reference
+    assert any(w >= 128 for w in widths) and all(w % 16 == 0 for w in widths if w >= 128), widths
+    engine.allocator.check()
+    assert engine.allocator.num_used() == 0
+
+
 def test_preemption_takes_the_newest_request(tiny64):
     """4 usable blocks of 4 tokens, two 7-token prompts: when the older request needs a fifth
     block, the newer one is preempted (blocks freed, back to the front of the queue), and both
