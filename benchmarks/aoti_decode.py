@@ -1,13 +1,13 @@
 """A probe: the decode step as an AOTInductor package, run by a process that never imports the compiler.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/aoti_decode.py [--slots 256] [--tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/aoti_decode.py [--slots 256] [--tokens 64] [--checkpoint F.gguf]
 
 Why: `--compile` costs about 150-220 MiB of resident memory for Inductor itself, whatever the
 model (benchmarks/RESULTS.md, "Resident memory besides the weights"), more than the embedded
 model's weights. AOTInductor compiles the same step ahead of time into a package (a .so and the
 weights); torch._C._aoti.AOTIModelPackageLoader, a C++ class, runs it without importing
-torch._dynamo, sympy or Inductor. Here the step is runtime.decode_one on the embedded GGUF at its
-own bits (bf16), its static KV cache of --slots slots passed in as inputs (written in place), so
+torch._dynamo, sympy or Inductor. Here the step is runtime.decode_one on the embedded GGUF (or
+--checkpoint, a GGUF of the same SmolLM2-135M shapes) at its own bits (bf16), its static KV cache of --slots slots passed in as inputs (written in place), so
 the cache stays in the caller's hands. Each part runs in its own process:
 1. export + compile the package (torch.export, aoti_compile_and_package);
 2. run it: greedy decode of --tokens tokens from token 1, tokens/s and peak RSS;
@@ -30,14 +30,14 @@ sys.path.insert(0, ROOT)
 SHAPE = (30, 3, 64)  # the embedded SmolLM2-135M: layers, KV heads, head dim
 
 
-def export(path: str, slots: int):
+def export(path: str, slots: int, checkpoint=None):
     import torch
 
     import runtime
     import weights
     from kv_cache import StaticKVCache
 
-    model, _ = weights.load_for_inference(None, "cpu", torch.bfloat16)
+    model, _ = weights.load_for_inference(checkpoint, "cpu", torch.bfloat16)
     template = StaticKVCache.for_model(model, 1, slots)
 
     class Step(torch.nn.Module):  # decode_one with the cache's K and V as inputs (mutated in place)
@@ -85,14 +85,14 @@ def run_package(path: str, slots: int, n: int) -> dict:
                                             if m in sys.modules]}
 
 
-def run_eager(slots: int, n: int) -> dict:
+def run_eager(slots: int, n: int, checkpoint=None) -> dict:
     import torch
 
     import runtime
     import weights
     from kv_cache import StaticKVCache
 
-    model, _ = weights.load_for_inference(None, "cpu", torch.bfloat16)
+    model, _ = weights.load_for_inference(checkpoint, "cpu", torch.bfloat16)
     template = StaticKVCache.for_model(model, 1, slots)
 
     def step(token, pos, k, v):
@@ -116,18 +116,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--checkpoint", default=None, help="a GGUF of the embedded model's shapes (default: the embedded one)")
     p.add_argument("--part", choices=["export", "package", "eager", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
-        result = {"export": lambda: export(args.path, args.slots), "package": lambda: run_package(args.path, args.slots, args.tokens),
-                  "eager": lambda: run_eager(args.slots, args.tokens), "bare": lambda: {}}[args.part]()
+        result = {"export": lambda: export(args.path, args.slots, args.checkpoint),
+                  "package": lambda: run_package(args.path, args.slots, args.tokens),
+                  "eager": lambda: run_eager(args.slots, args.tokens, args.checkpoint), "bare": lambda: {}}[args.part]()
         print(json.dumps(result))
         return
     import torch
 
     path = os.path.join(tempfile.mkdtemp(prefix="aoti-decode-"), "step.pt2")
     common = ["--slots", str(args.slots), "--tokens", str(args.tokens), "--path", path]
+    common += ["--checkpoint", args.checkpoint] if args.checkpoint else []
     made, compile_rss = child(["--part", "export", *common])
     (pkg, pkg_rss), (eager, eager_rss), (_, bare) = (child(["--part", part, *common]) for part in ("package", "eager", "bare"))
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
