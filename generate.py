@@ -32,9 +32,9 @@ import torch
 import constrain
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
-from runtime import (DTYPES, autotune, compile_decode, compile_lengths, configure_inductor_cpu, cpu_capability,
-                     decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill, skip_guards,
-                     verify_step)
+from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
+                     cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
+                     skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
 from tokenizer import TextStream, load_tokenizer
 
@@ -255,7 +255,7 @@ def run(args) -> int:
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
-        log(f"compiled in {compile_s:.1f} s" + (f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else ""))
+        log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     generator = make_generator(device, args.seed)
     params = SamplingParams.from_fields(args)
@@ -386,7 +386,7 @@ def run_speculative(args, model, tokenizer, device) -> int:
                 fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
         drafter.rollback(0)
         compile_s = time.perf_counter() - start
-        log(f"compiled in {compile_s:.1f} s" + (f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else ""))
+        log(compiled_message(compile_s, model, device))
     for _ in range(args.num_samples):
         printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
         if not args.json:

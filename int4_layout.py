@@ -44,16 +44,15 @@ def cpu_int4_rows(packed: torch.Tensor, N: int, K: int, rows: torch.Tensor, bloc
     """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
     those rows' bytes (an embedding lookup into a tied head kept packed)."""
     flat, full = packed.reshape(-1), N // block * block
-    b = flat[: full * K // 2].view(N // block, K, block // 2)
-    tail = flat[full * K // 2:].view(K, (N - full) // 2)  # rows past the last whole block: neighbours
-    r = rows.clamp(max=full - 1) % block if full else rows * 0
-    col, high = (r % (block // 2), r >= block // 2) if pairing == "halves" else (r // 2, r % 2 == 1)
-    got = b[rows.clamp(max=full - 1) // block, :, col] if full else torch.zeros(len(rows), K, dtype=torch.uint8)  # [T, K]
-    if full < N:
-        t = (rows - full).clamp(min=0)
-        in_tail = (rows >= full)[:, None]
-        got = torch.where(in_tail, tail[:, t // 2].t(), got)
-        high = torch.where(rows >= full, t % 2 == 1, high)
+    got, high = torch.zeros(len(rows), K, dtype=torch.uint8, device=packed.device), rows < 0  # [T, K], [T]
+    if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
+        r = rows.clamp(max=full - 1)
+        col, high = (r % block % (block // 2), r % block >= block // 2) if pairing == "halves" else (r % block // 2, r % 2 == 1)
+        got = flat[: full * K // 2].view(N // block, K, block // 2)[r // block, :, col]
+    if full < N:  # rows past the last whole block: [K, (N - full) / 2] bytes of neighbouring rows
+        t, in_tail = (rows - full).clamp(min=0), rows >= full
+        got = torch.where(in_tail[:, None], flat[full * K // 2:].view(K, -1)[:, t // 2].t(), got)
+        high = torch.where(in_tail, t % 2 == 1, high)
     return torch.where(high[:, None], got >> 4, got & 15)
 
 

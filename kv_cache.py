@@ -77,6 +77,12 @@ def attend_len_for(n_positions: int, capacity: int) -> int:
     return min(capacity, max(MIN_ATTEND_SLOTS, bucket(n_positions)))
 
 
+def eager_attend_len(n_positions: int, capacity: int) -> int:
+    """The prefix an eager step attends over: n rounded up to a multiple of EAGER_SLOTS, at most
+    the capacity (few matmul shapes: few cached oneDNN kernels, header)."""
+    return min(-(-n_positions // EAGER_SLOTS) * EAGER_SLOTS, capacity)
+
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
@@ -118,7 +124,7 @@ class StaticKVCache:
         elif round_up:
             self.attend_len = attend_len_for(n_positions, self.max_seq_len)
         else:
-            self.attend_len = min(-(-n_positions // EAGER_SLOTS) * EAGER_SLOTS, self.max_seq_len)
+            self.attend_len = eager_attend_len(n_positions, self.max_seq_len)
         return self.attend_len
 
     def attend(self, layer, q, k, v, input_pos):

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
+from runtime import gemm_padding
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -46,19 +47,14 @@ GROUP_SIZES = (32, 64, 128, 256)
 # costs about as much as 60-150 rows of the kernel (Xeon AVX-512, 2 threads: 1536 x 576 int4 at 128
 # rows, kernel 1.7 ms, dequantize + GEMM 2.6 ms; a 49152 x 576 head 54 vs 217 ms; RESULTS.md)
 INT4_LARGE_M = 128
-GEMM_ROWS = 16  # those GEMMs' rows are padded to a multiple of this (padded_linear)
 
 
 def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x2 [M, K], w [N, K]) -> [M, N] with M padded to a multiple of GEMM_ROWS for a
-    bf16/fp16 CPU GEMM. oneDNN keeps the kernels it builds for every shape it sees (about 0.65
-    MiB per bf16 shape, up to 1,024 shapes per cache), and the engine's prefill steps have every
-    row count: without padding a server's resident memory grew about 300 MiB per 150 requests
-    (benchmarks/RESULTS.md, "Resident memory"). At most 15 extra rows on 128 or more. Under
-    torch.compile with dynamic shapes (--compile_prefill) the padding is a guard on M % 16: one
-    more graph."""
+    """F.linear(x2 [M, K], w [N, K]) -> [M, N], its rows padded as runtime.gemm_padding says (few
+    GEMM shapes, so few cached oneDNN kernels; prompts of every length reach here). Under
+    torch.compile with dynamic shapes (--compile_prefill) the padding is a guard: one more graph."""
     M = x2.shape[0]
-    pad = -M % GEMM_ROWS if x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16) else 0
+    pad = gemm_padding(M, x2.dtype, x2.device)
     if not pad:
         return F.linear(x2, w)
     return F.linear(F.pad(x2, (0, 0, 0, pad)), w)[:M]

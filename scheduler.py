@@ -36,18 +36,10 @@ from collections import Counter, deque
 import torch
 
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
-from runtime import compile_decode
+from runtime import compile_decode, gemm_padding
 from sampling import parse_logit_bias, sample, token_logprobs
 from scoring import PromptScores
 from sequence import Request, RequestParams, Sequence  # noqa: F401 (RequestParams: the engine's API)
-
-
-# Eager steps of PAD_FROM tokens or more, in these dtypes, are padded to a multiple of PAD_TO
-# tokens (padding rows write position 0 of the null block, as compiled steps' padding does). Each
-# new row count is a new GEMM shape, and oneDNN keeps the kernels it builds per shape (about 0.65
-# MiB per bf16 shape on CPU, up to 1,024 shapes per cache): a server's memory grew with every
-# prompt length (benchmarks/RESULTS.md, "Resident memory"). At most 15 rows on 128 or more.
-PAD_FROM, PAD_TO, PAD_DTYPES = 128, 16, (torch.bfloat16, torch.float16)
 
 
 def flat_forward(model, cache, tokens, input_pos, keep=None):
@@ -313,9 +305,10 @@ class Engine:
             tokens += s.tokens[start:start + n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
-        pad = -len(tokens) % PAD_TO if not compiled and len(tokens) >= PAD_FROM and self.device.type == "cpu" and (
-            self.model.norm.weight.dtype in PAD_DTYPES) else 0
-        if pad:  # padding rows (PAD_TO): one-token rows at position 0 of the null block, never sampled
+        # eager steps' token count padded as every layer's GEMMs want it (runtime.gemm_padding: few
+        # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
+        pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
+        if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens += [0] * pad
             pos += [0] * pad

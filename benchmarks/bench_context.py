@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 import generate  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
-from kv_cache import EAGER_SLOTS, StaticKVCache, attend_len_for  # noqa: E402
+from kv_cache import StaticKVCache, attend_len_for, eager_attend_len  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -86,9 +86,9 @@ def run_hf(hf, dc, last, in_use, n):
 
 
 def attend_range(first: int, last: int, slots: int, eager: bool) -> str:
-    """The slots a run's steps attend over (kv_cache.py): eager a multiple of EAGER_SLOTS, compiled a bucket."""
-    length = (lambda m: min(-(-m // EAGER_SLOTS) * EAGER_SLOTS, slots)) if eager else (lambda m: attend_len_for(m, slots))
-    return "-".join(sorted({str(length(first)), str(length(last))}, key=int))
+    """The slots a run's steps attend over (kv_cache.py): eager_attend_len, or a bucket if compiled."""
+    length = eager_attend_len if eager else attend_len_for
+    return "-".join(sorted({str(length(first, slots)), str(length(last, slots))}, key=int))
 
 
 def main():

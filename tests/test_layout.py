@@ -130,7 +130,7 @@ ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.tran
                                                        is_causal=True, enable_gqa=True).transpose(1, 2)
 assert torch.allclose(y, ref, atol=1e-5)
 """),
-    "quantize": (["quantize.py", "int4_layout.py"], """
+    "quantize": (["quantize.py", "int4_layout.py", "runtime.py"], """
 import torch
 import quantize
 torch.manual_seed(0)

@@ -55,7 +55,7 @@ def test_kernel_path_equals_dequantized_reference(mode, rows, dtype):
 
 
 def test_large_gemms_see_few_row_counts():
-    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of GEMM_ROWS in
+    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of runtime.GEMM_ROWS in
     bf16, so that oneDNN builds and keeps few kernels (one per shape): every row count from 128 to
     160 reaches the GEMM as 128, 144 or 160 rows, with each row's result that of its own product."""
     from torch.utils._python_dispatch import TorchDispatchMode
