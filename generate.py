@@ -16,6 +16,8 @@ are tensors, so advancing them never recompiles; a static cache attends over the
 use rounded up to a bucket, kv_cache.py, a few graphs per run); on CUDA each also replays as a
 CUDA Graph (mode "reduce-overhead"). Compile time is reported separately and never counted in
 tokens/s; `--interactive --compile` compiles the lengths a turn can reach before the turn.
+`--compile aot` (CPU) runs the step as an AOTInductor package instead (aot.py): compiled once per
+model shape by a child process and cached on disk, so the compiler never sits in this process.
 `--json` prints one JSON object per sample instead of text, for scripts and tests.
 `--interactive` is a chat that prefills only each turn's new tokens; `--draft_checkpoint`,
 `--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+import aot
 import constrain
 import tp
 from kv_cache import Int8KVCache, StaticKVCache
@@ -36,7 +39,7 @@ from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled
                      cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
-from tokenizer import TextStream, load_tokenizer
+from tokenizer import Printer, load_tokenizer
 
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
@@ -73,7 +76,7 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         # A new attend length selects another compiled graph (compiling it the first time): that
         # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
         previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
-        with torch.no_grad(), skip_guards(step > 0 and compiled and attend_len == previous):
+        with torch.no_grad(), skip_guards(step > 0 and getattr(decode_fn, "has_guards", compiled) and attend_len == previous):
             logits = decode_fn(model, cache, token[:, None], pos)
         history = torch.stack(out, 1) if params.needs_history else None
         token = sample(constrain.masked(matchers, logits), params, generator, context, history)
@@ -123,7 +126,9 @@ def parse_args(argv):
     p.add_argument("--batch_size", type=int, default=1, help="samples of the prompt decoded together")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA Graphs on GPU)")
+    p.add_argument("--compile", nargs="?", const="jit", choices=("jit", "aot"),
+                   help="compile the decode step: torch.compile (CUDA Graphs on GPU), or aot: ahead of time into a "
+                        "package cached on disk, run without the compiler in the process (CPU; aot.py)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
@@ -185,27 +190,6 @@ def make_cache(model, batch_size: int, seq_len: int, kind: str = "static", kv_dt
     return (Int8KVCache if kv_dtype == "int8" else StaticKVCache).for_model(model, batch_size, seq_len)
 
 
-class Printer:
-    """Prints row 0's text as its tokens arrive, through tokenizer.TextStream (the incremental
-    detokenizer serve.py uses too); after a stop token nothing more is printed."""
-
-    def __init__(self, tokenizer, stop_ids, out=None):
-        self.text, self.stop_ids, self.out, self.done = TextStream(tokenizer), set(stop_ids), out or sys.stdout, False
-
-    def __call__(self, token):
-        if not self.done:
-            t = int(token[0])  # a host sync, only when streaming to a terminal
-            self.done = t in self.stop_ids
-            self.write(self.text.add(t, "stop" if self.done else None))
-
-    def flush(self):
-        self.write(self.text.finish())
-
-    def write(self, text: str):
-        self.out.write(text)
-        self.out.flush()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -227,6 +211,8 @@ def run(args) -> int:
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
         raise ValueError("the prompt is empty; give some text with --prompt")
+    if args.compile == "aot":
+        aot.check_usable(args, device)
     rank, world = tp.init()  # (0, 1) unless started by torchrun with several processes
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
@@ -255,7 +241,8 @@ def run(args) -> int:
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
-        log(compiled_message(compile_s, model, device))
+        if args.compile != "aot":  # aot.py says what it did
+            log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     generator = make_generator(device, args.seed)
     params = SamplingParams.from_fields(args)
@@ -300,7 +287,7 @@ def interactive(args, model, tokenizer, device) -> int:
     seq_len = args.max_seq_len or min(model.config.max_position_embeddings, 4096)
     cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
     log(memory_plan(model, cache) + "\nType a message; an empty line or Ctrl-D ends the chat.")
-    decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
+    decode_fn = decode_step(args, model, cache, device)
     generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
     messages, cached = [], []  # cached: the token ids whose K/V are in the cache, in order
     compiled = set()  # the attend lengths the compiled step has seen
@@ -318,7 +305,7 @@ def interactive(args, model, tokenizer, device) -> int:
         if len(ids) + args.max_new_tokens > seq_len:
             log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
             break
-        if args.compile:  # the step's graphs for the lengths this turn can reach, before it starts
+        if args.compile == "jit":  # the step's graphs for the lengths this turn can reach, before it starts
             start, before = time.perf_counter(), len(compiled)
             compiled = compile_lengths(decode_fn, model, cache, len(ids), len(ids) + args.max_new_tokens - 1, compiled)
             if len(compiled) > before:
@@ -413,7 +400,7 @@ def run_speculative(args, model, tokenizer, device) -> int:
 def warm_up(args, model, cache, device, prompt_len):
     """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
     start = time.perf_counter()
-    decode_fn = compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
+    decode_fn = decode_step(args, model, cache, device)
     if args.compile_prefill and device == "cpu":
         configure_inductor_cpu()
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
@@ -421,9 +408,18 @@ def warm_up(args, model, cache, device, prompt_len):
     with torch.no_grad():
         getattr(cache, "use_positions", lambda n: None)(prompt_len)
         prefill_fn(model, cache, torch.zeros(B, prompt_len, dtype=torch.long, device=device))
-    if args.compile:
+    if args.compile == "jit":
         compile_lengths(decode_fn, model, cache, prompt_len, prompt_len + args.max_new_tokens - 1)
     return decode_fn, prefill_fn, time.perf_counter() - start
+
+
+def decode_step(args, model, cache, device):
+    """The decode step --compile chose: decode_one, torch.compile'd (jit) or ahead of time (aot)."""
+    if args.compile == "aot":
+        load = {k: getattr(args, k) for k in ("checkpoint", "dtype", "quantize", "groupsize", "quantize_head",
+                                              "quantize_embedding", "dequantize")}
+        return aot.decode_step(model, cache, load)
+    return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
 
 
 def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, streamed):

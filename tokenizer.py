@@ -105,6 +105,27 @@ class TextStream:
         return new
 
 
+class Printer:
+    """Prints row 0's text as its tokens arrive, through TextStream (the incremental
+    detokenizer serve.py uses too); after a stop token nothing more is printed."""
+
+    def __init__(self, tokenizer, stop_ids, out=None):
+        self.text, self.stop_ids, self.out, self.done = TextStream(tokenizer), set(stop_ids), out or sys.stdout, False
+
+    def __call__(self, token):
+        if not self.done:
+            t = int(token[0])  # a host sync, only when streaming to a terminal
+            self.done = t in self.stop_ids
+            self.write(self.text.add(t, "stop" if self.done else None))
+
+    def flush(self):
+        self.write(self.text.finish())
+
+    def write(self, text: str):
+        self.out.write(text)
+        self.out.flush()
+
+
 # What one render of a chat template may build and spend. A template is code from a file written
 # by someone else: jinja2's sandbox stops attribute walks (__class__, __globals__) but not
 # `'a' * 10**10`, `range(99999)` nested in itself, or `'{:>9999999999}'.format(1)`.

@@ -1,0 +1,240 @@
+"""Ahead-of-time compiled decode: the step as an AOTInductor package, run without the compiler.
+
+    python generate.py --compile aot --prompt "Once upon a time"    # CPU, static KV cache
+
+Why: `--compile` (torch.compile) keeps dynamo, sympy and Inductor in the process, about 150-220
+MiB resident on CPU whatever the model: more than the embedded model's 4-bit weights
+(benchmarks/RESULTS.md, "Resident memory besides the weights"). Here the same step is compiled
+ahead of time by a child process, which exits before decoding starts, into a package (a .so)
+that a C++ class, torch._C._aoti.AOTIModelPackageLoader, runs without importing any of them.
+
+What is compiled: runtime.decode_one with the KV cache's tensors as inputs (written in place) and
+two sizes left dynamic, so that one package serves every cache length and every attend length:
+
+    logits [B, V] = step(token [B, 1], pos [B, 1], slots [L], *cache.tensors())   # each [B, Hkv, S, *]
+
+`slots` holds the slot indices 0..L-1, its length the attend length kv_cache.py sets (L <= S).
+Compiled one-token CPU steps attend through decode_attention up to FUSED_DECODE_MAX_SLOTS (1,024)
+slots and through `attention` past it, so there are two packages: "short", and "long" for caches
+of more slots (built when first needed). The weights are not in the package: the loader is handed
+the model's own tensors (user-managed, never copied), so a package is a few MiB and serves any
+checkpoint of the same shapes. Inductor adds a few constants of its own (the int4 kernel's group
+size as a 0-d tensor); they are recorded while compiling and stored beside the package.
+
+Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
+hash of torch's version, the CPU (flags and ATen's instruction set), this project's source, the
+model's structure (every module's class and settings, every tensor's name, shape and dtype), the
+cache's class and the batch size. A new key compiles once (SmolLM2-135M: about 30 s on 2 cores);
+later runs load the package in a fraction of a second.
+"""
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from kv_cache import FUSED_DECODE_MAX_SLOTS
+from runtime import DTYPES, cpu_capability, decode_one, log
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")  # StaticKVCache has the first two, Int8KVCache all four
+MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
+# per package: (the attend lengths it serves, the example attend length and cache length it is exported at)
+PARTS = {"short": ((2, FUSED_DECODE_MAX_SLOTS), 128, 256),
+         "long": ((FUSED_DECODE_MAX_SLOTS + 1, MAX_SLOTS), FUSED_DECODE_MAX_SLOTS + 64, FUSED_DECODE_MAX_SLOTS + 128)}
+
+
+class AotError(ValueError):
+    """The ahead-of-time step cannot be built or used here, and why."""
+
+
+def cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("LLM_AOT_CACHE") or os.path.join(base, "llm-aot")
+
+
+def check_usable(args, device: str):
+    """generate.py's flags that --compile aot cannot serve, refused before anything loads."""
+    if not str(device).startswith("cpu"):
+        raise AotError(f"--compile aot runs on CPU; on {device} use --compile (torch.compile, CUDA Graphs)")
+    if args.cache != "static":
+        raise AotError("--compile aot runs the static KV cache; drop --cache paged, or use --compile")
+    if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
+        raise AotError("speculative decoding compiles its own steps: use --compile with it, not --compile aot")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise AotError("--compile aot runs in one process; tensor-parallel runs (torchrun) take --compile")
+
+
+class Step(torch.nn.Module):
+    """decode_one over a cache given as tensors: what is exported. `cache` gives the class and the
+    batch size; each call builds the cache object around the input tensors."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.kind = model, type(cache)
+        self.fields = [f for f in CACHE_FIELDS if hasattr(cache, f)]
+        self.register_buffer("rows", torch.arange(cache.batch_size))
+
+    def forward(self, token, pos, slots, *tensors):
+        cache, n = self.kind.__new__(self.kind), len(tensors) // len(self.fields)
+        for i, field in enumerate(self.fields):  # tensors: cache.tensors(), field by field
+            setattr(cache, field, list(tensors[i * n:(i + 1) * n]))
+        torch._check(slots.shape[0] <= tensors[0].shape[2])  # L <= S
+        cache.rows, cache.slots, cache.attend_len = self.rows, slots, slots.shape[0]
+        cache.batch_size, cache.max_seq_len = token.shape[0], tensors[0].shape[2]
+        return decode_one(self.model, cache, token, pos)
+
+
+def named_tensors(module) -> dict:
+    """Every tensor the exported step reads, by the name export gives it: parameters and buffers
+    (a shared one under each of its names) and plain tensor attributes."""
+    out = dict(module.named_parameters(remove_duplicate=False))
+    out.update(module.named_buffers(remove_duplicate=False))
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for name, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                out.setdefault(f"{prefix}.{name}" if prefix else name, value)
+    return out
+
+
+def package_key(step) -> str:
+    """The hash that names a folder of packages (header: what the compiled code depends on)."""
+    settings = (int, float, str, bool, tuple, torch.dtype, type(None))
+    parts = [torch.__version__, cpu_capability(), step.kind.__name__, str(len(step.rows)), repr(step.model.config)]
+    for name, m in step.named_modules(remove_duplicate=False):
+        plain = sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+                       and isinstance(v, settings))
+        parts.append(f"{name} {type(m).__qualname__} {plain}")
+    parts += [f"{n} {tuple(t.shape)} {t.dtype} {t.stride()}" for n, t in sorted(named_tensors(step).items())]
+    try:  # a cache folder shared between machines: the CPU's flags decide the instructions used
+        parts += [line for line in open("/proc/cpuinfo") if line.startswith("flags")][:1]
+    except OSError:
+        pass
+    h = hashlib.sha256("\0".join(parts).encode())
+    for path in sorted(glob.glob(os.path.join(ROOT, "*.py"))):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:24]
+
+
+class AotDecode:
+    """The packages, called as generate.generate calls a decode step: (model, cache, token [B, 1],
+    pos [B, 1]) -> logits [B, V], over the prefix cache.attend_len of the cache's slots."""
+
+    has_guards = False  # nothing for runtime.skip_guards to skip (that is torch.compile's)
+
+    def __init__(self, folder: str, step: Step, parts):
+        self.step, self.loaders = step, {}
+        tensors = named_tensors(step)
+        for part in parts:
+            from safetensors.torch import load_file
+
+            loader = torch._C._aoti.AOTIModelPackageLoader(os.path.join(folder, part + ".pt2"), "model", False, 1, -1)
+            own = load_file(os.path.join(folder, part + ".safetensors"))  # Inductor's own constants
+            wanted = loader.get_constant_fqns()
+            missing = [n for n in wanted if n not in tensors and n not in own]
+            if missing:
+                raise AotError(f"the package {folder}/{part}.pt2 reads tensors this model lacks: {missing[:5]}; "
+                               f"delete that folder to compile it again")
+            self.own = own  # kept alive: the loader uses these tensors in place
+            loader.load_constants({n: tensors[n] if n in tensors else own[n] for n in wanted}, False, True, True)
+            self.loaders[part] = loader
+
+    def __call__(self, model, cache, token, pos):
+        if model is not self.step.model or type(cache) is not self.step.kind or cache.batch_size != len(self.step.rows):
+            raise AotError("this compiled step was loaded for another model, cache class or batch size")
+        L = cache.attend_len
+        part = "short" if L <= FUSED_DECODE_MAX_SLOTS else "long"
+        return self.loaders[part].run([token.contiguous(), pos.contiguous(), cache.slots[:L], *cache.tensors()])[0]
+
+
+def decode_step(model, cache, load: dict) -> AotDecode:
+    """The decode step for `model` and caches like `cache` (any length), compiled ahead of time
+    once per key by a child process, then loaded. load: how the child builds the same model,
+    weights.load_for_inference's arguments {checkpoint, dtype (a name), quantize, groupsize,
+    quantize_head, quantize_embedding, dequantize}."""
+    step = Step(model, cache)
+    key = package_key(step)
+    folder = os.path.join(cache_root(), key)
+    parts = ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
+    todo = [p for p in parts if not os.path.exists(os.path.join(folder, p + ".pt2"))]
+    start = time.perf_counter()
+    if todo:
+        log(f"compiling the decode step ahead of time ({', '.join(todo)} attend lengths) into {folder}; "
+            f"once per model shape, cache and torch version, in a child process")
+        build_in_child(folder, key, todo, load, cache)
+        log(f"compiled in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+    aot = AotDecode(folder, step, parts)
+    log(f"ahead-of-time decode step loaded in {time.perf_counter() - start:.2f} s from {folder}")
+    return aot
+
+
+def build_in_child(folder: str, key: str, parts: list, load: dict, cache):
+    spec = {"folder": folder, "key": key, "parts": parts, "load": load, "batch_size": cache.batch_size,
+            "int8_cache": hasattr(cache, "k_scale")}
+    os.makedirs(folder, exist_ok=True)
+    log_path = os.path.join(folder, "build.log")
+    with open(log_path, "w") as out:
+        code = subprocess.call([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
+    if code != 0:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-15:])
+        raise AotError(f"compiling the decode step ahead of time failed (exit {code}); the end of {log_path}:\n{tail}"
+                       "Inductor needs a C++ compiler (g++ or clang) on PATH; without one, run without --compile aot")
+
+
+def build(spec: dict):
+    """The child: load the model as the parent did, check it has the parent's key, then export
+    and compile each package of spec["parts"] into spec["folder"]."""
+    import torch._inductor.config as config
+    from safetensors.torch import save_file
+    from torch._inductor.graph import GraphLowering
+
+    import runtime
+    import weights
+    from kv_cache import Int8KVCache, StaticKVCache
+
+    c = spec["load"]
+    model, _ = weights.load_for_inference(c["checkpoint"], "cpu", DTYPES[c["dtype"]], c["quantize"], c["groupsize"],
+                                          c["quantize_head"], c["quantize_embedding"], c["dequantize"], log=log)
+    kind = Int8KVCache if spec["int8_cache"] else StaticKVCache
+    step = Step(model, kind.for_model(model, spec["batch_size"], 2))
+    if package_key(step) != spec["key"]:
+        raise SystemExit("the model built for compiling differs from the one the caller loaded")
+    runtime.configure_inductor_cpu()
+    config.freezing = False  # the weights stay the package's inputs, not constants folded into it
+    config.aot_inductor.package_constants_in_so = False
+    made, allocate = {}, GraphLowering.allocate_non_dup_const_name
+
+    def record(graph, name, data):  # Inductor's own constants, which the caller cannot name
+        new = allocate(graph, name, data)
+        if data.numel() <= 64:
+            made[new] = data.detach().clone().contiguous()
+        return new
+
+    GraphLowering.allocate_non_dup_const_name = record
+    B, n = spec["batch_size"], len(step.fields) * model.config.n_layers
+    for part in spec["parts"]:
+        (low, high), attend, slots = PARTS[part]
+        example = kind.for_model(model, B, slots)
+        inputs = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long), torch.arange(attend),
+                  *example.tensors())
+        L, S = torch.export.Dim("attend", min=low, max=high), torch.export.Dim("slots", min=low + 1, max=MAX_SLOTS)
+        start, made = time.perf_counter(), {}
+        with torch.no_grad():
+            program = torch.export.export(step, inputs, dynamic_shapes=(None, None, {0: L}, ({2: S},) * n))
+            tmp = os.path.join(spec["folder"], f".{part}.{os.getpid()}")
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp + ".pt2")
+        save_file(made, tmp + ".safetensors")
+        os.replace(tmp + ".safetensors", os.path.join(spec["folder"], part + ".safetensors"))
+        os.replace(tmp + ".pt2", os.path.join(spec["folder"], part + ".pt2"))  # last: its presence means done
+        log(f"{part}: attend lengths {low}-{high} compiled in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":  # the child process decode_step starts
+    build(json.loads(sys.argv[1]))
