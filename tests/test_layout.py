@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Bottom to top; a file may import only files listed before it. The first six import only torch.
 ORDER = ["runtime", "model", "kv_cache", "sampling", "tp", "int4_layout",
          "paged", "scoring", "constrain", "sequence", "quantize", "quant_groups", "fuse_layers", "hf_quant", "speculative", "gguf_file", "gguf_weights", "gguf_tokenizer",
-         "weights", "tokenizer",
+         "weights", "tokenizer", "aot",
          "scheduler", "batch", "engine_loop", "tool_calls", "openai_format", "serve",
          "perplexity", "generate"]
 TORCH_ONLY = {"runtime", "model", "kv_cache", "sampling", "tp", "int4_layout"}

@@ -1,0 +1,120 @@
+"""aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step, at
+every attend length and cache length one package serves, without the compiler in the process."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aot
+import generate
+import runtime
+import weights
+from helpers import tiny_checkpoint
+from kv_cache import StaticKVCache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOAD = {"dtype": "float32", "quantize": None, "groupsize": 32, "quantize_head": False, "quantize_embedding": False,
+        "dequantize": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-aot"), max_position_embeddings=2048)
+
+
+def load(tiny, **changes):
+    spec = {**LOAD, "checkpoint": str(tiny), **changes}
+    model, _ = weights.load_for_inference(spec["checkpoint"], "cpu", runtime.DTYPES[spec["dtype"]], spec["quantize"],
+                                          spec["groupsize"], spec["quantize_head"], spec["quantize_embedding"])
+    return model, spec
+
+
+def fill(model, cache, n):
+    """The cache holding n positions of a fixed random sequence."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        runtime.prefill(model, cache, torch.randint(3, model.config.vocab_size, (cache.batch_size, n)))
+
+
+def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
+    """One package pair (short: up to 1,024 attended slots, long: beyond) for every cache length:
+    logits equal the eager step's, including attend length == cache length in each package."""
+    model, spec = load(tiny)
+    big = StaticKVCache.for_model(model, 2, 1152)
+    step = aot.decode_step(model, big, spec)
+    assert set(step.loaders) == {"short", "long"}
+    for capacity, positions in ((1152, (3, 127, 130, 600, 1023, 1030, 1100, 1151)), (128, (5, 127))):
+        cache = StaticKVCache.for_model(model, 2, capacity)
+        fill(model, cache, positions[-1])
+        for p in positions:
+            L = cache.use_positions(p + 1)
+            assert L >= p + 1 and (L <= 1024) == (p < 1024 or capacity <= 1024)
+            token, pos = torch.tensor([[5], [9]]), torch.full((2, 1), p)
+            twin = StaticKVCache.for_model(model, 2, capacity)
+            twin.k, twin.v, twin.attend_len = [t.clone() for t in cache.k], [t.clone() for t in cache.v], L
+            with torch.no_grad():
+                ours = step(model, cache, token, pos)
+                eager = runtime.decode_one(model, twin, token, pos)
+            torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+            for a, b in zip(cache.k + cache.v, twin.k + twin.v):  # this step's K/V written in place alike
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert cache.use_positions(positions[-1] + 1) == capacity  # the last step attended the whole cache
+    with pytest.raises(aot.AotError, match="another model, cache class or batch size"):
+        step(model, StaticKVCache.for_model(model, 1, 256), torch.tensor([[5]]), torch.tensor([[3]]))
+
+
+def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_path):
+    """generate.py --compile aot on an int4 model (the kernel's group size is a constant Inductor
+    makes: recorded beside the package) with the int8 KV cache: greedy tokens equal eager's; the second run compiles
+    nothing; the process never imports dynamo, sympy or Inductor's compiler."""
+    argv = ["--checkpoint", str(tiny), "--prompt", "hello world the", "--temperature", "0", "--max_new_tokens", "24",
+            "--ignore_eos", "--dtype", "float32", "--quantize", "int4", "--groupsize", "32", "--kv_cache_dtype", "int8", "--json"]
+    env = {**os.environ, "LLM_AOT_CACHE": str(tmp_path)}
+    script = ("import sys, json, generate; code = generate.main(sys.argv[1:]); "
+              "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules]))")
+
+    def run(*extra):
+        p = subprocess.run([sys.executable, "-c", script, *argv, *extra], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lines = p.stdout.strip().splitlines()
+        return json.loads(lines[0])["tokens"], json.loads(lines[-1]), p.stderr
+
+    eager, _, _ = run()
+    first, imported, err = run("--compile", "aot")
+    assert first == eager and "compiling the decode step ahead of time" in err and imported == []
+    again, imported, err = run("--compile", "aot")
+    assert again == eager and "compiling" not in err and "loaded in" in err and imported == []
+    folder = next(p for p in tmp_path.iterdir() if (p / "short.pt2").exists())
+    own = json.loads(subprocess.run([sys.executable, "-c", "import sys, json; from safetensors.torch import load_file; "
+                                     "print(json.dumps({k: v.tolist() for k, v in load_file(sys.argv[1]).items()}))",
+                                     str(folder / "short.safetensors")], capture_output=True, text=True).stdout)
+    assert 32 in own.values()  # the int4 kernel's group size, which no model tensor holds
+
+    # a package whose recorded constants are gone is named, with what to do
+    from safetensors.torch import save_file
+
+    save_file({}, str(folder / "short.safetensors"))
+    p = subprocess.run([sys.executable, "generate.py", *argv, "--compile", "aot"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 2 and "reads tensors this model lacks" in p.stderr and "delete that folder" in p.stderr
+
+
+def test_failed_compile_is_reported_with_its_log(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")  # Inductor's C++ compiler: every compile fails
+    model, spec = load(tiny)
+    with pytest.raises(aot.AotError, match=r"(?s)failed \(exit 1\).*build\.log.*C\+\+ compiler"):
+        aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache", "paged"], "static KV cache"),
+    (["--prompt_lookup", "2"], "speculative decoding"),
+    (["--device", "cuda"], "CUDA is not available|runs on CPU"),
+])
+def test_cli_refuses_what_aot_cannot_run(tiny, capsys, flags, message):
+    assert generate.main(["--checkpoint", str(tiny), "--compile", "aot", "--max_new_tokens", "4", *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
