@@ -63,6 +63,7 @@ def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---- quantizing one weight to portable tensors ---------------------------------------------
 
 
+@torch.no_grad()  # a weight that requires grad would keep every temporary alive in a graph
 def quantize_int8(w: torch.Tensor, ratios=torch.linspace(0.7, 1.0, 16)) -> dict:
     """w [N, K] float -> {"weight": int8 [N, K], "scales": float32 [N]} (symmetric, per row).
 
@@ -81,6 +82,7 @@ def quantize_int8(w: torch.Tensor, ratios=torch.linspace(0.7, 1.0, 16)) -> dict:
     return {"weight": q, "scales": best_scale[:, 0]}
 
 
+@torch.no_grad()
 def quantize_int4(w: torch.Tensor, groupsize: int, refine_steps: int = 4) -> dict:
     """w [N, K] float -> {"weight": uint8 [N, K/2], "scales", "zeros": float32 [N, K/groupsize]}.
 

@@ -359,7 +359,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # inference only: nothing may build an autograd graph
 
 
 def settle():

@@ -177,6 +177,19 @@ def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny)
         assert set(report["kept"]) == {"lm_head", "embed_tokens"}
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_keeps_no_autograd_graph(tiny, mode):
+    """Quantizing a weight that requires grad (nn.Module's default) once kept every temporary of
+    the scale search alive in an autograd graph hanging off the scales: `--quantize int8` peaked
+    at 7.3 GiB on the 135M embedded model, int4 at 10.3. Loaded models need no grad at all."""
+    assert not any(p.requires_grad for p in weights.load(tiny)[0].parameters())
+    model = weights.Transformer(weights.ModelConfig(**dict(weights.load(tiny)[0].config.__dict__)))
+    assert all(p.requires_grad for p in model.parameters())  # what a user's own module holds
+    quantize.quantize_model(model, mode, 64, head=True, embedding=True)
+    held = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.grad_fn is not None]
+    assert not held, f"tensors holding an autograd graph: {held[:5]}"
+
+
 @pytest.mark.parametrize("shape", [
     dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=32, intermediate_size=11008, vocab_size=32000),  # Llama-2-7B
     dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256),  # Llama-3-8B
