@@ -22,12 +22,12 @@ checkpoint of the same shapes. Inductor adds a few constants of its own (the int
 size as a 0-d tensor); they are recorded while compiling and stored beside the package.
 
 Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
-hash of torch's version, the CPU (flags and ATen's instruction set), this project's source, the
-model's structure (every module's class and settings, every tensor's name, shape and dtype), the
-cache's class and the batch size. A new key compiles once (SmolLM2-135M: about 30 s on 2 cores);
+hash of torch's version, the CPU (flags and ATen's instruction set), the model's structure (every
+module's class and settings, every tensor's name, shape and dtype), the cache's class, the batch
+size, and the source of the files the step's code comes from (model.py, kv_cache.py, the layers'
+files, runtime.py, this one). A new key compiles once (SmolLM2-135M: about 30 s on 2 cores);
 later runs load the package in a fraction of a second.
 """
-import glob
 import hashlib
 import json
 import os
@@ -40,7 +40,6 @@ import torch
 from kv_cache import FUSED_DECODE_MAX_SLOTS
 from runtime import DTYPES, cpu_capability, decode_one, log
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")  # StaticKVCache has the first two, Int8KVCache all four
 MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
 # per package: (the attend lengths it serves, the example attend length and cache length it is exported at)
@@ -115,7 +114,9 @@ def package_key(step) -> str:
     except OSError:
         pass
     h = hashlib.sha256("\0".join(parts).encode())
-    for path in sorted(glob.glob(os.path.join(ROOT, "*.py"))):
+    # the source of the code the step runs: every module's class, the cache's class, this file and runtime.py
+    kinds = [type(m) for m in step.modules()] + [step.kind, decode_one]
+    for path in sorted({os.path.abspath(sys.modules[k.__module__].__file__) for k in kinds}):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:24]
@@ -133,7 +134,11 @@ class AotDecode:
         for part in parts:
             from safetensors.torch import load_file
 
-            loader = torch._C._aoti.AOTIModelPackageLoader(os.path.join(folder, part + ".pt2"), "model", False, 1, -1)
+            try:
+                loader = torch._C._aoti.AOTIModelPackageLoader(os.path.join(folder, part + ".pt2"), "model", False, 1, -1)
+            except RuntimeError as e:
+                raise AotError(f"cannot load the package {folder}/{part}.pt2 ({str(e).splitlines()[0]}); "
+                               f"delete that folder to compile it again") from e
             own = load_file(os.path.join(folder, part + ".safetensors"))  # Inductor's own constants
             wanted = loader.get_constant_fqns()
             missing = [n for n in wanted if n not in tensors and n not in own]
