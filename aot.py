@@ -129,7 +129,7 @@ class AotDecode:
     has_guards = False  # nothing for runtime.skip_guards to skip (that is torch.compile's)
 
     def __init__(self, folder: str, step: Step, parts):
-        self.step, self.loaders = step, {}
+        self.step, self.loaders, self.kept = step, {}, []
         tensors = named_tensors(step)
         for part in parts:
             from safetensors.torch import load_file
@@ -145,7 +145,7 @@ class AotDecode:
             if missing:
                 raise AotError(f"the package {folder}/{part}.pt2 reads tensors this model lacks: {missing[:5]}; "
                                f"delete that folder to compile it again")
-            self.own = own  # kept alive: the loader uses these tensors in place
+            self.kept.append(own)  # kept alive: the loader uses these tensors in place (user-managed)
             loader.load_constants({n: tensors[n] if n in tensors else own[n] for n in wanted}, False, True, True)
             self.loaders[part] = loader
 
@@ -229,7 +229,8 @@ def build(spec: dict):
         example = kind.for_model(model, B, slots)
         inputs = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long), torch.arange(attend),
                   *example.tensors())
-        L, S = torch.export.Dim("attend", min=low, max=high), torch.export.Dim("slots", min=low + 1, max=MAX_SLOTS)
+        # export derives L < S from slicing's clamp of the end to the size; L == S runs the same code (tests)
+        L, S = torch.export.Dim("attend", min=low, max=high - 1), torch.export.Dim("slots", min=low + 1, max=MAX_SLOTS)
         start, made = time.perf_counter(), {}
         with torch.no_grad():
             program = torch.export.export(step, inputs, dynamic_shapes=(None, None, {0: L}, ({2: S},) * n))

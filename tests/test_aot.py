@@ -42,12 +42,14 @@ def fill(model, cache, n):
 
 def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
     """One package pair (short: up to 1,024 attended slots, long: beyond) for every cache length:
-    logits equal the eager step's, including attend length == cache length in each package."""
-    model, spec = load(tiny)
+    logits equal the eager step's, including attend length == cache length in each package. Int4
+    layers: both packages read constants Inductor made (kept alive while the step lives)."""
+    model, spec = load(tiny, quantize="int4")
     big = StaticKVCache.for_model(model, 2, 1152)
     step = aot.decode_step(model, big, spec)
     assert set(step.loaders) == {"short", "long"}
-    for capacity, positions in ((1152, (3, 127, 130, 600, 1023, 1030, 1100, 1151)), (128, (5, 127))):
+    assert all(len(own) for own in step.kept)
+    for capacity, positions in ((1152, (3, 127, 130, 600, 1023, 1030, 1100, 1151)), (128, (5, 127)), (1025, (1024,))):
         cache = StaticKVCache.for_model(model, 2, capacity)
         fill(model, cache, positions[-1])
         for p in positions:
@@ -75,7 +77,8 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
             "--ignore_eos", "--dtype", "float32", "--quantize", "int4", "--groupsize", "32", "--kv_cache_dtype", "int8", "--json"]
     env = {**os.environ, "LLM_AOT_CACHE": str(tmp_path)}
     script = ("import sys, json, generate; code = generate.main(sys.argv[1:]); "
-              "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules]))")
+              "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules])); "
+              "sys.exit(code)")
 
     def run(*extra):
         p = subprocess.run([sys.executable, "-c", script, *argv, *extra], cwd=ROOT, env=env, capture_output=True, text=True)
