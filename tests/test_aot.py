@@ -40,6 +40,7 @@ def fill(model, cache, n):
         runtime.prefill(model, cache, torch.randint(3, model.config.vocab_size, (cache.batch_size, n)))
 
 
+@pytest.mark.isa  # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
 def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
     """One package pair (short: up to 1,024 attended slots, long: beyond) for every cache length:
     logits equal the eager step's, including attend length == cache length in each package. Int4
