@@ -25,8 +25,11 @@ Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder
 hash of torch's version, the CPU (flags and ATen's instruction set), the model's structure (every
 module's class and settings, every tensor's name, shape and dtype), the cache's class, the batch
 size, and the source of the files the step's code comes from (model.py, kv_cache.py, the layers'
-files, runtime.py, this one). A new key compiles once (SmolLM2-135M: about 30 s on 2 cores);
-later runs load the package in a fraction of a second.
+files, runtime.py, this one). A new key compiles once (SmolLM2-135M: 40-45 s on 2 cores, a
+second package as long again); later runs load the package in a fraction of a second. While
+compiling, the child holds its own copy of the weights (it loads the checkpoint as the caller
+did) and the compiler's working memory, next to the caller's copy: the first run's memory peak
+is about twice the weights plus what `--compile` needs; every later run adds nothing to eager's.
 """
 import hashlib
 import json
