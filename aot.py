@@ -14,23 +14,28 @@ two sizes left dynamic, so that one package serves every cache length and every 
     logits [B, V] = step(token [B, 1], pos [B, 1], slots [L], *cache.tensors())   # each [B, Hkv, S, *]
 
 `slots` holds the slot indices 0..L-1, its length the attend length kv_cache.py sets (L <= S).
-Compiled one-token CPU steps attend through decode_attention up to FUSED_DECODE_MAX_SLOTS (1,024)
-slots and through `attention` past it, so there are two packages: "short", and "long" for caches
-of more slots (built when first needed). The weights are not in the package: the loader is handed
-the model's own tensors (user-managed, never copied), so a package is a few MiB and serves any
-checkpoint of the same shapes. Inductor adds a few constants of its own (the int4 kernel's group
-size as a 0-d tensor); they are recorded while compiling and stored beside the package.
+Compiled one-token CPU steps over a static cache attend through decode_attention up to
+FUSED_DECODE_MAX_SLOTS (1,024) slots and through `attention` past it: two packages, "short", and
+"long" only for caches of more slots; over the int8 cache always decode_attention: one, "any".
+The weights are not in the package: the loader is handed the model's own tensors (user-managed,
+never copied), so a package is a few MiB and serves any checkpoint of the same shapes. Inductor
+adds a few constants of its own (the int4 kernel's group size as a 0-d tensor); they are recorded
+while compiling and stored beside the package. Inductor's freezing and max-autotune are off (the
+weights are inputs), so this pays most where the weights are quantized layers on ATen's kernels
+(GGUF files at their own bits: measured in RESULTS.md); dense float32 gains more from `--compile`.
 
 Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
-hash of torch's version, the CPU (flags and ATen's instruction set), the model's structure (every
-module's class and settings, every tensor's name, shape and dtype), the cache's class, the batch
-size, and the source of the files the step's code comes from (model.py, kv_cache.py, the layers'
-files, runtime.py, this one). A new key compiles once (SmolLM2-135M: 40-45 s on 2 cores, a
-second package as long again); later runs load the package in a fraction of a second. While
-compiling, the child holds its own copy of the weights (it loads the checkpoint as the caller
-did) and the compiler's working memory, next to the caller's copy: the first run's memory peak
-is about twice the weights plus what `--compile` needs; every later run adds nothing to eager's.
+hash of torch's version, the CPU (flags, ATen's instruction set, the thread count Inductor's loops
+are built for), the model's structure (every module's class and settings, every tensor's name,
+shape and dtype), the cache's class, the batch size and this folder's source (any edit compiles
+anew; old folders stay, a few MiB each). A new key compiles once (SmolLM2-135M: 40-45 s on 2
+cores, a second package as long again); later runs load the package in a fraction of a second.
+Processes needing the same key wait for the one compiling it (a lock file). While compiling, the
+child holds its own copy of the weights (it loads the checkpoint as the caller did) and the
+compiler's working memory, next to the caller's copy: the first run's memory peak is about twice
+the weights plus what `--compile` needs; every later run adds nothing to eager's.
 """
+import glob
 import hashlib
 import json
 import os
@@ -43,11 +48,20 @@ import torch
 from kv_cache import FUSED_DECODE_MAX_SLOTS
 from runtime import DTYPES, cpu_capability, decode_one, log
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")  # StaticKVCache has the first two, Int8KVCache all four
 MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
 # per package: (the attend lengths it serves, the example attend length and cache length it is exported at)
 PARTS = {"short": ((2, FUSED_DECODE_MAX_SLOTS), 128, 256),
-         "long": ((FUSED_DECODE_MAX_SLOTS + 1, MAX_SLOTS), FUSED_DECODE_MAX_SLOTS + 64, FUSED_DECODE_MAX_SLOTS + 128)}
+         "long": ((FUSED_DECODE_MAX_SLOTS + 1, MAX_SLOTS), FUSED_DECODE_MAX_SLOTS + 64, FUSED_DECODE_MAX_SLOTS + 128),
+         "any": ((2, MAX_SLOTS), 128, 256)}
+
+
+def parts_for(cache) -> list:
+    """The packages a cache needs (header): the int8 cache one, a static cache one or two."""
+    if hasattr(cache, "k_scale"):
+        return ["any"]
+    return ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
 
 
 class AotError(ValueError):
@@ -62,7 +76,10 @@ def cache_root() -> str:
 def check_usable(args, device: str):
     """generate.py's flags that --compile aot cannot serve, refused before anything loads."""
     if not str(device).startswith("cpu"):
-        raise AotError(f"--compile aot runs on CPU; on {device} use --compile (torch.compile, CUDA Graphs)")
+        raise AotError(f"--compile aot runs on CPU: pass --device cpu, or on {device} use --compile (CUDA Graphs)")
+    if args.compile_prefill:
+        raise AotError("--compile_prefill brings torch.compile into the process, which --compile aot keeps out; "
+                       "drop one of them")
     if args.cache != "static":
         raise AotError("--compile aot runs the static KV cache; drop --cache paged, or use --compile")
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
@@ -106,7 +123,8 @@ def named_tensors(module) -> dict:
 def package_key(step) -> str:
     """The hash that names a folder of packages (header: what the compiled code depends on)."""
     settings = (int, float, str, bool, tuple, torch.dtype, type(None))
-    parts = [torch.__version__, cpu_capability(), step.kind.__name__, str(len(step.rows)), repr(step.model.config)]
+    parts = [torch.__version__, cpu_capability(), str(torch.get_num_threads()), step.kind.__name__, str(len(step.rows)),
+             repr(step.model.config)]
     for name, m in step.named_modules(remove_duplicate=False):
         plain = sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
                        and isinstance(v, settings))
@@ -117,9 +135,7 @@ def package_key(step) -> str:
     except OSError:
         pass
     h = hashlib.sha256("\0".join(parts).encode())
-    # the source of the code the step runs: every module's class, the cache's class, this file and runtime.py
-    kinds = [type(m) for m in step.modules()] + [step.kind, decode_one]
-    for path in sorted({os.path.abspath(sys.modules[k.__module__].__file__) for k in kinds}):
+    for path in sorted(glob.glob(os.path.join(ROOT, "*.py"))):  # the code traced into the step: all of it
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:24]
@@ -142,7 +158,10 @@ class AotDecode:
             except RuntimeError as e:
                 raise AotError(f"cannot load the package {folder}/{part}.pt2 ({str(e).splitlines()[0]}); "
                                f"delete that folder to compile it again") from e
-            own = load_file(os.path.join(folder, part + ".safetensors"))  # Inductor's own constants
+            try:
+                own = load_file(os.path.join(folder, part + ".safetensors"))  # Inductor's own constants
+            except Exception as e:  # missing or corrupt (safetensors raises its own error type)
+                raise AotError(f"cannot read {folder}/{part}.safetensors ({e}); delete that folder to compile it again") from e
             wanted = loader.get_constant_fqns()
             missing = [n for n in wanted if n not in tensors and n not in own]
             if missing:
@@ -156,8 +175,12 @@ class AotDecode:
         if model is not self.step.model or type(cache) is not self.step.kind or cache.batch_size != len(self.step.rows):
             raise AotError("this compiled step was loaded for another model, cache class or batch size")
         L = cache.attend_len
-        part = "short" if L <= FUSED_DECODE_MAX_SLOTS else "long"
-        return self.loaders[part].run([token.contiguous(), pos.contiguous(), cache.slots[:L], *cache.tensors()])[0]
+        for part, loader in self.loaders.items():
+            low, high = PARTS[part][0]
+            if low <= L <= high:  # the inputs: a view of `slots` and the cache's own list (no copies)
+                return loader.run([token.contiguous(), pos.contiguous(), cache.slots[:L], *cache.tensors()])[0]
+        raise AotError(f"no package loaded for attend length {L} (parts {list(self.loaders)}): "
+                       f"this step was loaded for a shorter cache")
 
 
 def decode_step(model, cache, load: dict) -> AotDecode:
@@ -165,35 +188,50 @@ def decode_step(model, cache, load: dict) -> AotDecode:
     once per key by a child process, then loaded. load: how the child builds the same model,
     weights.load_for_inference's arguments {checkpoint, dtype (a name), quantize, groupsize,
     quantize_head, quantize_embedding, dequantize}."""
+    import fcntl
+
+    if cache.max_seq_len > MAX_SLOTS:
+        raise AotError(f"--compile aot serves caches of up to {MAX_SLOTS} slots, not {cache.max_seq_len}")
     step = Step(model, cache)
-    key = package_key(step)
-    folder = os.path.join(cache_root(), key)
-    parts = ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
-    todo = [p for p in parts if not os.path.exists(os.path.join(folder, p + ".pt2"))]
+    folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, ".lock"), "w")
+    except OSError as e:
+        raise AotError(f"cannot write the package folder {folder} ({e.strerror}); set LLM_AOT_CACHE to a writable folder") from e
     start = time.perf_counter()
-    if todo:
-        log(f"compiling the decode step ahead of time ({', '.join(todo)} attend lengths) into {folder}; "
-            f"once per model shape, cache and torch version, in a child process")
-        build_in_child(folder, key, todo, load, cache)
-        log(f"compiled in {time.perf_counter() - start:.1f} s")
-        start = time.perf_counter()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a process compiling the same key: wait for it, then use its packages
+        todo = [p for p in parts if not os.path.exists(os.path.join(folder, p + ".pt2"))]
+        if todo:
+            log(f"compiling the decode step ahead of time (package{'s' * (len(todo) > 1)} {', '.join(todo)}) into "
+                f"{folder}; once per model shape, cache and torch version, in a child process")
+            build_in_child(folder, step, todo, load, cache)
+            log(f"compiled in {time.perf_counter() - start:.1f} s")
+            start = time.perf_counter()
     aot = AotDecode(folder, step, parts)
     log(f"ahead-of-time decode step loaded in {time.perf_counter() - start:.2f} s from {folder}")
     return aot
 
 
-def build_in_child(folder: str, key: str, parts: list, load: dict, cache):
-    spec = {"folder": folder, "key": key, "parts": parts, "load": load, "batch_size": cache.batch_size,
-            "int8_cache": hasattr(cache, "k_scale")}
-    os.makedirs(folder, exist_ok=True)
+def build_in_child(folder: str, step, parts: list, load: dict, cache):
+    spec = {"folder": folder, "key": os.path.basename(folder), "parts": parts, "load": load,
+            "batch_size": cache.batch_size, "int8_cache": hasattr(cache, "k_scale"), "threads": torch.get_num_threads()}
     log_path = os.path.join(folder, "build.log")
     with open(log_path, "w") as out:
         code = subprocess.call([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
-    if code != 0:
-        with open(log_path) as f:
-            tail = "".join(f.readlines()[-15:])
-        raise AotError(f"compiling the decode step ahead of time failed (exit {code}); the end of {log_path}:\n{tail}"
-                       "Inductor needs a C++ compiler (g++ or clang) on PATH; without one, run without --compile aot")
+    if code == 0:
+        return
+    with open(log_path) as f:
+        tail = "".join(f.readlines()[-15:])
+    if code < 0:
+        why = (f"killed by signal {-code}: out of memory? While compiling it holds a second copy of the weights "
+               "and the compiler's working memory")
+    elif "CppCompileError" in tail or "compiler" in tail.lower():
+        why = "a C++ compile failed: Inductor needs a working C++ compiler (g++ or clang, $CXX); run without --compile aot"
+    else:
+        why = f"exit {code}"
+    raise AotError(f"compiling the decode step ahead of time failed ({why}); the end of {log_path}:\n{tail}")
 
 
 def build(spec: dict):
@@ -212,8 +250,9 @@ def build(spec: dict):
                                           c["quantize_head"], c["quantize_embedding"], c["dequantize"], log=log)
     kind = Int8KVCache if spec["int8_cache"] else StaticKVCache
     step = Step(model, kind.for_model(model, spec["batch_size"], 2))
+    torch.set_num_threads(spec["threads"])  # Inductor builds its loops for this many threads
     if package_key(step) != spec["key"]:
-        raise SystemExit("the model built for compiling differs from the one the caller loaded")
+        raise SystemExit("error: the model built for compiling differs from the one the caller loaded")
     runtime.configure_inductor_cpu()
     config.freezing = False  # the weights stay the package's inputs, not constants folded into it
     config.aot_inductor.package_constants_in_so = False
@@ -232,16 +271,23 @@ def build(spec: dict):
         example = kind.for_model(model, B, slots)
         inputs = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long), torch.arange(attend),
                   *example.tensors())
-        # export derives L < S from slicing's clamp of the end to the size; L == S runs the same code (tests)
-        L, S = torch.export.Dim("attend", min=low, max=high - 1), torch.export.Dim("slots", min=low + 1, max=MAX_SLOTS)
+        L, S = torch.export.Dim("attend", min=low, max=high), torch.export.Dim("slots", min=low, max=MAX_SLOTS)
         start, made = time.perf_counter(), {}
-        with torch.no_grad():
-            program = torch.export.export(step, inputs, dynamic_shapes=(None, None, {0: L}, ({2: S},) * n))
-            tmp = os.path.join(spec["folder"], f".{part}.{os.getpid()}")
-            torch._inductor.aoti_compile_and_package(program, package_path=tmp + ".pt2")
-        save_file(made, tmp + ".safetensors")
-        os.replace(tmp + ".safetensors", os.path.join(spec["folder"], part + ".safetensors"))
-        os.replace(tmp + ".pt2", os.path.join(spec["folder"], part + ".pt2"))  # last: its presence means done
+        tmp = os.path.join(spec["folder"], f".{part}.{os.getpid()}")
+        try:
+            with torch.no_grad():
+                program = torch.export.export(step, inputs, dynamic_shapes=(None, None, {0: L}, ({2: S},) * n))
+                torch._inductor.aoti_compile_and_package(program, package_path=tmp + ".pt2")
+            save_file(made, tmp + ".safetensors")
+            wanted = torch._C._aoti.AOTIModelPackageLoader(tmp + ".pt2", "model", False, 1, -1).get_constant_fqns()
+            lacking = [c for c in wanted if c not in made and c not in named_tensors(step)]
+            if lacking:  # a package no caller could load: fail here, not on every load
+                raise SystemExit(f"error: Inductor made constants this step cannot supply: {lacking[:5]}")
+            os.replace(tmp + ".safetensors", os.path.join(spec["folder"], part + ".safetensors"))
+            os.replace(tmp + ".pt2", os.path.join(spec["folder"], part + ".pt2"))  # last: its presence means done
+        finally:
+            for leftover in glob.glob(tmp + ".*"):
+                os.remove(leftover)
         log(f"{part}: attend lengths {low}-{high} compiled in {time.perf_counter() - start:.1f} s")
 
 

@@ -133,7 +133,8 @@ class StaticKVCache:
         self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
         self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
-        k_cache, v_cache = self.k[layer][:, :, :L], self.v[layer][:, :, :L]  # [B, Hkv, L, D]
+        # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
+        k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
         mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
         if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
                 and torch.compiler.is_compiling()):
@@ -157,14 +158,16 @@ def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
     B, _, H, D = q.shape
     Hkv = k_cache.shape[1]
     qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
-    scores = (qg * k_cache[:, :, None].float()).sum(-1)  # [B, Hkv, G, S]
+    # each .float() before its broadcast dim: on a prefix view that keeps the strides' order plain,
+    # so torch.export (aot.py) derives no "attend length < cache length" from it
+    scores = (qg * k_cache.float()[:, :, None]).sum(-1)  # [B, Hkv, G, S]
     if k_scale is not None:
-        scores = scores * k_scale[:, :, None, :, 0].float()
+        scores = scores * k_scale[..., 0].float()[:, :, None]
     scores = scores * D**-0.5 + torch.where(mask[:, :, None, 0], 0.0, float("-inf"))
     p = torch.softmax(scores, dim=-1)  # [B, Hkv, G, S]
     if v_scale is not None:
-        p = p * v_scale[:, :, None, :, 0].float()
-    y = (p[..., None] * v_cache[:, :, None].float()).sum(-2)  # [B, Hkv, G, D]
+        p = p * v_scale[..., 0].float()[:, :, None]
+    y = (p[..., None] * v_cache.float()[:, :, None]).sum(-2)  # [B, Hkv, G, D]
     return y.reshape(B, 1, H, D).to(q.dtype)
 
 
@@ -226,7 +229,7 @@ class Int8KVCache(StaticKVCache):
             scales[layer][rows, :, input_pos] = xs
         L = self.attend_len
         mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]
-        k_cache, v_cache, k_scale, v_scale = (t[layer][:, :, :L] for t in (self.k, self.v, self.k_scale, self.v_scale))
+        k_cache, v_cache, k_scale, v_scale = (t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale))
         if q.shape[1] == 1 and torch.compiler.is_compiling():
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions

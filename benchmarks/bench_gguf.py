@@ -16,7 +16,8 @@ the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. Co
 Ours runs eager (the README's command), --compile and --compile aot (bf16 activations all). The
 aot package is compiled by the first round's run (in a child process of generate.py, into a fresh
 cache folder): that run's peak RSS and compile time are printed below the table; the table's
-figures are the best rounds, i.e. a package already compiled, as every later run of a user finds it.
+figures are the best rounds (with --rounds 2 or more, a round whose package was already compiled,
+as every later run of a user finds it; with --rounds 1, the compiling run).
 """
 import argparse
 import json

@@ -44,7 +44,9 @@ def fill(model, cache, n):
 def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
     """One package pair (short: up to 1,024 attended slots, long: beyond) for every cache length:
     logits equal the eager step's, including attend length == cache length in each package. Int4
-    layers: both packages read constants Inductor made (kept alive while the step lives)."""
+    layers: both packages read constants Inductor made (kept alive while the step lives). The
+    packages check their inputs against the sizes they were built for (AOTI_RUNTIME_CHECK_INPUTS,
+    conftest), so a step sent to the wrong package fails."""
     model, spec = load(tiny, quantize="int4")
     big = StaticKVCache.for_model(model, 2, 1152)
     step = aot.decode_step(model, big, spec)
@@ -92,16 +94,16 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
     assert first == eager and "compiling the decode step ahead of time" in err and imported == []
     again, imported, err = run("--compile", "aot")
     assert again == eager and "compiling" not in err and "loaded in" in err and imported == []
-    folder = next(p for p in tmp_path.iterdir() if (p / "short.pt2").exists())
+    folder = next(p for p in tmp_path.iterdir() if (p / "any.pt2").exists())  # the int8 cache: one package
     own = json.loads(subprocess.run([sys.executable, "-c", "import sys, json; from safetensors.torch import load_file; "
                                      "print(json.dumps({k: v.tolist() for k, v in load_file(sys.argv[1]).items()}))",
-                                     str(folder / "short.safetensors")], capture_output=True, text=True).stdout)
+                                     str(folder / "any.safetensors")], capture_output=True, text=True).stdout)
     assert 32 in own.values()  # the int4 kernel's group size, which no model tensor holds
 
     # a package whose recorded constants are gone is named, with what to do
     from safetensors.torch import save_file
 
-    save_file({}, str(folder / "short.safetensors"))
+    save_file({}, str(folder / "any.safetensors"))
     p = subprocess.run([sys.executable, "generate.py", *argv, "--compile", "aot"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert p.returncode == 2 and "reads tensors this model lacks" in p.stderr and "delete that folder" in p.stderr
 
@@ -110,15 +112,24 @@ def test_failed_compile_is_reported_with_its_log(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # Inductor's C++ compiler: every compile fails
     model, spec = load(tiny)
-    with pytest.raises(aot.AotError, match=r"(?s)failed \(exit 1\).*build\.log.*C\+\+ compiler"):
+    with pytest.raises(aot.AotError, match=r"(?s)a C\+\+ compile failed.*build\.log.*/bin/false") as failed:
         aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec)
+    assert not [p for p in tmp_path.rglob(".short.*")]  # the half-built files are gone
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--cache", "paged"], "static KV cache"),
-    (["--prompt_lookup", "2"], "speculative decoding"),
-    (["--device", "cuda"], "CUDA is not available|runs on CPU"),
-])
-def test_cli_refuses_what_aot_cannot_run(tiny, capsys, flags, message):
-    assert generate.main(["--checkpoint", str(tiny), "--compile", "aot", "--max_new_tokens", "4", *flags]) == 2
-    assert re.search(message, capsys.readouterr().err)
+def test_aot_refusals(monkeypatch):
+    args = generate.parse_args(["--compile", "aot"])
+    with pytest.raises(aot.AotError, match="pass --device cpu"):
+        aot.check_usable(args, "cuda")
+    for flags, message in ((["--compile_prefill"], "--compile_prefill"), (["--cache", "paged"], "static KV cache"),
+                           (["--prompt_lookup", "2"], "speculative decoding")):
+        with pytest.raises(aot.AotError, match=message):
+            aot.check_usable(generate.parse_args(["--compile", "aot", *flags]), "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(aot.AotError, match="torchrun"):
+        aot.check_usable(args, "cpu")
+
+
+def test_cli_refusal_is_a_clear_error(tiny, capsys):
+    assert generate.main(["--checkpoint", str(tiny), "--compile", "aot", "--cache", "paged", "--max_new_tokens", "4"]) == 2
+    assert "static KV cache" in capsys.readouterr().err
