@@ -148,11 +148,11 @@ class AotDecode:
     has_guards = False  # nothing for runtime.skip_guards to skip (that is torch.compile's)
 
     def __init__(self, folder: str, step: Step, parts):
+        from safetensors.torch import load_file
+
         self.step, self.loaders, self.kept = step, {}, []
         tensors = named_tensors(step)
         for part in parts:
-            from safetensors.torch import load_file
-
             try:
                 loader = torch._C._aoti.AOTIModelPackageLoader(os.path.join(folder, part + ".pt2"), "model", False, 1, -1)
             except RuntimeError as e:
@@ -206,7 +206,7 @@ def decode_step(model, cache, load: dict) -> AotDecode:
         if todo:
             log(f"compiling the decode step ahead of time (package{'s' * (len(todo) > 1)} {', '.join(todo)}) into "
                 f"{folder}; once per model shape, cache and torch version, in a child process")
-            build_in_child(folder, step, todo, load, cache)
+            build_in_child(folder, todo, load, cache)
             log(f"compiled in {time.perf_counter() - start:.1f} s")
             start = time.perf_counter()
     aot = AotDecode(folder, step, parts)
@@ -214,7 +214,7 @@ def decode_step(model, cache, load: dict) -> AotDecode:
     return aot
 
 
-def build_in_child(folder: str, step, parts: list, load: dict, cache):
+def build_in_child(folder: str, parts: list, load: dict, cache):
     spec = {"folder": folder, "key": os.path.basename(folder), "parts": parts, "load": load,
             "batch_size": cache.batch_size, "int8_cache": hasattr(cache, "k_scale"), "threads": torch.get_num_threads()}
     log_path = os.path.join(folder, "build.log")
