@@ -178,6 +178,14 @@ def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_in_pieces_of_rows_equals_the_whole(mode):
+    w = torch.randn(20, 128, generator=torch.Generator().manual_seed(0))
+    whole = quantize.portable_tensors(w, mode, 32, rows=20)
+    pieces = quantize.portable_tensors(w, mode, 32, rows=7)  # 7 + 7 + 6 rows
+    assert whole.keys() == pieces.keys() and all(torch.equal(whole[k], pieces[k]) for k in whole)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantizing_keeps_no_autograd_graph(tiny, mode):
     """Quantizing a weight that requires grad (nn.Module's default) once kept every temporary of
     the scale search alive in an autograd graph hanging off the scales: `--quantize int8` peaked
