@@ -21,8 +21,8 @@ The weights are not in the package: the loader is handed the model's own tensors
 never copied), so a package is a few MiB and serves any checkpoint of the same shapes. Inductor
 adds a few constants of its own (the int4 kernel's group size as a 0-d tensor); they are recorded
 while compiling and stored beside the package. Inductor's freezing and max-autotune are off (the
-weights are inputs), so this pays most where the weights are quantized layers on ATen's kernels
-(GGUF files at their own bits: measured in RESULTS.md); dense float32 gains more from `--compile`.
+weights are inputs): faster than `--compile` on int4 layers and GGUF files at their own bits,
+slower on dense bf16, float32 and --quantize int8 (benchmarks/RESULTS.md, "--compile aot").
 
 Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
 hash of torch's version, the CPU (flags, ATen's instruction set, the thread count Inductor's loops
