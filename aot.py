@@ -103,8 +103,7 @@ class Step(torch.nn.Module):
         for i, field in enumerate(self.fields):  # tensors: cache.tensors(), field by field
             setattr(cache, field, list(tensors[i * n:(i + 1) * n]))
         torch._check(slots.shape[0] <= tensors[0].shape[2])  # L <= S
-        cache.rows, cache.slots, cache.attend_len = self.rows, slots, slots.shape[0]
-        cache.batch_size, cache.max_seq_len = token.shape[0], tensors[0].shape[2]
+        cache.rows, cache.slots, cache.attend_len = self.rows, slots, slots.shape[0]  # all that attend reads
         return decode_one(self.model, cache, token, pos)
 
 
@@ -186,8 +185,7 @@ class AotDecode:
 def decode_step(model, cache, load: dict) -> AotDecode:
     """The decode step for `model` and caches like `cache` (any length), compiled ahead of time
     once per key by a child process, then loaded. load: how the child builds the same model,
-    weights.load_for_inference's arguments {checkpoint, dtype (a name), quantize, groupsize,
-    quantize_head, quantize_embedding, dequantize}."""
+    weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name."""
     import fcntl
 
     if cache.max_seq_len > MAX_SLOTS:
@@ -245,9 +243,8 @@ def build(spec: dict):
     import weights
     from kv_cache import Int8KVCache, StaticKVCache
 
-    c = spec["load"]
-    model, _ = weights.load_for_inference(c["checkpoint"], "cpu", DTYPES[c["dtype"]], c["quantize"], c["groupsize"],
-                                          c["quantize_head"], c["quantize_embedding"], c["dequantize"], log=log)
+    load = dict(spec["load"])
+    model, _ = weights.load_for_inference(device="cpu", dtype=DTYPES[load.pop("dtype")], log=log, **load)
     kind = Int8KVCache if spec["int8_cache"] else StaticKVCache
     step = Step(model, kind.for_model(model, spec["batch_size"], 2))
     torch.set_num_threads(spec["threads"])  # Inductor builds its loops for this many threads

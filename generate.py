@@ -217,8 +217,8 @@ def run(args) -> int:
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
-    model, info = weights.load_for_inference(args.checkpoint, device, DTYPES[args.dtype], args.quantize, args.groupsize,
-                                             args.quantize_head, args.quantize_embedding, args.dequantize, (rank, world), log)
+    model, info = weights.load_for_inference(device=device, dtype=DTYPES[args.dtype], shard=(rank, world), log=log,
+                                             **load_flags(args))
     if world > 1:
         tp.check_same_checkpoint(model)
         tp.parallelize(model)
@@ -413,12 +413,16 @@ def warm_up(args, model, cache, device, prompt_len):
     return decode_fn, prefill_fn, time.perf_counter() - start
 
 
+def load_flags(args) -> dict:
+    """The flags that say how weights.load_for_inference builds the model (besides device and dtype)."""
+    names = ("checkpoint", "quantize", "groupsize", "quantize_head", "quantize_embedding", "dequantize")
+    return {name: getattr(args, name) for name in names}
+
+
 def decode_step(args, model, cache, device):
     """The decode step --compile chose: decode_one, torch.compile'd (jit) or ahead of time (aot)."""
-    if args.compile == "aot":
-        load = {k: getattr(args, k) for k in ("checkpoint", "dtype", "quantize", "groupsize", "quantize_head",
-                                              "quantize_embedding", "dequantize")}
-        return aot.decode_step(model, cache, load)
+    if args.compile == "aot":  # the child builds the model from the same flags
+        return aot.decode_step(model, cache, {**load_flags(args), "dtype": args.dtype})
     return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
 
 
