@@ -255,3 +255,155 @@ def test_no_chat_template_is_a_clear_error(hf_folder, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     with pytest.raises(TokenizerError, match="no chat template"):
         load_tokenizer(folder).apply_chat_template(MESSAGES)
+
+
+# --- TextStream: incremental detokenization and stop strings -------------------------------------
+
+STREAM_TEXT = ("Unicode: café, naïve, 日本語, Ελληνικά, русский, עברית, 한국어; "
+               "emoji 🙂🦙👍🏽 👨‍👩‍👧 ✓\ndef f(x):\n    return {'a': x ** 2, \"b\": [1, 2]}  # → ok\n\n\tend. ")
+
+
+def stream_all(tok, ids, stop=(), reasons=None):
+    """The pieces a TextStream returns for `ids` (reason None on each, then finish()), and the stream."""
+    stream = tokenizer.TextStream(tok, stop)
+    pieces = [stream.add(t, (reasons or {}).get(k)) for k, t in enumerate(ids)]
+    return pieces + [stream.finish()], stream
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    """The embedded GGUF's tokenizer alone (the model is not loaded)."""
+    import weights
+
+    return load_tokenizer(weights.default_checkpoint())
+
+
+TOKENIZER_KINDS = {"embedded GGUF": lambda r: r.getfixturevalue("embedded_tokenizer"),
+                   "SentencePiece": lambda r: load_tokenizer(r.getfixturevalue("sp_model")[0]),
+                   "tiktoken": lambda r: load_tokenizer(r.getfixturevalue("tiktoken_folder")[0]),
+                   "tokenizer.json": lambda r: load_tokenizer(r.getfixturevalue("hf_folder"))}
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZER_KINDS))
+@pytest.mark.parametrize("stop", [(), ("never\x00seen",)])
+def test_text_stream_pieces_join_to_the_whole_decode(kind, stop, request):
+    """Streamed pieces concatenated are decode(all ids), and no piece shows a partial character."""
+    tok = TOKENIZER_KINDS[kind](request)
+    for text in [STREAM_TEXT] + TEXTS + CORPUS[:6]:
+        ids = tok.encode(text, bos=False)
+        pieces, stream = stream_all(tok, ids, stop)
+        assert "".join(pieces) == stream.sent == tok.decode(ids), (kind, text)
+        assert not any("\ufffd" in p for p in pieces) and stream.count == len(ids) and stream.reason == "length"
+
+
+def test_text_stream_holds_an_emoji_split_across_byte_tokens(embedded_tokenizer):
+    tok = embedded_tokenizer
+    for emoji in ["🦙", "👍🏽", "🙂", "👨‍👩‍👧"]:
+        ids = tok.encode("a" + emoji, bos=False)
+        assert len(ids) >= 3 and "\ufffd" in tok.decode(ids[:2])  # split into byte tokens
+        pieces, stream = stream_all(tok, ids)
+        assert pieces[0] == "a" and "".join(pieces) == "a" + emoji and not any("\ufffd" in p for p in pieces)
+        assert pieces[-2] != "" and pieces[-1] == ""  # released as the last byte arrived, not at finish()
+    stream = tokenizer.TextStream(tok)
+    assert stream.add(tok.encode("🦙")[0]) == "" and stream.finish() == "\ufffd"  # ended mid-character: as decode
+
+
+def test_text_stream_holds_what_could_begin_a_stop_string_and_finish_releases_it(embedded_tokenizer):
+    tok = embedded_tokenizer
+    ids = tok.encode("Hello world, the end is near", bos=False)
+    stream = tokenizer.TextStream(tok, ["xyz", "never"])  # the last 4 characters are held
+    assert [stream.add(t) for t in ids[:2]] == ["H", "ello w"] and stream.sent == "Hello w"
+    assert "".join(stream.add(t) for t in ids[2:]) == "orld, the end is "
+    assert stream.reason is None and stream.finish() == "near" and stream.reason == "length"
+    assert stream.finish() == "" and stream.add(ids[0]) == ""
+    assert stream.reason == "length" and stream.stop_string is None
+
+
+@pytest.mark.parametrize("stop", ["ld, t", "world, the", "o", "near"])  # the tokens: "Hello", " world", ",", " the"
+def test_text_stream_cuts_before_a_stop_string_straddling_tokens(embedded_tokenizer, stop):
+    tok = embedded_tokenizer
+    text = "Hello world, the end is near, they said"
+    ids = tok.encode(text, bos=False)
+    pieces, stream = stream_all(tok, ids, [stop])
+    assert "".join(pieces) == stream.sent == text[:text.index(stop)]
+    assert stream.reason == "stop" and stream.stop_string == stop and stream.count == len(ids)
+    ended = next(k for k in range(len(ids)) if stop in tok.decode(ids[:k + 1]))
+    assert all(p == "" for p in pieces[ended + 1:])  # nothing after the stop string's token
+
+
+OVERLAPPING_STOPS = [  # stop strings, the text released, the stop string that ended it (tokens "hello", " world")
+    (["o w", "wor"], "hell", "o w"), (["wor", "o w"], "hell", "o w"),  # both whole in " world": the first to start
+    (["lo", "hel", "ell"], "", "hel"), (["world", "o"], "hell", "o"),
+    (["hello world", "lo"], "hel", "lo"),  # "lo" appeared a token before the earlier-starting one was whole
+]
+
+
+@pytest.mark.parametrize("stops, text, stop", OVERLAPPING_STOPS)
+def test_text_stream_earliest_of_overlapping_stop_strings_wins(embedded_tokenizer, stops, text, stop):
+    tok = embedded_tokenizer
+    ids = tok.encode("hello world", bos=False)
+    assert [tok.decode([t]) for t in ids] == ["hello", " world"]
+    pieces, stream = stream_all(tok, ids, stops)
+    assert "".join(pieces) == text and stream.stop_string == stop and stream.reason == "stop"
+
+
+LAST_TOKEN_STOPS = [  # text (its last token " END"), the text released, reason, stop string
+    ("the answer END", "the answer ", "stop", "END"), ("the answer END", "the answer ", "stop", "EN"),
+    ("the answer END", "the an", "stop", "swer E"), ("the answer", "the answer", "length", None)]
+
+
+@pytest.mark.parametrize("text, released, reason, stop", LAST_TOKEN_STOPS)
+def test_text_stream_stop_string_in_the_last_token_wins_over_length(embedded_tokenizer, text, released, reason,
+                                                                      stop):
+    """The token that ends the sequence ("length") completes a stop string: the text ends before it,
+    reason "stop", and what follows it in that token is never returned."""
+    tok = embedded_tokenizer
+    ids = tok.encode(text, bos=False)
+    assert stop is None or stop not in tok.decode(ids[:-1])
+    pieces, stream = stream_all(tok, ids, ["END"] + ([stop] if stop else []), {len(ids) - 1: "length"})
+    assert "".join(pieces) == stream.sent == released and (stream.reason, stream.stop_string) == (reason, stop)
+    assert stream.add(ids[0]) == stream.finish() == "" and stream.count == len(ids) + 1
+
+
+def test_text_stream_stop_token_is_not_text(embedded_tokenizer):
+    tok = embedded_tokenizer
+    eos, ids = min(tok.stop_ids), tok.encode("Hi 🦙", bos=False)
+    pieces, stream = stream_all(tok, ids + [eos], ["never"], {len(ids): "stop"})
+    assert "".join(pieces) == tok.decode(ids)
+    assert (stream.reason, stream.stop_string, stream.count) == ("stop", None, len(ids) + 1)
+    pieces, _ = stream_all(tok, ids + [eos], (), {len(ids): "length"})  # ignore_eos: it is text
+    assert "".join(pieces) == tok.decode(ids + [eos])
+    with pytest.raises(ValueError, match="non-empty"):
+        tokenizer.TextStream(tok, ["ok", ""])
+
+
+def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
+    """Each add() decodes at most two windows of ids, as short at token 5,000 as at token 1, also
+    when every token leaves the text ending in U+FFFD (released after HELD_TOKENS tokens)."""
+    from pathlib import Path
+
+    tok = embedded_tokenizer
+    text = tok.encode((Path(__file__).parents[1] / "data" / "declaration.txt").read_text(), bos=False)
+    lone_byte = tok.encode("🦙", bos=False)[0]  # an emoji's first bytes: U+FFFD, however many times repeated
+    decode, windows = tok.decode, []
+    monkeypatch.setattr(tok, "decode", lambda ids: windows.append(len(ids)) or decode(ids))
+    for ids in [(text * 5)[:5000], [lone_byte] * 5000]:
+        stream, calls = tokenizer.TextStream(tok, ["never\x00seen"]), []
+        for t in ids:
+            start = len(windows)
+            stream.add(t)
+            calls.append(len(windows) - start)
+        stream.finish()
+        assert max(calls) <= 2 and max(windows) <= 2 * (tokenizer.TextStream.HELD_TOKENS + 1), max(windows)
+        assert stream.sent == decode(ids)
+        windows.clear()
+
+
+def test_printer_prints_until_the_stop_token(embedded_tokenizer):
+    tok = embedded_tokenizer
+    ids, out = tok.encode("Hi 🦙 there", bos=False), io.StringIO()
+    printer = tokenizer.Printer(tok, tok.stop_ids, out)
+    for t in ids + [min(tok.stop_ids)] + ids:
+        printer([t])
+    printer.flush()
+    assert out.getvalue() == printer.text.sent == tok.decode(ids)
