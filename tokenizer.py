@@ -355,10 +355,6 @@ def _json(path: Path) -> dict:
     return value
 
 
-def _token_content(t):
-    return t.get("content") if isinstance(t, dict) else t
-
-
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer of a checkpoint: a .gguf file or an HF-style folder."""
     path = Path(path)
@@ -375,41 +371,51 @@ def load_tokenizer(path) -> Tokenizer:
     if (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
     special = {t["content"]: int(i) for i, t in config.get("added_tokens_decoder", {}).items() if t.get("special")}
+    backend, default_bos = _backend(path, config, special)
+    bos, stops = _bos_and_stops(path, backend, config, special)
+    # tokenizer.json's post-processor says whether BOS is added; other formats use the config.
+    add_bos = default_bos if isinstance(backend, HFBackend) else bool(config.get("add_bos_token", default_bos))
+    return Tokenizer(backend, bos, stops, add_bos, template, special)
 
+
+def _backend(path: Path, config: dict, special: dict):
+    """(backend, whether it adds BOS by default) for the folder's tokenizer file. Adds the file's own
+    special tokens to `special`, and to a bare Llama 3 folder's `config` its BOS/EOS names."""
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
 
         try:  # the file is someone else's: any failure to read it is this tokenizer's error
             tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-            backend = HFBackend(tok)
             special.update({t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special})
-            default_bos = _post_processor_adds_bos(path / "tokenizer.json")
+            return HFBackend(tok), _post_processor_adds_bos(path / "tokenizer.json")
         except Exception as e:
             raise TokenizerError(f"{path / 'tokenizer.json'}: cannot be read ({e})") from None
-    elif (path / "tokenizer.model").exists():
-        model_file = path / "tokenizer.model"
-        if is_tiktoken_file(model_file):
-            if not special:  # a bare Llama 3 folder: its 256 special tokens follow the ranks
-                n = len([line for line in model_file.read_bytes().splitlines() if line])
-                names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL) + 2)]
-                special = {name: n + i for i, name in enumerate(names)}
-            backend, default_bos = TiktokenBackend(model_file, special), True
-            llama3_defaults = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
-            config = {**{k: v for k, v in llama3_defaults.items() if v in special}, **config}
-        else:
-            backend, default_bos = SentencePieceBackend(model_file, special), True
-            special.update({backend.sp.id_to_piece(i): i for i in (backend.sp.bos_id(), backend.sp.eos_id()) if i >= 0})
-    else:
+    model_file = path / "tokenizer.model"
+    if not model_file.exists():
         raise TokenizerError(f"{path}: no tokenizer found (expected tokenizer.json or tokenizer.model)")
+    if not is_tiktoken_file(model_file):
+        backend = SentencePieceBackend(model_file, special)
+        special.update({backend.sp.id_to_piece(i): i for i in (backend.sp.bos_id(), backend.sp.eos_id()) if i >= 0})
+        return backend, True
+    if not special:  # a bare Llama 3 folder: its 256 special tokens follow the ranks
+        n = len([line for line in model_file.read_bytes().splitlines() if line])
+        names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL) + 2)]
+        special.update({name: n + i for i, name in enumerate(names)})
+    backend = TiktokenBackend(model_file, special)
+    llama3_defaults = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    config.update({k: v for k, v in llama3_defaults.items() if v in special and k not in config})
+    return backend, True
 
+
+def _bos_and_stops(path: Path, backend, config: dict, special: dict):
+    """BOS and the stop ids, from generation_config.json, config.json, then tokenizer_config.json."""
     def token_id(value):
-        text = _token_content(value)
+        text = value.get("content") if isinstance(value, dict) else value
         return special.get(text) if isinstance(text, str) else None
 
     model_config, generation = _json(path / "config.json"), _json(path / "generation_config.json")
     bos = generation.get("bos_token_id", model_config.get("bos_token_id"))
-    if bos is None:
-        bos = token_id(config.get("bos_token"))
+    bos = token_id(config.get("bos_token")) if bos is None else bos
     stops = []
     for source in (generation.get("eos_token_id"), model_config.get("eos_token_id")):
         stops += source if isinstance(source, list) else [source]
@@ -419,9 +425,7 @@ def load_tokenizer(path) -> Tokenizer:
     if isinstance(backend, SentencePieceBackend):
         stops.append(backend.sp.eos_id() if backend.sp.eos_id() >= 0 else None)
         bos = backend.sp.bos_id() if bos is None and backend.sp.bos_id() >= 0 else bos
-    # tokenizer.json's post-processor says whether BOS is added; other formats use the config.
-    add_bos = default_bos if isinstance(backend, HFBackend) else bool(config.get("add_bos_token", default_bos))
-    return Tokenizer(backend, bos, stops, add_bos, template, special)
+    return bos, stops
 
 
 def _post_processor_adds_bos(path: Path) -> bool:
