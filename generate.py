@@ -228,7 +228,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(info.source)
     weights.settle()
     log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s"
-        + (f"\nat the file's own bits: {info.kept}" if info.kept else ""))
+        + (f"\nat the file's own bits: {info.own_bits}" if info.own_bits else ""))
     if args.interactive:
         return interactive(args, model, tokenizer, device)
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:

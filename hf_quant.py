@@ -41,7 +41,7 @@ group; that is refused (re-quantize with desc_act=False, or use a checkpoint wit
 So are other bit widths, AWQ's GEMV/Marlin/exllama packings, activation quantization, and every
 other quant_method (fp8, bitsandbytes, hqq, ...), by `check` before any tensor is read.
 
-    import weights; model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.kept)
+    import weights; model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.own_bits)
 """
 import math
 

@@ -264,9 +264,10 @@ class Packed:
         return head
 
 
-def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: dict):
+def install(model, packed: dict, state: dict, dtype, device, tied: bool, own_bits: dict):
     """Replace the layers whose weights came as Packed ({module name: Packed}; their biases popped
-    from `state`); `kept` gets {layer kind: {"<file type> -> <what runs>"}} for the load line."""
+    from `state`); `own_bits` gets what runs at the file's own bits, {layer kind: {"<file type> ->
+    <what runs>"}}, for the load line (describe)."""
     for i, name in enumerate(list(packed)):
         if i % 32 == 31:
             release_memory()  # the int4 packing's temporaries, before they pile up
@@ -281,14 +282,14 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, kept: d
             module = p.layer(state.pop(f"{name}.bias", None), dtype, device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, module)
-        kept.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
+        own_bits.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
     if tied and "embed_tokens" in packed:  # the tied head (_head), then the table, read from it where it can
         p = packed["embed_tokens"]
         model.lm_head = head = _head(p, dtype, device)
         shared = isinstance(head, Int8GroupLinear) and head.pair is not None  # the table read from the head's pair
         model.embed_tokens = p.embedding(dtype, device, head if shared else None)
-        kept["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
-        kept.setdefault("embed_tokens", set()).add(
+        own_bits["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
+        own_bits.setdefault("embed_tokens", set()).add(
             f"{p.source} -> {_runs_as(model.embed_tokens, p)}" + (" (read from lm_head's halves)" if shared else ""))
     release_memory()
 
@@ -307,14 +308,14 @@ def _runs_as(module, p: Packed) -> str:
     return f"{'int4' if isinstance(module, quantize.Int4Linear) else 'int8'} g{p.groupsize}"
 
 
-def describe(kept: dict) -> str:
+def describe(own_bits: dict) -> str:
     """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32: embed_tokens"."""
     by_route = {}
-    for leaf, routes in kept.items():
+    for leaf, routes in own_bits.items():
         for route in sorted(routes):
             by_route.setdefault(route, []).append(leaf)
     text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
-    if any(" -> int8 " in r and "int4" not in r for leaf, routes in kept.items() if leaf != "embed_tokens"
+    if any(" -> int8 " in r and "int4" not in r for leaf, routes in own_bits.items() if leaf != "embed_tokens"
            for r in routes):
         text += (" (int8-group matrices run without a fast kernel unless bf16 on CPU: where they are most of "
                  "the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)")

@@ -40,7 +40,7 @@ class LoadInfo:
     format: str  # "gguf", "safetensors" or "bin"
     load_s: float
     weight_bytes: int
-    kept: str = ""  # weights run at the file's own bits: "Q4_1 -> int4 g32 (q_proj, ...); ..." (empty if none)
+    own_bits: str = ""  # weights run at the file's own bits: "Q4_1 -> int4 g32: q_proj, ...; ..." (empty if none)
 
 
 def default_checkpoint() -> Path:
@@ -255,10 +255,10 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         rank, world = shard
         config = tp.shard_config(config, world)
         tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
-    kept = {}
-    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant, kept=kept)
+    own_bits = {}
+    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant, own_bits=own_bits)
     info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start,
-                    model.weight_bytes(), quant_groups.describe(kept))
+                    model.weight_bytes(), quant_groups.describe(own_bits))
     return model, info
 
 
@@ -292,11 +292,12 @@ class _NoInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None, kept=None):
+def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None,
+          own_bits=None):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout.
     A tensor may be a quant_groups.Packed: that layer is built at the file's own bits as soon as
-    it (and its bias) has arrived, so decoded copies never pile up, and `kept` (a dict, if given)
-    gets {layer kind: {"<file type> -> <layer>"}}."""
+    it (and its bias) has arrived, so decoded copies never pile up, and `own_bits` (a dict, if
+    given) gets {layer kind: {"<file type> -> <layer>"}}."""
     from tqdm import tqdm
 
     with torch.device("meta"), _NoInit():
@@ -315,11 +316,11 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
-    state, packed, built, kept = {}, {}, set(), {} if kept is None else kept
+    state, packed, built, own_bits = {}, {}, set(), {} if own_bits is None else own_bits
 
-    def build_when_ready(key):  # a layer kept at its bits, once its weight and its bias (if any) are in
+    def build_when_ready(key):  # a layer at its bits, once its weight and its bias (if any) are in
         if key in packed and key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
-            quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False, kept)
+            quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False, own_bits)
             built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)
 
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
@@ -354,7 +355,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
     if quant:
         quantize.install(model, state, quant, dtype, device)
-    quant_groups.install(model, packed, state, dtype, device, tied, kept)
+    quant_groups.install(model, packed, state, dtype, device, tied, own_bits)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight

@@ -1,4 +1,4 @@
-"""GGUF weights kept at their own bits (gguf_weights.decode_blocks, quant_groups.py): every mapped
+"""GGUF weights at their own bits (gguf_weights.decode_blocks, quant_groups.py): every mapped
 block type decodes bit for bit as gguf.quants does, the layers built from it equal a float model of
 that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path does."""
 import numpy as np
@@ -82,11 +82,11 @@ def logits(model, n=12):
 @pytest.mark.parametrize("kind", TYPES)
 def test_kept_layers_equal_the_gguf_decoding_and_a_float_model_of_it(tmp_path, kind):
     path, expected = write_random_gguf(tmp_path, kind)
-    kept, info = weights.load(path)
+    at_bits, info = weights.load(path)
     ref, _ = weights.load(path, dequantize=True)
     int4 = kind in gguf_weights.INT4_TYPES
     for name, w in expected.items():
-        module = kept.get_submodule(name.removesuffix(".weight"))
+        module = at_bits.get_submodule(name.removesuffix(".weight"))
         assert torch.equal(ref.state_dict()[name], w), name  # the float path decodes the same values
         if name == "lm_head.weight" and not int4:  # an int8-group head runs in the activations' dtype
             assert isinstance(module, torch.nn.Linear) and torch.equal(module.weight, w)
@@ -96,8 +96,8 @@ def test_kept_layers_equal_the_gguf_decoding_and_a_float_model_of_it(tmp_path, k
         got = module.dequantize() if hasattr(module, "dequantize") else quant_groups.dequantize_groups(
             module.weight, module.scales, module.offsets)
         assert torch.equal(got, w), name
-    assert kind in info.kept and kept.weight_bytes() < 0.5 * ref.weight_bytes()
-    a, b = logits(kept), logits(ref)
+    assert kind in info.own_bits and at_bits.weight_bytes() < 0.5 * ref.weight_bytes()
+    a, b = logits(at_bits), logits(ref)
     torch.testing.assert_close(a, b, rtol=0, atol=2e-4 * b.abs().max().item())
 
 
@@ -172,16 +172,16 @@ def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
     decoding within twice the error of the same model with its weights rounded to bf16 (Q6_K's
     scales kept small: its random weights would reach +-120, where bf16 sums cancel too much)."""
     path, expected = write_random_gguf(tmp_path, kind, small=kind == "Q6_K")
-    kept, info = weights.load(path, dtype=torch.bfloat16)
+    at_bits, info = weights.load(path, dtype=torch.bfloat16)
     ref, _ = weights.load(path, dtype=torch.float32, dequantize=True)
     for name in ("layers.0.mlp.up_proj", "lm_head"):
-        module = kept.get_submodule(name)
+        module = at_bits.get_submodule(name)
         assert isinstance(module, quant_groups.Int8GroupLinear) and module.pair is not None, name
         assert torch.equal(module.dequantize(), expected[f"{name}.weight"]), name
-    assert "two int4 halves" in info.kept
+    assert "two int4 halves" in info.own_bits
     bf16, _ = weights.load(path, dtype=torch.bfloat16, dequantize=True)  # the weights rounded to bf16 instead
     exact = logits(ref)
-    error, bf16_error = ((logits(m).float() - exact).abs().max().item() for m in (kept, bf16))
+    error, bf16_error = ((logits(m).float() - exact).abs().max().item() for m in (at_bits, bf16))
     assert error <= 2 * bf16_error, (error, bf16_error)  # bf16 scales cost no more than bf16 weights, within 2x
 
 
@@ -191,12 +191,12 @@ def test_layers_with_biases_at_their_bits_equal_the_float_model(tmp_path, qtype)
     there (weights.build builds the others as they arrive, so decoded copies never pile up)."""
     hf = hf_model("qwen2")
     path = write_gguf(hf, tmp_path / "q.gguf", arch="qwen2", qtype=qtype)
-    kept, info = weights.load(path)
+    at_bits, info = weights.load(path)
     ref, _ = weights.load(path, dequantize=True)
-    q = kept.layers[0].self_attn.q_proj
-    assert isinstance(q, quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear), info.kept
+    q = at_bits.layers[0].self_attn.q_proj
+    assert isinstance(q, quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear), info.own_bits
     assert torch.equal(q.bias, ref.layers[0].self_attn.q_proj.bias)
-    a, b = logits(kept), logits(ref)
+    a, b = logits(at_bits), logits(ref)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
 
 
@@ -205,26 +205,26 @@ def test_embedded_q4_1_runs_as_int4_group_32(embedded):
     values are the file's (the float reference is the same file dequantized), and the logits of
     the int4 kernels those of quantize.py's int4 group-32 path on the float weights."""
     float_model = embedded[0]
-    kept, info = weights.load(None)
-    assert "Q4_1 -> int4 g32" in info.kept
+    at_bits, info = weights.load(None)
+    assert "Q4_1 -> int4 g32" in info.own_bits
     requantized, _ = weights.load(None, dequantize=True)
     quantize.quantize_model(requantized, "int4", 32)
-    for name, m in kept.layers.named_modules():
+    for name, m in at_bits.layers.named_modules():
         if isinstance(m, quantize.Int4Linear):
             assert m.groupsize == 32
             assert torch.equal(m.dequantize(), float_model.layers.get_submodule(name).weight), name
-    a, b = logits(kept, 24), logits(requantized, 24)
+    a, b = logits(at_bits, 24), logits(requantized, 24)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * b.abs().max().item())
 
 
 @pytest.mark.isa
 def test_a_tied_embedding_reads_its_rows_from_the_heads_int4_halves(embedded):
-    """bf16: the embedded file's Q8_0 table is also its output head, kept as two int4 halves; the
+    """bf16: the embedded file's Q8_0 table is also its output head, run as two int4 halves; the
     embedding reads its rows back from those halves (no second int8 copy), each value the file's."""
     model, info = weights.load(None, dtype=torch.bfloat16)
     emb, head = model.embed_tokens, model.lm_head
     if isinstance(head, quant_groups.Int8GroupLinear) and head.pair is not None:  # the int4 kernel runs here
-        assert emb.weight is None and emb.head is head and "read from lm_head's halves" in info.kept
+        assert emb.weight is None and emb.head is head and "read from lm_head's halves" in info.own_bits
         assert model.weight_bytes() < 105 * 2**20  # 127.5 MiB with the int8 copy
     else:
         assert emb.weight is not None and emb.head is None

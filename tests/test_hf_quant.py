@@ -146,7 +146,7 @@ def test_gptq_and_awq_layers_are_int4_and_equal_the_formats_dequantization(hf, t
     model, info = weights.load(folder)
     check_layers(model, layers)
     assert info.format == f"safetensors {quant_config['quant_method']}"
-    assert info.kept.startswith(f"{quant_config['quant_method']} int4 g32 -> int4 g32: ") and "q_proj" in info.kept
+    assert info.own_bits.startswith(f"{quant_config['quant_method']} int4 g32 -> int4 g32: ") and "q_proj" in info.own_bits
     reference, _ = weights.load(float_folder(hf, tmp_path / "float", layers))
     torch.testing.assert_close(logits(model), logits(reference), rtol=0, atol=1e-4)
 
@@ -156,7 +156,7 @@ def test_gptq_one_group_over_all_of_k_runs_at_the_largest_kernel_group(hf, tmp_p
     model, info = weights.load(write_folder(hf, tmp_path, gptq_config(-1, sym=False), gptq_tensors("gptq", -1), layers))
     check_layers(model, layers)  # exact: each scale repeated over K / 64 (or K / 32 for K = 96) groups
     assert model.layers[0].self_attn.q_proj.groupsize == 64 and model.layers[0].mlp.down_proj.groupsize == 32
-    assert "gptq int4 g96 -> int4 g32: down_proj" in info.kept
+    assert "gptq int4 g96 -> int4 g32: down_proj" in info.own_bits
 
 
 def test_a_group_size_the_kernels_lack_runs_as_int8_groups(hf, tmp_path, capsys):
@@ -171,7 +171,7 @@ def test_a_group_size_the_kernels_lack_runs_as_int8_groups(hf, tmp_path, capsys)
 def test_dequantize_gives_float_layers(hf, tmp_path):
     layers = random_layers(hf, 32, (0, 16))
     model, info = weights.load(write_folder(hf, tmp_path, AWQ_CONFIG, pack_awq, layers), dequantize=True)
-    assert type(model.layers[0].self_attn.q_proj) is torch.nn.Linear and not info.kept
+    assert type(model.layers[0].self_attn.q_proj) is torch.nn.Linear and not info.own_bits
     torch.testing.assert_close(model.layers[1].mlp.up_proj.weight, dequantized(*layers["model.layers.1.mlp.up_proj"]),
                                rtol=0, atol=0)
 
@@ -219,7 +219,7 @@ def test_compressed_tensors_equal_the_package_and_transformers(hf, tmp_path, nam
     assert ("model.layers.0.self_attn.q_proj.weight_zero_point" in stored) is not symmetric
     model, info = weights.load(folder)
     check_layers(model, layers)
-    assert "compressed-tensors int4" in info.kept
+    assert "compressed-tensors int4" in info.own_bits
     # transformers, through compressed-tensors, on the same folder. Its default route (kept compressed,
     # decompressed at the first forward) fails on asymmetric pack-quantized with transformers 5.23 and
     # compressed-tensors 0.20.1 (it expects the zero point unpacked, [N, K/G], and refuses the packed
