@@ -11,9 +11,12 @@ starts at the next multiple of general.alignment (32 by default).
 gguf.GGUFReader reads the same, but builds numpy views for every part of every value: a 50k-token
 vocabulary and its merges take it about 4 s and 170 MiB. Here strings are decoded straight from
 the bytes (about 0.1 s), and every length and offset is checked against the file's size, so a
-truncated or corrupt file is a ValueError naming what is wrong, never a crash or a huge read.
-Tensor records mirror GGUFReader's (name, tensor_type, shape innermost first, data: an array over
-the map, in PyTorch order, bytes [rows, row_bytes] for block-quantized types).
+truncated or corrupt file is a ValueError naming what is wrong, never a crash or a huge read
+(arrays of arrays are refused). Tensor records mirror GGUFReader's (name, tensor_type, shape
+innermost first, data: an array over the map, in PyTorch order, bytes [..., row_bytes] for
+block-quantized types): no tensor is copied here, and release() drops a tensor's pages once its
+reader has copied it out. Of the `gguf` package only the type numbers and block sizes are used
+(GGMLQuantizationType, GGML_QUANT_SIZES).
 """
 import struct
 import sys
@@ -49,6 +52,8 @@ class Tensor:
 
 
 class GGUFFile:
+    """A parsed GGUF file: .fields {key: Field} and .tensors [Tensor] over .map (the file, mapped read-only)."""
+
     def __init__(self, path):
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

