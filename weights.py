@@ -311,17 +311,8 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
 
     with torch.device("meta"), _NoInit():
         model = Transformer(config)
-    expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
-    quantized, qdtypes = set(), {}
-    if quant:  # a checkpoint written by quantize.py: its quantized layers hold other tensors
-        import quantize
-
-        quantized = set(quant["layers"])
-        specs = quantize.expected_tensors(model, quant)
-        for name in quantized:
-            expected.pop(f"{name}.weight")
-        expected.update({n: shape for n, (shape, _) in specs.items()})
-        qdtypes = {n: dt for n, (_, dt) in specs.items()}
+    expected, qdtypes = _expected_tensors(model, quant)
+    quantized = set(quant["layers"]) if quant else set()  # layers quantize.py wrote (a tied pair is stored apart)
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
@@ -338,37 +329,65 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     for file, name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
             continue  # derived from the config, or the same tensor as the embedding
-        if name not in expected:
-            raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
+        _check_tensor(file, name, tensor, expected, qdtypes, quant)
         if isinstance(tensor, quant_groups.Packed):
-            if tuple(tensor.shape) != tuple(expected[name]):
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
             packed[name.removesuffix(".weight")] = tensor
             build_when_ready(name.removesuffix(".weight"))
             bar.update(tensor.nbytes())
             continue
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
-            )
-        if name in qdtypes and tensor.dtype != qdtypes[name]:
-            raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
         state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
         build_when_ready(name.removesuffix(".bias"))
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
+    _check_complete(expected, state, packed, built, source)
+    return _install(model, state, packed, quant, tied, dtype, device, own_bits)
+
+
+def _expected_tensors(model, quant):
+    """({name: shape} the checkpoint must hold, {name: dtype} of quantize.py's tensors) for this model:
+    a checkpoint written by quantize.py holds other tensors in place of its quantized layers' weights."""
+    expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
+    if not quant:
+        return expected, {}
+    import quantize
+
+    specs = quantize.expected_tensors(model, quant)
+    for name in quant["layers"]:
+        expected.pop(f"{name}.weight")
+    expected.update({n: shape for n, (shape, _) in specs.items()})
+    return expected, {n: dt for n, (_, dt) in specs.items()}
+
+
+def _check_tensor(file, name, tensor, expected, qdtypes, quant):
+    """A CheckpointError unless the tensor is one the model expects, in its shape (and dtype, for quantize.py's)."""
+    if name not in expected:
+        raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
+    if tuple(tensor.shape) != tuple(expected[name]):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
+    if name in qdtypes and not isinstance(tensor, quant_groups.Packed) and tensor.dtype != qdtypes[name]:
+        raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
+
+
+def _check_complete(expected, state, packed, built, source):
+    """A CheckpointError naming the expected tensors that never arrived."""
     missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed.keys() | built
                and n.removesuffix(".bias") not in built]  # a built layer took its bias from `state`
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+
+
+def _install(model, state, packed, quant, tied, dtype, device, own_bits):
+    """The read tensors installed into the meta-device model: quantized layers, then the float state."""
     if quant:
+        import quantize
+
         quantize.install(model, state, quant, dtype, device)
     quant_groups.install(model, packed, state, dtype, device, tied, own_bits)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval().requires_grad_(False)  # inference only: nothing may build an autograd graph
 
 
