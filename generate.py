@@ -39,6 +39,7 @@ from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled
                      cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
+from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
 from tokenizer import Printer, load_tokenizer
 
 
@@ -244,8 +245,7 @@ def run(args) -> int:
         if args.compile != "aot":  # aot.py says what it did
             log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
-    generator = make_generator(device, args.seed)
-    params = SamplingParams.from_fields(args)
+    generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
     profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
     with profiler:
         for _ in range(args.num_samples):
@@ -275,9 +275,7 @@ def encode_prompt(args, tokenizer) -> list:
 
 def make_generator(device, seed):
     generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    return generator
+    return generator if seed is None else generator.manual_seed(seed)
 
 
 def interactive(args, model, tokenizer, device) -> int:
@@ -325,9 +323,6 @@ def interactive(args, model, tokenizer, device) -> int:
 
 def run_speculative(args, model, tokenizer, device) -> int:
     """--draft_checkpoint / --draft_layers / --prompt_lookup: speculative.py's loop, batch 1."""
-    import weights
-    from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
-
     if args.batch_size != 1 or args.compile_prefill:
         raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
     if args.draft_quantize and not args.draft_checkpoint:
@@ -336,44 +331,13 @@ def run_speculative(args, model, tokenizer, device) -> int:
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
     ids = encode_prompt(args, tokenizer)
     seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
-    params = SamplingParams.from_fields(args)
-    # --compile: one static graph per recurring shape: verification of k + 1 tokens, of 1 token
-    # (rounds without drafts), and the draft's one-token step
-    tune = autotune(model)
-    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
+    params, generator = SamplingParams.from_fields(args), make_generator(device, args.seed)
+    tune = autotune(model)  # --compile: one static graph per shape (verify k + 1 tokens, verify 1, a draft step)
     verify_fns = {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)} if args.compile else {}
-    if args.prompt_lookup:
-        drafter = PromptLookupDrafter(args.prompt_lookup, model.config.vocab_size)
-        label = f"prompt lookup n<={args.prompt_lookup}"
-    elif args.draft_layers:
-        if not 1 <= args.draft_layers < model.config.n_layers:
-            raise ValueError(f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}")
-        drafter = ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn)
-        label = f"first {args.draft_layers} layers"
-    else:
-        draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype], dequantize=bool(args.draft_quantize))
-        if draft.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                             f"({model.config.vocab_size}); a draft must share the target's tokenizer")
-        if args.draft_quantize:
-            import quantize
-
-            quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
-        drafter, label = ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
+    drafter, label = make_drafter(args, model, seq_len, params, device, tune)
     cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
     log(memory_plan(model, cache))
-    generator = make_generator(device, args.seed)
-    compile_s = 0.0
-    if args.compile:  # compile now, on the real prompt, so compile time stays out of tokens/s
-        start = time.perf_counter()
-        speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
-                             ignore_eos=True, verify_fns=verify_fns)
-        for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
-            with torch.no_grad():
-                fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
-        drafter.rollback(0)
-        compile_s = time.perf_counter() - start
-        log(compiled_message(compile_s, model, device))
+    compile_s = warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device) if args.compile else 0.0
     for _ in range(args.num_samples):
         printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
         if not args.json:
@@ -381,10 +345,9 @@ def run_speculative(args, model, tokenizer, device) -> int:
         tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
                                              generator, tokenizer.stop_ids, args.ignore_eos,
                                              on_token=None if args.json else printer, verify_fns=verify_fns)
-        stats["compile_s"] = compile_s
         drafter.rollback(0)  # the next sample starts from an empty sequence
-        per_draft = stats["draft_s"] / max(stats["drafted"], 1)
-        stats["cost_ratio"] = per_draft / (stats["target_s"] / max(stats["rounds"], 1))
+        per_draft, per_round = stats["draft_s"] / max(stats["drafted"], 1), stats["target_s"] / max(stats["rounds"], 1)
+        stats.update(compile_s=compile_s, cost_ratio=per_draft / per_round)
         text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
         if args.json:
             print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
@@ -397,6 +360,42 @@ def run_speculative(args, model, tokenizer, device) -> int:
     return 0
 
 
+def make_drafter(args, model, seq_len, params, device, tune):
+    """(drafter, label) for the flags: prompt lookup, the target's first layers, or a draft model."""
+    import weights
+
+    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
+    if args.prompt_lookup:
+        return PromptLookupDrafter(args.prompt_lookup, model.config.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
+    if args.draft_layers:
+        if not 1 <= args.draft_layers < model.config.n_layers:
+            raise ValueError(f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}")
+        return ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn), f"first {args.draft_layers} layers"
+    draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype], dequantize=bool(args.draft_quantize))
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                         f"({model.config.vocab_size}); a draft must share the target's tokenizer")
+    if args.draft_quantize:
+        import quantize
+
+        quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
+    return ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
+
+
+def warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device) -> float:
+    """Compile now, on the real prompt, so compile time stays out of tokens/s; returns its seconds."""
+    start = time.perf_counter()
+    speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
+                         ignore_eos=True, verify_fns=verify_fns)
+    for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
+        with torch.no_grad():
+            fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
+    drafter.rollback(0)
+    compile_s = time.perf_counter() - start
+    log(compiled_message(compile_s, model, device))
+    return compile_s
+
+
 def warm_up(args, model, cache, device, prompt_len):
     """Compile now, on throwaway inputs, so compile time never lands in tokens/s."""
     start = time.perf_counter()
@@ -404,10 +403,9 @@ def warm_up(args, model, cache, device, prompt_len):
     if args.compile_prefill and device == "cpu":
         configure_inductor_cpu()
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
-    B = cache.batch_size
     with torch.no_grad():
         getattr(cache, "use_positions", lambda n: None)(prompt_len)
-        prefill_fn(model, cache, torch.zeros(B, prompt_len, dtype=torch.long, device=device))
+        prefill_fn(model, cache, torch.zeros(cache.batch_size, prompt_len, dtype=torch.long, device=device))
     if args.compile == "jit":
         compile_lengths(decode_fn, model, cache, prompt_len, prompt_len + args.max_new_tokens - 1)
     return decode_fn, prefill_fn, time.perf_counter() - start
