@@ -12,7 +12,8 @@ server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text)
 
 This file only translates. engine_loop.py runs the engine in one background thread; HTTP handlers
 (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue per
-request, so every concurrent HTTP request is batched into the same steps.
+request, so every concurrent HTTP request is batched into the same steps. `Server` holds what the
+handlers share and has one method per step (check, encode, params, respond, ...); make_app routes.
 
 A server left running meets hostile traffic, so every request is checked against `Limits`
 before any work is queued (body size -> 413; n, stop strings, prompts per request, context ->
@@ -32,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -105,110 +107,206 @@ async def disconnected(request: Request):
         pass
 
 
-def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None, thread=None):
-    """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else. `thread`:
-    the EngineThread the engine was loaded on (engine_loop.py says why), else a new one."""
-    limits = limits or Limits()
-    app, loop = FastAPI(title="llm inference server"), EngineLoop(engine, limits.max_waiting, thread)
-    app.state.engine_loop = loop
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=loop)
-    context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
-    context_name = "--max_model_len" if context < engine.max_model_len else "the model's context"
+class Refused(Exception):
+    """An error response (400 unless given) before anything is queued: any step raises it, the app sends it."""
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request, exc):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+    def __init__(self, message: str, param: str = None, response=None):
+        super().__init__(message)
+        self.response = response if response is not None else error(400, message, param=param)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, exc):
-        return error(exc.status_code, str(exc.detail))
 
-    @app.get("/health")
-    async def health():
-        return JSONResponse({"status": "draining"}, 503) if loop.draining else {"status": "ok"}
+async def refused(request, exc: Refused):
+    return exc.response
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(loop.metrics(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "local",
-                                            "max_model_len": context}]}
+async def bad_request(request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+
+async def http_error(request, exc: HTTPException):
+    return error(exc.status_code, str(exc.detail))
+
+
+def chunk(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def events_of(rids, events, out: Outputs):
+    """(choice index, new text, finish_reason) until every request is over; a failed one's error (str)."""
+    left = len(rids)
+    while left:
+        event = await events.get()
+        if isinstance(event, Over):
+            left -= 1
+            out.prompt_logprobs[event.first // out.n] = event.prompt_logprobs
+            if event.error:
+                yield event.error
+            continue
+        index, token, reason, logprob = event
+        yield index, out.add(index, token, reason, logprob), reason
+
+
+async def collect_all(rids, events, out: Outputs):
+    """Every event into `out`; the first error message, or None."""
+    failed = None
+    async for event in events_of(rids, events, out):
+        if isinstance(event, str):
+            failed = failed or event
+    return failed
+
+
+class Server:
+    """What the routes share (engine loop, tokenizer, model name, limits, context), one method per step."""
+
+    def __init__(self, engine, tokenizer, model_name: str, limits: Limits, thread=None):
+        self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
+        self.loop = EngineLoop(engine, limits.max_waiting, thread)
+        self.context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
+        self.context_name = "--max_model_len" if self.context < engine.max_model_len else "the model's context"
+
+    # routes have no return annotations: FastAPI would take them as response models
+    async def health(self):
+        return JSONResponse({"status": "draining"}, 503) if self.loop.draining else {"status": "ok"}
+
+    async def metrics(self):
+        return PlainTextResponse(self.loop.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "local", "max_model_len": self.context}]}
+
+    async def tokenize(self, body: TokenizeRequest):
         try:
             if body.messages is not None:
-                text = await asyncio.to_thread(tokenizer.apply_chat_template, template_messages(body))
-                ids = await asyncio.to_thread(encode, tokenizer, text, False)
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, template_messages(body))
+                ids = await asyncio.to_thread(encode, self.tokenizer, text, False)
             else:
-                ids = await asyncio.to_thread(encode, tokenizer, body.prompt or "", None if body.add_special_tokens else False)
+                bos = None if body.add_special_tokens else False
+                ids = await asyncio.to_thread(encode, self.tokenizer, body.prompt or "", bos)
         except Exception as e:
-            return error(400, f"cannot tokenize: {e}", param="messages" if body.messages is not None else "prompt")
-        return {"count": len(ids), "max_model_len": context, "tokens": ids}
+            raise Refused(f"cannot tokenize: {e}", "messages" if body.messages is not None else "prompt") from None
+        return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        vocab = engine.model.config.vocab_size
+    async def detokenize(self, body: DetokenizeRequest):
+        vocab = self.engine.model.config.vocab_size
         if not all(0 <= t < vocab for t in body.tokens):
-            return error(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+            raise Refused(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
-    def check(body, num_prompts: int, chat: bool):
-        """The limits (and logit_bias ids) that need no tokens: (message, param), or None."""
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    async def completions(self, body: CompletionRequest, request: Request):
+        prompts = prompt_list(body.prompt)
+        self.check(body, len(prompts), chat=False)
+        prompts = await self.encode(prompts, "prompt")
+        return await self.respond(request, body, prompts, chat=False)
+
+    async def chat_completions(self, body: ChatRequest, request: Request):
+        self.check(body, 1, chat=True)
+        messages = self.messages(body)
+        tools = self.tools(body)
+        messages, extra = render_args(messages, body.tools, body.tool_choice, self.tokenizer.chat_template)
+        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0]) if tools else None
+        text = await self.render(messages, extra)
+        prompt, = await self.encode([text], "messages", bos=False)  # the template writes BOS where the model wants it
+        return await self.respond(request, body, [prompt], chat=True, tools=tools, tool_constraint=tool_constraint)
+
+    def check(self, body, num_prompts: int, chat: bool):
+        """The limits (and logit_bias ids) that need no tokens; Refused naming the first one broken."""
+        limits, stop = self.limits, [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.n > limits.max_n:
-            return f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n"
+            raise Refused(f"n = {body.n} exceeds this server's limit of {limits.max_n} samples (--max_n)", "n")
         if len(stop) > limits.max_stop:
-            return f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)", "stop"
+            raise Refused(f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} (--max_stop)",
+                          "stop")
         if num_prompts > limits.max_prompts:
-            return f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)", "prompt"
+            raise Refused(f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} (--max_prompts)",
+                          "prompt")
         try:
-            parse_logit_bias(body.logit_bias, engine.model.config.vocab_size)
+            parse_logit_bias(body.logit_bias, self.engine.model.config.vocab_size)
         except ValueError as e:
-            return str(e), "logit_bias"
-        return refusal(body, chat)
+            raise Refused(str(e), "logit_bias") from None
+        if refused := refusal(body, chat):
+            raise Refused(*refused)
 
-    async def run(request, body, prompts, chat: bool, tools=None, tool_constraint=None):
+    async def encode(self, prompts, param: str, bos: bool = None) -> list:
+        """Texts -> token ids (ids pass through), off the event loop: /health answers while a long text encodes."""
+        try:
+            return await asyncio.to_thread(lambda: [encode(self.tokenizer, p, bos) if isinstance(p, str) else p
+                                                    for p in prompts])
+        except ValueError as e:
+            raise Refused(f"{param}: {e}", param) from None
+
+    def messages(self, body: ChatRequest) -> list:
+        try:
+            return template_messages(body)
+        except ValueError as e:
+            raise Refused(f"messages: {e}", "messages") from None
+
+    def tools(self, body: ChatRequest):
+        """(format, tools) when the reply may hold tool calls (parsed when it ends), else None."""
+        if body.tool_choice not in (None, "auto", "none") and not body.tools:
+            raise Refused(f"tool_choice {body.tool_choice!r} needs tools", "tool_choice")
+        if not body.tools or body.tool_choice == "none":
+            return None
+        try:
+            check_tools(body.tools, body.tool_choice)
+        except ValueError as e:
+            raise Refused(f"tools: {e}", "tools") from None
+        return tool_format(self.tokenizer.chat_template), body.tools
+
+    async def render(self, messages, extra: dict) -> str:
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, **extra)
+        except Exception as e:  # a template that fails on these messages
+            raise Refused(f"the chat template failed on these messages: {e}", "messages") from None
+
+    def params(self, body, prompts, chat: bool, tool_constraint=None) -> RequestParams:
+        """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the constraint."""
         lengths = [len(p) for p in prompts]
-        default_max = context - max(lengths) if chat else 16
+        default_max = self.context - max(lengths) if chat else 16
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         max_tokens = max_tokens if max_tokens is not None else default_max
         for i, n in enumerate(lengths):
-            if n + max_tokens > context:
+            if n + max_tokens > self.context:
                 which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-                return error(400, f"{which} ({n} tokens) plus max_tokens ({max_tokens}) exceeds {context_name} "
-                                  f"of {context} tokens", param="max_tokens")
+                raise Refused(f"{which} ({n} tokens) plus max_tokens ({max_tokens}) exceeds {self.context_name} "
+                              f"of {self.context} tokens", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         logprobs, prompt_logprobs = logprob_counts(body, chat)
         try:
             constraint = constraint_of(body)
         except ValueError as e:
-            return error(400, e.args[0], param=e.args[1])
+            raise Refused(e.args[0], e.args[1]) from None
         if tool_constraint and constraint:
-            return error(400, "a tool_choice that forces a call cannot be combined with response_format",
-                         param="tool_choice")
-        constraint = constraint or tool_constraint
+            raise Refused("a tool_choice that forces a call cannot be combined with response_format", "tool_choice")
+        return RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                             top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                             logit_bias=body.logit_bias or {}, constraint=constraint or tool_constraint)
+
+    async def respond(self, request, body, prompts, chat: bool, tools=None, tool_constraint=None):
+        """Queue the prompts (400 if refused, 503 if full); the whole response, or server-sent events if "stream"."""
+        params = self.params(body, prompts, chat, tool_constraint)
         try:
-            params = RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                   top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                   min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                                   frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                                   logit_bias=body.logit_bias or {}, constraint=constraint)
-            rids, events = await loop.submit(prompts, params)
-        except ValueError as e:
-            return error(400, str(e))
+            rids, events = await self.loop.submit(prompts, params)
+        except ValueError as e:  # RequestParams.check and Engine.add_request, in the engine thread
+            raise Refused(str(e)) from None
         except Unavailable as e:
-            return unavailable(str(e))
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()), "model": model_name}
-        out = Outputs(tokenizer, prompts, body.n, stop, chat, logprobs is not None, getattr(body, "echo", False), tools)
+            raise Refused(str(e), response=unavailable(str(e))) from None
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()),
+                "model": self.model_name}
+        out = Outputs(self.tokenizer, prompts, body.n, params.stop, chat, params.logprobs is not None,
+                      getattr(body, "echo", False), tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return StreamingResponse(sse(rids, events, out, meta, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self.sse(rids, events, out, meta, include_usage), media_type="text/event-stream")
+        return await self.whole(request, rids, events, out, meta)
+
+    async def whole(self, request, rids, events, out: Outputs, meta: dict):
+        """The response once every sample is over; a client that goes away first (499) aborts them."""
         collect = asyncio.ensure_future(collect_all(rids, events, out))
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -218,38 +316,17 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
             if not collect.done():  # the client went away (or this handler was cancelled): free its blocks
                 collect.cancel()
                 for rid in rids:
-                    loop.abort(rid)
+                    self.loop.abort(rid)
         if not collect.done() or collect.cancelled():
             return error(499, "the client closed the request")
         if collect.result():
             return error(500, f"the request failed: {collect.result()}", "server_error")
         # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
-        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",
+        return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
                              "choices": [out.choice(i) for i in range(len(out.streams))], "usage": out.usage()})
 
-    async def events_of(rids, events, out):
-        """(choice index, new text, finish_reason) until every request is over; an error message
-        (str) if one failed."""
-        left = len(rids)
-        while left:
-            event = await events.get()
-            if isinstance(event, Over):
-                left -= 1
-                out.prompt_logprobs[event.first // out.n] = event.prompt_logprobs
-                if event.error:
-                    yield event.error
-                continue
-            index, token, reason, logprob = event
-            yield index, out.add(index, token, reason, logprob), reason
-
-    async def collect_all(rids, events, out):
-        failed = None
-        async for event in events_of(rids, events, out):
-            if isinstance(event, str):
-                failed = failed or event
-        return failed
-
-    async def sse(rids, events, out, meta, include_usage):
+    async def sse(self, rids, events, out: Outputs, meta: dict, include_usage: bool):
+        """A chunk per new text, usage if asked, then [DONE]; a client that goes away aborts its requests."""
         kind = "chat.completion.chunk" if out.chat else "text_completion"
         finished = False
         try:
@@ -273,52 +350,25 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
         finally:
             if not finished:  # the client went away: free its blocks now
                 for rid in rids:
-                    loop.abort(rid)
+                    self.loop.abort(rid)
 
-    def chunk(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompts = prompt_list(body.prompt)
-        if refused := check(body, len(prompts), chat=False):
-            return error(400, refused[0], param=refused[1])
-        try:  # off the event loop: a long text takes seconds, and /health must still answer
-            prompts = await asyncio.to_thread(lambda: [encode(tokenizer, p) if isinstance(p, str) else p
-                                                       for p in prompts])
-        except ValueError as e:
-            return error(400, f"prompt: {e}", param="prompt")
-        return await run(request, body, prompts, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        if refused := check(body, 1, chat=True):
-            return error(400, refused[0], param=refused[1])
-        try:
-            messages, extra = template_messages(body), {}
-        except ValueError as e:
-            return error(400, f"messages: {e}", param="messages")
-        tools, tool_constraint = None, None
-        if body.tool_choice not in (None, "auto", "none") and not body.tools:
-            return error(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
-        if body.tools and body.tool_choice != "none":
-            try:
-                check_tools(body.tools, body.tool_choice)
-            except ValueError as e:
-                return error(400, f"tools: {e}", param="tools")
-            fmt = tool_format(tokenizer.chat_template)
-            messages, extra = render_args(messages, body.tools, body.tool_choice, tokenizer.chat_template)
-            tools, tool_constraint = (fmt, body.tools), call_constraint(body.tools, body.tool_choice, fmt)
-        try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
-        except Exception as e:  # a template that fails on these messages
-            return error(400, f"the chat template failed on these messages: {e}", param="messages")
-        try:  # the template writes BOS itself where the model wants it
-            prompt = await asyncio.to_thread(encode, tokenizer, text, False)
-        except ValueError as e:
-            return error(400, f"messages: {e}", param="messages")
-        return await run(request, body, [prompt], chat=True, tools=tools, tool_constraint=tool_constraint)
-
+def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None, thread=None):
+    """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else. `thread`:
+    the EngineThread the engine was loaded on (engine_loop.py says why), else a new one."""
+    limits = limits or Limits()
+    server = Server(engine, tokenizer, model_name, limits, thread)
+    app = FastAPI(title="llm inference server", exception_handlers={
+        RequestValidationError: bad_request, HTTPException: http_error, Refused: refused})
+    app.state.engine_loop = server.loop
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=server.loop)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics)
+    app.get("/v1/models")(server.models)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
     return app
 
 
@@ -336,26 +386,35 @@ def add_limit_args(p: argparse.ArgumentParser):
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (then exit 0);
+    a second one stops at once. It says its address once bound (with --port 0 the OS picks it)."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_loop, self.shutdown_timeout = engine_loop, shutdown_timeout
+
+    def handle_exit(self, sig, frame):
+        if self.engine_loop.draining:
+            self.should_exit = self.force_exit = True
+            return
+        self.engine_loop.draining = True
+        log(f"signal {signal.Signals(sig).name}: draining (up to {self.shutdown_timeout:g} s)")
+        threading.Thread(target=self.drain, daemon=True).start()
+
+    def drain(self):
+        self.engine_loop.drain(self.shutdown_timeout)
+        self.should_exit = True
+
+    def announce(self):
+        while not self.started:
+            time.sleep(0.05)
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        log(f"serving on http://{host}:{port} (OpenAI API under /v1)")
+
+
 def main(argv=None) -> int:
-    import uvicorn
-
     from batch import add_engine_args, check_engine_args, engine_options, load_engine
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (and the
-        process then exits 0); a second one stops at once."""
-
-        def handle_exit(self, sig, frame):
-            if engine_loop.draining:
-                self.should_exit = self.force_exit = True
-                return
-            engine_loop.draining = True
-            log(f"signal {signal.Signals(sig).name}: draining (up to {args.shutdown_timeout:g} s)")
-            threading.Thread(target=self.drain, daemon=True).start()
-
-        def drain(self):
-            engine_loop.drain(args.shutdown_timeout)
-            self.should_exit = True
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
@@ -379,19 +438,11 @@ def main(argv=None) -> int:
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
     app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
-    engine_loop = app.state.engine_loop
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    threading.Thread(target=announce, args=(server, log), daemon=True).start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = DrainingServer(config, app.state.engine_loop, args.shutdown_timeout)
+    threading.Thread(target=server.announce, daemon=True).start()
     server.run()
     return 0
-
-
-def announce(server, log):
-    """Print the address once the socket is bound (with --port 0 the OS picked the port)."""
-    while not server.started:
-        time.sleep(0.05)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    log(f"serving on http://{host}:{port} (OpenAI API under /v1)")
 
 
 if __name__ == "__main__":
