@@ -14,9 +14,10 @@ two sizes left dynamic, so that one package serves every cache length and every 
     logits [B, V] = step(token [B, 1], pos [B, 1], slots [L], *cache.tensors())   # each [B, Hkv, S, *]
 
 `slots` holds the slot indices 0..L-1, its length the attend length kv_cache.py sets (L <= S).
-Compiled one-token CPU steps over a static cache attend through decode_attention up to
-FUSED_DECODE_MAX_SLOTS (1,024) slots and through `attention` past it: two packages, "short", and
-"long" only for caches of more slots; over the int8 cache always decode_attention: one, "any".
+Compiled one-token CPU steps over a static cache attend through cpu_kernels.decode_attention up
+to FUSED_DECODE_MAX_SLOTS (1,024) slots and through SDPA or grouped_decode_attention past it: two
+packages, "short", and "long" only for caches of more slots; over the int8 cache always
+decode_attention: one, "any".
 The weights are not in the package: the loader is handed the model's own tensors (user-managed,
 never copied), so a package is a few MiB and serves any checkpoint of the same shapes. Inductor
 adds a few constants of its own (the int4 kernel's group size as a 0-d tensor); they are recorded
@@ -45,7 +46,7 @@ import time
 
 import torch
 
-from kv_cache import FUSED_DECODE_MAX_SLOTS
+from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from runtime import DTYPES, cpu_capability, decode_one, log
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -89,12 +90,13 @@ def check_usable(args, device: str):
 
 
 class Step(torch.nn.Module):
-    """decode_one over a cache given as tensors: what is exported. `cache` gives the class and the
-    batch size; each call builds the cache object around the input tensors."""
+    """decode_one over a cache given as tensors: what is exported. `cache` gives the class, the
+    batch size and the one-token kernel (`decode`); each call builds the cache object around the
+    input tensors."""
 
     def __init__(self, model, cache):
         super().__init__()
-        self.model, self.kind = model, type(cache)
+        self.model, self.kind, self.decode = model, type(cache), cache.decode
         self.fields = [f for f in CACHE_FIELDS if hasattr(cache, f)]
         self.register_buffer("rows", torch.arange(cache.batch_size))
 
@@ -104,6 +106,7 @@ class Step(torch.nn.Module):
             setattr(cache, field, list(tensors[i * n:(i + 1) * n]))
         torch._check(slots.shape[0] <= tensors[0].shape[2])  # L <= S
         cache.rows, cache.slots, cache.attend_len = self.rows, slots, slots.shape[0]  # all that attend reads
+        cache.decode = self.decode
         return decode_one(self.model, cache, token, pos)
 
 

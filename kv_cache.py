@@ -17,9 +17,8 @@ The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
 at position p sees slots 0..p, which is causal attention within the step and full attention to
 the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
-One-token CPU steps take other routes to the same maths: compiled ones over up to 1,024 slots
-decode_attention (reductions Inductor fuses), bf16/fp16 ones grouped_decode_attention (two
-matmuls with each KV head's query heads stacked; SDPA's one-token bf16 kernel is slow on CPU).
+That is the reference. A cache may be given a faster one-token kernel where it is built
+(`decode`): `for_model` on CPU passes cpu_kernels.static_decode, the same maths by other routes.
 
 Cost follows the tokens in use, not the capacity. Before a step its caller (generate.generate,
 which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
@@ -51,11 +50,9 @@ token and head, halving the bytes a long-context decode step reads:
 import torch
 import torch.nn.functional as F
 
+import cpu_kernels
+from cpu_kernels import decode_attention
 
-# Compiled one-token CPU steps over caches up to this many slots use decode_attention (cheaper
-# than the flash kernel's fixed cost per call); longer ones, and eager steps, use SDPA in float32
-# and grouped_decode_attention in bf16/fp16 (where SDPA's one-token kernel is slow).
-FUSED_DECODE_MAX_SLOTS = 1024
 MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
 EAGER_SLOTS = 256  # eager steps attend over a multiple of this many slots (few matmul shapes)
 
@@ -92,7 +89,8 @@ class StaticKVCache:
     so one compiled decode step serves every cache of the same shape (module buffers would be
     guarded by identity once Inductor freezes the model's weights, and recompile per cache)."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
+    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
+                 decode=None):
         # One tensor per layer, not one [layers, ...] tensor: Inductor then updates each in place,
         # where writes into a view of one big buffer can become copies of the whole buffer.
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
@@ -102,11 +100,13 @@ class StaticKVCache:
         self.rows = torch.arange(batch_size, device=device)  # [B]
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.attend_len = max_seq_len  # the prefix of the slots attend reads (use_positions)
+        self.decode = decode  # None, or a one-token kernel (q, k_cache, v_cache, mask) -> y replacing `attention`
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
         a, w = model.config, model.norm.weight  # the activations' dtype and device
-        return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device)
+        decode = cpu_kernels.static_decode if w.device.type == "cpu" else None  # the reference elsewhere
+        return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -136,11 +136,8 @@ class StaticKVCache:
         # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
         k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
         mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
-        if (q.shape[1] == 1 and q.device.type == "cpu" and L <= FUSED_DECODE_MAX_SLOTS
-                and torch.compiler.is_compiling()):
-            # compiled CPU decode: the same maths as `attention`, softmax(q k^T / sqrt(D) + mask) v,
-            # written as two reductions Inductor fuses (decode_attention)
-            return decode_attention(q, k_cache, v_cache, mask)
+        if q.shape[1] == 1 and self.decode is not None:  # the kernel picked where the cache was built
+            return self.decode(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask)
 
     def reset(self):
@@ -148,54 +145,12 @@ class StaticKVCache:
             t.zero_()
 
 
-def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
-    """One query token's attention written as two reductions, for Inductor to fuse on CPU
-    (scores over D, then the weighted sum over S), instead of a call to the flash kernel, whose
-    fixed cost per call dominates at batch 1. With scales, the caches are int8 and are
-    converted inside the fused loops, so only their int8 bytes are read.
-
-    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, 1, S]; scales [B, Hkv, S, 1]."""
-    B, _, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
-    # each .float() before its broadcast dim: on a prefix view that keeps the strides' order plain,
-    # so torch.export (aot.py) derives no "attend length < cache length" from it
-    scores = (qg * k_cache.float()[:, :, None]).sum(-1)  # [B, Hkv, G, S]
-    if k_scale is not None:
-        scores = scores * k_scale[..., 0].float()[:, :, None]
-    scores = scores * D**-0.5 + torch.where(mask[:, :, None, 0], 0.0, float("-inf"))
-    p = torch.softmax(scores, dim=-1)  # [B, Hkv, G, S]
-    if v_scale is not None:
-        p = p * v_scale[..., 0].float()[:, :, None]
-    y = (p[..., None] * v_cache.float()[:, :, None]).sum(-2)  # [B, Hkv, G, D]
-    return y.reshape(B, 1, H, D).to(q.dtype)
-
-
 def attention(q, k_cache, v_cache, mask):
-    """softmax(q k^T / sqrt(D) + mask) v, K/V never repeated per query head: SDPA (enable_gqa),
-    but grouped_decode_attention for a bf16/fp16 one-token step on CPU.
+    """softmax(q k^T / sqrt(D) + mask) v by SDPA, K/V never repeated per query head (enable_gqa).
 
     q [B, T, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, T, S] -> [B, T, H, D]"""
-    if q.shape[1] == 1 and q.device.type == "cpu" and k_cache.dtype in (torch.bfloat16, torch.float16):
-        return grouped_decode_attention(q, k_cache, v_cache, mask)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
     return y.transpose(1, 2)
-
-
-def grouped_decode_attention(q, k_cache, v_cache, mask):
-    """One query token's attention as two batched matrix products, the query heads of each KV head
-    stacked as the rows of one product (no K/V repeated per head), softmax in float32. On CPU in
-    bf16, SDPA's kernel at one query token ran 7x slower than this (53 against 7.4 ms for 30
-    layers over 4,000 positions; float32: about equal, so float32 keeps SDPA).
-
-    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D] (views are fine); mask [B, 1, 1, S] -> [B, 1, H, D]"""
-    B, _, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2))  # [B, Hkv, G, S]
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D**-0.5
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v_cache.dtype)
-    return torch.matmul(p, v_cache).reshape(B, 1, H, D)
 
 
 def quantize_per_token(x: torch.Tensor):
@@ -207,12 +162,14 @@ def quantize_per_token(x: torch.Tensor):
 class Int8KVCache(StaticKVCache):
     """K/V as int8 [B, Hkv, S, D] plus scales [B, Hkv, S, 1] in the model's dtype.
 
-    A one-token decode step under torch.compile runs decode_attention on the int8 cache directly
-    (Inductor fuses the int8 -> float conversion into its loops), so the step reads half the
-    bytes of a bf16 cache. Prefill, and eager mode, dequantize and call `attention`."""
+    The reference: dequantize, then `attention` (or the one-token `decode` kernel, as the float
+    cache). A one-token step under torch.compile runs cpu_kernels.decode_attention on the int8
+    cache directly (Inductor fuses the int8 -> float conversion into its loops), so the step reads
+    half the bytes of a bf16 cache."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None):
-        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device)
+    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
+                 decode=None):
+        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode)
         shape = (batch_size, n_kv_heads, max_seq_len, 1)
         self.k_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -234,7 +191,10 @@ class Int8KVCache(StaticKVCache):
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
-        return attention(q, k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale, mask)
+        k_cache, v_cache = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale  # [B, Hkv, L, D]
+        if q.shape[1] == 1 and self.decode is not None:
+            return self.decode(q, k_cache, v_cache, mask)
+        return attention(q, k_cache, v_cache, mask)
 
 
 class NoCache:

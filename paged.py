@@ -9,7 +9,7 @@ its block table, and grows one block at a time. Position p of a sequence lives a
 
     block = block_table[p // block_size],  offset = p % block_size   (at most block_size - 1 slots wasted)
 
-    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see attend)
+    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see below)
     v_pool[layer]  [num_blocks, block_size, Hkv, D]
 
 Block 0 is the null block: never handed out, it is where padding tokens write and what unused
@@ -31,11 +31,13 @@ never the model's whole context). Slot mappings are derived from the positions i
 (above), so a compiled decode step needs no host work per token. Padding rows point at the null
 block at position 0.
 
-Attention reads a group's W blocks. Prefill chunks (T > 1) gather them into one contiguous
-[rows, Hkv, W * block_size, D] copy for SDPA, whose matrix products then run at full rate.
-Decode rows (T = 1) on CPU read the pool in place with F.embedding_bag (_decode_in_place): at 64
-rows the gather-then-SDPA route spent about as long on attention as on the GEMMs, writing a copy
-of every block and reading it twice. Either way a step's attention costs rows x W blocks.
+Attention reads a group's W blocks. The reference (`_attend_group`) gathers them into one
+contiguous [rows, Hkv, W * block_size, D] copy for SDPA, whose matrix products then run at full
+rate for prefill chunks (T > 1). For one-token rows a cache may be given a faster kernel where
+it is built (`decode`): `for_model` on CPU passes cpu_kernels.PagedDecodeInPlace, which reads the
+pool where it lies with F.embedding_bag (K's blocks are stored transposed for it) instead of
+writing a copy of every block and reading it twice. Either way a step's attention costs
+rows x W blocks.
 
 Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
 so equal hashes mean equal whole prefixes. A new request reuses every cached block of its longest
@@ -51,6 +53,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from cpu_kernels import PagedDecodeInPlace
 from kv_cache import attention, bucket, kv_bytes_per_token
 
 NULL_BLOCK = 0
@@ -213,21 +216,23 @@ class PagedKVCache:
     A plain object (not an nn.Module), like StaticKVCache, so compiled steps take its tensors as
     inputs."""
 
-    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None):
+    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None,
+                 decode=None):
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
-        # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (attend)
+        # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (PagedDecodeInPlace)
         self.k = [torch.zeros(num_blocks, n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
-        self._bag_cache = (None, None, None)  # (block table, its version, its rows) last read by _decode_in_place
+        self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
         a, w = model.config, model.norm.weight
-        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device)
+        decode = PagedDecodeInPlace() if w.device.type == "cpu" else None  # the reference elsewhere
+        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, decode)
 
     @classmethod
     def for_batch(cls, model, batch_size: int, max_seq_len: int, block_size: int = 16):
@@ -286,58 +291,15 @@ class PagedKVCache:
         R, W = table.shape
         T, H, D = q.shape[1:]
         Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
-        if T == 1 and q.device.type == "cpu":
-            return self._decode_in_place(pool_k, pool_v, q, pos, table)
+        mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]: slots beyond each query's position
+        if T == 1 and self.decode is not None:  # the kernel picked where the cache was built
+            return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
         # F.embedding is the gather, several times faster than pool[table] on CPU.
         k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
-        mask = self.slots[:L] <= pos[:, None, :, None]  # [R, 1, T, L]: slots beyond each query's position
         return attention(q, k_ctx, v_ctx, mask)
-
-    def _decode_in_place(self, pool_k, pool_v, q, pos, table):
-        """One query token per row, reading K and V where they lie in the pool: no gathered copy.
-
-        F.embedding_bag(indices, rows, per_sample_weights) sums weighted rows picked by index,
-        which is both halves of attention over a block table. Scores: the K pool holds each
-        block transposed, [Hkv, D, bs], so the D rows of one head's block weighted by that query
-        head's q sum to its bs scores. Output: V's rows are one token's one head, weighted by the
-        softmax. Each byte of the pool is read once (the G query heads sharing a KV head read it
-        from cache); the gather-then-SDPA route wrote a copy and read it twice (on CPU, SDPA's
-        bf16 kernel at one query token ran 5x slower than this).
-
-        q [R, 1, H, D]; pos [R, 1]; table [R, W] -> [R, 1, H, D]"""
-        R, _, H, D = q.shape
-        W, bs, Hkv = table.shape[1], self.block_size, pool_v.shape[2]
-        k_index, v_index = self._bag_indices(table, H, Hkv, D)
-        weights = (q.view(R, H, 1, D) * D**-0.5).to(pool_k.dtype).expand(R, H, W, D).reshape(-1, D)
-        scores = F.embedding_bag(k_index, pool_k.view(-1, bs), mode="sum", per_sample_weights=weights)
-        scores = scores.view(R, H, W * bs).to(torch.promote_types(scores.dtype, torch.float32))  # float64 stays
-        p = torch.softmax(scores.masked_fill(self.slots[:W * bs] > pos[:, :, None], float("-inf")), dim=-1)
-        p = p.to(pool_v.dtype)  # [R, H, L]
-        y = F.embedding_bag(v_index, pool_v.view(-1, D), mode="sum", per_sample_weights=p.view(R * H, -1))
-        return y.view(R, 1, H, D).to(q.dtype)
-
-    def _bag_indices(self, table, H, Hkv, D):
-        """The rows _decode_in_place sums, from a block table [R, W]: K's [R * H * W, D] (query
-        head h of row r, block w: the D rows of its KV head's transposed block) and V's
-        [R * H, L] (the L tokens' rows of its KV head). Every layer reads the same table, so
-        eager steps build them once per table (and again if it is changed in place)."""
-        cached_table, version, rows = self._bag_cache
-        if not torch.compiler.is_compiling() and cached_table is table and version == table._version:
-            return rows
-        R, W = table.shape
-        bs, G = self.block_size, H // Hkv
-        kv_head = torch.arange(H, device=table.device) // G  # [H]
-        k_index = ((table[:, None, :] * Hkv + kv_head[:, None])[..., None] * D
-                   + torch.arange(D, device=table.device))  # [R, H, W, D]
-        slot = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).view(R, 1, W * bs)
-        v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
-        out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
-        if not torch.compiler.is_compiling():
-            self._bag_cache = (table, table._version, out)
-        return out
 
 
 def available_memory(device: str) -> int:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import int4_layout
 import quantize
+from cpu_kernels import padded_linear
 from runtime import release_memory
 
 # The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
@@ -167,7 +168,7 @@ class Int8GroupLinear(nn.Module):
                 y = y + xg.sum(-1)[:, 0] @ self.offsets.t()  # sum_g offset[n, g] * sum_{k in g} x[k]
             y = y.to(x.dtype)
         elif x2.shape[0] >= quantize.INT4_LARGE_M:
-            y = quantize.padded_linear(x2, self.dequantize().to(x.dtype))
+            y = padded_linear(x2, self.dequantize().to(x.dtype))
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         y = y.reshape(*x.shape[:-1], self.out_features)

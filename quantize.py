@@ -25,8 +25,9 @@ layer is dequantized on the fly and multiplied with a regular GEMM. The kernel's
 private to ATen and differs by instruction set (AVX-512, AVX2, none), so each layer checks at load,
 on the running CPU, which known layout unpacks its weight back to its values (int4_layout.py);
 if none does, it keeps its portable values as well. The kernel itself is checked once per process
-on a probe matrix; where it is wrong or missing, int4 is refused with a message, never run. `dequantize()` on every layer is the plain reference path tests
-compare the kernels against.
+on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is wrong or missing, int4 is
+refused with a message, never run. `dequantize()` on every layer is the plain reference path
+tests compare the kernels against.
 """
 import argparse
 import functools
@@ -38,8 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cpu_kernels import cpu_int4_kernel_error, padded_linear
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
-from runtime import gemm_padding
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -47,17 +48,6 @@ GROUP_SIZES = (32, 64, 128, 256)
 # costs about as much as 60-150 rows of the kernel (Xeon AVX-512, 2 threads: 1536 x 576 int4 at 128
 # rows, kernel 1.7 ms, dequantize + GEMM 2.6 ms; a 49152 x 576 head 54 vs 217 ms; RESULTS.md)
 INT4_LARGE_M = 128
-
-
-def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x2 [M, K], w [N, K]) -> [M, N], its rows padded as runtime.gemm_padding says (few
-    GEMM shapes, so few cached oneDNN kernels; prompts of every length reach here). Under
-    torch.compile with dynamic shapes (--compile_prefill) the padding is a guard: one more graph."""
-    M = x2.shape[0]
-    pad = gemm_padding(M, x2.dtype, x2.device)
-    if not pad:
-        return F.linear(x2, w)
-    return F.linear(F.pad(x2, (0, 0, 0, pad)), w)[:M]
 
 
 # ---- quantizing one weight to portable tensors ---------------------------------------------
@@ -146,28 +136,6 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
-
-
-@functools.cache
-def cpu_int4_kernel_error(capability: str):
-    """None if `_weight_int4pack_mm_for_cpu` multiplies a probe matrix correctly under this
-    capability, else what went wrong: checked once per process, so int4 never prints garbage."""
-    generator = torch.Generator().manual_seed(0)
-    N, K, G = 48, 128, 32  # one full 32-row block and a tail, on every layout above
-    q = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
-    scales, zeros = torch.rand(N, K // G, generator=generator) + 0.5, torch.randn(N, K // G, generator=generator)
-    x = torch.randn(3, K, generator=generator)
-    ref = x @ dequantize_int4(q, scales, zeros).T
-    try:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        sz = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous()
-        for rows in (1, 3):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:rows], packed, G, sz)
-            if not torch.allclose(y, ref[:rows], atol=1e-3 * ref.abs().max().item(), rtol=0):
-                return f"its result at {rows} row(s) differs from the dequantized reference"
-    except (RuntimeError, NotImplementedError) as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return None
 
 
 @functools.cache

@@ -173,20 +173,6 @@ def skip_guards(enabled: bool):
 
 # ---- memory ------------------------------------------------------------------------------------
 
-# oneDNN keeps the kernels it builds for every matmul shape it sees (about 0.65 MiB per bf16 shape
-# on CPU, in two caches of up to 1,024 shapes: LRU_CACHE_CAPACITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY),
-# so callers whose row counts vary widely pad them to few values: a server's resident memory grew
-# with every prompt length otherwise (benchmarks/RESULTS.md, "Resident memory"). Float32 does not
-# grow. From GEMM_PAD_FROM rows up, at most GEMM_ROWS - 1 extra rows.
-GEMM_ROWS, GEMM_PAD_FROM, GEMM_PAD_DTYPES = 16, 128, (torch.bfloat16, torch.float16)
-
-
-def gemm_padding(rows: int, dtype, device) -> int:
-    """Rows to add to a GEMM of `rows` rows so that its shape is one of few (see above); 0 if none."""
-    if rows < GEMM_PAD_FROM or torch.device(device).type != "cpu" or dtype not in GEMM_PAD_DTYPES:
-        return 0
-    return -rows % GEMM_ROWS
-
 
 def reset_peak_memory(device: str):
     if str(device).startswith("cuda"):

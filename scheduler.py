@@ -35,8 +35,9 @@ from collections import Counter, deque
 
 import torch
 
+from cpu_kernels import gemm_padding
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, blocks_for, bucket
-from runtime import compile_decode, gemm_padding
+from runtime import compile_decode
 from sampling import parse_logit_bias, sample, token_logprobs
 from scoring import PromptScores
 from sequence import Request, RequestParams, Sequence  # noqa: F401 (RequestParams: the engine's API)

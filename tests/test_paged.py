@@ -55,36 +55,6 @@ def test_ragged_flat_batch_equals_static_cache_per_request(tiny64):
             nxt, lengths = paged.argmax(-1), [n + 1 for n in lengths]
 
 
-@pytest.mark.isa
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_read_in_place_equal_attention_over_each_rows_own_tokens(dtype):
-    """One-token rows read K and V where they lie in the pool (F.embedding_bag, whose float32 and
-    bf16 kernels depend on the instruction set): equal to attention computed in float64 over the
-    tokens each row's block table lists, one token at a time. Rows of different lengths, blocks
-    out of order, 6 query heads on 2 KV heads."""
-    g = torch.Generator().manual_seed(0)
-    R, H, Hkv, D, bs, W = 5, 6, 2, 16, 4, 4
-    cache = PagedKVCache(1, 1 + R * W, bs, Hkv, D, dtype)
-    for pool in cache.tensors():
-        pool.copy_(torch.randn(pool.shape, generator=g))
-    table = (1 + torch.randperm(R * W, generator=g)).view(R, W)
-    pos = torch.tensor([[0], [3], [7], [12], [15]])  # the new token's position in each row
-    q, k, v = (torch.randn(R, 1, n, D, generator=g).to(dtype) for n in (H, Hkv, Hkv))
-    cache.groups = [(R, 1, table)]
-    y = cache.attend(0, q, k, v, pos)  # writes k, v at pos, then attends over positions 0..pos
-    for r in range(R):
-        n = int(pos[r]) + 1
-        blocks, offsets = table[r, torch.arange(n) // bs], torch.arange(n) % bs
-        keys = cache.k[0][blocks, :, :, offsets].double()  # [n, Hkv, D]
-        values = cache.v[0][blocks, offsets].double()
-        assert torch.equal(keys[-1], k[r, 0].double()) and torch.equal(values[-1], v[r, 0].double())
-        for h in range(H):
-            p = torch.softmax(keys[:, h // (H // Hkv)] @ q[r, 0, h].double() / D**0.5, dim=0)
-            want = p @ values[:, h // (H // Hkv)]
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(y[r, 0, h].double(), want, rtol=tol, atol=tol)
-
-
 def test_generate_paged_equals_static(tiny64):
     """generate.py's loop on PagedKVCache.for_batch: the static cache's tokens, batch of 2."""
     prompt = torch.tensor([[5, 9, 11, 3, 7], [8, 2, 6, 4, 1]])

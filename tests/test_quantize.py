@@ -54,33 +54,6 @@ def test_kernel_path_equals_dequantized_reference(mode, rows, dtype):
     torch.testing.assert_close(layer(x).float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
 
 
-def test_large_gemms_see_few_row_counts():
-    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of runtime.GEMM_ROWS in
-    bf16, so that oneDNN builds and keeps few kernels (one per shape): every row count from 128 to
-    160 reaches the GEMM as 128, 144 or 160 rows, with each row's result that of its own product."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = set()
-
-    class Rows(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                seen.add(args[-2].shape[0])
-            return func(*args, **(kwargs or {}))
-
-    torch.manual_seed(0)
-    layer = quantize.make_layer(quantize.portable_tensors(torch.randn(64, 256) * 0.05, "int4", 64), None, "int4", 64,
-                                torch.bfloat16, "cpu")
-    w = layer.dequantize().to(torch.bfloat16)
-    for rows in range(128, 161):
-        x = torch.randn(rows, 256).to(torch.bfloat16)
-        with Rows():
-            y = layer(x)
-        assert y.shape == (rows, 64)
-        torch.testing.assert_close(y.float(), (x.float() @ w.float().T), atol=2e-2, rtol=2e-2)
-    assert seen == {128, 144, 160}
-
-
 @pytest.mark.isa
 @pytest.mark.parametrize("n", [16, 48, 64, 96, 192, 208])
 def test_cpu_int4_unpack_inverts_the_packing_op(n):
@@ -94,11 +67,6 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     # last whole block where n is not a multiple of it) always among them
     rows = torch.cat([torch.randint(0, n, (32,), generator=torch.Generator().manual_seed(n)), torch.arange(n - 8, n)])
     assert torch.equal(int4_layout.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
-
-
-@pytest.mark.isa
-def test_cpu_int4_kernel_passes_its_load_time_probe():
-    assert quantize.cpu_int4_kernel_error(runtime.cpu_capability()) is None
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
@@ -292,43 +260,6 @@ def test_int8_kv_cache_attention_matches_the_float_cache():
     for a, b in zip(*outs):
         assert rel_error(b, a) < 0.02
     assert caches[1].nbytes() < 0.6 * caches[0].nbytes() * 2 / 4 * 2  # int8 + scales vs float32 halved twice
-
-
-@pytest.mark.isa
-@pytest.mark.parametrize("int8", [False, True])
-def test_decode_attention_equals_sdpa(int8):
-    from kv_cache import decode_attention, quantize_per_token
-
-    torch.manual_seed(0)
-    B, Hkv, H, S, D = 2, 2, 6, 40, 16
-    q, k, v = torch.randn(B, 1, H, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
-    mask = torch.arange(S) <= torch.tensor([17, 39])[:, None, None, None]  # [B, 1, 1, S]
-    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
-    if int8:
-        (kq, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
-        y = decode_attention(q, kq, vq, mask, ks, vs)
-        assert rel_error(y, ref.transpose(1, 2)) < 0.01
-    else:
-        torch.testing.assert_close(decode_attention(q, k, v, mask), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.isa
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_grouped_decode_attention_equals_sdpa(dtype):
-    """The bf16 one-token route of kv_cache.py (two grouped matmuls) against SDPA in float64 on
-    the same values; on a slice of a longer cache, as StaticKVCache.attend passes it."""
-    from kv_cache import grouped_decode_attention
-
-    g = torch.Generator().manual_seed(0)
-    B, Hkv, H, S, D = 3, 2, 6, 64, 16
-    q = torch.randn(B, 1, H, D, generator=g).to(dtype)
-    k, v = (torch.randn(B, Hkv, S + 8, D, generator=g).to(dtype) for _ in range(2))
-    mask = torch.arange(S) <= torch.tensor([0, 17, 63])[:, None, None, None]  # [B, 1, 1, S]
-    y = grouped_decode_attention(q, k[:, :, :S], v[:, :, :S], mask)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(1, 2), k[:, :, :S].double(), v[:, :, :S].double(), attn_mask=mask, enable_gqa=True)
-    tol = 1e-12 if dtype == torch.float64 else 2e-2
-    torch.testing.assert_close(y.double(), ref.transpose(1, 2), atol=tol, rtol=tol)
 
 
 @pytest.mark.isa

@@ -71,10 +71,10 @@ def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect)
 
 
 def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
-    """Steps of 128 tokens or more are padded to a multiple of 16 (runtime.gemm_padding; in bf16
+    """Steps of 128 tokens or more are padded to a multiple of 16 (cpu_kernels.gemm_padding; in bf16
     on CPU, where each row count is a new oneDNN kernel): forced here in float64, every request
     still gets its alone-run tokens, and the padded forwards really ran."""
-    import runtime
+    import cpu_kernels
     import scheduler
 
     widths, forward = [], scheduler.flat_forward
@@ -83,7 +83,7 @@ def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
         widths.append(tokens.shape[1])
         return forward(model, cache, tokens, pos, keep)
 
-    monkeypatch.setattr(runtime, "GEMM_PAD_DTYPES", (torch.float64,))
+    monkeypatch.setattr(cpu_kernels, "GEMM_PAD_DTYPES", (torch.float64,))
     monkeypatch.setattr(scheduler, "flat_forward", counting)
     prompts, news, reference = workload
     engine = Engine(tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200)
