@@ -33,11 +33,10 @@ whole 8192-slot cache, 2 or 3 for a run of a few hundred tokens), never one per 
 Eager steps need no graphs: `use_positions(n, round_up=False)` attends over n rounded up to a
 multiple of EAGER_SLOTS (256), at most 255 slots of padding. Not exactly n: each new length is a
 new matmul shape, and oneDNN keeps the kernels it builds per shape (two caches of up to 1,024
-entries, about 0.65 MiB per bf16 shape on CPU), so exact lengths grew a bf16 decode's resident
-memory by 1.3 MiB per token (benchmarks/RESULTS.md, "Resident memory").
-Measured (benchmarks/RESULTS.md, SmolLM2-135M bf16, one CPU thread, 8192 slots): eager decode at
-18.3 tok/s with 128 tokens in use (as fast as a 256-slot cache), 14.0 at 4096, 11.2 at 8000;
-attending over all 8192 slots ran at 11.2 with 128 in use.
+entries), so exact lengths grew a bf16 decode's resident memory with every token
+(benchmarks/RESULTS.md, "Resident memory besides the weights"). With the prefix, a decode step
+over a large cache costs what one sized to the tokens in use does (benchmarks/RESULTS.md,
+"Decode cost by tokens in use, not cache capacity").
 Without a call (or after `use_positions(None)`) attention reads all S slots: the slow twin that
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.

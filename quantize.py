@@ -44,9 +44,9 @@ from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
-# rows from which the CPU int4 path dequantizes and runs a GEMM instead. Unpacking the kernel's layout
-# costs about as much as 60-150 rows of the kernel (Xeon AVX-512, 2 threads: 1536 x 576 int4 at 128
-# rows, kernel 1.7 ms, dequantize + GEMM 2.6 ms; a 49152 x 576 head 54 vs 217 ms; RESULTS.md)
+# rows from which the CPU int4 path dequantizes and runs a GEMM instead: the kernel's time grows with
+# the rows, unpacking its layout costs the same at any, and the two meet near this many rows
+# (benchmarks/RESULTS.md, "The engine at a GGUF's own bits")
 INT4_LARGE_M = 128
 
 
@@ -252,8 +252,8 @@ def plan(model, mode: str, groupsize: int = 64, head: bool = False, embedding: b
 def portable_tensors(weight, mode: str, groupsize: int, rows: int = 4096) -> dict:
     """quantize_int8/int4 of `weight`, `rows` rows at a time (each row's result is its own, so the
     same tensors): their float32 temporaries are several times the weight, and SmolLM2's 49152-row
-    head in one piece set the load's peak (generate.py --quantize_head: int4 1,149 -> 720 MiB,
-    int8 881 -> 590)."""
+    head in one piece set the load's peak (benchmarks/RESULTS.md, "Weight-only quantization and
+    the int8 KV cache (CPU)")."""
     one = quantize_int8 if mode == "int8" else lambda w: quantize_int4(w, groupsize)
     parts = [one(weight[i:i + rows]) for i in range(0, weight.shape[0], rows)]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}

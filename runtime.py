@@ -103,8 +103,8 @@ def autotune(model) -> bool:
     "Batch-1 speed by instruction set"): not where a layer says it does not (int4's kernel gains
     nothing from it and its search takes many GiB); not for a model whose matrices are all bf16 on
     an AVX-512 CPU without AMX, where Inductor's bf16 GEMM templates ran slower than the oneDNN
-    kernels freezing prepacks (98.9 vs 82.4 tok/s at batch 1, and half the compile time). Float32
-    gained 1.8-3.1x from it, int8 1.07-1.16x, bf16 1.05x under AVX2; AMX is what it is for."""
+    kernels freezing prepacks, at twice the compile time. Float32, int8, and bf16 under AVX2 gain
+    from it; AMX is what it is for."""
     if not all(getattr(m, "compile_autotune", True) for m in model.modules()):
         return False
     matrices = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
@@ -122,7 +122,8 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
     GEMMs autotuned against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1
-    bf16 this is about twice as fast as eager, whose bf16 matrix-vector products are slow on CPU."""
+    bf16 this is well ahead of eager, whose bf16 matrix-vector products are slow on CPU
+    (benchmarks/RESULTS.md, "Batch-1 decode on CPU: generate.py against Hugging Face transformers")."""
     import torch._dynamo
 
     # one graph per attend length of a static cache (kv_cache.py: 13 for the 8192 slots of a whole context)
@@ -164,10 +165,11 @@ def configure_inductor_cpu():
 def skip_guards(enabled: bool):
     """After the first decode step has checked every guard of the compiled function (compiling
     if needed), the rest of the loop passes the same model and cache, with the same shapes.
-    Re-checking hundreds of guards per step costs about 0.8 ms on CPU, so only the guards that
-    choose between compiled graphs are evaluated. A step that changes what selects a graph (a
-    static cache's attend length) must check them all: with one graph compiled so far, skipping
-    would rerun it for the new length, silently (generate.generate does so)."""
+    Re-checking hundreds of guards per step is a visible share of a CPU step (benchmarks/RESULTS.md,
+    "What the profile says"), so only the guards that choose between compiled graphs are
+    evaluated. A step that changes what selects a graph (a static cache's attend length) must
+    check them all: with one graph compiled so far, skipping would rerun it for the new length,
+    silently (generate.generate does so)."""
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if enabled else contextlib.nullcontext()
 
 
