@@ -1,13 +1,14 @@
-"""The engine (scheduler.py) in its own thread, for a server: admission with a bounded queue,
-aborts from any thread, graceful draining, and metrics.
+"""The engine (engine.py) in its own thread, for a server: admission with a bounded queue,
+aborts from any thread, graceful draining, and metrics. It uses only the engine's API.
 
 One background thread owns the engine and loops over `step()`; callers on an asyncio loop hand it
 requests through a thread-safe inbox and receive each new token through an asyncio queue. Every
 event a caller receives is one of:
 
-    (choice index, token id, finish_reason or None, logprob)   a new token; logprob is its entry
+    (choice index, token id, text, finish_reason or None, logprob)   a new token, the text it
+                                                 makes final (engine.Token); logprob is its entry
                                                  (sampling.token_logprobs) when asked for, else None
-    (choice index, None, reason, None)           a sample ended without a token ("abort", or
+    (choice index, None, text, reason, None)     a sample ended without a token ("abort", or
                                                  "length" when max_new_tokens = 0 scored the prompt)
     Over(first choice index, error, prompt_logprobs)   one request (one prompt) is over; error is
                                                  None or why it failed (the others go on)
@@ -29,6 +30,8 @@ import time
 import traceback
 import uuid
 from typing import NamedTuple
+
+from engine import Finished
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
@@ -72,8 +75,8 @@ class EngineLoop:
     def __init__(self, engine, max_waiting: int = 256, thread: EngineThread = None):
         self.engine, self.inbox, self.max_waiting = engine, queue.Queue(), max_waiting
         self.streams = {}  # request id -> (event loop, asyncio.Queue of events, index of its first choice)
-        self.started = set()  # requests that have their first token
         self.draining = False
+        self.snapshot = engine.metrics()  # taken on the engine thread after each step, read from any thread
         self.tokens_generated, self.requests_done, self.refused = 0, 0, 0
         self.ttft_counts, self.ttft_sum = [0] * len(TTFT_BUCKETS), 0.0
         (thread or EngineThread()).call(self._run)  # runs until the process ends
@@ -91,18 +94,18 @@ class EngineLoop:
         self.inbox.put(("abort", request_id))
 
     def num_waiting(self) -> int:
-        """Requests queued for a slot (read from any thread: copy before iterating)."""
-        return len({s.request.id for s in list(self.engine.waiting)})
+        """Requests queued for a slot (as of the last step)."""
+        return self.snapshot["waiting"]
 
     def drain(self, timeout: float):
         """Stop admission, let running requests finish for up to `timeout` seconds, then abort
         the rest (their clients get finish_reason "abort"). Blocks; call it from any thread."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while self.engine.requests and time.monotonic() < deadline:
+        while self.streams and time.monotonic() < deadline:
             time.sleep(0.02)
         self.inbox.put(("abort_all",))
-        while self.engine.requests and time.monotonic() < deadline + 5:
+        while self.streams and time.monotonic() < deadline + 5:
             time.sleep(0.02)
 
     def _run(self):
@@ -118,54 +121,53 @@ class EngineLoop:
                 events = engine.step()
             except Exception as e:  # a bug in the step itself: end every running request, keep serving
                 traceback.print_exc()
-                for rid in list(engine.requests):
-                    engine.requests[rid].error = f"the engine failed during a step ({type(e).__name__}: {e})"
-                    self._abort(rid)
+                self._abort_all(f"the engine failed during a step ({type(e).__name__}: {e})")
                 events = []
-            for rid, index, token, reason in events:
-                loop, q, first = self.streams[rid]
-                req = engine.requests[rid]
-                seq = req.seqs[index]
-                if rid not in self.started and seq.token_times:
-                    self.started.add(rid)
-                    self._observe_ttft(seq.token_times[0] - req.arrival)
-                logprob = seq.logprobs[-1] if token is not None and seq.logprobs else None
-                self.tokens_generated += token is not None
-                loop.call_soon_threadsafe(q.put_nowait, (first + index, token, reason, logprob))
-            for rid in [rid for rid, r in engine.requests.items() if r.finished]:
-                loop, q, first = self.streams.pop(rid)
-                req = engine.requests.pop(rid)
-                self.started.discard(rid)
-                self.requests_done += 1
-                loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs))
+            for event in events:
+                self._deliver(event)
+            self.snapshot = engine.metrics()
 
-    def _abort(self, rid):
-        """Abort a request; each of its unfinished samples gets (index, None, "abort")."""
-        req = self.engine.requests.get(rid)
-        if req is None:
+    def _deliver(self, event):
+        """An engine event to its request's queue."""
+        if event.request_id not in self.streams:  # a request of a refused submit (all or none)
             return
-        loop, q, first = self.streams[rid]
-        for seq in req.seqs:
-            if not seq.finish_reason:
-                loop.call_soon_threadsafe(q.put_nowait, (first + seq.index, None, "abort", None))
-        # samples not forked yet (n > 1, prompt still prefilling) end too
-        for k in range(len(req.seqs), req.params.n):
-            loop.call_soon_threadsafe(q.put_nowait, (first + k, None, "abort", None))
-        self.engine.abort(rid)
+        loop, q, first = self.streams[event.request_id]
+        if isinstance(event, Finished):
+            del self.streams[event.request_id]
+            self.requests_done += 1
+            ttft = event.result.get("time_to_first_token_s")
+            if ttft is not None:
+                self._observe_ttft(ttft)
+            req = event.request
+            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs))
+            return
+        self.tokens_generated += event.token is not None
+        loop.call_soon_threadsafe(q.put_nowait, (first + event.index, event.token, event.text, event.finish_reason,
+                                                 event.logprob))
+
+    def _abort(self, rid, error=None):
+        if rid in self.streams:  # else over already
+            self.engine.abort(rid, error)
+
+    def _abort_all(self, error=None):
+        for rid in list(self.streams):
+            try:
+                self._abort(rid, error)
+            except ValueError:  # never reached the engine (refused while being added)
+                pass
 
     def _handle(self, message):
         if message[0] == "abort":
             self._abort(message[1])
             return
         if message[0] == "abort_all":
-            for rid in list(self.engine.requests):
-                self._abort(rid)
+            self._abort_all()
             return
         _, prompts, params, loop, done, events = message
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down")
-            if self.num_waiting() + len(prompts) > self.max_waiting:
+            if self.engine.metrics()["waiting"] + len(prompts) > self.max_waiting:
                 self.refused += 1
                 raise Unavailable(f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry later")
             ids = []
@@ -173,9 +175,9 @@ class EngineLoop:
                 try:
                     ids.append(self.engine.add_request(prompt, params, request_id=uuid.uuid4().hex))
                 except Exception as e:  # a bad request fails alone; the engine thread goes on
-                    for rid in ids:  # all or none
+                    for rid in ids:  # all or none: the engine's events for these go nowhere
                         self.engine.abort(rid)
-                        self.engine.requests.pop(rid)
+                        del self.streams[rid]
                     raise ValueError(str(e) if len(prompts) == 1 else f"prompt {i}: {e}") from None
                 self.streams[ids[-1]] = (loop, events, i * params.n)
             loop.call_soon_threadsafe(done.set_result, ids)
@@ -189,17 +191,16 @@ class EngineLoop:
                 self.ttft_counts[i] += 1
 
     def metrics(self) -> str:
-        e, a = self.engine, self.engine.allocator  # read from another thread: copy before iterating
-        running = list(e.running)
-        hit = e.stats["prompt_tokens_hit"] / e.stats["prompt_tokens"] if e.stats["prompt_tokens"] else 0.0
+        m = self.snapshot  # the engine's metrics after its last step (this runs on another thread)
+        hit = m["prompt_tokens_hit"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
         lines = [
-            "# TYPE llm_requests_running gauge", f"llm_requests_running {len({s.request.id for s in running})}",
-            "# TYPE llm_requests_waiting gauge", f"llm_requests_waiting {self.num_waiting()}",
+            "# TYPE llm_requests_running gauge", f"llm_requests_running {m['running']}",
+            "# TYPE llm_requests_waiting gauge", f"llm_requests_waiting {m['waiting']}",
             "# TYPE llm_requests_refused_total counter", f"llm_requests_refused_total {self.refused}",
-            "# TYPE llm_kv_blocks_used gauge", f"llm_kv_blocks_used {a.num_used()}",
-            "# TYPE llm_kv_blocks_total gauge", f"llm_kv_blocks_total {a.num_blocks - 1}",
+            "# TYPE llm_kv_blocks_used gauge", f"llm_kv_blocks_used {m['kv_blocks_used']}",
+            "# TYPE llm_kv_blocks_total gauge", f"llm_kv_blocks_total {m['kv_blocks_total']}",
             "# TYPE llm_prefix_cache_hit_rate gauge", f"llm_prefix_cache_hit_rate {hit:.6f}",
-            "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {e.stats['preemptions']}",
+            "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {m['preemptions']}",
             "# TYPE llm_generation_tokens_total counter", f"llm_generation_tokens_total {self.tokens_generated}",
             "# TYPE llm_requests_finished_total counter", f"llm_requests_finished_total {self.requests_done}",
             "# TYPE llm_time_to_first_token_seconds histogram",

@@ -18,7 +18,6 @@ no log-probability (null), and `max_tokens: 0` scores a prompt without generatin
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenizer import TextStream
 
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
 
@@ -238,30 +237,37 @@ class DetokenizeRequest(BaseModel):
 # -- one response's choices ------------------------------------------------------------------------
 class Outputs:
     """The choices of one response while its tokens arrive: choice i is sample i % n of prompt
-    i // n. Holds each choice's text (tokenizer.TextStream), token ids and log-probability entries."""
+    i // n. Holds each choice's text (as the engine decoded it: engine.Token's text), token ids and
+    log-probability entries."""
 
-    def __init__(self, tokenizer, prompts, n: int, stop, chat: bool, logprobs: bool, echo: bool, tools=None):
+    def __init__(self, tokenizer, prompts, n: int, chat: bool, logprobs: bool, echo: bool, tools=None):
         self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
         self.logprobs, self.echo = logprobs, echo
         self.tools = tools  # (format, tools) when the reply may hold tool calls: parsed when it ends
-        self.streams = [TextStream(tokenizer, stop) for _ in range(len(prompts) * n)]
-        self.ids = [[] for _ in self.streams]
-        self.entries = [[] for _ in self.streams]
+        self.num_choices = len(prompts) * n
+        self.pieces = [[] for _ in range(self.num_choices)]  # each choice's text, in the pieces that arrived
+        self.reasons = [None] * self.num_choices
+        self.ids = [[] for _ in range(self.num_choices)]
+        self.entries = [[] for _ in range(self.num_choices)]
         self.prompt_logprobs = {}  # prompt index -> its entries, once its request is over
-        self.sent = [0] * len(self.streams)  # tokens whose log-probabilities were streamed
-        self.offset = [0] * len(self.streams)  # characters streamed
+        self.sent = [0] * self.num_choices  # tokens whose log-probabilities were streamed
+        self.offset = [0] * self.num_choices  # characters streamed
 
-    def add(self, i: int, token, reason, entry) -> str:
-        """A token (or a sample's end) arrived; returns the text it releases."""
-        if token is None:
-            return self.streams[i].finish(reason)
-        self.ids[i].append(token)
-        self.entries[i].append(entry)
-        return self.streams[i].add(token, reason)
+    def add(self, i: int, token, text: str, reason, entry) -> str:
+        """A token (or a sample's end: token None) arrived with the text it made final; returns it."""
+        if token is not None:
+            self.ids[i].append(token)
+            self.entries[i].append(entry)
+        self.pieces[i].append(text)
+        self.reasons[i] = reason or self.reasons[i]
+        return text
+
+    def text(self, i: int) -> str:
+        return "".join(self.pieces[i])
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(s.count for s in self.streams)
+        completion = sum(len(ids) for ids in self.ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _logprobs(self, i: int, first: int, offset: int):
@@ -274,12 +280,11 @@ class Outputs:
 
     def choice(self, i: int) -> dict:
         """Choice i of a whole (not streamed) response."""
-        stream = self.streams[i]
         if self.chat:
             message, reason = self._message(i)
             body = {"message": message, "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
             return {"index": i, **body, "finish_reason": reason}
-        text, logprobs = stream.sent, None
+        text, logprobs = self.text(i), None
         if self.echo:
             prompt = self.prompts[i // self.n]
             head = self.tokenizer.decode(prompt)
@@ -291,18 +296,17 @@ class Outputs:
                     logprobs[key] += values
         elif self.logprobs:
             logprobs = self._logprobs(i, 0, 0)
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": stream.reason}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": self.reasons[i]}
 
     def _message(self, i: int):
         """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given."""
         from tool_calls import parse_calls
 
-        stream = self.streams[i]
         if not self.tools:
-            return {"role": "assistant", "content": stream.sent}, stream.reason
-        content, calls = parse_calls(stream.sent, *self.tools)
+            return {"role": "assistant", "content": self.text(i)}, self.reasons[i]
+        content, calls = parse_calls(self.text(i), *self.tools)
         if not calls:
-            return {"role": "assistant", "content": content}, stream.reason
+            return {"role": "assistant", "content": content}, self.reasons[i]
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def delta(self, i: int, text: str, reason) -> dict:

@@ -19,13 +19,14 @@ Batch layout. A ragged batch (decodes of one token next to prefill chunks of hun
 flattened: tokens [1, N], every token of every sequence side by side, so the linear layers do no
 work on padding. Attention is the one place that needs sequences apart; the caller describes the
 flat token axis as a list of rectangles, `groups = [(rows, T, block_table[rows, W]), ...]`: the
-first rows * T tokens are `rows` sequences of T tokens each, and so on (scheduler.py puts all
+first rows * T tokens are `rows` sequences of T tokens each, and so on (engine.py puts all
 one-token rows in one group and gives each prefill chunk its own). Padding a ragged batch to
 [B, T_max] instead would make 16 decodes next to a 512-token chunk cost 16 * 512 tokens of MLP.
 generate.py's rectangular batches need no groups: with `groups = None` the whole [B, T] input is
 one group over `block_tables`.
 
-Per-step metadata the caller sets before the forward: `groups` (the block tables; their width W,
+Per-step metadata the caller hands over around the forward, `with cache.step_groups(groups):`
+(the block tables; their width W,
 in blocks, is the attend width: the longest context in the group rounded up to a power of two,
 never the model's whole context). Slot mappings are derived from the positions inside `attend`
 (above), so a compiled decode step needs no host work per token. Padding rows point at the null
@@ -47,6 +48,7 @@ children are cached is never evicted before them (as in SGLang's radix tree). Sh
 never written: a sequence that must write into a block others reference copies it first
 (copy-on-write), which is how `n > 1` samples of one prompt share it and fork where they diverge.
 """
+import contextlib
 import heapq
 from collections import deque
 
@@ -55,6 +57,8 @@ import torch.nn.functional as F
 
 from cpu_kernels import PagedDecodeInPlace
 from kv_cache import attention, bucket, kv_bytes_per_token
+from runtime import available_memory
+from scheduler import blocks_for
 
 NULL_BLOCK = 0
 
@@ -94,8 +98,8 @@ class BlockAllocator:
         eviction can reach them all)."""
         return len(self.free) + self.num_cached_unused
 
-    def num_used(self) -> int:
-        return sum(1 for r in self.ref if r > 0)
+    def num_used(self) -> int:  # every block but the null one is free, cached unused, or used
+        return self.num_blocks - 1 - len(self.free) - self.num_cached_unused
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -103,6 +107,20 @@ class BlockAllocator:
         self.ref[block] = 1
         self._touch(block)
         return block
+
+    def allocate_many(self, n: int):
+        """n blocks, or None (and none taken) when free and evictable blocks are too few."""
+        if n > self.num_available():
+            return None
+        got = []
+        try:
+            while len(got) < n:
+                got.append(self.allocate())
+        except NoFreeBlocks:  # num_available also counts cached blocks that eviction cannot reach yet
+            for b in got:
+                self.release(b)
+            return None
+        return got
 
     def _evict(self) -> int:
         while self.evictable:
@@ -188,26 +206,6 @@ class BlockAllocator:
             self.children[parent] += 1
         return h
 
-    def check(self):
-        """Invariants, for tests: counts agree with states, nothing is in two states."""
-        assert self.ref[NULL_BLOCK] == 0 and NULL_BLOCK not in self.free and NULL_BLOCK not in self.hash_of
-        assert all(r >= 0 for r in self.ref)
-        free = set(self.free)
-        assert len(free) == len(self.free), "a block is free twice"
-        assert not free & set(self.hash_of), "a free block is also cached"
-        assert all(self.ref[b] == 0 for b in free), "a free block is referenced"
-        assert self.num_cached_unused == sum(1 for b in self.hash_of if self.ref[b] == 0)
-        for b, p in self.parent.items():
-            assert p is None or p in self.hash_of, "a cached block's parent is not cached"
-        for b in range(1, self.num_blocks):
-            n = sum(1 for p in self.parent.values() if p == b)
-            assert self.children[b] == n, f"block {b}: children count {self.children[b]} != {n}"
-        accounted = len(free) + len(self.hash_of) + sum(1 for b in range(self.num_blocks) if self.ref[b] > 0 and b not in self.hash_of)
-        assert accounted == self.num_blocks - 1, "a block is lost"
-
-
-def blocks_for(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
 
 
 class PagedKVCache:
@@ -223,7 +221,7 @@ class PagedKVCache:
         self.k = [torch.zeros(num_blocks, n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.groups = None  # set by the caller per step: [(rows, T, block_table[rows, W]), ...]
+        self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
@@ -258,6 +256,15 @@ class PagedKVCache:
     def reset(self):
         for t in self.tensors():
             t.zero_()
+
+    @contextlib.contextmanager
+    def step_groups(self, groups):
+        """The step's rectangles of the flat token axis (module docstring), for the forward inside."""
+        self.groups = groups
+        try:
+            yield self
+        finally:
+            self.groups = None
 
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: dst gets src's K/V in every layer."""
@@ -300,20 +307,6 @@ class PagedKVCache:
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
         return attention(q, k_ctx, v_ctx, mask)
-
-
-def available_memory(device: str) -> int:
-    """Bytes free on the device now: CUDA's free memory, or the OS's MemAvailable on CPU."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,

@@ -29,11 +29,8 @@ on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is wrong or miss
 refused with a message, never run. `dequantize()` on every layer is the plain reference path
 tests compare the kernels against.
 """
-import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -367,33 +364,9 @@ def install(model, state: dict, quant: dict, dtype, device):
         emb.weight, emb.scales = head.weight, head.scales  # the same table, computed twice on disk
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
-    p.add_argument("--mode", required=True, help="int8 or int4")
-    p.add_argument("--groupsize", type=int, default=64, help=f"int4 group size, one of {GROUP_SIZES}")
-    p.add_argument("--quantize_head", action="store_true", help="quantize the output head too")
-    p.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
-    p.add_argument("--out", default=None, help="output folder (default: <checkpoint name>-<mode>)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    import weights
-
-    args = parse_args(argv)
-    try:
-        check_mode(args.mode, args.groupsize)  # before the (slow) load
-        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32, dequantize=True)
-        suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
-        out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
-        report = weights.save_quantized(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(describe(report).replace("weights", "checkpoint", 1), file=sys.stderr)
-    print(f"wrote {out}  (run: python generate.py --checkpoint {out})", file=sys.stderr)
-    return 0
+def main(argv=None) -> int:  # the command line lives with the checkpoint writers (hf_folder.py)
+    import hf_folder
+    return hf_folder.main(argv)
 
 
 if __name__ == "__main__":

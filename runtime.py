@@ -13,6 +13,7 @@ ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in 
 
 This file imports only torch, so any other file of the project can use it.
 """
+import argparse
 import contextlib
 import resource
 import sys
@@ -174,6 +175,31 @@ def skip_guards(enabled: bool):
 
 
 # ---- memory ------------------------------------------------------------------------------------
+
+
+def available_memory(device: str) -> int:
+    """Bytes free on the device now: CUDA's free memory, or the OS's MemAvailable on CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    number = t.rstrip("bikmg")
+    try:
+        return int(float(number) * units[t[len(number):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1GB)") from None
 
 
 def reset_peak_memory(device: str):

@@ -16,7 +16,8 @@ the shared question once:
     "Q: ... A: blue"    computes every block, caches its blocks' KV and scores
     "Q: ... A: green"   reuses the question's full blocks and their scores, computes the rest
 Answers sent together would each compute the question side by side, so the scheduler holds back
-a prompt to score while another running request is scoring the same first block.
+a prompt to score while another running request is scoring the same first block (must_wait).
+The engine (engine.py) calls the rest: positions and score around the forward, remember after.
 
 Scores are the model's own log-softmax (sampling.token_logprobs), turned into float32 [rows,
 vocab] LOGPROB_ROWS positions at a time, so a long prompt never holds [prompt_len, vocab].
@@ -35,9 +36,13 @@ class PromptScores:
         self.block_size, self.capacity = block_size, capacity
         self.cached = OrderedDict()  # block hash -> (top count, [score entry] * block_size)
 
-    def usable_hits(self, req, hashes) -> int:
-        """How many of the cached prefix blocks (with these hashes) also have scores for req: the
-        prefix it may reuse. Fills req.prompt_logprobs from them."""
+    def reusable_tokens(self, req, hashes) -> int:
+        """The Scheduler's hook: how many tokens of a cached prefix (blocks with these hashes) req
+        may reuse. A request scoring its prompt reuses only blocks whose scores are cached too
+        (taking those scores), less their last position, whose logits score the next token."""
+        bs = self.block_size
+        if not req.scoring:
+            return len(hashes) * bs
         k, n = req.params.prompt_logprobs, 0
         for h in hashes:
             entry = self.cached.get(h)
@@ -45,12 +50,20 @@ class PromptScores:
                 break
             self.cached.move_to_end(h)
             n += 1
-        bs = self.block_size
         for i in range(n):  # block i holds the scores of tokens i*bs ... (i+1)*bs - 1; take those not known yet
             have = len(req.prompt_logprobs)
             if (i + 1) * bs > have:
                 req.prompt_logprobs += [e and (e[0], e[1][:k]) for e in self.cached[hashes[i]][1][have - i * bs:]]
-        return n
+        return max(0, n * bs - 1)
+
+    def must_wait(self, req, running) -> bool:
+        """The Scheduler's hook: a prompt to score whose first block a running request scores now
+        waits for it (its KV and scores are cached once done), so a question's answers compute
+        the question once, not side by side."""
+        bs = self.block_size
+        if not (req.scoring and self.capacity and len(req.prompt) > bs):
+            return False
+        return any(s.request.scoring and s.request.prompt[:bs] == req.prompt[:bs] for s in running)
 
     def positions(self, order, ends, batch):
         """[(request, flat index of position p, prompt token p + 1)]: the rows of this step whose
@@ -73,15 +86,17 @@ class PromptScores:
             for (req, _, _), entry in zip(part, entries):
                 req.prompt_logprobs.append(entry)
 
-    def remember(self, req, block_index: int, block_hash):
-        """Block block_index of req's prompt was just registered: cache its tokens' scores if known."""
-        bs = self.block_size
-        scores = req.prompt_logprobs
-        if scores is None or len(scores) < (block_index + 1) * bs or not self.capacity:
+    def remember(self, seq):
+        """After a step: cache the scores of seq's prompt blocks that are full and scored."""
+        req, bs, k = seq.request, self.block_size, seq.request.params.prompt_logprobs
+        if k is None or seq.index or not self.capacity:
             return
-        entry = self.cached.get(block_hash)
-        if entry is None or entry[0] < req.params.prompt_logprobs:
-            self.cached[block_hash] = (req.params.prompt_logprobs, scores[block_index * bs:(block_index + 1) * bs])
-        self.cached.move_to_end(block_hash)
+        full = min(len(seq.hashes), len(req.prompt_logprobs) // bs)
+        for i in range(req.blocks_remembered, full):
+            entry = self.cached.get(seq.hashes[i])
+            if entry is None or entry[0] < k:
+                self.cached[seq.hashes[i]] = (k, req.prompt_logprobs[i * bs:(i + 1) * bs])
+            self.cached.move_to_end(seq.hashes[i])
+        req.blocks_remembered = max(req.blocks_remembered, full)
         while len(self.cached) > self.capacity:
             self.cached.popitem(last=False)

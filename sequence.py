@@ -1,7 +1,7 @@
 """What the engine tracks per request: its parameters (RequestParams, checked before anything is
 queued), its samples (Sequence: tokens, block table, generator, log-probabilities) and the
-request itself (Request: its prompt, its samples, its prompt scores, its output line). The
-engine in scheduler.py moves these between its queues; nothing here runs the model.
+request itself (Request: its prompt, its samples, its prompt scores, its output line).
+scheduler.py moves these between its queues, engine.py fills them in; nothing here runs the model.
 
     from sequence import RequestParams
     params = RequestParams(max_new_tokens=32, temperature=0.7, n=2, logprobs=5)
@@ -65,15 +65,24 @@ class Sequence:
     """One sample being generated: its tokens (prompt + output), its block table, and how many of
     its tokens have their K/V in the cache (`num_computed`)."""
 
-    def __init__(self, request, index: int, seed: int):
+    def __init__(self, request, index: int, seed: int, stream=None):
         self.request, self.index = request, index
         self.tokens = list(request.prompt)
         self.num_computed = 0
         self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
-        self.finish_reason, self.text, self.token_times = None, None, []
+        self.finish_reason, self.token_times = None, []
+        self.stream = stream  # tokenizer.TextStream: its text, decoded once per token (None: no tokenizer)
         self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
+
+    def fork(self, index: int, stream=None):
+        """Sample `index` of the same request, from this one's tokens (its prompt just computed;
+        the scheduler gives it this one's blocks)."""
+        twin = Sequence(self.request, index, self.request.seed + index, stream)
+        twin.tokens = list(self.tokens)
+        twin.matcher = self.matcher and self.matcher.copy()
+        return twin
 
     @property
     def output(self):
@@ -87,8 +96,8 @@ class Request:
         self.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         self.seqs = [Sequence(self, 0, self.seed)]
         self.sampling = SamplingParams.from_fields(params)
-        self.forked = params.n == 1
-        self.prompt_tokens_hit = 0
+        self.needs_fork = params.n > 1  # its other samples start once the prompt is computed
+        self.prompt_tokens_hit, self.blocks_remembered = 0, 0  # blocks_remembered: scoring.py's
         self.error = None  # why it failed, if a fault ended it (the other requests go on)
         # per prompt token, when asked: None for the first (nothing predicts it), then as Sequence.logprobs
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
@@ -102,10 +111,11 @@ class Request:
     def finished(self) -> bool:
         return all(s.finish_reason for s in self.seqs)
 
-    def result(self, tokenizer=None) -> dict:
-        """The output line: lists are per sample when n > 1."""
+    def result(self) -> dict:
+        """The output line: lists are per sample when n > 1. Text is the streamed text: a stop
+        string and what follows it, and the text of a stop token, are not in it."""
         tokens = [s.output for s in self.seqs]
-        texts = [s.text if s.text is not None else (tokenizer.decode(s.output) if tokenizer else None) for s in self.seqs]
+        texts = [s.stream.sent if s.stream else None for s in self.seqs]
         reasons = [s.finish_reason for s in self.seqs]
         first = min((s.token_times[0] for s in self.seqs if s.token_times), default=None)
         pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])

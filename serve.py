@@ -144,8 +144,8 @@ async def events_of(rids, events, out: Outputs):
             if event.error:
                 yield event.error
             continue
-        index, token, reason, logprob = event
-        yield index, out.add(index, token, reason, logprob), reason
+        index, token, text, reason, logprob = event
+        yield index, out.add(index, token, text, reason, logprob), reason
 
 
 async def collect_all(rids, events, out: Outputs):
@@ -298,7 +298,7 @@ class Server:
             raise Refused(str(e), response=unavailable(str(e))) from None
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()),
                 "model": self.model_name}
-        out = Outputs(self.tokenizer, prompts, body.n, params.stop, chat, params.logprobs is not None,
+        out = Outputs(self.tokenizer, prompts, body.n, chat, params.logprobs is not None,
                       getattr(body, "echo", False), tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
@@ -323,7 +323,7 @@ class Server:
             return error(500, f"the request failed: {collect.result()}", "server_error")
         # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
         return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
-                             "choices": [out.choice(i) for i in range(len(out.streams))], "usage": out.usage()})
+                             "choices": [out.choice(i) for i in range(out.num_choices)], "usage": out.usage()})
 
     async def sse(self, rids, events, out: Outputs, meta: dict, include_usage: bool):
         """A chunk per new text, usage if asked, then [DONE]; a client that goes away aborts its requests."""
@@ -331,7 +331,7 @@ class Server:
         finished = False
         try:
             if out.chat:  # the first chunk of each choice carries the role
-                for i in range(len(out.streams)):
+                for i in range(out.num_choices):
                     yield chunk({**meta, "object": kind, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             async for event in events_of(rids, events, out):
@@ -414,7 +414,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
-    from batch import add_engine_args, check_engine_args, engine_options, load_engine
+    from engine import add_engine_args, check_engine_args, engine_options, load_engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")

@@ -11,7 +11,7 @@ eager ones to a multiple of 256 slots), so its cost
 should follow `in_use`, not `--capacity`. Rows:
 
 - HF transformers eager, its default attention, on the same dequantized weights (a plain
-  safetensors folder from weights.save_hf_folder), its DynamicCache holding the same K/V (copied
+  safetensors folder from hf_folder.save_hf_folder), its DynamicCache holding the same K/V (copied
   from ours: both store post-RoPE keys [B, Hkv, T, D]), decoded by a plain loop of forwards;
 - ours eager and compiled (generate.py --compile's step) at the same lengths;
 - references at the smallest length: ours with a cache of only 256 slots (what a plain run of a
@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from kv_cache import StaticKVCache, attend_len_for, eager_attend_len  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
@@ -118,7 +119,7 @@ def main():
           f"{args.new_tokens} new tokens, skipped (beyond capacity): {sorted(set(args.in_use) - set(lengths))}", flush=True)
     hf = None
     if not args.skip_hf:
-        folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+        folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     compiled = None if args.skip_compile else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
     runs = []  # (label, in_use, fn returning (tokens/s, tokens))

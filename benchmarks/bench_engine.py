@@ -29,9 +29,10 @@ sys.path.insert(0, HERE)
 
 import fuse_layers  # noqa: E402
 import runtime  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from bench_serving import corpus, run_hf_static, window  # noqa: E402
-from scheduler import Engine, RequestParams  # noqa: E402
+from engine import Engine, RequestParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -45,14 +46,14 @@ def workload(name, ids):
 
 
 def run_ours(model, prompts, news):
-    engine = Engine(model, num_blocks=3000, block_size=16)
+    engine = Engine.for_model(model, num_blocks=3000, block_size=16)
     ids = [engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, news)]
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     elapsed = time.perf_counter() - start
-    return elapsed, [engine.requests[i].seqs[0].output for i in ids], engine.stats["steps"]
+    return elapsed, [engine.requests[i].seqs[0].output for i in ids], engine.scheduler.stats["steps"]
 
 
 def run_hf_continuous(hf, prompts, news):
@@ -83,7 +84,7 @@ def main():
 
     model, info = weights.load(None, dtype=torch.float32, dequantize=True)
     ids = corpus(load_tokenizer(info.source))
-    folder = weights.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
+    folder = hf_folder.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
     del model
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | SmolLM2-135M")
     print("\n| workload | dtype | runner | output tok/s | wall s | vs HF static | vs HF generate_batch | equal to HF static |")

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_generate.py [--dtypes bfloat16 float32] [--new_tokens 128]
 
 Both run the embedded SmolLM2-135M with the same dequantized weights (HF loads them from a plain
-safetensors folder written by weights.save_hf_folder: loading the GGUF directly would keep them
+safetensors folder written by hf_folder.save_hf_folder: loading the GGUF directly would keep them
 packed and dequantize inside its kernels), the same dtype and thread count, batch 1, greedy, EOS
 disabled so both produce exactly `new_tokens` tokens, each after a warm-up run, then `--rounds`
 interleaved rounds (HF, ours eager, ours compiled, HF, ...) of which each keeps its median. HF runs
@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
@@ -116,7 +117,7 @@ def main():
     tok = load_tokenizer(path)
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
     seq_len = len(ids) + args.new_tokens
     rows = []
     for name in args.dtypes:

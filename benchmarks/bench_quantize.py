@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import generate  # noqa: E402
 import runtime  # noqa: E402
 import quantize  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from bench_generate import PROMPT, run_hf  # noqa: E402
 from kv_cache import Int8KVCache, StaticKVCache  # noqa: E402
@@ -166,7 +167,7 @@ def main():
 
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     run_hf(hf, ids, 8)
     hf_first = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])

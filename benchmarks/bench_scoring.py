@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import runtime  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def hf_folder(folder: str) -> str:
     from transformers import AutoTokenizer
 
     model, _ = weights.load(None, dtype=torch.float32, dequantize=True)
-    weights.save_hf_folder(model, folder)
+    hf_folder.save_hf_folder(model, folder)
     gguf = weights.default_checkpoint()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
     return folder
@@ -86,7 +87,7 @@ def evaluate(manager, model, model_args, batch_size=1):
 def engine_alone(folder: str, seconds_per_request=None):
     """The same 256 requests (context + " " + choice, as lm-eval joins them) through
     scheduler.Engine in this process, 32 in flight: the server's work without HTTP or a client."""
-    from scheduler import Engine, RequestParams
+    from engine import Engine, RequestParams
     from tokenizer import load_tokenizer
 
     model, info = weights.load(folder, dtype=torch.float32)
@@ -94,10 +95,10 @@ def engine_alone(folder: str, seconds_per_request=None):
     with open(os.path.join(folder, "mc.jsonl")) as f:
         docs = [json.loads(line) for line in f]
     pending = [tok.encode(d["question"]) + tok.encode(" " + c, bos=False) for d in docs for c in d["choices"]]
-    engine = Engine(model, num_blocks=3000, block_size=16)
+    engine = Engine.for_model(model, num_blocks=3000, block_size=16)
     start = time.perf_counter()
     while pending or engine.has_unfinished():
-        while pending and len(engine.waiting) + len(engine.running) < 32:
+        while pending and len(engine.scheduler.waiting) + len(engine.scheduler.running) < 32:
             engine.add_request(pending.pop(0), RequestParams(max_new_tokens=1, temperature=0.0, logprobs=1,
                                                              prompt_logprobs=1))
         engine.step()

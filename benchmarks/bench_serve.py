@@ -69,12 +69,12 @@ def offline(prompts, max_tokens: int, max_num_seqs: int) -> float:
     import torch
 
     import weights
-    from scheduler import Engine, RequestParams
+    from engine import Engine, RequestParams
 
     model, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
-    engine = Engine(model, num_blocks=4000, max_num_seqs=max_num_seqs)
+    engine = Engine.for_model(model, num_blocks=4000, max_num_seqs=max_num_seqs)
     start = time.perf_counter()
-    out = engine.generate(prompts, RequestParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    out = engine.run_batch(prompts, RequestParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return sum(len(o["tokens"]) for o in out) / (time.perf_counter() - start)
 
 

@@ -36,12 +36,13 @@ sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
+import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from batch import percentile  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from paged import PagedKVCache, blocks_for  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from scheduler import Engine, RequestParams  # noqa: E402
+from engine import Engine, RequestParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def window(ids, n, rng):
 def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
     """All requests through one Engine; `arrive_after` = (step, prompt, new): one more request
     added at that step. Returns throughput, latencies and what the pool went through."""
-    engine = Engine(model, **{"num_blocks": 3000, "block_size": 16, **kw})
+    engine = Engine.for_model(model, **{"num_blocks": 3000, "block_size": 16, **kw})
     ids = [engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, news)]
     reqs = [engine.requests[i] for i in ids]
@@ -76,7 +77,7 @@ def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
     # gaps that end while the late request is being prefilled (up to its first token)
     late_gaps = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])
                  if late and late.arrival < b <= late.seqs[0].token_times[0]]
-    st = engine.stats
+    st = engine.scheduler.stats
     return {"elapsed": elapsed, "out_tps": sum(len(s.output) for s in seqs) / elapsed,
             "ttft": sum(s.token_times[0] - r.arrival for s, r in zip(seqs, reqs)) / len(seqs),
             "p99_gap": percentile(gaps, 0.99), "p99_gap_late": percentile(late_gaps, 0.99) if late else None,
@@ -152,7 +153,7 @@ def throughput_and_paging(model, ids, only):
         from transformers import AutoModelForCausalLM
 
         import tempfile
-        folder = weights.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+        folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
         run_hf_static(hf, prompts[:2], [4, 4])  # warm-up
         hf_run = run_hf_static(hf, prompts, news)
@@ -218,30 +219,30 @@ def soak(model, ids, count=500):
     allocator's invariants checked every 25 steps, every block free at the end."""
     rng = random.Random(3)
     reqs = [(window(ids, rng.randint(20, 200), rng), rng.randint(8, 64)) for _ in range(count)]
-    engine = Engine(model, num_blocks=200, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
+    engine = Engine.for_model(model, num_blocks=200, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
     pending, aborted, finished, start = list(range(count)), 0, 0, time.perf_counter()
     while pending or engine.has_unfinished():
         for _ in range(rng.randint(0, 4)):
             if pending:
                 i = pending.pop(0)
                 engine.add_request(reqs[i][0], RequestParams(max_new_tokens=reqs[i][1], temperature=0.8, seed=i))
-        if engine.running and rng.random() < 0.03:
-            engine.abort(rng.choice(engine.running).request.id)
+        if engine.scheduler.running and rng.random() < 0.03:
+            engine.abort(rng.choice(engine.scheduler.running).request.id)
             aborted += 1
         engine.step()
-        if engine.stats["steps"] % 25 == 0:
-            engine.allocator.check()
+        if engine.scheduler.stats["steps"] % 25 == 0:
+            engine.scheduler.allocator.check()
         for rid in [r for r, q in engine.requests.items() if q.finished]:
             engine.requests.pop(rid)
             finished += 1
-    engine.allocator.check()
+    engine.scheduler.allocator.check()
     elapsed = time.perf_counter() - start
     print(f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), random arrivals, "
           f"{aborted} aborted, 199 blocks for up to 32 sequences\n")
-    print(f"{finished} finished in {elapsed:.1f} s, {engine.stats['steps']} steps, {engine.stats['preemptions']} preemptions, "
-          f"prefix-cache hit rate {engine.stats['prompt_tokens_hit'] / max(1, engine.stats['prompt_tokens']):.0%}, "
-          f"blocks in use at the end: {engine.allocator.num_used()} (invariants checked every 25 steps)")
-    assert engine.allocator.num_used() == 0 and finished == count
+    print(f"{finished} finished in {elapsed:.1f} s, {engine.scheduler.stats['steps']} steps, {engine.scheduler.stats['preemptions']} preemptions, "
+          f"prefix-cache hit rate {engine.scheduler.stats['prompt_tokens_hit'] / max(1, engine.scheduler.stats['prompt_tokens']):.0%}, "
+          f"blocks in use at the end: {engine.scheduler.allocator.num_used()} (invariants checked every 25 steps)")
+    assert engine.scheduler.allocator.num_used() == 0 and finished == count
 
 
 def main():

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import weights  # noqa: E402
-from scheduler import Engine  # noqa: E402
+from engine import Engine  # noqa: E402
 from sequence import RequestParams  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def rss_mib() -> float:
 
 def workload(model, seed: int, count: int) -> float:
     rng = random.Random(seed)
-    engine = Engine(model, num_blocks=400, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
+    engine = Engine.for_model(model, num_blocks=400, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
     pending = [([rng.randint(10, 1000) for _ in range(rng.randint(20, 300))], rng.randint(4, 24)) for _ in range(count)]
     start = time.perf_counter()
     while pending or engine.has_unfinished():

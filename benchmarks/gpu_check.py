@@ -37,7 +37,7 @@ from kv_cache import StaticKVCache  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from paged import PagedKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from scheduler import Engine, RequestParams  # noqa: E402
+from engine import Engine, RequestParams  # noqa: E402
 
 SHAPES = {  # name -> (ModelConfig, tiny stand-in)
     "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
@@ -201,13 +201,13 @@ def engine_throughput(device, tiny, report, n_requests):
     prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(50, 500 if not tiny else 100))]
                for _ in range(n_requests)]
     news = [rng.randint(32, 128) for _ in prompts]
-    engine = Engine(model, num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
+    engine = Engine.for_model(model, num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
                     max_num_seqs=min(256, n_requests), max_num_batched_tokens=2048)
     clock = Clock(device)
-    elapsed = clock(lambda: engine.generate(prompts, [RequestParams(max_new_tokens=n, temperature=0.0,
+    elapsed = clock(lambda: engine.run_batch(prompts, [RequestParams(max_new_tokens=n, temperature=0.0,
                                                                       ignore_eos=True) for n in news]))
     report["engine"] = {"requests": n_requests, "output_tokens_per_s": sum(news) / elapsed, "elapsed_s": elapsed,
-                        "peak_running": engine.stats["peak_running"], "steps": engine.stats["steps"]}
+                        "peak_running": engine.scheduler.stats["peak_running"], "steps": engine.scheduler.stats["steps"]}
 
 
 def markdown(report) -> str:

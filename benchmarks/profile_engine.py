@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 import fuse_layers  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
-from scheduler import Engine, RequestParams  # noqa: E402
+from engine import Engine, RequestParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
@@ -95,14 +95,14 @@ def main():
           f"{'compiled' if args.compile else 'eager'}")
     rows = []
     for B in args.batches:
-        engine = Engine(model, num_blocks=1 + B * (args.prompt_tokens + args.steps + 40) // 16 + B, block_size=16,
+        engine = Engine.for_model(model, num_blocks=1 + B * (args.prompt_tokens + args.steps + 40) // 16 + B, block_size=16,
                         max_num_seqs=max(B, 1), max_num_batched_tokens=B * (args.prompt_tokens + 1),
                         compile=args.compile)  # every prompt prefilled in one step: the batch moves in lockstep
         for i in range(B):
             start = (i * 37) % (len(text) - args.prompt_tokens)
             engine.add_request(text[start:start + args.prompt_tokens],
                                RequestParams(max_new_tokens=args.steps + 40, temperature=0.0, ignore_eos=True))
-        while any(s.num_computed < len(s.request.prompt) for s in engine.running) or engine.waiting:
+        while any(s.num_computed < len(s.request.prompt) for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()  # prefill everything (and a first token each): what follows is pure decode
         for _ in range(3):  # (compiles the step's graph, with --compile)
             engine.step()

@@ -121,10 +121,10 @@ async def run_load(url, requests, rate: float, seed: int, on_progress=None):
 
 
 def alone_texts(engine, tokenizer, body) -> list:
-    from scheduler import RequestParams
+    from engine import RequestParams
 
     ids = tokenizer.encode(body["prompt"])
-    r = engine.generate([ids], RequestParams(max_new_tokens=body["max_tokens"], temperature=0.0))[0]
+    r = engine.run_batch([ids], RequestParams(max_new_tokens=body["max_tokens"], temperature=0.0))[0]
     return [tokenizer.decode([t for t in r["tokens"] if t not in tokenizer.stop_ids])]
 
 
@@ -143,10 +143,10 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
     try:
         results = asyncio.run(run_load(url, requests, rate, seed, on_progress))
         deadline = time.time() + 30
-        while (engine.requests or engine.allocator.num_used()) and time.time() < deadline:
+        while (engine.requests or engine.scheduler.allocator.num_used()) and time.time() < deadline:
             time.sleep(0.05)
         elapsed = time.perf_counter() - start
-        blocks, left = engine.allocator.num_used(), len(engine.requests)
+        blocks, left = engine.scheduler.allocator.num_used(), len(engine.requests)
         rss_after = rss_bytes()
     finally:
         stop()
@@ -166,7 +166,7 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
             "mismatches": mismatches, "blocks_in_use": blocks, "requests_left": left,
             "server_errors": sum(1 for r in results if r["status"] >= 500),
             "malformed_not_4xx": sum(1 for r in results if r["kind"] == "malformed" and not 400 <= r["status"] < 500),
-            "preemptions": engine.stats["preemptions"], "rss_warm_mib": round(warm.get("rss", 0) / 2**20, 1),
+            "preemptions": engine.scheduler.stats["preemptions"], "rss_warm_mib": round(warm.get("rss", 0) / 2**20, 1),
             "rss_after_mib": round(rss_after / 2**20, 1), "peak_rss_mib": round(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "ttft_p50_s": round(percentile(ttft, 0.5), 4), "ttft_p99_s": round(percentile(ttft, 0.99), 4)}
@@ -177,13 +177,13 @@ def tiny_engine(num_blocks: int, max_num_seqs: int):
 
     import weights
     from helpers import tiny_checkpoint
-    from scheduler import Engine
+    from engine import Engine
     from tokenizer import load_tokenizer
 
     folder = tiny_checkpoint(Path(tempfile.mkdtemp(prefix="soak-")), max_position_embeddings=512)
     model, info = weights.load(folder, dtype=torch.float64)
     tokenizer = load_tokenizer(info.source)
-    return Engine(model, num_blocks=num_blocks, block_size=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+    return Engine.for_model(model, num_blocks=num_blocks, block_size=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                   stop_ids=tokenizer.stop_ids, tokenizer=tokenizer), tokenizer
 
 

@@ -162,3 +162,31 @@ def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256, *
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     return folder
+
+
+def check_allocator(a):
+    """paged.BlockAllocator's invariants: counts agree with states, nothing is in two states."""
+    assert a.ref[0] == 0 and 0 not in a.free and 0 not in a.hash_of, "block 0 is the null block"
+    assert all(r >= 0 for r in a.ref)
+    free = set(a.free)
+    assert len(free) == len(a.free), "a block is free twice"
+    assert not free & set(a.hash_of), "a free block is also cached"
+    assert all(a.ref[b] == 0 for b in free), "a free block is referenced"
+    assert a.num_cached_unused == sum(1 for b in a.hash_of if a.ref[b] == 0)
+    for b, p in a.parent.items():
+        assert p is None or p in a.hash_of, "a cached block's parent is not cached"
+    for b in range(1, a.num_blocks):
+        n = sum(1 for p in a.parent.values() if p == b)
+        assert a.children[b] == n, f"block {b}: children count {a.children[b]} != {n}"
+    accounted = len(free) + len(a.hash_of) + sum(1 for b in range(a.num_blocks) if a.ref[b] > 0 and b not in a.hash_of)
+    assert accounted == a.num_blocks - 1, "a block is lost"
+
+
+def run_to_end(engine) -> dict:
+    """Step an engine until nothing is left: {request id: its Request} from the Finished events."""
+    from engine import Finished
+
+    done = {}
+    while engine.has_unfinished():
+        done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
+    return done

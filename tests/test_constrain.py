@@ -13,8 +13,8 @@ import torch
 
 import weights
 from constrain import Constraint, compile_constraint
-from helpers import tiny_checkpoint
-from scheduler import Engine, RequestParams
+from helpers import run_to_end, tiny_checkpoint
+from engine import Engine, RequestParams
 from tokenizer import load_tokenizer
 
 S = {"type": "string", "maxLength": 6}  # strings a random model closes: it never wants to
@@ -70,12 +70,12 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, **kw):
     model, tokenizer = tiny
-    return Engine(model, num_blocks=kw.pop("num_blocks", 400), block_size=8, stop_ids=tokenizer.stop_ids,
+    return Engine.for_model(model, num_blocks=kw.pop("num_blocks", 400), block_size=8, stop_ids=tokenizer.stop_ids,
                   tokenizer=tokenizer, **kw)
 
 
 def run(eng, prompts, params):
-    return eng.generate([eng.tokenizer.encode(p) for p in prompts], params)
+    return eng.run_batch([eng.tokenizer.encode(p) for p in prompts], params)
 
 
 def sampled(constraint, seed, n=1):
@@ -118,9 +118,7 @@ def test_greedy_takes_the_models_argmax_wherever_the_mask_allows_it(tiny):
     for c in (Constraint("json_schema", SCHEMAS[17]), Constraint("regex", "[a-z ]{1,30}")):
         req = RequestParams(max_new_tokens=60, temperature=0.0, logprobs=1, constraint=c)
         ids = eng.add_request(tokenizer.encode("Once upon a time"), req)
-        while eng.has_unfinished():
-            eng.step()
-        seq = eng.requests.pop(ids).seqs[0]
+        seq = run_to_end(eng)[ids].seqs[0]
         replay = compile_constraint(c, tokenizer, model.config.vocab_size, tokenizer.stop_ids)
         for token, (_, top) in zip(seq.output, seq.logprobs):
             argmax = top[0][0]

@@ -1,4 +1,4 @@
-"""Log-probabilities from the engine (scheduler.py) against their definition: log_softmax of one
+"""Log-probabilities from the engine (engine.py) against their definition: log_softmax of one
 plain forward over the whole text (no cache), in float64, at every prompt and output position,
 with the true top-k; the same whether prompts are chunked, preempted, batched, or share a
 cached prefix with an earlier request."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import weights
-from helpers import tiny_checkpoint
+from helpers import run_to_end, tiny_checkpoint
 from kv_cache import NoCache
 from sampling import token_logprobs
-from scheduler import Engine, RequestParams
+from engine import Engine, RequestParams
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,8 @@ def assert_entries(entries, logp, ids, k):
 
 def run(engine, prompts, params):
     ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    return [engine.requests.pop(i) for i in ids]
+    done = run_to_end(engine)
+    return [done[i] for i in ids]
 
 
 def test_token_logprobs_is_log_softmax_and_topk():
@@ -57,7 +56,7 @@ def test_token_logprobs_is_log_softmax_and_topk():
 def test_prompt_and_output_logprobs_equal_a_plain_forward(tiny64, max_batched):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 7, 40, 90)]
-    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
     params = RequestParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=5)
     for prompt, req in zip(prompts, run(engine, prompts, params)):
         seq = req.seqs[0]
@@ -66,16 +65,16 @@ def test_prompt_and_output_logprobs_equal_a_plain_forward(tiny64, max_batched):
         assert_entries(req.prompt_logprobs[1:], logp, prompt, 5)
         out = [(lp, top) for lp, top in seq.logprobs]
         assert_entries(out, logp[len(prompt) - 1:], seq.tokens[len(prompt) - 1:], 3)
-    assert engine.allocator.num_used() == 0
+    assert engine.scheduler.allocator.num_used() == 0
 
 
 def test_batched_prompts_equal_one_at_a_time_and_zero_new_tokens(tiny64):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 60))] for _ in range(6)]
     params = RequestParams(max_new_tokens=0, prompt_logprobs=1)
-    together = run(Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=48), prompts, params)
+    together = run(Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=48), prompts, params)
     for prompt, req in zip(prompts, together):
-        alone = run(Engine(tiny64, num_blocks=200, block_size=4), [prompt], params)[0]
+        alone = run(Engine.for_model(tiny64, num_blocks=200, block_size=4), [prompt], params)[0]
         assert [s.output for s in req.seqs] == [[]] and req.seqs[0].finish_reason == "length"
         assert len(req.prompt_logprobs) == len(prompt)
         for a, b in zip(req.prompt_logprobs[1:], alone.prompt_logprobs[1:]):
@@ -89,7 +88,7 @@ def test_scores_come_from_the_prefix_cache_only_where_cached_and_survive_preempt
     still scores each token once."""
     rng = random.Random(2)
     head = [rng.randrange(3, 250) for _ in range(32)]
-    engine = Engine(tiny64, num_blocks=200, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4)
     plain = run(engine, [head + [5]], RequestParams(max_new_tokens=2, temperature=0.0))[0]
     first = run(engine, [head + [6, 7]], RequestParams(max_new_tokens=0, prompt_logprobs=2))[0]
     second = run(engine, [head + [8, 9, 10]], RequestParams(max_new_tokens=0, prompt_logprobs=1))[0]
@@ -103,27 +102,27 @@ def test_scores_come_from_the_prefix_cache_only_where_cached_and_survive_preempt
 def test_scores_survive_preemption(tiny64):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(30)] for _ in range(5)]
-    small = Engine(tiny64, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+    small = Engine.for_model(tiny64, num_blocks=30, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
     params = RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     for prompt, req in zip(prompts, run(small, prompts, params)):
         logp = reference(tiny64, req.seqs[0].tokens)
         assert_entries(req.prompt_logprobs[1:], logp, prompt, 1)
         assert_entries(req.seqs[0].logprobs, logp[len(prompt) - 1:], req.seqs[0].tokens[len(prompt) - 1:], 1)
-    assert small.stats["preemptions"] > 0
+    assert small.scheduler.stats["preemptions"] > 0
 
 
 def test_sampled_tokens_report_the_models_logprobs_not_the_tempered_ones(tiny64):
     """temperature and top-k change what is sampled, not the log-probabilities reported."""
     prompt = [10, 20, 30]
     params = RequestParams(max_new_tokens=8, temperature=1.7, top_k=3, seed=5, ignore_eos=True, logprobs=2, n=2)
-    req = run(Engine(tiny64, num_blocks=100, block_size=4), [prompt], params)[0]
+    req = run(Engine.for_model(tiny64, num_blocks=100, block_size=4), [prompt], params)[0]
     for seq in req.seqs:
         logp = reference(tiny64, seq.tokens)
         assert_entries(seq.logprobs, logp[len(prompt) - 1:], seq.tokens[len(prompt) - 1:], 2)
 
 
 def test_bad_logprob_counts_are_refused(tiny64):
-    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     for bad in (dict(logprobs=21), dict(logprobs=-1), dict(prompt_logprobs=True), dict(max_new_tokens=0)):
         with pytest.raises(ValueError, match="logprobs|max_new_tokens"):
             engine.add_request([1, 2], RequestParams(**bad))
@@ -133,7 +132,7 @@ def test_bad_logprob_counts_are_refused(tiny64):
 def test_a_long_echo_never_holds_prompt_by_vocab_logits(tmp_path, monkeypatch):
     """A 1,500-token prompt scored with 256 tokens per step: every step's logits have at most 256
     rows (never [prompt_len, vocab]), and every score equals the plain forward's."""
-    import scheduler
+    import engine as engine_module
 
     rows = []
 
@@ -141,12 +140,12 @@ def test_a_long_echo_never_holds_prompt_by_vocab_logits(tmp_path, monkeypatch):
         out = flat_forward(model, cache, tokens, input_pos, keep)
         rows.append(out.shape[0])
         return out
-    flat_forward = scheduler.flat_forward
-    monkeypatch.setattr(scheduler, "flat_forward", recording)
+    flat_forward = engine_module.flat_forward
+    monkeypatch.setattr(engine_module, "flat_forward", recording)
     model, _ = weights.load(tiny_checkpoint(tmp_path, max_position_embeddings=2048), dtype=torch.float64)
     rng = random.Random(4)
     prompt = [rng.randrange(3, 250) for _ in range(1500)]
-    engine = Engine(model, num_blocks=500, block_size=8, max_num_seqs=8, max_num_batched_tokens=256)
+    engine = Engine.for_model(model, num_blocks=500, block_size=8, max_num_seqs=8, max_num_batched_tokens=256)
     req = run(engine, [prompt], RequestParams(max_new_tokens=0, prompt_logprobs=2))[0]
     assert max(rows) <= 256 and len(rows) >= 1500 // 256
     assert_entries(req.prompt_logprobs[1:], reference(model, prompt), prompt, 2)
@@ -158,7 +157,7 @@ def test_answers_sent_together_compute_their_question_once(tiny64):
     rng = random.Random(5)
     question = [rng.randrange(3, 250) for _ in range(40)]
     prompts = [question + [rng.randrange(3, 250) for _ in range(rng.randint(1, 4))] for _ in range(4)]
-    engine = Engine(tiny64, num_blocks=200, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4)
     reqs = run(engine, prompts, RequestParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1))
     assert [r.prompt_tokens_hit for r in reqs] == [0, 39, 39, 39]  # 10 blocks, less the recomputed last position
     for prompt, req in zip(prompts, reqs):

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import generate
 import runtime
 import weights
-from helpers import tiny_checkpoint
+from helpers import check_allocator, tiny_checkpoint
 from kv_cache import StaticKVCache
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, bucket, plan_blocks
 from sampling import SamplingParams
@@ -100,7 +100,7 @@ def test_leaf_first_lru_eviction():
     assert order == [3, 2, 1, 5, 4]
     with pytest.raises(NoFreeBlocks):
         a.allocate()
-    a.check()
+    check_allocator(a)
 
 
 def test_lookup_reuses_longest_cached_prefix_only():
@@ -159,7 +159,7 @@ def test_allocator_invariants_under_random_use(ops):
             for b in blocks:
                 a.share(b)
             live.append(blocks)
-        a.check()
+        check_allocator(a)
         owners = [0] * a.num_blocks
         for blocks in live:
             for b in blocks:
@@ -168,7 +168,7 @@ def test_allocator_invariants_under_random_use(ops):
     for blocks in live:
         for b in blocks:
             a.release(b)
-    a.check()
+    check_allocator(a)
     assert a.num_available() == a.num_blocks - 1 and a.num_used() == 0
 
 

@@ -17,7 +17,7 @@ import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from scheduler import Engine
+from engine import Engine
 from serve import Limits, make_app
 from tokenizer import load_tokenizer
 
@@ -52,7 +52,7 @@ def serve_checkpoint(folder, dtype=torch.float32, **engine_options):
     """serve.py over a checkpoint folder's model and tokenizer, in a thread: (url, stop())."""
     model, info = weights.load(folder, dtype=dtype)
     tokenizer = load_tokenizer(info.source)
-    engine = Engine(model, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer, **engine_options)
+    engine = Engine.for_model(model, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer, **engine_options)
     url, _, stop = start_server(engine, tokenizer)
     return url, stop
 
@@ -67,7 +67,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny):
     _, model, tokenizer = tiny
-    engine = Engine(model, num_blocks=400, block_size=8, max_num_seqs=32, max_num_batched_tokens=256,
+    engine = Engine.for_model(model, num_blocks=400, block_size=8, max_num_seqs=32, max_num_batched_tokens=256,
                     stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
     url, app, stop = start_server(engine, tokenizer)
     yield url, model, tokenizer, engine, app.state.engine_loop
@@ -118,7 +118,7 @@ def test_32_concurrent_streams_are_batched(server):
     url, model, tokenizer, engine, _ = server
     prompts = [f"the quick brown fox {'jumps ' * (i % 5)}over" for i in range(32)]
     expected = [alone_text(model, tokenizer, tokenizer.encode(p), 16) for p in prompts]
-    engine.stats["peak_running"] = 0
+    engine.scheduler.stats["peak_running"] = 0
 
     async def one(c, prompt):
         stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
@@ -129,7 +129,7 @@ def test_32_concurrent_streams_are_batched(server):
         return await asyncio.gather(*(one(c, p) for p in prompts))
 
     assert asyncio.run(all_of_them()) == expected
-    assert engine.stats["peak_running"] > 1
+    assert engine.scheduler.stats["peak_running"] > 1
 
 
 def test_disconnect_frees_blocks_and_others_carry_on(server):
@@ -148,12 +148,12 @@ def test_disconnect_frees_blocks_and_others_carry_on(server):
             assert next(lines).startswith("data: ")  # it is running
             t = threading.Thread(target=bystander)
             t.start()
-            while engine.allocator.num_used() == 0:
+            while engine.scheduler.allocator.num_used() == 0:
                 time.sleep(0.01)
         # the response is closed after one chunk: the request must be aborted and its blocks freed
     t.join(timeout=60)
     deadline = time.time() + 10
-    while engine.allocator.num_used() > 0 or engine.requests:
+    while engine.scheduler.allocator.num_used() > 0 or engine.requests:
         assert time.time() < deadline, "blocks of the disconnected client were not freed"
         time.sleep(0.02)
     assert other["text"] == alone_text(model, tokenizer, tokenizer.encode("the lazy"), 20)
@@ -261,7 +261,7 @@ def post(url, body, **kw):
 
 def wait_idle(engine, seconds=10):
     deadline = time.time() + seconds
-    while engine.allocator.num_used() > 0 or engine.requests:
+    while engine.scheduler.allocator.num_used() > 0 or engine.requests:
         assert time.time() < deadline, "blocks or requests were not freed"
         time.sleep(0.02)
 
@@ -338,7 +338,7 @@ def test_limits_refuse_before_queueing_and_several_prompts_run(server):
 
 def test_max_n_keeps_one_request_from_taking_every_slot(server):
     url, _, _, engine, _ = server
-    assert post(url, {"prompt": "hi", "max_tokens": 2, "n": engine.max_num_seqs}).status_code == 400
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "n": engine.scheduler.max_num_seqs}).status_code == 400
     finished = []
 
     def go(name, body):
@@ -348,7 +348,7 @@ def test_max_n_keeps_one_request_from_taking_every_slot(server):
     big = threading.Thread(target=go, args=("big", {"prompt": "hi", "max_tokens": 300, "ignore_eos": True,
                                                     "n": LIMITS.max_n, "temperature": 1.0}))
     big.start()
-    while not engine.running:
+    while not engine.scheduler.running:
         time.sleep(0.005)
     go("small", {"prompt": "hi", "max_tokens": 2})
     big.join()
@@ -357,14 +357,14 @@ def test_max_n_keeps_one_request_from_taking_every_slot(server):
 
 def test_a_fault_in_one_request_ends_only_that_request(server, monkeypatch):
     url, model, tokenizer, engine, _ = server
-    real = engine._stop_reason
+    real = engine._next_token
 
-    def faulty(seq, token):
+    def faulty(seq, *args):
         if seq.request.params.seed == 666:
             raise RuntimeError("detokenizer exploded")
-        return real(seq, token)
+        return real(seq, *args)
 
-    monkeypatch.setattr(engine, "_stop_reason", faulty)
+    monkeypatch.setattr(engine, "_next_token", faulty)
     results = {}
     bad = threading.Thread(target=lambda: results.update(bad=post(url, {"prompt": "hi", "max_tokens": 50,
                                                                         "seed": 666})))

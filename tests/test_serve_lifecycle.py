@@ -14,14 +14,14 @@ import httpx
 import pytest
 
 from helpers import tiny_checkpoint
-from scheduler import Engine
+from engine import Engine
 from serve import Limits
 from test_serve import AUTH, KEY, client, start_server, tiny, wait_idle  # noqa: F401 (fixtures)
 
 
 def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
     _, model, tokenizer = tiny
-    engine = Engine(model, num_blocks=200, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
+    engine = Engine.for_model(model, num_blocks=200, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
                     stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
     limits = Limits(max_waiting=4)
     url, _, stop = start_server(engine, tokenizer, limits)
@@ -68,7 +68,7 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         thread.call(lambda: 1 / 0).result()
     _, model, tokenizer = tiny
-    engine = thread.call(Engine, model, num_blocks=64, block_size=8, tokenizer=tokenizer).result()
+    engine = thread.call(Engine.for_model, model, num_blocks=64, block_size=8, tokenizer=tokenizer).result()
     built_on = thread.call(threading.current_thread).result()
     stepped_on, step = set(), engine.step
 
@@ -138,7 +138,7 @@ def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
     import soak_serve
 
     _, model, tokenizer = tiny
-    engine = Engine(model, num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
+    engine = Engine.for_model(model, num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
                     stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
     report = soak_serve.soak(engine, tokenizer, 40, rate=200.0, seed=1)
     assert report["greedy_checked"] > 5 and report["mismatches"] == []

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_folder
 import weights
 from helpers import hf_model, save_hf, write_gguf
 from kv_cache import NoCache
@@ -157,7 +158,7 @@ def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
 def test_embedded_gguf_equals_its_hf_folder_copy(embedded, tmp_path):
     """The GGUF path and an HF folder of the same (dequantized) weights give the same logits."""
     model, _ = embedded
-    folder_model, info = weights.load(weights.save_hf_folder(model, tmp_path))
+    folder_model, info = weights.load(hf_folder.save_hf_folder(model, tmp_path))
     assert info.format == "safetensors" and folder_model.config == model.config
     torch.testing.assert_close(logits(folder_model, 24), logits(model, 24), rtol=0, atol=1e-5)
 
@@ -169,7 +170,7 @@ def test_saved_hf_folder_loads_in_transformers(tmp_path):
     for arch in ("qwen2", "qwen3", "llama3"):
         hf = hf_model(arch)
         model, _ = weights.load(save_hf(hf, tmp_path / arch))
-        again = AutoModelForCausalLM.from_pretrained(weights.save_hf_folder(model, tmp_path / f"{arch}-copy")).eval()
+        again = AutoModelForCausalLM.from_pretrained(hf_folder.save_hf_folder(model, tmp_path / f"{arch}-copy")).eval()
         torch.testing.assert_close(hf_logits(again), hf_logits(hf), atol=1e-5, rtol=0)
 
 

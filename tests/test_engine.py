@@ -9,10 +9,10 @@ import torch
 
 import generate
 import weights
-from helpers import tiny_checkpoint
+from helpers import check_allocator, run_to_end, tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from scheduler import Engine, RequestParams
+from engine import Engine, Finished, RequestParams
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +56,18 @@ def workload(tiny64):
 ])
 def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect):
     prompts, news, reference = workload
-    engine = Engine(tiny64, num_blocks=num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
-    out = engine.generate(prompts, [greedy(n) for n in news])
+    engine = Engine.for_model(tiny64, num_blocks=num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
+    out = engine.run_batch(prompts, [greedy(n) for n in news])
     for i, (o, ref) in enumerate(zip(out, reference)):
         assert o["tokens"] == ref, f"request {i} differs from its alone-run"
         assert o["finish_reason"] == "length"
-    assert engine.stats["prompt_tokens_hit"] > 0  # the shared-prefix requests hit
+    assert engine.scheduler.stats["prompt_tokens_hit"] > 0  # the shared-prefix requests hit
     if expect == "preempt":
-        assert engine.stats["preemptions"] > 0
+        assert engine.scheduler.stats["preemptions"] > 0
     if expect == "chunks":
-        assert engine.stats["steps"] > sum(len(p) for p in prompts) / 8
-    engine.allocator.check()
-    assert engine.allocator.num_used() == 0, "blocks leaked"
+        assert engine.scheduler.stats["steps"] > sum(len(p) for p in prompts) / 8
+    check_allocator(engine.scheduler.allocator)
+    assert engine.scheduler.allocator.num_used() == 0, "blocks leaked"
 
 
 def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
@@ -75,53 +75,52 @@ def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
     on CPU, where each row count is a new oneDNN kernel): forced here in float64, every request
     still gets its alone-run tokens, and the padded forwards really ran."""
     import cpu_kernels
-    import scheduler
+    import engine as engine_module
 
-    widths, forward = [], scheduler.flat_forward
+    widths, forward = [], engine_module.flat_forward
 
     def counting(model, cache, tokens, pos, keep=None):
         widths.append(tokens.shape[1])
         return forward(model, cache, tokens, pos, keep)
 
     monkeypatch.setattr(cpu_kernels, "GEMM_PAD_DTYPES", (torch.float64,))
-    monkeypatch.setattr(scheduler, "flat_forward", counting)
+    monkeypatch.setattr(engine_module, "flat_forward", counting)
     prompts, news, reference = workload
-    engine = Engine(tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200)
-    out = engine.generate(prompts, [greedy(n) for n in news])
+    engine = Engine.for_model(tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200)
+    out = engine.run_batch(prompts, [greedy(n) for n in news])
     assert [o["tokens"] for o in out] == reference
     assert any(w >= 128 for w in widths) and all(w % 16 == 0 for w in widths if w >= 128), widths
-    engine.allocator.check()
-    assert engine.allocator.num_used() == 0
+    check_allocator(engine.scheduler.allocator)
+    assert engine.scheduler.allocator.num_used() == 0
 
 
 def test_preemption_takes_the_newest_request(tiny64):
     """4 usable blocks of 4 tokens, two 7-token prompts: when the older request needs a fifth
     block, the newer one is preempted (blocks freed, back to the front of the queue), and both
     still produce their alone-run tokens."""
-    engine = Engine(tiny64, num_blocks=5, block_size=4, max_num_seqs=2)
+    engine = Engine.for_model(tiny64, num_blocks=5, block_size=4, max_num_seqs=2)
     old, new = [engine.add_request(p, greedy(6)) for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18])]
     engine.step()  # both prefill (2 blocks each) and sample their first token
     engine.step()  # position 7: both still fit
-    assert engine.stats["preemptions"] == 0
+    assert engine.scheduler.stats["preemptions"] == 0
     engine.step()  # position 8 needs a fifth block
-    assert engine.stats["preemptions"] == 1
-    assert [s.request.id for s in engine.running] == [old] and engine.waiting[0].request.id == new
-    assert engine.waiting[0].blocks == [] and engine.waiting[0].num_computed == 0
-    while engine.has_unfinished():
-        engine.step()
+    assert engine.scheduler.stats["preemptions"] == 1
+    assert [s.request.id for s in engine.scheduler.running] == [old] and engine.scheduler.waiting[0].request.id == new
+    assert engine.scheduler.waiting[0].blocks == [] and engine.scheduler.waiting[0].num_computed == 0
+    done = run_to_end(engine)
     for rid, prompt in ((old, [5, 6, 7, 8, 9, 10, 11]), (new, [12, 13, 14, 15, 16, 17, 18])):
-        assert engine.requests[rid].result()["tokens"] == alone(tiny64, prompt, 6)
+        assert done[rid].result()["tokens"] == alone(tiny64, prompt, 6)
 
 
 def test_running_set_changes_mid_run(tiny64):
     """Short requests finish and leave while long ones continue, and waiting ones join."""
-    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     for prompt, n in [([5, 6, 7], 30), ([8, 9], 3), ([10, 11, 12], 3), ([13], 3)]:
         engine.add_request(prompt, greedy(n))
     history = []
     while engine.has_unfinished():
         engine.step()
-        history.append({s.request.id for s in engine.running})
+        history.append({s.request.id for s in engine.scheduler.running})
     assert history[0] == {0, 1}
     changed = [i for i in range(1, len(history)) if history[i] != history[i - 1] and 0 in history[i] and 0 in history[i - 1]]
     assert any(history[i] - history[i - 1] for i in changed), "no request joined while request 0 ran"
@@ -131,7 +130,7 @@ def test_running_set_changes_mid_run(tiny64):
 def test_chunked_prefill_never_stalls_decodes(tiny64):
     """While a 2,000-token prompt prefills in chunks of at most 128 - 4 tokens, each of 4 running
     decodes gains exactly one token per step."""
-    engine = Engine(tiny64, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=128)
+    engine = Engine.for_model(tiny64, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=128)
     small = [engine.add_request([3 + i, 4, 5], greedy(40)) for i in range(4)]
     engine.step()  # the four prompts prefill together
     big = engine.add_request([random.Random(1).randrange(3, 250) for _ in range(2000)], greedy(2))
@@ -154,23 +153,23 @@ def test_prefix_cache_reuses_exactly_the_full_shared_blocks(tiny64):
     prompts = [shared + [40, 41, 42], shared + [50, 51], shared + [60]]
     results = {}
     for caching in (True, False):
-        engine = Engine(tiny64, num_blocks=100, block_size=4, prefix_caching=caching)
+        engine = Engine.for_model(tiny64, num_blocks=100, block_size=4, prefix_caching=caching)
         computed = []
         hook = tiny64.register_forward_pre_hook(lambda m, args: computed.append(args[0].shape[1]))
         try:
-            first = engine.generate(prompts[:1], greedy(5))
+            first = engine.run_batch(prompts[:1], greedy(5))
             n_before = sum(computed)
-            second = engine.generate(prompts[1:2], greedy(5))
+            second = engine.run_batch(prompts[1:2], greedy(5))
             n_second = sum(computed) - n_before
-            third = engine.generate(prompts[2:], greedy(5))  # the earlier requests have all finished
+            third = engine.run_batch(prompts[2:], greedy(5))  # the earlier requests have all finished
         finally:
             hook.remove()
         results[caching] = (first + second + third, n_second, engine)
     outs, n_second, engine = results[True]
     assert n_second == (16 - 12) + 4  # its prompt beyond 3 cached blocks, then 4 decode steps
-    assert engine.stats["prompt_tokens_hit"] == 12 + 12
+    assert engine.scheduler.stats["prompt_tokens_hit"] == 12 + 12
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in results[False][0]]
-    assert results[False][2].stats["prompt_tokens_hit"] == 0
+    assert results[False][2].scheduler.stats["prompt_tokens_hit"] == 0
 
 
 def test_lpm_gets_more_prefix_hits_than_fcfs(tiny64):
@@ -181,9 +180,9 @@ def test_lpm_gets_more_prefix_hits_than_fcfs(tiny64):
     prompts = [heads[i % 2] + [200 + i] for i in range(8)]
     hits = {}
     for policy in ("fcfs", "lpm"):
-        engine = Engine(tiny64, num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
-        out = engine.generate(prompts, greedy(4))
-        hits[policy] = engine.stats["prompt_tokens_hit"]
+        engine = Engine.for_model(tiny64, num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
+        out = engine.run_batch(prompts, greedy(4))
+        hits[policy] = engine.scheduler.stats["prompt_tokens_hit"]
         assert [o["tokens"] for o in out] == [alone(tiny64, p, 4) for p in prompts]
     assert hits["lpm"] > hits["fcfs"], hits
     assert hits["lpm"] == 6 * 16  # all but the first of each group hit the whole head
@@ -194,32 +193,31 @@ def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
     the half-full last block copied per sample; sample k equals a request of n = 1 seeded seed + k."""
     prompt = list(range(30, 40))
     params = dict(max_new_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
-    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     copies = []
     engine.cache.copy_block = lambda src, dst, f=engine.cache.copy_block: (copies.append((src, dst)), f(src, dst))
     rid = engine.add_request(prompt, RequestParams(n=3, **params))
     engine.step()  # prefill, fork, first token of each sample
     blocks = [s.blocks for s in engine.requests[rid].seqs]
     assert len(blocks) == 3 and blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
-    assert engine.allocator.ref[blocks[0][0]] == 3
-    while engine.has_unfinished():
-        engine.step()
-    forked = engine.requests[rid].result()["tokens"]
+    assert engine.scheduler.allocator.ref[blocks[0][0]] == 3
+    done = run_to_end(engine)
+    forked = done[rid].result()["tokens"]
     assert len(copies) == 2  # two samples copied the shared half-full block; the third owns it
     assert len({tuple(t) for t in forked}) == 3  # they diverged
     for k in range(3):
-        single = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(**{**params, "seed": 7 + k}))
         assert single[0]["tokens"] == forked[k]
-    assert engine.allocator.num_used() == 0
+    assert engine.scheduler.allocator.num_used() == 0
 
 
 def test_sampled_output_does_not_depend_on_the_batch(tiny64):
     """Each sequence samples with its own generator: the same seeded request gives the same tokens
     alone and in a crowd."""
     params = RequestParams(max_new_tokens=15, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
-    solo = Engine(tiny64, num_blocks=100, block_size=4).generate([[5, 6, 7]], params)[0]["tokens"]
+    solo = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([[5, 6, 7]], params)[0]["tokens"]
     prompts, news = random_requests(6, seed=5)
-    crowd = Engine(tiny64, num_blocks=100, block_size=4).generate(
+    crowd = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
         prompts[:3] + [[5, 6, 7]] + prompts[3:], [greedy(n) for n in news[:3]] + [params] + [greedy(n) for n in news[3:]])
     assert crowd[3]["tokens"] == solo
 
@@ -236,8 +234,8 @@ def penalised_alone(model, prompt, n_new, params):
 def test_a_logit_bias_of_100_forces_its_token_and_leaves_the_neighbours_alone(tiny64):
     forced = RequestParams(max_new_tokens=6, temperature=1.0, seed=0, logit_bias={"7": 100}, ignore_eos=True)
     banned = RequestParams(max_new_tokens=6, temperature=0.0, logit_bias={177: -100}, ignore_eos=True)
-    engine = Engine(tiny64, num_blocks=100, block_size=4)
-    out = engine.generate([[5, 6, 7], [30, 31, 32, 33], [9, 10]], [forced, banned, greedy(6)])
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
+    out = engine.run_batch([[5, 6, 7], [30, 31, 32, 33], [9, 10]], [forced, banned, greedy(6)])
     assert out[0]["tokens"] == [7] * 6
     assert 177 in alone(tiny64, [30, 31, 32, 33], 6) and 177 not in out[1]["tokens"]
     assert out[2]["tokens"] == alone(tiny64, [9, 10], 6)
@@ -254,9 +252,9 @@ def test_greedy_penalised_requests_in_a_crowd_equal_generate_alone(tiny64):
     news += [16] * 3
     params = [greedy(n) for n in news[:8]] + [RequestParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, **c)
                                               for c in controls]
-    engine = Engine(tiny64, num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
-    out = engine.generate(prompts, params)
-    assert engine.stats["preemptions"] > 0
+    engine = Engine.for_model(tiny64, num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
+    out = engine.run_batch(prompts, params)
+    assert engine.scheduler.stats["preemptions"] > 0
     for i, c in enumerate(controls):
         expected = penalised_alone(tiny64, prompts[8 + i], 16, SamplingParams(0.0, **c))
         assert out[8 + i]["tokens"] == expected, c
@@ -271,13 +269,13 @@ def test_penalised_samples_stay_independent_of_their_siblings_and_the_batch(tiny
     prompt = list(range(30, 40))
     params = dict(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True, repetition_penalty=1.3,
                   frequency_penalty=0.8, presence_penalty=0.4, min_p=0.05)
-    forked = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(n=3, **params))[0]["tokens"]
+    forked = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(n=3, **params))[0]["tokens"]
     assert len({tuple(t) for t in forked}) == 3
     for k in range(3):
-        single = Engine(tiny64, num_blocks=100, block_size=4).generate([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(**{**params, "seed": 7 + k}))
         assert single[0]["tokens"] == forked[k]
     others, news = random_requests(5, seed=4)
-    crowd = Engine(tiny64, num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=24).generate(
+    crowd = Engine.for_model(tiny64, num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=24).run_batch(
         others[:2] + [prompt] + others[2:], [greedy(n) for n in news[:2]] + [RequestParams(n=3, **params)]
         + [greedy(n) for n in news[2:]])
     assert crowd[2]["tokens"] == forked
@@ -285,24 +283,24 @@ def test_penalised_samples_stay_independent_of_their_siblings_and_the_batch(tiny
 
 def test_penalties_never_write_the_steps_logits(tiny64, monkeypatch):
     """_sample computes penalised rows as new tensors: the raw logits survive every step."""
-    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     real, checked = engine._sample, []
 
-    def checking(done, logits):
+    def checking(plan, done, logits, events):
         before = logits.clone()
-        events = real(done, logits)
+        events = real(plan, done, logits, events)
         checked.append(torch.equal(logits, before))
         return events
 
     monkeypatch.setattr(engine, "_sample", checking)
     params = RequestParams(max_new_tokens=5, temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0,
                            logit_bias={3: 50.0}, ignore_eos=True)
-    engine.generate([[5, 6, 7], [8, 9]], [params, RequestParams(**{**params.__dict__, "temperature": 1.0, "seed": 1})])
+    engine.run_batch([[5, 6, 7], [8, 9]], [params, RequestParams(**{**params.__dict__, "temperature": 1.0, "seed": 1})])
     assert checked and all(checked)
 
 
 def test_bad_sampling_controls_are_refused_at_add_request(tiny64):
-    engine = Engine(tiny64, num_blocks=100, block_size=4)
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     vocab = tiny64.config.vocab_size
     for bad, message in [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
                          (dict(frequency_penalty=-3), "frequency_penalty"), (dict(presence_penalty=2.5), "presence_penalty"),
@@ -319,28 +317,28 @@ def test_soak_random_arrivals_and_aborts(tiny64):
     sample of the completed requests equals their alone-runs."""
     rng = random.Random(2)
     prompts, news = random_requests(200, seed=3, max_prompt=40, max_new=16)
-    engine = Engine(tiny64, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
+    engine = Engine.for_model(tiny64, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
     pending, results, aborted = list(range(200)), {}, set()
     while pending or engine.has_unfinished():
         for _ in range(rng.randint(0, 3)):
             if pending:
                 i = pending.pop(0)
                 engine.add_request(prompts[i], greedy(news[i]), request_id=i)
-        if engine.running and rng.random() < 0.05:
-            victim = rng.choice(engine.running).request.id
+        if engine.scheduler.running and rng.random() < 0.05:
+            victim = rng.choice(engine.scheduler.running).request.id
             engine.abort(victim)
             aborted.add(victim)
-        engine.step()
-        engine.allocator.check()
+        for event in engine.step():
+            if isinstance(event, Finished):
+                results[event.request_id] = event.result
+        check_allocator(engine.scheduler.allocator)
         owners = {}
-        for s in engine.running:
+        for s in engine.scheduler.running:
             for b in s.blocks:
                 owners[b] = owners.get(b, 0) + 1
-        assert all(engine.allocator.ref[b] == n for b, n in owners.items())
-        for rid in [r for r, req in engine.requests.items() if req.finished]:
-            results[rid] = engine.requests.pop(rid).result()
-    assert engine.allocator.num_used() == 0 and len(results) == 200
-    assert engine.stats["preemptions"] > 0 and aborted
+        assert all(engine.scheduler.allocator.ref[b] == n for b, n in owners.items())
+    assert engine.scheduler.allocator.num_used() == 0 and len(results) == 200
+    assert engine.scheduler.stats["preemptions"] > 0 and aborted
     assert all(results[i]["finish_reason"] == "abort" for i in aborted)
     done = [i for i in range(200) if i not in aborted]
     for i in rng.sample(done, 10):
@@ -356,9 +354,9 @@ def test_compiled_decode_buckets_equal_eager(tiny64):
     torch._dynamo.reset()
     counters.clear()
     prompts, news = random_requests(5, seed=9, max_prompt=20, max_new=12)
-    eager = Engine(tiny64, num_blocks=100, block_size=4).generate(prompts, [greedy(n) for n in news])
-    engine = Engine(tiny64, num_blocks=100, block_size=4, compile=True)
-    compiled = engine.generate(prompts, [greedy(n) for n in news])
+    eager = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(prompts, [greedy(n) for n in news])
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4, compile=True)
+    compiled = engine.run_batch(prompts, [greedy(n) for n in news])
     assert [o["tokens"] for o in compiled] == [o["tokens"] for o in eager]
     assert 1 <= counters["stats"]["unique_graphs"] <= 3 * 4  # batch buckets 1, 2, 4 x widths 1..8
 
@@ -402,26 +400,26 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
 def test_a_request_larger_than_the_pool_stops_at_length_instead_of_hanging(tiny64):
     """4 usable blocks of 4 tokens: a 10-token prompt asking for 100 tokens stops with "length"
     once the pool is full (16 tokens), its tokens still the alone-run's, and the pool is freed."""
-    engine = Engine(tiny64, num_blocks=5, block_size=4)
-    out = engine.generate([list(range(20, 30))], greedy(100))[0]
+    engine = Engine.for_model(tiny64, num_blocks=5, block_size=4)
+    out = engine.run_batch([list(range(20, 30))], greedy(100))[0]
     assert out["finish_reason"] == "length" and len(out["tokens"]) == 16 - 10 + 1
     assert out["tokens"] == alone(tiny64, list(range(20, 30)), len(out["tokens"]))
-    assert engine.allocator.num_used() == 0
+    assert engine.scheduler.allocator.num_used() == 0
 
 
 def test_a_fault_while_sampling_one_request_ends_only_that_request(tiny64, monkeypatch):
-    engine = Engine(tiny64, num_blocks=64, block_size=4, max_num_seqs=8)
-    real = engine._stop_reason
+    engine = Engine.for_model(tiny64, num_blocks=64, block_size=4, max_num_seqs=8)
+    real = engine._next_token
 
-    def faulty(seq, token):
+    def faulty(seq, *args):
         if seq.request.id == 1 and len(seq.output) == 3:
             raise RuntimeError("detokenizer exploded")
-        return real(seq, token)
+        return real(seq, *args)
 
-    monkeypatch.setattr(engine, "_stop_reason", faulty)
+    monkeypatch.setattr(engine, "_next_token", faulty)
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
-    out = engine.generate(prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)])
-    assert "exploded" in out[1]["error"] and engine.allocator.num_used() == 0
+    out = engine.run_batch(prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)])
+    assert "exploded" in out[1]["error"] and engine.scheduler.allocator.num_used() == 0
     assert [out[0]["tokens"], out[2]["tokens"]] == [alone(tiny64, prompts[0], 8), alone(tiny64, prompts[2], 8)]
 
 
@@ -430,34 +428,33 @@ def test_a_request_with_many_samples_shares_the_slots_fairly(tiny64):
     its first step instead of waiting for all 8 to end, and neither request's output changes."""
     sampled = dict(max_new_tokens=30, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
     big_prompt, small_prompt = list(range(20, 33)), [5, 6, 7]
-    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     big = engine.add_request(big_prompt, RequestParams(n=8, **sampled))
     for _ in range(3):
         engine.step()
-    assert len(engine.running) == 8
+    assert len(engine.scheduler.running) == 8
     small = engine.add_request(small_prompt, greedy(2))
-    steps = 0
-    while not engine.requests[small].finished:
-        engine.step()
+    steps, done = 0, {}
+    while small not in done:
+        done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
         steps += 1
     assert steps == 2  # one prefill step (with the first token), one decode step
-    assert engine.stats["preemptions"] >= 1
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.requests[small].result()["tokens"] == alone(tiny64, small_prompt, 2)
-    crowded = engine.requests[big].result()["tokens"]
-    solo = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8).generate([big_prompt], RequestParams(n=8, **sampled))
+    assert engine.scheduler.stats["preemptions"] >= 1
+    done.update(run_to_end(engine))
+    assert done[small].result()["tokens"] == alone(tiny64, small_prompt, 2)
+    crowded = done[big].result()["tokens"]
+    solo = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8).run_batch([big_prompt], RequestParams(n=8, **sampled))
     assert crowded == solo[0]["tokens"]
-    assert engine.allocator.num_used() == 0
+    assert engine.scheduler.allocator.num_used() == 0
 
 
 def test_fair_share_never_preempts_a_request_down_to_nothing(tiny64):
     """Eight requests of one sample fill 8 slots: none holds more than one slot, so a ninth waits
     for a slot to free instead of preempting anyone."""
-    engine = Engine(tiny64, num_blocks=200, block_size=4, max_num_seqs=8)
+    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8)
     for k in range(8):
         engine.add_request([1 + k, 2, 3], greedy(20))
     engine.step()
     ninth = engine.add_request([7, 8], greedy(3))
     engine.step()
-    assert engine.stats["preemptions"] == 0 and not any(s.request.id == ninth for s in engine.running)
+    assert engine.scheduler.stats["preemptions"] == 0 and not any(s.request.id == ninth for s in engine.scheduler.running)

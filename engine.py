@@ -1,0 +1,342 @@
+"""The serving engine: one step of continuous batching, run on the model. scheduler.py decides
+who runs (host bookkeeping only); the Engine turns its Plan into the step's tensors, runs ONE
+forward over every scheduled token, flattened to [1, N] (paged.py explains why), samples, decides
+stops once, and returns the step's events. It owns the requests: callers (batch.py,
+engine_loop.py) use add_request, abort, step, has_unfinished and metrics, nothing else.
+
+    engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
+    rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
+    while engine.has_unfinished():
+        for event in engine.step():       # Token(...) per new token, Finished(...) once per request
+            print(event)
+
+Each sequence samples with its own torch.Generator (seeded from the request's seed), and its
+penalties (sampling.py) count its own tokens, so its output does not depend on what it was
+batched with. A request with n > 1 prefills once; its samples fork when the prompt is computed.
+Every token's text is decoded once, incrementally (tokenizer.TextStream, which also finds stop
+strings): the events carry the text a server streams. A fault while sampling one request (a
+constraint that fails, a tokenizer error) ends that request alone. Prompt scoring (scoring.py)
+is opt-in: the scheduler's hooks, then `positions`, `score` and `remember` around the forward.
+"""
+import itertools
+import time
+from typing import NamedTuple
+
+import torch
+
+from cpu_kernels import gemm_padding
+from kv_cache import bucket
+from paged import BlockAllocator, PagedKVCache, plan_blocks
+from runtime import DTYPES, compile_decode, log, parse_size, pick_device
+from sampling import parse_logit_bias, sample, token_logprobs
+from scheduler import Scheduler, blocks_for
+from scoring import PromptScores
+from sequence import Request, RequestParams  # noqa: F401 (RequestParams: the engine's API)
+from tokenizer import TextStream, load_tokenizer
+
+
+class Token(NamedTuple):
+    request_id: object
+    index: int  # the sample, 0 .. n-1
+    token: int  # None when a sample ends without one ("abort"; "length" after scoring the prompt)
+    text: str  # the text this token makes final (TextStream; None when the engine has no tokenizer)
+    finish_reason: str  # None while the sample goes on
+    logprob: tuple  # its entry (sampling.token_logprobs) when logprobs were asked for, else None
+
+
+class Finished(NamedTuple):
+    request_id: object
+    result: dict  # Request.result(): the output line, or {"id", "error"}
+    request: Request  # its samples, times and scores; the engine has forgotten it
+
+
+def flat_forward(model, cache, tokens, input_pos, keep=None):
+    """tokens, input_pos [1, N] -> logits [len(keep) or N, V]: the step's one forward."""
+    return model(tokens, input_pos, cache, keep=keep)[0]
+
+
+class Engine:
+    """model, cache (paged.PagedKVCache), scheduler (over an allocator of the cache's blocks);
+    stop_ids: the model's end tokens; tokenizer: needed for text and stop strings; compile:
+    compile decode-only steps (one graph per batch bucket). Prompt scoring needs the scheduler's
+    scores (scoring.PromptScores), as for_model builds it."""
+
+    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False):
+        if (cache.num_blocks, cache.block_size) != (scheduler.allocator.num_blocks, scheduler.block_size):
+            raise ValueError(f"the cache has {cache.num_blocks} blocks of {cache.block_size} tokens, the scheduler's "
+                             f"allocator {scheduler.allocator.num_blocks} of {scheduler.block_size}")
+        self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
+        self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
+        self.max_model_len = model.config.max_position_embeddings
+        self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
+        self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
+                  max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
+                  stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None):
+        """An engine with its own pool of num_blocks (paged.plan_blocks sizes it) and prompt scoring."""
+        allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
+        # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
+        scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0)
+        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores)
+        return cls(model, PagedKVCache.for_model(model, num_blocks, block_size), scheduler, tokenizer, stop_ids, compile)
+
+    # -- the request lifecycle -----------------------------------------------------------------
+    def add_request(self, prompt, params: RequestParams = None, request_id=None):
+        """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
+        params, s, vocab = params or RequestParams(), self.scheduler, self.model.config.vocab_size
+        params.check()
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
+                             "which leaves no room to generate")
+        usable = s.allocator.num_blocks - 1
+        if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
+                             f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory")
+        if params.n > s.max_num_seqs:
+            raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {s.max_num_seqs}")
+        if (params.stop or params.constraint is not None) and self.tokenizer is None:
+            raise ValueError("stop strings and constraints need the engine's tokenizer")
+        if params.prompt_logprobs is not None and s.scores is None:
+            raise ValueError("this engine's scheduler scores no prompts (give it scoring.PromptScores)")
+        if request_id is None:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params, self.device)
+        req.seqs[0].stream = self._stream(params)
+        if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
+            from constrain import compile_constraint
+            req.seqs[0].matcher = compile_constraint(params.constraint, self.tokenizer, vocab,
+                                                     self.stop_ids | set(params.stop_token_ids))
+        self.requests[request_id] = req
+        s.add(req.seqs[0])
+        return request_id
+
+    def _stream(self, params):
+        return TextStream(self.tokenizer, params.stop) if self.tokenizer else None
+
+    def _request(self, request_id) -> Request:
+        if request_id not in self.requests:
+            raise ValueError(f"no request {request_id!r} here: never added, or already returned as Finished")
+        return self.requests[request_id]
+
+    def abort(self, request_id, error: str = None):
+        """End a request now (with `error`: as failed); its blocks are free at once. Its samples'
+        "abort" events and its Finished come with the next step. Aborting it again does nothing."""
+        req = self._request(request_id)
+        req.error = req.error or error
+        for seq in req.seqs:
+            if not seq.finish_reason:
+                self.scheduler.finish(seq, "abort")
+                self.pending.append(Token(req.id, seq.index, None, seq.stream and seq.stream.finish("abort"), "abort", None))
+        for k in range(len(req.seqs), req.params.n if req.needs_fork else 0):  # samples not forked yet
+            self.pending.append(Token(req.id, k, None, "" if self.tokenizer else None, "abort", None))
+        req.needs_fork = False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.pending)
+
+    def metrics(self) -> dict:
+        """A snapshot (plain numbers, safe to read from another thread)."""
+        s = self.scheduler
+        return {**s.stats, "requests": len(self.requests), "running": len({q.request.id for q in s.running}),
+                "waiting": len({q.request.id for q in s.waiting}), "kv_blocks_used": s.allocator.num_used(),
+                "kv_blocks_total": s.allocator.num_blocks - 1}
+
+    def run_batch(self, prompts, params) -> list:
+        """Offline: every prompt (a list of ids) with its params (one, or one per prompt) -> its
+        Request.result(), in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids, results = [self.add_request(p, q) for p, q in zip(prompts, params)], {}
+        while self.has_unfinished():
+            results.update((e.request_id, e.result) for e in self.step() if isinstance(e, Finished))
+        return [results[i] for i in ids]
+
+    def step(self) -> list:
+        """One iteration: a Token for each new token (and each sample that ended without one),
+        then a Finished for each request now over, which the engine then forgets."""
+        plan = self.scheduler.schedule()
+        events, self.pending = self.pending, []
+        events += [Token(s.request.id, s.index, None, s.stream and s.stream.finish("length"), "length", None)
+                   for s in plan.ended]
+        for src, dst in plan.copies:  # copy-on-write, before the forward writes
+            self.cache.copy_block(src, dst)
+        if plan.runs:
+            done, logits = self._forward(plan)
+            self.scheduler.update(plan, self._sample(plan, done, logits, events))
+            for seq in plan.runs if self.scheduler.scores else ():
+                self.scheduler.scores.remember(seq)
+        for rid in [rid for rid, r in self.requests.items() if r.finished]:
+            req = self.requests.pop(rid)
+            events.append(Finished(rid, req.result(), req))
+        return events
+
+    # -- running a step ------------------------------------------------------------------------
+    def _layout(self, plan, compiled: bool):
+        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
+        index of each sequence's last token). Decodes (and one-token prefill tails) first."""
+        ones = [s for s, n in plan.runs.items() if n == 1]
+        chunks = [s for s, n in plan.runs.items() if n > 1]  # prefill chunks: a group each
+        tokens, pos, groups, ends = [], [], [], []
+        if compiled:  # one group, its rows padded to a bucket so that few graphs are compiled
+            decode_groups = [ones]
+        else:  # rows of similar context together, so each group's gather is close to its own length
+            ones.sort(key=lambda s: -len(s.blocks))
+            decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(len(s.blocks)))]
+        for group in decode_groups:
+            width = bucket(max(len(s.blocks) for s in group))
+            pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: position 0 of the null block
+            table = [s.blocks + [0] * (width - len(s.blocks)) for s in group] + [[0] * width] * pad
+            ends += [len(tokens) + i for i in range(len(group))]
+            tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
+            pos += [s.num_computed for s in group] + [0] * pad
+            groups.append((len(group) + pad, 1, torch.tensor(table, device=self.device)))
+        for s in chunks:
+            n, start, width = plan.runs[s], s.num_computed, bucket(len(s.blocks))
+            groups.append((1, n, torch.tensor([s.blocks + [0] * (width - len(s.blocks))], device=self.device)))
+            tokens += s.tokens[start:start + n]
+            pos += range(start, start + n)
+            ends.append(len(tokens) - 1)
+        # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
+        # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
+        pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
+        if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
+            groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
+            tokens, pos = tokens + [0] * pad, pos + [0] * pad
+        return ones + chunks, tokens, pos, groups, ends
+
+    def _forward(self, plan):
+        """The step's one forward -> (sequences that sample now, their logits [len(done), V])."""
+        scores = self.scheduler.scores
+        compiled = self.decode_fn is not None and all(n == 1 and not s.request.scoring for s, n in plan.runs.items())
+        order, tokens, pos, groups, ends = self._layout(plan, compiled)
+        done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens)]  # these sample a token
+        scored = scores.positions(order, ends, plan.runs) if scores else []  # (request, flat index, token)
+        tokens, pos = torch.tensor([tokens], device=self.device), torch.tensor([pos], device=self.device)
+        with torch.no_grad(), self.cache.step_groups(groups):
+            if compiled:
+                logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in done]]
+            else:
+                keep = [e for s, e in zip(order, ends) if s in done] + [e for _, e, _ in scored]
+                logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(keep, dtype=torch.long, device=self.device))
+        if scored:
+            scores.score(scored, logits[len(done):])
+        return done, logits[:len(done)]
+
+    def _sample(self, plan, done, logits, events) -> list:
+        """The next token of each sequence in `done` (a request's n samples fork at its first):
+        [(sequence, token, finish reason or None)] for the scheduler; appends the Token events."""
+        now, rows, results = time.perf_counter(), [], []
+        for i, seq in enumerate(done):
+            rows.append((seq, i))
+            req = seq.request
+            if req.needs_fork:  # the prompt is in the cache: its other samples start here
+                twins = [seq.fork(k, self._stream(req.params)) for k in range(1, req.params.n)]
+                req.seqs += twins
+                req.needs_fork = False
+                plan.forks.append((seq, twins))
+                rows += [(twin, i) for twin in twins]
+        greedy = logits.argmax(-1).tolist() if len(done) else []
+        for seq, i in rows:
+            req = seq.request
+            if seq.finish_reason:  # its request failed on an earlier row
+                continue
+            if req.params.max_new_tokens == 0:  # only the prompt's scores were asked for
+                results.append((seq, None, "length"))
+                events.append(Token(req.id, seq.index, None, seq.stream and seq.stream.finish("length"), "length", None))
+                continue
+            try:  # a fault here (sampling, a constraint, detokenizing) ends this request only
+                token, text, reason = self._next_token(seq, logits[i], greedy[i], now)
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            results.append((seq, token, reason))
+            events.append(Token(req.id, seq.index, token, text, reason, seq.logprobs[-1] if seq.logprobs else None))
+        return results
+
+    def _next_token(self, seq, row, greedy: int, now: float):
+        """seq's next token from its logits row [V] -> (token, the text it makes final, why seq ends or None)."""
+        req, p = seq.request, seq.request.params
+        if req.sampling.temperature == 0 and seq.matcher is None and not req.sampling.adjusts_logits:
+            token = greedy
+        else:  # the constraint's mask, bias and penalties make new tensors: `row` stays raw
+            allowed = row if seq.matcher is None else seq.matcher.mask_logits(row)
+            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output]))
+        if p.logprobs is not None:  # the model's own distribution: before any of that
+            seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
+        seq.token_times.append(now)
+        reason = "stop" if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos) else None
+        if not reason and (len(seq.output) + 1 >= p.max_new_tokens or len(seq.tokens) + 1 >= self.max_model_len):
+            reason = "length"
+        text = seq.stream.add(token, reason) if seq.stream else None
+        if seq.stream and seq.stream.stop_string:  # a stop string, even in the last token: "stop"
+            reason = "stop"
+        if seq.matcher is not None and not reason:
+            seq.matcher.advance(token)
+            if seq.matcher.error:
+                raise ValueError(f"the constraint failed: {seq.matcher.error}")
+            if seq.matcher.finished:
+                reason, text = "stop", text + seq.stream.finish("stop")
+        return token, text, reason
+
+    def _fail(self, req, exc):
+        req.error = f"{type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            if not seq.finish_reason:
+                self.scheduler.finish(seq, "error")
+
+
+# -- loading one, with the flags batch.py and serve.py share ---------------------------------------
+def add_engine_args(p):
+    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--compile", nargs="?", const="jit", choices=("jit",), help="torch.compile decode steps (batch padded to a few sizes)")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
+    p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
+    p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory)")
+    p.add_argument("--kv_cache_memory", type=parse_size, default=None, help="memory for the KV pool, e.g. 2GiB "
+                   "(default: 20%% of free memory, at most what max_num_seqs full contexts need)")
+    p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
+    p.add_argument("--max_num_batched_tokens", type=int, default=512, help="most tokens per step (the prefill chunk)")
+    p.add_argument("--no_prefix_caching", action="store_true", help="do not reuse the KV of shared prompt heads")
+    p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
+
+
+def check_engine_args(p, args):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+
+
+def engine_options(args) -> dict:
+    """The values of add_engine_args' flags, as load_engine's keywords."""
+    names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
+             "max_num_seqs", "max_num_batched_tokens", "schedule_policy")
+    return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}
+
+
+def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
+                num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
+                schedule_policy="fcfs", prefix_caching=True, dequantize=False):
+    """(Engine, tokenizer, load info) for a checkpoint; logs the memory plan. Then, as generate.py,
+    drops what only loading needed (weights.settle)."""
+    import weights
+
+    model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
+    tokenizer = load_tokenizer(info.source)
+    weights.settle()
+    num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
+                                   max_tokens=max_num_seqs * model.config.max_position_embeddings)
+    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{plan}")
+    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
+                              schedule_policy, tokenizer.stop_ids, tokenizer, compile)
+    return engine, tokenizer, info

@@ -1,0 +1,105 @@
+"""Writing checkpoint folders in the published HF layout (config.json + model.safetensors), float
+or weight-only quantized (quantize.py's format, which weights.load reads back), and the command
+line that writes a quantized one:
+
+    python quantize.py --mode int4 --groupsize 64            # the embedded model -> ./<name>-int4-g64
+    python quantize.py --checkpoint some/folder --mode int8 --out int8-folder
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import gguf_weights
+import weights
+from quantize import GROUP_SIZES, METADATA_KEY, check_mode, describe, plan, portable_tensors, quantize_int8
+
+
+def hf_state_dict(model, keep_head: bool = False) -> dict:
+    """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head."""
+    tied = model.config.tie_word_embeddings and not keep_head
+    return {(k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous().cpu()
+            for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and tied)}
+
+
+def hf_config(model) -> dict:
+    a = model.config
+    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
+    return {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+            "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling or None, "max_position_embeddings": a.max_position_embeddings,
+            "tie_word_embeddings": a.tie_word_embeddings, "attention_bias": a.o_bias, "mlp_bias": a.mlp_bias,
+            "torch_dtype": str(model.norm.weight.dtype).removeprefix("torch.")}
+
+
+def save_hf_folder(model, folder) -> Path:
+    """Write a model as an HF checkpoint folder (config.json + model.safetensors), e.g. to turn a
+    GGUF file into a folder that Hugging Face transformers loads as plain float weights."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state_dict(model), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
+    return folder
+
+
+def save_quantized(model, folder, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
+                   tokenizer_source=None) -> dict:
+    """Write a float model as a quantized checkpoint folder that weights.load (and so generate.py
+    --checkpoint) reads (quantize.py's format). Returns the plan's report."""
+    layers = plan(model, mode, groupsize, head, embedding)
+    quantized = [n for n, r in layers.items() if r is None]
+    state = hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)))
+    for name in quantized:
+        w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
+        tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+        prefix = name if name == "lm_head" else f"model.{name}"
+        state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+    (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
+    source = Path(tokenizer_source) if tokenizer_source else None
+    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
+        gguf_weights.write_tokenizer_only(source, folder / "tokenizer.gguf")
+    elif source:
+        for f in source.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                shutil.copy(f, folder / f.name)
+    report = {"mode": mode, "groupsize": meta["groupsize"], "quantized": quantized,
+              "kept": {n: r for n, r in layers.items() if r is not None}, "bytes_before": model.weight_bytes(),
+              "bytes_after": sum(t.numel() * t.element_size() for t in state.values())}
+    return report
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Write a weight-only quantized checkpoint folder (quantize.py's int8 or int4) that generate.py --checkpoint runs.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--mode", required=True, help="int8 or int4")
+    p.add_argument("--groupsize", type=int, default=64, help=f"int4 group size, one of {GROUP_SIZES}")
+    p.add_argument("--quantize_head", action="store_true", help="quantize the output head too")
+    p.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
+    p.add_argument("--out", default=None, help="output folder (default: <checkpoint name>-<mode>)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """python quantize.py --mode int4 [--checkpoint ...] [--out folder]"""
+    args = parse_args(argv)
+    try:
+        check_mode(args.mode, args.groupsize)  # before the (slow) load
+        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32, dequantize=True)
+        suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
+        out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
+        report = save_quantized(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe(report).replace("weights", "checkpoint", 1), file=sys.stderr)
+    print(f"wrote {out}  (run: python generate.py --checkpoint {out})", file=sys.stderr)
+    return 0
