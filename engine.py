@@ -1,8 +1,8 @@
 """The serving engine: one step of continuous batching, run on the model. scheduler.py decides
 who runs (host bookkeeping only); the Engine turns its Plan into the step's tensors, runs ONE
 forward over every scheduled token, flattened to [1, N] (paged.py explains why), samples, decides
-stops once, and returns the step's events. It owns the requests: callers (batch.py,
-engine_loop.py) use add_request, abort, step, has_unfinished and metrics, nothing else.
+stops once, and returns the step's events. It owns the requests: batch.py and engine_loop.py use
+add_request, abort, step, has_unfinished and metrics, nothing else.
 
     engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
     rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
@@ -56,10 +56,9 @@ def flat_forward(model, cache, tokens, input_pos, keep=None):
 
 
 class Engine:
-    """model, cache (paged.PagedKVCache), scheduler (over an allocator of the cache's blocks);
-    stop_ids: the model's end tokens; tokenizer: needed for text and stop strings; compile:
-    compile decode-only steps (one graph per batch bucket). Prompt scoring needs the scheduler's
-    scores (scoring.PromptScores), as for_model builds it."""
+    """model, cache (paged.PagedKVCache), scheduler (over an allocator of the cache's blocks; with
+    scoring.PromptScores as its scores to score prompts); stop_ids: the model's end tokens;
+    tokenizer: for text and stop strings; compile: decode-only steps (a graph per batch bucket)."""
 
     def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False):
         if (cache.num_blocks, cache.block_size) != (scheduler.allocator.num_blocks, scheduler.block_size):
@@ -122,15 +121,12 @@ class Engine:
     def _stream(self, params):
         return TextStream(self.tokenizer, params.stop) if self.tokenizer else None
 
-    def _request(self, request_id) -> Request:
-        if request_id not in self.requests:
-            raise ValueError(f"no request {request_id!r} here: never added, or already returned as Finished")
-        return self.requests[request_id]
-
     def abort(self, request_id, error: str = None):
         """End a request now (with `error`: as failed); its blocks are free at once. Its samples'
         "abort" events and its Finished come with the next step. Aborting it again does nothing."""
-        req = self._request(request_id)
+        if request_id not in self.requests:
+            raise ValueError(f"no request {request_id!r} here: never added, or already returned as Finished")
+        req = self.requests[request_id]
         req.error = req.error or error
         for seq in req.seqs:
             if not seq.finish_reason:
@@ -239,8 +235,7 @@ class Engine:
             req = seq.request
             if req.needs_fork:  # the prompt is in the cache: its other samples start here
                 twins = [seq.fork(k, self._stream(req.params)) for k in range(1, req.params.n)]
-                req.seqs += twins
-                req.needs_fork = False
+                req.seqs, req.needs_fork = req.seqs + twins, False
                 plan.forks.append((seq, twins))
                 rows += [(twin, i) for twin in twins]
         greedy = logits.argmax(-1).tolist() if len(done) else []

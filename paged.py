@@ -253,10 +253,6 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def reset(self):
-        for t in self.tensors():
-            t.zero_()
-
     @contextlib.contextmanager
     def step_groups(self, groups):
         """The step's rectangles of the flat token axis (module docstring), for the forward inside."""

@@ -44,7 +44,7 @@ from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Ou
                            encode, error, logprob_counts, prompt_list, refusal, template_messages, unavailable)
 from runtime import log
 from sampling import parse_logit_bias
-from scheduler import RequestParams
+from sequence import RequestParams
 from tool_calls import call_constraint, check_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"

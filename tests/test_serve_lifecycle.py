@@ -51,7 +51,7 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     """serve.py loads the model on the thread that then steps it (engine_loop.EngineThread): a
     model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
     cores every op then waits for its workers to wake."""
-    import batch
+    import engine as engine_module
     import serve
     from engine_loop import EngineThread
 
@@ -60,7 +60,7 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     def load_engine(**options):
         loaded_on.append(threading.current_thread())
         raise ValueError("no checkpoint here")
-    monkeypatch.setattr(batch, "load_engine", load_engine)
+    monkeypatch.setattr(engine_module, "load_engine", load_engine)
     assert serve.main(["--checkpoint", "nowhere"]) == 2  # the loader's error reaches the main thread
     assert loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
 
