@@ -1,4 +1,4 @@
-"""The engine (scheduler.py's continuous batching on the paged cache) against HF transformers'
+"""The engine (engine.py's continuous batching on the paged cache) against HF transformers'
 batched generation, float32 and bfloat16, in one process.
 
     .venv/bin/python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--workloads 64x64 mixed]
@@ -7,7 +7,7 @@ Workloads (prompts are windows of data/declaration.txt, fixed seeds; greedy; eve
 produces exactly its output length, EOS ignored):
   64x64  64 requests of 64 new tokens, prompts of 32-256 tokens
   mixed  bench_serving.py's throughput workload: 64 requests, prompts 50-500 tokens, outputs 32-128
-Runners, in turn: scheduler.Engine with every request added at once (eager steps, q/k/v and
+Runners, in turn: engine.Engine with every request added at once (eager steps, q/k/v and
 gate/up fused as batch.py and serve.py load it); HF `generate` in left-padded static batches of
 16 (each batch runs until its longest request is done; only the tokens asked for are counted);
 HF `generate_batch`'s manager (transformers' own continuous batching on its paged cache), one
@@ -32,7 +32,7 @@ import runtime  # noqa: E402
 import hf_folder  # noqa: E402
 import weights  # noqa: E402
 from bench_serving import corpus, run_hf_static, window  # noqa: E402
-from engine import Engine, RequestParams  # noqa: E402
+from engine import Engine, Finished, RequestParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -50,10 +50,11 @@ def run_ours(model, prompts, news):
     ids = [engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, news)]
     start = time.perf_counter()
+    done = {}
     while engine.has_unfinished():
-        engine.step()
+        done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
     elapsed = time.perf_counter() - start
-    return elapsed, [engine.requests[i].seqs[0].output for i in ids], engine.scheduler.stats["steps"]
+    return elapsed, [done[i].seqs[0].output for i in ids], engine.scheduler.stats["steps"]
 
 
 def run_hf_continuous(hf, prompts, news):
@@ -101,7 +102,7 @@ def main():
             results["HF generate, static batches of 16"] = static["elapsed"], static["outputs"]
             results["HF generate_batch (continuous)"] = run_hf_continuous(hf, prompts, news)
             secs, outs, steps = run_ours(ours_model, prompts, news)
-            results[f"ours: scheduler.Engine ({steps} steps)"] = secs, outs
+            results[f"ours: engine.Engine ({steps} steps)"] = secs, outs
             total = sum(news)
             static_s, static_out = results["HF generate, static batches of 16"][:2]
             cont_s = results["HF generate_batch (continuous)"][0]

@@ -86,7 +86,7 @@ def evaluate(manager, model, model_args, batch_size=1):
 
 def engine_alone(folder: str, seconds_per_request=None):
     """The same 256 requests (context + " " + choice, as lm-eval joins them) through
-    scheduler.Engine in this process, 32 in flight: the server's work without HTTP or a client."""
+    engine.Engine in this process, 32 in flight: the server's work without HTTP or a client."""
     from engine import Engine, RequestParams
     from tokenizer import load_tokenizer
 
@@ -150,7 +150,7 @@ def main():
         rows.append((f"{label}, lm-eval local-completions, {args.concurrency} concurrent x "
                      f"{args.prompts_per_request} prompts", seconds, ll, acc))
     seconds = engine_alone(folder)
-    rows.append(("scheduler.Engine alone, in process (no HTTP, no lm-eval), 32 in flight", seconds, None, None))
+    rows.append(("engine.Engine alone, in process (no HTTP, no lm-eval), 32 in flight", seconds, None, None))
     best_hf = min(s for name, s, _, _ in rows if name.startswith("lm-eval hf"))
     print("\n| backend | wall s | requests/s | vs best hf | max abs loglik diff vs hf | acc |")
     print("|---|---|---|---|---|---|")

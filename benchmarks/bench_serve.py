@@ -9,7 +9,7 @@ requests one after another, streaming. Prompts are windows of data/declaration.t
 tokens sent as token ids, greedy, `ignore_eos` (an extension) so every request produces
 exactly --max_tokens tokens. Reported per client count: requests/s, output tokens/s, time to
 first token p50/p90 (measured by the client, from sending to the first chunk with text), and
-output tokens/s as a fraction of the offline engine's (scheduler.py's `generate`, all requests
+output tokens/s as a fraction of the offline engine's (engine.py's `run_batch`, all requests
 at once, same engine settings, in this process).
 """
 import argparse
@@ -111,7 +111,7 @@ def main():
     for r in rows:
         print(f"| {r['clients']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft90']:.2f} | "
               f"{r['elapsed']:.1f} | {r['tps'] / engine_tps:.0%} |")
-    print(f"| offline engine (scheduler.py generate, all at once, max_num_seqs {most}) | | {engine_tps:.1f} | | | | 100% |")
+    print(f"| offline engine (engine.py run_batch, all at once, max_num_seqs {most}) | | {engine_tps:.1f} | | | | 100% |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Serving benchmarks for paged.py + scheduler.py on the embedded SmolLM2-135M, one process, with
+"""Serving benchmarks for paged.py + scheduler.py + engine.py on the embedded SmolLM2-135M, one process, with
 Hugging Face transformers' static batching in the same run.
 
     .venv/bin/python benchmarks/bench_serving.py                      # everything (~15 min)
@@ -33,6 +33,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
@@ -42,7 +43,8 @@ from batch import percentile  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from paged import PagedKVCache, blocks_for  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from engine import Engine, RequestParams  # noqa: E402
+from engine import Engine, Finished, RequestParams  # noqa: E402
+from helpers import check_allocator  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -164,7 +166,7 @@ def throughput_and_paging(model, ids, only):
         print("| implementation | output tok/s (whole run) | wall s | vs HF static batches | vs generate.py batch 1 eager | vs batch 1 compiled |")
         print("|---|---|---|---|---|---|")
         for name, r in (("HF transformers generate, static batches of 16 (left-padded)", hf_run),
-                        ("scheduler.py continuous batching (64 seqs, 512-token steps)", ours)):
+                        ("engine.py continuous batching (64 seqs, 512-token steps)", ours)):
             print(f"| {name} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | {r['out_tps'] / hf_run['out_tps']:.2f}x | "
                   f"{r['out_tps'] / eager1:.2f}x | {r['out_tps'] / compiled1:.2f}x |")
         print(f"| generate.py batch 1, eager (decode tok/s of one request) | {eager1:.1f} | | | 1.00x | |")
@@ -229,13 +231,10 @@ def soak(model, ids, count=500):
         if engine.scheduler.running and rng.random() < 0.03:
             engine.abort(rng.choice(engine.scheduler.running).request.id)
             aborted += 1
-        engine.step()
+        finished += sum(isinstance(e, Finished) for e in engine.step())
         if engine.scheduler.stats["steps"] % 25 == 0:
-            engine.scheduler.allocator.check()
-        for rid in [r for r, q in engine.requests.items() if q.finished]:
-            engine.requests.pop(rid)
-            finished += 1
-    engine.scheduler.allocator.check()
+            check_allocator(engine.scheduler.allocator)
+    check_allocator(engine.scheduler.allocator)
     elapsed = time.perf_counter() - start
     print(f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), random arrivals, "
           f"{aborted} aborted, 199 blocks for up to 32 sequences\n")

@@ -1,5 +1,5 @@
 """Where the engine's decode step spends its time, and how close it runs to the machine's matmul
-rate: scheduler.Engine on the embedded SmolLM2-135M, every request decoding (prompts prefilled
+rate: engine.Engine on the embedded SmolLM2-135M, every request decoding (prompts prefilled
 before the clock starts), profiled with torch.profiler.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_engine.py                    # batch 1, 8, 32, 64

@@ -1,0 +1,200 @@
+"""scheduler.py without a model: a stand-in runs each plan by writing every computed token id into
+its KV slot (block, offset), copying blocks first as the plan says, and "samples" a fixed function
+of what the slots hold. A sequence that reads back anything but its own tokens (a block shared
+wrongly, a copy missed, a preempted sequence's stale blocks, a prefix hit on the wrong blocks)
+fails at once; outputs must equal the function run alone."""
+import random
+
+import pytest
+
+from helpers import check_allocator
+from paged import BlockAllocator
+from scheduler import Scheduler
+from sequence import Request, RequestParams
+
+
+def next_token(tokens, index: int = 0) -> int:
+    """The stand-in's "model": depends on every token so far (and on the sample's index)."""
+    return 3 + (sum((i + 1) * t for i, t in enumerate(tokens)) + 7 * index) % 97
+
+
+def alone(prompt, n_new: int, index: int = 0) -> list:
+    tokens = list(prompt)
+    for _ in range(n_new):
+        tokens.append(next_token(tokens, index))
+    return tokens[len(prompt):]
+
+
+class StandIn:
+    """The engine's place: runs plans against fake KV slots; `copies=False` skips copy-on-write."""
+
+    def __init__(self, scheduler, copies: bool = True):
+        self.s, self.kv, self.copies, self.requests, self.computed = scheduler, {}, copies, {}, 0
+
+    def add(self, prompt, n_new: int, n: int = 1):
+        req = Request(len(self.requests), prompt, RequestParams(max_new_tokens=n_new, n=n, seed=0), "cpu")
+        self.requests[req.id] = req
+        self.s.add(req.seqs[0])
+        return req
+
+    def step(self):
+        plan, bs, results = self.s.schedule(), self.s.block_size, []
+        for src, dst in plan.copies if self.copies else ():
+            self.kv[dst] = dict(self.kv.get(src, {}))
+        for seq, n in plan.runs.items():  # every token's K/V written first, as each layer does
+            for p in range(seq.num_computed, seq.num_computed + n):
+                self.kv.setdefault(seq.blocks[p // bs], {})[p % bs] = seq.tokens[p]
+            self.computed += n
+        for seq, n in plan.runs.items():
+            if seq.num_computed + n < len(seq.tokens):
+                continue
+            seen = [self.kv.get(seq.blocks[p // bs], {}).get(p % bs) for p in range(len(seq.tokens))]
+            assert seen == seq.tokens, f"request {seq.request.id} sample {seq.index} reads back other tokens"
+            samples = [seq]
+            if seq.request.needs_fork:  # as the engine forks: at the prompt's end, from its row
+                twins = [seq.fork(k) for k in range(1, seq.request.params.n)]
+                seq.request.seqs, seq.request.needs_fork = seq.request.seqs + twins, False
+                plan.forks.append((seq, twins))
+                samples += twins
+            for s in samples:
+                done = len(s.output) + 1 >= s.request.params.max_new_tokens
+                results.append((s, next_token(s.tokens, s.index), "length" if done else None))
+        self.s.update(plan, results)
+        check_allocator(self.s.allocator)
+        return plan
+
+    def run(self):
+        while self.s.has_unfinished():
+            self.step()
+        assert self.s.allocator.num_used() == 0, "blocks leaked"
+
+
+def scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=512, **kw):
+    return Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, **kw)
+
+
+def random_workload(count: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 60))] for _ in range(count)]
+    shared = prompts[0][:30]
+    prompts += [shared + [7, 7, 7], shared + [9]]  # prefix hits on request 0's blocks
+    return prompts, [rng.randint(1, 24) for _ in prompts]
+
+
+@pytest.mark.parametrize("num_blocks, max_batched, policy", [
+    (400, 512, "fcfs"), (30, 512, "fcfs"), (400, 8, "fcfs"), (26, 12, "fcfs"), (26, 12, "lpm")])
+def test_every_sequence_reads_back_exactly_its_own_tokens(num_blocks, max_batched, policy):
+    prompts, news = random_workload(12, seed=0)
+    stand_in = StandIn(scheduler(num_blocks, max_num_batched_tokens=max_batched, policy=policy))
+    reqs = [stand_in.add(p, n) for p, n in zip(prompts, news)]
+    stand_in.run()
+    for req, prompt, n in zip(reqs, prompts, news):
+        assert req.seqs[0].output == alone(prompt, n) and req.seqs[0].finish_reason == "length"
+    stats = stand_in.s.stats
+    assert stats["prompt_tokens_hit"] > 0
+    if num_blocks < 100:
+        assert stats["preemptions"] > 0
+    if max_batched < 100:
+        assert stats["steps"] > sum(map(len, prompts)) / max_batched
+
+
+def test_n_samples_fork_share_the_prompt_and_copy_only_the_block_they_write():
+    """n = 3 of a 10-token prompt (block size 4): the prompt's blocks shared three ways, the half-
+    full third block copied by two samples; each sample equals its own run alone."""
+    stand_in = StandIn(scheduler())
+    req = stand_in.add(list(range(30, 40)), 12, n=3)
+    stand_in.step()
+    blocks = [s.blocks for s in req.seqs]
+    assert len(blocks) == 3 and blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
+    assert stand_in.s.allocator.ref[blocks[0][0]] == 3
+    third = blocks[0][2]
+    copies = stand_in.step().copies
+    assert len(copies) == 2 and {src for src, _ in copies} == {third}
+    stand_in.run()
+    assert [s.output for s in req.seqs] == [alone(range(30, 40), 12, k) for k in range(3)]
+
+
+def test_a_missed_copy_is_caught():
+    """The stand-in can fail: skipping the plan's copies makes the samples read each other's tokens."""
+    stand_in = StandIn(scheduler(), copies=False)
+    stand_in.add(list(range(30, 40)), 12, n=3)
+    with pytest.raises(AssertionError, match="reads back other tokens"):
+        stand_in.run()
+
+
+def test_a_prefix_hit_reuses_exactly_the_full_shared_blocks():
+    shared = list(range(20, 34))  # 14 tokens: 3 full blocks of 4
+    stand_in = StandIn(scheduler(100))
+    stand_in.add(shared + [40, 41, 42], 5)
+    stand_in.run()
+    before = stand_in.computed
+    second = stand_in.add(shared + [50, 51], 5)
+    stand_in.run()
+    assert second.prompt_tokens_hit == 12 and stand_in.computed - before == (16 - 12) + 4
+    assert second.seqs[0].output == alone(shared + [50, 51], 5)
+
+
+def test_preemption_takes_the_newest_sequence_and_recomputes_it():
+    """4 usable blocks, two 7-token prompts: at position 8 the newer one is preempted (its blocks
+    freed, first in the queue) and later recomputed; both outputs are still their alone-runs."""
+    stand_in = StandIn(scheduler(5, max_num_seqs=2))
+    old, new = stand_in.add([5, 6, 7, 8, 9, 10, 11], 6), stand_in.add([12, 13, 14, 15, 16, 17, 18], 6)
+    stand_in.step()
+    stand_in.step()
+    assert stand_in.s.stats["preemptions"] == 0
+    stand_in.step()
+    s = stand_in.s
+    assert s.stats["preemptions"] == 1 and [q.request for q in s.running] == [old] and s.waiting[0].request is new
+    assert s.waiting[0].blocks == [] and s.waiting[0].num_computed == 0
+    stand_in.run()
+    assert old.seqs[0].output == alone(old.prompt, 6) and new.seqs[0].output == alone(new.prompt, 6)
+
+
+def test_alone_and_too_big_for_the_pool_ends_at_length():
+    stand_in = StandIn(scheduler(5))
+    req = stand_in.add(list(range(20, 30)), 100)
+    stand_in.run()
+    assert req.seqs[0].finish_reason == "length" and len(req.seqs[0].output) == 16 - 10 + 1
+
+
+def test_chunked_prefill_never_stalls_decodes():
+    stand_in = StandIn(scheduler(600, block_size=16, max_num_batched_tokens=128))
+    small = [stand_in.add([3 + i, 4, 5], 40) for i in range(4)]
+    stand_in.step()
+    big = stand_in.add([random.Random(1).randrange(3, 250) for _ in range(2000)], 2)
+    while big.seqs[0].num_computed < 2000:
+        before = [len(r.seqs[0].tokens) for r in small]
+        plan = stand_in.step()
+        assert [len(r.seqs[0].tokens) for r in small] == [n + 1 for n in before]
+        assert sum(plan.runs.values()) <= 128
+    stand_in.run()
+
+
+def test_a_large_n_yields_a_slot_to_a_newcomer_but_never_below_the_fair_share():
+    stand_in = StandIn(scheduler(200, max_num_seqs=8, max_num_batched_tokens=64))
+    big = stand_in.add(list(range(20, 33)), 30, n=8)
+    for _ in range(3):
+        stand_in.step()
+    assert len(stand_in.s.running) == 8
+    small = stand_in.add([5, 6, 7], 2)
+    stand_in.step()
+    stand_in.step()
+    assert small.finished and stand_in.s.stats["preemptions"] >= 1
+    stand_in.run()
+    assert [s.output for s in sorted(big.seqs, key=lambda s: s.index)] == [alone(big.prompt, 30, k) for k in range(8)]
+
+    fair = StandIn(scheduler(200, max_num_seqs=8))
+    for k in range(8):
+        fair.add([1 + k, 2, 3], 20)
+    fair.step()
+    ninth = fair.add([7, 8], 3)
+    fair.step()
+    assert fair.s.stats["preemptions"] == 0 and ninth.seqs[0] in fair.s.waiting
+    fair.run()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="fcfs or lpm"):
+        scheduler(policy="random")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        scheduler(max_num_seqs=8, max_num_batched_tokens=4)
