@@ -19,8 +19,8 @@ Admission is decided in the engine thread, before anything is queued: while `dra
 Load the model on the thread that will step it (EngineThread, as serve.py does): torch's CPU
 ops run on an OpenMP pool that belongs to the thread calling them, so a model loaded on the main
 thread and stepped on another leaves two pools. With more OpenMP threads than cores, libgomp
-stops spinning between parallel regions and every op then waits for its workers to wake: on 2
-cores, prompt scoring through serve.py took 1.4x as long (benchmarks/RESULTS.md).
+stops spinning between parallel regions and every op then waits for its workers to wake
+(benchmarks/RESULTS.md, "Prompt scoring through serve.py" has the cost).
 """
 import asyncio
 import concurrent.futures

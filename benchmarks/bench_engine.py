@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import fuse_layers  # noqa: E402
-import runtime  # noqa: E402
 import hf_folder  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 from bench_serving import corpus, run_hf_static, window  # noqa: E402
 from engine import Engine, Finished, RequestParams  # noqa: E402

@@ -32,9 +32,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import generate  # noqa: E402
-import runtime  # noqa: E402
-import quantize  # noqa: E402
 import hf_folder  # noqa: E402
+import quantize  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 from bench_generate import PROMPT, run_hf  # noqa: E402
 from kv_cache import Int8KVCache, StaticKVCache  # noqa: E402

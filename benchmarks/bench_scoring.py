@@ -30,8 +30,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import runtime  # noqa: E402
 import hf_folder  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 
 

@@ -36,8 +36,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 import generate  # noqa: E402
-import runtime  # noqa: E402
 import hf_folder  # noqa: E402
+import runtime  # noqa: E402
 import weights  # noqa: E402
 from batch import percentile  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402

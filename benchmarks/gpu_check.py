@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
-import runtime  # noqa: E402
 import quantize  # noqa: E402
+import runtime  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from paged import PagedKVCache  # noqa: E402
