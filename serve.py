@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server on the continuous-batching engine (scheduler.py).
+"""An OpenAI-compatible HTTP server on the continuous-batching engine (engine.py).
 
     pip install -r requirements-serve.txt
     python serve.py                                   # the embedded model on http://127.0.0.1:8000

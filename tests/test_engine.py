@@ -1,4 +1,4 @@
-"""scheduler.py: continuous batching gives every request exactly the tokens it gets alone - with
+"""engine.py on scheduler.py: continuous batching gives every request exactly the tokens it gets alone - with
 preemption, chunked prefill, prefix-cache hits and copy-on-write forks - and the engine really
 does change its batch mid-run, chunk long prompts and prefer cached prefixes under `lpm`.
 Exact comparisons run in float64, so a mismatch is a bug, never a near-tie."""
@@ -458,3 +458,75 @@ def test_fair_share_never_preempts_a_request_down_to_nothing(tiny64):
     ninth = engine.add_request([7, 8], greedy(3))
     engine.step()
     assert engine.scheduler.stats["preemptions"] == 0 and not any(s.request.id == ninth for s in engine.scheduler.running)
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    from tokenizer import load_tokenizer
+
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("engine-tok"))
+    model, info = weights.load(folder, dtype=torch.float32)
+    return model, load_tokenizer(info.source)
+
+
+def test_streamed_text_is_the_output_text_and_stop_strings_end_it(with_tokenizer):
+    """The Token events' text joins to the result's text (one decode, not two), which is the
+    output's decode cut before the first stop string; an end token's text is never in it."""
+    model, tok = with_tokenizer
+    engine = Engine.for_model(model, num_blocks=200, block_size=8, tokenizer=tok, stop_ids=tok.stop_ids)
+    free = engine.run_batch([tok.encode("hello world")], RequestParams(max_new_tokens=40, temperature=0.0))[0]
+    stop = free["text"][5:8]
+    assert len(stop) == 3, free
+    rids = [engine.add_request(tok.encode("hello world"), RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop])),
+            engine.add_request(tok.encode("the quick"), RequestParams(max_new_tokens=30, seed=3, n=2))]
+    texts, results = {}, {}
+    while engine.has_unfinished():
+        for e in engine.step():
+            if isinstance(e, Finished):
+                results[e.request_id] = e
+            else:
+                texts[e.request_id, e.index] = texts.get((e.request_id, e.index), "") + e.text
+    cut = results[rids[0]].result
+    assert cut["finish_reason"] == "stop" and cut["text"] == free["text"][:free["text"].index(stop)]
+    assert texts[rids[0], 0] == cut["text"]
+    sampled = results[rids[1]].result
+    for k, seq in enumerate(results[rids[1]].request.seqs):
+        assert texts[rids[1], k] == sampled["text"][k]
+        ids = [t for t in seq.output if t not in tok.stop_ids]
+        assert sampled["text"][k] == tok.decode(ids)
+
+
+def test_abort_and_unknown_ids(tiny64):
+    """abort ends a request at once, every sample (forked or not yet) gets an "abort" event and
+    the request its Finished at the next step; a second abort does nothing; an id the engine
+    does not hold is named in the error."""
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
+    rid = engine.add_request(list(range(10, 60)), RequestParams(max_new_tokens=5, n=3), request_id="a")
+    with pytest.raises(ValueError, match="'b'"):
+        engine.abort("b")
+    engine.abort(rid)
+    engine.abort(rid)
+    assert engine.scheduler.allocator.num_used() == 0
+    events = engine.step()
+    assert sorted((e.index, e.finish_reason) for e in events if not isinstance(e, Finished)) == [
+        (0, "abort"), (1, "abort"), (2, "abort")]
+    assert [e.result["finish_reason"] for e in events if isinstance(e, Finished)] == [["abort"]]
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="'a'"):
+        engine.abort(rid)
+
+
+def test_an_engine_built_by_hand(tiny64):
+    """Engine(model, cache, Scheduler(allocator)): runs; prompt scoring needs the scheduler's
+    scores; a cache and an allocator of different pools are refused."""
+    from paged import BlockAllocator, PagedKVCache
+    from scheduler import Scheduler
+
+    cache = PagedKVCache.for_model(tiny64, 64, 4)
+    engine = Engine(tiny64, cache, Scheduler(BlockAllocator(64, 4), max_num_seqs=4, max_num_batched_tokens=32))
+    out = engine.run_batch([[5, 6, 7], [8, 9]], greedy(6))
+    assert [o["tokens"] for o in out] == [alone(tiny64, [5, 6, 7], 6), alone(tiny64, [8, 9], 6)]
+    with pytest.raises(ValueError, match="scores no prompts"):
+        engine.add_request([5, 6, 7], RequestParams(max_new_tokens=0, prompt_logprobs=1))
+    with pytest.raises(ValueError, match="blocks"):
+        Engine(tiny64, cache, Scheduler(BlockAllocator(32, 4)))
