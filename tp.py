@@ -12,7 +12,7 @@ width must divide by W; otherwise a clear error lists the world sizes that work.
 
 The embedding and output head are replicated, not vocabulary-sharded: every rank then computes
 the same full logits with no extra communication, so sampling (with a seed shared by all ranks)
-picks the same token everywhere. It costs `vocab * dim` bytes per rank (56 MiB for SmolLM2 in
+picks the same token everywhere. It costs `vocab * dim` bytes per rank (54 MiB for SmolLM2 in
 bf16); for a 128K vocabulary at dim 4096 it would be worth sharding.
 
 Sharding happens while loading (weights.load(..., shard=(rank, world))): every tensor is sliced
