@@ -158,10 +158,9 @@ class Engine:
     def step(self) -> list:
         """One iteration: a Token for each new token (and each sample that ended without one),
         then a Finished for each request now over, which the engine then forgets."""
-        plan = self.scheduler.schedule()
-        events, self.pending = self.pending, []
-        events += [Token(s.request.id, s.index, None, s.stream and s.stream.finish("length"), "length", None)
-                   for s in plan.ended]
+        plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
+        self.pending += [Token(s.request.id, s.index, None, s.stream and s.stream.finish("length"), "length", None)
+                         for s in plan.ended]
         for src, dst in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst)
         if plan.runs:
@@ -169,6 +168,7 @@ class Engine:
             self.scheduler.update(plan, self._sample(plan, done, logits, events))
             for seq in plan.runs if self.scheduler.scores else ():
                 self.scheduler.scores.remember(seq)
+        events, self.pending = self.pending + events, []
         for rid in [rid for rid, r in self.requests.items() if r.finished]:
             req = self.requests.pop(rid)
             events.append(Finished(rid, req.result(), req))

@@ -530,3 +530,24 @@ def test_an_engine_built_by_hand(tiny64):
         engine.add_request([5, 6, 7], RequestParams(max_new_tokens=0, prompt_logprobs=1))
     with pytest.raises(ValueError, match="blocks"):
         Engine(tiny64, cache, Scheduler(BlockAllocator(32, 4)))
+
+
+def test_a_step_that_raises_loses_no_abort_event(tiny64, monkeypatch):
+    """engine_loop aborts everything when a step raises: the abort events queued before the
+    failing step still come with the next one, and every block is freed."""
+    engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
+    first, second = engine.add_request([5, 6, 7], greedy(9)), engine.add_request([8, 9], greedy(9))
+    engine.step()
+    engine.abort(first)
+    real = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda plan: (_ for _ in ()).throw(RuntimeError("a bug in the step")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        engine.step()
+    monkeypatch.setattr(engine, "_forward", real)
+    engine.abort(second, error="the engine failed during a step")
+    events = engine.step()
+    assert sorted((e.request_id, e.finish_reason) for e in events if not isinstance(e, Finished)) == [
+        (first, "abort"), (second, "abort")]
+    results = {e.request_id: e.result for e in events if isinstance(e, Finished)}
+    assert results[first]["finish_reason"] == "abort" and "failed during a step" in results[second]["error"]
+    assert engine.scheduler.allocator.num_used() == 0 and not engine.has_unfinished()
