@@ -1,8 +1,7 @@
-"""The serving engine: one step of continuous batching, run on the model. scheduler.py decides
-who runs (host bookkeeping only); the Engine turns its Plan into the step's tensors, runs ONE
-forward over every scheduled token, flattened to [1, N] (paged.py explains why), samples, decides
-stops once, and returns the step's events. It owns the requests: batch.py and engine_loop.py use
-add_request, abort, step, has_unfinished and metrics, nothing else.
+"""The serving engine: one step of continuous batching, run on the model. scheduler.py decides who
+runs; the Engine turns its Plan into ONE forward over every scheduled token, flattened to [1, N]
+(paged.py says why), samples, decides stops once and returns the step's events. It owns the
+requests: batch.py and engine_loop.py call only add_request, abort, step, has_unfinished, metrics.
 
     engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
     rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
@@ -13,10 +12,10 @@ add_request, abort, step, has_unfinished and metrics, nothing else.
 Each sequence samples with its own torch.Generator (seeded from the request's seed), and its
 penalties (sampling.py) count its own tokens, so its output does not depend on what it was
 batched with. A request with n > 1 prefills once; its samples fork when the prompt is computed.
-Every token's text is decoded once, incrementally (tokenizer.TextStream, which also finds stop
-strings): the events carry the text a server streams. A fault while sampling one request (a
-constraint that fails, a tokenizer error) ends that request alone. Prompt scoring (scoring.py)
-is opt-in: the scheduler's hooks, then `positions`, `score` and `remember` around the forward.
+Each token's text is decoded once, incrementally (tokenizer.TextStream, which finds stop strings
+too): the events carry the text a server streams. A fault while sampling one request ends that
+request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, then `positions`,
+`score` and `remember` around the forward.
 """
 import itertools
 import time
@@ -121,6 +120,10 @@ class Engine:
     def _stream(self, params):
         return TextStream(self.tokenizer, params.stop) if self.tokenizer else None
 
+    @staticmethod
+    def _ended(seq, reason: str) -> Token:  # a sample ends without a token: the text its stream held back
+        return Token(seq.request.id, seq.index, None, seq.stream and seq.stream.finish(reason), reason, None)
+
     def abort(self, request_id, error: str = None):
         """End a request now (with `error`: as failed); its blocks are free at once. Its samples'
         "abort" events and its Finished come with the next step. Aborting it again does nothing."""
@@ -131,20 +134,20 @@ class Engine:
         for seq in req.seqs:
             if not seq.finish_reason:
                 self.scheduler.finish(seq, "abort")
-                self.pending.append(Token(req.id, seq.index, None, seq.stream and seq.stream.finish("abort"), "abort", None))
+                self.pending.append(self._ended(seq, "abort"))
         for k in range(len(req.seqs), req.params.n if req.needs_fork else 0):  # samples not forked yet
             self.pending.append(Token(req.id, k, None, "" if self.tokenizer else None, "abort", None))
         req.needs_fork = False
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests or self.pending)
+    def has_unfinished(self) -> bool:  # pending events belong to requests not yet returned as Finished
+        return bool(self.requests)
 
     def metrics(self) -> dict:
         """A snapshot (plain numbers, safe to read from another thread)."""
         s = self.scheduler
-        return {**s.stats, "requests": len(self.requests), "running": len({q.request.id for q in s.running}),
-                "waiting": len({q.request.id for q in s.waiting}), "kv_blocks_used": s.allocator.num_used(),
-                "kv_blocks_total": s.allocator.num_blocks - 1}
+        return {**s.stats, "requests": len(self.requests), "kv_blocks_total": s.allocator.num_blocks - 1,
+                "running": len({q.request.id for q in s.running}), "kv_blocks_used": s.allocator.num_used(),
+                "waiting": len({q.request.id for q in s.waiting})}
 
     def run_batch(self, prompts, params) -> list:
         """Offline: every prompt (a list of ids) with its params (one, or one per prompt) -> its
@@ -159,8 +162,7 @@ class Engine:
         """One iteration: a Token for each new token (and each sample that ended without one),
         then a Finished for each request now over, which the engine then forgets."""
         plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
-        self.pending += [Token(s.request.id, s.index, None, s.stream and s.stream.finish("length"), "length", None)
-                         for s in plan.ended]
+        self.pending += [self._ended(seq, "length") for seq in plan.ended]
         for src, dst in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst)
         if plan.runs:
@@ -214,13 +216,14 @@ class Engine:
         compiled = self.decode_fn is not None and all(n == 1 and not s.request.scoring for s, n in plan.runs.items())
         order, tokens, pos, groups, ends = self._layout(plan, compiled)
         done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens)]  # these sample a token
+        sampling = set(done)
         scored = scores.positions(order, ends, plan.runs) if scores else []  # (request, flat index, token)
         tokens, pos = torch.tensor([tokens], device=self.device), torch.tensor([pos], device=self.device)
         with torch.no_grad(), self.cache.step_groups(groups):
             if compiled:
-                logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in done]]
+                logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in sampling]]
             else:
-                keep = [e for s, e in zip(order, ends) if s in done] + [e for _, e, _ in scored]
+                keep = [e for s, e in zip(order, ends) if s in sampling] + [e for _, e, _ in scored]
                 logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(keep, dtype=torch.long, device=self.device))
         if scored:
             scores.score(scored, logits[len(done):])
@@ -245,7 +248,7 @@ class Engine:
                 continue
             if req.params.max_new_tokens == 0:  # only the prompt's scores were asked for
                 results.append((seq, None, "length"))
-                events.append(Token(req.id, seq.index, None, seq.stream and seq.stream.finish("length"), "length", None))
+                events.append(self._ended(seq, "length"))
                 continue
             try:  # a fault here (sampling, a constraint, detokenizing) ends this request only
                 token, text, reason = self._next_token(seq, logits[i], greedy[i], now)
@@ -268,11 +271,10 @@ class Engine:
             seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
         seq.token_times.append(now)
         reason = "stop" if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos) else None
-        if not reason and (len(seq.output) + 1 >= p.max_new_tokens or len(seq.tokens) + 1 >= self.max_model_len):
+        if not reason and (len(seq.tokens) - len(req.prompt) + 1 >= p.max_new_tokens or len(seq.tokens) + 1 >= self.max_model_len):
             reason = "length"
         text = seq.stream.add(token, reason) if seq.stream else None
-        if seq.stream and seq.stream.stop_string:  # a stop string, even in the last token: "stop"
-            reason = "stop"
+        reason = "stop" if seq.stream and seq.stream.stop_string else reason  # a stop string wins over "length"
         if seq.matcher is not None and not reason:
             seq.matcher.advance(token)
             if seq.matcher.error:

@@ -93,10 +93,6 @@ class EngineLoop:
     def abort(self, request_id):
         self.inbox.put(("abort", request_id))
 
-    def num_waiting(self) -> int:
-        """Requests queued for a slot (as of the last step)."""
-        return self.snapshot["waiting"]
-
     def drain(self, timeout: float):
         """Stop admission, let running requests finish for up to `timeout` seconds, then abort
         the rest (their clients get finish_reason "abort"). Blocks; call it from any thread."""

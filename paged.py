@@ -25,12 +25,11 @@ one-token rows in one group and gives each prefill chunk its own). Padding a rag
 generate.py's rectangular batches need no groups: with `groups = None` the whole [B, T] input is
 one group over `block_tables`.
 
-Per-step metadata the caller hands over around the forward, `with cache.step_groups(groups):`
-(the block tables; their width W,
-in blocks, is the attend width: the longest context in the group rounded up to a power of two,
-never the model's whole context). Slot mappings are derived from the positions inside `attend`
-(above), so a compiled decode step needs no host work per token. Padding rows point at the null
-block at position 0.
+The caller hands the step's groups over around the forward, `with cache.step_groups(groups):`.
+A block table's width W, in blocks, is the attend width: the group's longest context rounded up
+to a power of two, never the model's whole context. Slot mappings are derived from the positions
+inside `attend` (above), so a compiled decode step needs no host work per token. Padding rows
+point at the null block at position 0.
 
 Attention reads a group's W blocks. The reference (`_attend_group`) gathers them into one
 contiguous [rows, Hkv, W * block_size, D] copy for SDPA, whose matrix products then run at full

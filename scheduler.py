@@ -70,8 +70,7 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan()
-        budget = self._schedule_running(plan)
-        self._admit(plan, budget)
+        self._admit(plan, budget=self._schedule_running(plan))
         if plan.runs:
             st = self.stats
             st["steps"] += 1
