@@ -10,8 +10,8 @@ event a caller receives is one of:
                                                  (sampling.token_logprobs) when asked for, else None
     (choice index, None, text, reason, None)     a sample ended without a token ("abort", or
                                                  "length" when max_new_tokens = 0 scored the prompt)
-    Over(first choice index, error, prompt_logprobs)   one request (one prompt) is over; error is
-                                                 None or why it failed (the others go on)
+    Over(first choice index, error, prompt_logprobs, cached_tokens)   one request (one prompt) is
+                                                 over; error is None or why it failed (the others go on)
 
 Admission is decided in the engine thread, before anything is queued: while `draining`, or when
 `max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).
@@ -40,6 +40,33 @@ class Over(NamedTuple):
     first: int  # the request's first choice index
     error: str  # None, or why the request failed
     prompt_logprobs: list  # None, or the prompt's (engine Request.prompt_logprobs)
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache held
+
+
+async def events_of(rids, events, out):
+    """(choice index, new text, finish_reason) per token event of the requests `rids` until all
+    are over, each handed to out.add(index, token, text, reason, logprob) first (out.over(Over)
+    for a request's end); a failed request's error (str)."""
+    left = len(rids)
+    while left:
+        event = await events.get()
+        if isinstance(event, Over):
+            left -= 1
+            out.over(event)
+            if event.error:
+                yield event.error
+            continue
+        index, token, text, reason, logprob = event
+        yield index, out.add(index, token, text, reason, logprob), reason
+
+
+async def collect_all(rids, events, out):
+    """Every event into `out`; the first error message, or None."""
+    failed = None
+    async for event in events_of(rids, events, out):
+        if isinstance(event, str):
+            failed = failed or event
+    return failed
 
 
 class Unavailable(Exception):
@@ -135,7 +162,7 @@ class EngineLoop:
             if ttft is not None:
                 self._observe_ttft(ttft)
             req = event.request
-            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs))
+            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs, req.prompt_tokens_hit))
             return
         self.tokens_generated += event.token is not None
         loop.call_soon_threadsafe(q.put_nowait, (first + event.index, event.token, event.text, event.finish_reason,

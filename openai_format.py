@@ -16,15 +16,38 @@ With `echo`, a completion's text and arrays start with the prompt's; the first p
 no log-probability (null), and `max_tokens: 0` scores a prompt without generating.
 """
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runtime import log
+from tool_calls import CallStream, parse_calls
 
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
+# Fields of OpenAI's API accepted and ignored without a log line: they change nothing here.
+IGNORED = {"user", "store", "metadata", "service_tier", "reasoning_effort", "reasoning", "prompt_cache_key",
+           "safety_identifier", "include", "truncation", "verbosity", "modalities", "prediction", "background"}
+UNKNOWN_LOGGED = set()  # unknown field names logged so far (at most 100: a hostile client sends many)
 
 
-class Sampling(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's own server does."""
+class Body(BaseModel):
+    """A request body or part of one. null is absent (OpenAI's spec marks its optional fields
+    nullable and clients send them: LangChain's `"seed": null`); unknown fields are ignored, as
+    OpenAI's own server ignores them, and each name is logged once."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        for key in sorted(data.keys() - known.keys() - IGNORED - UNKNOWN_LOGGED)[:100 - len(UNKNOWN_LOGGED)]:
+            UNKNOWN_LOGGED.add(key)
+            log(f"ignoring the unknown request field {str(key)[:80]!r} (logged once)")
+        return {k: v for k, v in data.items() if v is not None or k not in known}
+
+
+class Sampling(Body):
+    """Fields both endpoints share."""
     model: str = None
     max_tokens: int = Field(None, ge=0)  # 0 only with echo (completions): score the prompt
     temperature: float = Field(1.0, ge=0)
@@ -51,17 +74,18 @@ class CompletionRequest(Sampling):
     echo: bool = False  # the prompt's text and log-probabilities first
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     type: str
     text: str = None
 
 
-class Message(BaseModel):
+class Message(Body):
     role: str
-    content: str | list[TextPart] | None = ""
+    content: str | list[TextPart] = ""
     tool_calls: list[dict] = None  # an assistant's earlier calls
     tool_call_id: str = None  # a tool's reply: the call it answers
     name: str = None
+    function_call: dict = None  # the legacy form of one tool call (read as tool_calls)
 
     def text(self) -> str:
         """content as one string; a list of parts must be all text."""
@@ -79,11 +103,24 @@ class ChatRequest(Sampling):
     top_logprobs: int = Field(None, ge=0, le=20)
     tools: list[dict] = None  # OpenAI function tools (tool_calls.py)
     tool_choice: str | dict = None
+    parallel_tool_calls: bool = True  # "required" may then write several calls
+    functions: list[dict] = None  # the legacy form of tools and tool_choice (tool_calls.legacy_tools)
+    function_call: str | dict = None
 
 
 def template_messages(body) -> list:
-    """The chat messages as the template sees them (dicts, content as text); ValueError if bad."""
-    return [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages]
+    """The chat messages as the template sees them (dicts, content as text); ValueError if bad.
+    The legacy forms become today's: an assistant's `function_call` its one tool call, a
+    "function" message a "tool" message."""
+    messages = []
+    for m in body.messages:
+        message = m.model_dump(exclude_none=True, exclude={"function_call"}) | {"content": m.text()}
+        if m.function_call is not None:
+            message["tool_calls"] = [{"id": "call_legacy", "type": "function", "function": m.function_call}]
+        if m.role == "function":
+            message |= {"role": "tool", "tool_call_id": "call_legacy"}
+        messages.append(message)
+    return messages
 
 
 def refusal(body, chat: bool):
@@ -143,6 +180,14 @@ def logprob_counts(body, chat: bool):
     if chat:
         return (body.top_logprobs or 0) if body.logprobs else None, None
     return body.logprobs, ((body.logprobs or 0) if body.echo else None)
+
+
+class Refused(Exception):
+    """An error response (400 unless given) before anything is queued: a step raises it, the app sends it."""
+
+    def __init__(self, message: str, param: str = None, response=None):
+        super().__init__(message)
+        self.response = response if response is not None else error(400, message, param=param)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None):
@@ -222,14 +267,14 @@ def chat_logprobs(tokenizer, ids, entries, start: int = 0) -> dict:
                         for t, e, top in zip(texts, entries, tops)]}
 
 
-class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt, or chat messages
+class TokenizeRequest(Body):  # vLLM's /tokenize: a prompt, or chat messages
     model: str = None
     prompt: str = None
     messages: list[Message] = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     model: str = None
     tokens: list[int]
 
@@ -240,11 +285,16 @@ class Outputs:
     i // n. Holds each choice's text (as the engine decoded it: engine.Token's text), token ids and
     log-probability entries."""
 
-    def __init__(self, tokenizer, prompts, n: int, chat: bool, logprobs: bool, echo: bool, tools=None):
+    def __init__(self, tokenizer, prompts, n: int, chat: bool, logprobs: bool, echo: bool, tools=None,
+                 parallel: bool = True, legacy: bool = False):
         self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
         self.logprobs, self.echo = logprobs, echo
-        self.tools = tools  # (format, tools) when the reply may hold tool calls: parsed when it ends
+        self.tools = tools  # (format, tools) when the reply may hold tool calls
+        self.parallel, self.legacy = parallel, legacy  # several calls allowed; the legacy function_call form
         self.num_choices = len(prompts) * n
+        self.streams = [CallStream(*tools, parallel) if tools else None for _ in range(self.num_choices)]
+        self.calls_sent = [0] * self.num_choices
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.pieces = [[] for _ in range(self.num_choices)]  # each choice's text, in the pieces that arrived
         self.reasons = [None] * self.num_choices
         self.ids = [[] for _ in range(self.num_choices)]
@@ -262,13 +312,19 @@ class Outputs:
         self.reasons[i] = reason or self.reasons[i]
         return text
 
+    def over(self, event):
+        """One request (prompt) is over (engine_loop.Over)."""
+        self.prompt_logprobs[event.first // self.n] = event.prompt_logprobs
+        self.cached_tokens += event.cached_tokens
+
     def text(self, i: int) -> str:
         return "".join(self.pieces[i])
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(ids) for ids in self.ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def _logprobs(self, i: int, first: int, offset: int):
         """Log-probabilities of choice i's output tokens from the first-th on."""
@@ -300,29 +356,54 @@ class Outputs:
 
     def _message(self, i: int):
         """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given."""
-        from tool_calls import parse_calls
-
         if not self.tools:
             return {"role": "assistant", "content": self.text(i)}, self.reasons[i]
-        content, calls = parse_calls(self.text(i), *self.tools)
+        content, calls = parse_calls(self.text(i), *self.tools, parallel=self.parallel)
         if not calls:
             return {"role": "assistant", "content": content}, self.reasons[i]
+        if self.legacy:  # the one call of the legacy `function_call`
+            return {"role": "assistant", "content": content, "function_call": calls[0]["function"]}, "function_call"
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def delta(self, i: int, text: str, reason) -> dict:
-        """A streamed chunk's choice: the new text and the log-probabilities of the tokens since the last."""
+        """A streamed chunk's choice: the new text (with tools: its content and tool-call parts) and
+        the log-probabilities of the tokens since the last; None when nothing is new."""
+        delta = {"content": text}
+        if self.chat and self.tools:
+            parts = self.streams[i].feed(text) + (self.streams[i].finish() if reason else [])
+            delta = self._call_delta(i, parts)
+            if reason and self.streams[i].calls:
+                reason = "function_call" if self.legacy else "tool_calls"
+            if not delta and not reason:
+                return None
         logprobs = None
-        if self.chat and self.tools and not reason:  # held until the reply ends (below)
-            return None
         if self.logprobs:
             logprobs = self._logprobs(i, self.sent[i], self.offset[i])
             self.sent[i] = len(self.ids[i])
         self.offset[i] += len(text)
-        if self.chat and self.tools:  # the reply is parsed once it ends: one delta with content and calls
-            message, reason = self._message(i)
-            calls = [{"index": k, **c} for k, c in enumerate(message.pop("tool_calls", []))]
-            delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
-            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         if self.chat:
-            return {"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _call_delta(self, i: int, parts) -> dict:
+        """CallStream parts as one chat delta: content, and OpenAI's tool_calls deltas (a call's id
+        and name first, then fragments of its arguments), or the legacy function_call's."""
+        delta, calls = {}, []
+        for kind, *value in parts:
+            if kind == "content":
+                delta["content"] = delta.get("content", "") + value[0]
+            elif kind == "call":
+                self.calls_sent[i] += 1
+                calls.append({"index": self.calls_sent[i] - 1, "id": value[0], "type": "function",
+                              "function": {"name": value[1], "arguments": ""}})
+            elif calls and calls[-1]["index"] == self.calls_sent[i] - 1:
+                calls[-1]["function"]["arguments"] += value[0]
+            else:
+                calls.append({"index": self.calls_sent[i] - 1, "function": {"arguments": value[0]}})
+        if calls and self.legacy:
+            first = [c["function"] for c in calls if c["index"] == 0]
+            if first:
+                delta["function_call"] = {k: "".join(f.get(k, "") for f in first) for k in first[0]}
+        elif calls:
+            delta["tool_calls"] = calls
+        return delta

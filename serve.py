@@ -8,7 +8,8 @@
          -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
-server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+server-sent events), POST /v1/responses (responses.py), GET /v1/models[/{id}], GET /health,
+GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
 
 This file only translates. engine_loop.py runs the engine in one background thread; HTTP handlers
 (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue per
@@ -16,22 +17,20 @@ request, so every concurrent HTTP request is batched into the same steps. `Serve
 handlers share and has one method per step (check, encode, params, respond, ...); make_app routes.
 
 A server left running meets hostile traffic, so every request is checked against `Limits`
-before any work is queued (body size -> 413; n, stop strings, prompts per request, context ->
-400; a full waiting queue -> 503 with Retry-After), text is tokenized off the event loop, and a
-client that goes away (streaming or not) aborts its request, which frees its KV blocks. SIGTERM
-or SIGINT drain: new requests get 503, /health says "draining", running requests have
+(server_limits.py) before any work is queued (body size -> 413; n, stop strings, prompts per
+request, context -> 400; a full waiting queue -> 503 with Retry-After), text is tokenized off the
+event loop, and a client that goes away (streaming or not) aborts its request, which frees its KV
+blocks. SIGTERM or SIGINT drain: new requests get 503, /health says "draining", running requests have
 --shutdown_timeout seconds to finish, the rest end with finish_reason "abort", the process exits 0.
 """
 import argparse
 import asyncio
-import hmac
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,80 +38,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine_loop import EngineLoop, EngineThread, Over, Unavailable
-from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, TokenizeRequest, constraint_of,
-                           encode, error, logprob_counts, prompt_list, refusal, template_messages, unavailable)
+from engine_loop import EngineLoop, EngineThread, Unavailable, collect_all, events_of
+from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, Refused, TokenizeRequest,
+                           constraint_of, encode, error, logprob_counts, prompt_list, refusal, template_messages,
+                           unavailable)
+from responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from tool_calls import call_constraint, check_tools, render_args, tool_format
+from server_limits import Guard, Limits, add_limit_args
+from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
-
-
-@dataclass
-class Limits:
-    """What one request may ask for; each is a serve.py flag."""
-    max_waiting: int = 256  # requests queued for a slot; more -> 503
-    max_n: int = 16  # samples per prompt
-    max_model_len: int = None  # prompt + max_tokens, when lower than the model's context
-    max_body_bytes: int = 4 * 2**20  # request body; more -> 413
-    max_prompts: int = 64  # prompts in one completions request
-    max_stop: int = 16  # stop strings
-
-
-def authorized(header: bytes, api_key: str) -> bool:
-    """'Authorization: Bearer KEY', the scheme name in any case (RFC 7235)."""
-    scheme, _, token = header.decode("latin-1").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-
-
-class Guard:
-    """ASGI middleware, before any handler reads the body: the API key (everything but /health
-    needs it when set, /metrics and /docs included), 503 while draining, and the body size (413,
-    from Content-Length or while a chunked body arrives)."""
-
-    def __init__(self, app, api_key, max_body_bytes, engine_loop):
-        self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.api_key and not authorized(headers.get(b"authorization", b""), self.api_key):
-            return await error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               "authentication_error")(scope, receive, send)
-        if self.engine_loop.draining and scope["method"] == "POST":
-            return await unavailable("the server is shutting down")(scope, receive, send)
-        limit, length = self.max_body_bytes, headers.get(b"content-length", b"0")
-        too_large = f"the request body exceeds {limit} bytes (--max_body_bytes)"
-        if not length.isdigit() or int(length) > limit:
-            return await error(413, too_large)(scope, receive, send)
-        received = 0
-
-        async def bounded_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise HTTPException(413, too_large)
-            return message
-
-        await self.app(scope, bounded_receive, send)
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models[/{id}], "
+          "POST /tokenize, POST /detokenize, GET /health, GET /metrics")
 
 
 async def disconnected(request: Request):
     """Returns when the client goes away (the body has been read, so the next message says so)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class Refused(Exception):
-    """An error response (400 unless given) before anything is queued: any step raises it, the app sends it."""
-
-    def __init__(self, message: str, param: str = None, response=None):
-        super().__init__(message)
-        self.response = response if response is not None else error(400, message, param=param)
 
 
 async def refused(request, exc: Refused):
@@ -126,35 +71,13 @@ async def bad_request(request, exc: RequestValidationError):
 
 
 async def http_error(request, exc: HTTPException):
+    if exc.status_code == 404:
+        return error(404, f"no route {request.method} {request.url.path}: this server serves {ROUTES}")
     return error(exc.status_code, str(exc.detail))
 
 
 def chunk(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-async def events_of(rids, events, out: Outputs):
-    """(choice index, new text, finish_reason) until every request is over; a failed one's error (str)."""
-    left = len(rids)
-    while left:
-        event = await events.get()
-        if isinstance(event, Over):
-            left -= 1
-            out.prompt_logprobs[event.first // out.n] = event.prompt_logprobs
-            if event.error:
-                yield event.error
-            continue
-        index, token, text, reason, logprob = event
-        yield index, out.add(index, token, text, reason, logprob), reason
-
-
-async def collect_all(rids, events, out: Outputs):
-    """Every event into `out`; the first error message, or None."""
-    failed = None
-    async for event in events_of(rids, events, out):
-        if isinstance(event, str):
-            failed = failed or event
-    return failed
 
 
 class Server:
@@ -173,9 +96,23 @@ class Server:
     async def metrics(self):
         return PlainTextResponse(self.loop.metrics(), media_type="text/plain; version=0.0.4")
 
+    def card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "local",
+                "max_model_len": self.context}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "local", "max_model_len": self.context}]}
+        return {"object": "list", "data": [self.card()]}
+
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            message = f"the model {model_id!r} does not exist: this server serves {self.model_name!r}"
+            raise Refused(message, response=error(404, message, param="model"))
+        return self.card()
+
+    async def embeddings(self):
+        message = ("this server does not serve embeddings (/v1/embeddings): it runs a generative model, "
+                   f"and serves {ROUTES}")
+        raise Refused(message, response=error(404, message))
 
     async def tokenize(self, body: TokenizeRequest):
         try:
@@ -202,14 +139,20 @@ class Server:
         return await self.respond(request, body, prompts, chat=False)
 
     async def chat_completions(self, body: ChatRequest, request: Request):
+        prompt, tools, tool_constraint = await self.chat_prompt(body)
+        return await self.respond(request, body, [prompt], chat=True, tools=tools, tool_constraint=tool_constraint)
+
+    async def chat_prompt(self, body: ChatRequest):
+        """(prompt ids, (format, tools) when the reply may hold calls, the grammar a tool_choice imposes)."""
         self.check(body, 1, chat=True)
         messages = self.messages(body)
         tools = self.tools(body)
         messages, extra = render_args(messages, body.tools, body.tool_choice, self.tokenizer.chat_template)
-        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0]) if tools else None
+        parallel = body.parallel_tool_calls
+        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0], parallel) if tools else None
         text = await self.render(messages, extra)
         prompt, = await self.encode([text], "messages", bos=False)  # the template writes BOS where the model wants it
-        return await self.respond(request, body, [prompt], chat=True, tools=tools, tool_constraint=tool_constraint)
+        return prompt, tools, tool_constraint
 
     def check(self, body, num_prompts: int, chat: bool):
         """The limits (and logit_bias ids) that need no tokens; Refused naming the first one broken."""
@@ -244,7 +187,13 @@ class Server:
             raise Refused(f"messages: {e}", "messages") from None
 
     def tools(self, body: ChatRequest):
-        """(format, tools) when the reply may hold tool calls (parsed when it ends), else None."""
+        """(format, tools) when the reply may hold tool calls, else None. The legacy `functions` and
+        `function_call` are read as tools and tool_choice (and answered in their form)."""
+        if body.functions is not None or body.function_call is not None:
+            if body.tools is not None or body.tool_choice is not None:
+                raise Refused("send tools and tool_choice, or the legacy functions and function_call, not both",
+                              "functions")
+            body.tools, body.tool_choice = legacy_tools(body.functions, body.function_call)
         if body.tool_choice not in (None, "auto", "none") and not body.tools:
             raise Refused(f"tool_choice {body.tool_choice!r} needs tools", "tool_choice")
         if not body.tools or body.tool_choice == "none":
@@ -262,7 +211,8 @@ class Server:
             raise Refused(f"the chat template failed on these messages: {e}", "messages") from None
 
     def params(self, body, prompts, chat: bool, tool_constraint=None) -> RequestParams:
-        """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the constraint."""
+        """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the constraint.
+        A forced tool call's grammar wins over response_format, which shapes text replies (as OpenAI's)."""
         lengths = [len(p) for p in prompts]
         default_max = self.context - max(lengths) if chat else 16
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -278,17 +228,16 @@ class Server:
             constraint = constraint_of(body)
         except ValueError as e:
             raise Refused(e.args[0], e.args[1]) from None
-        if tool_constraint and constraint:
-            raise Refused("a tool_choice that forces a call cannot be combined with response_format", "tool_choice")
         return RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                              top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                              min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                             logit_bias=body.logit_bias or {}, constraint=constraint or tool_constraint)
+                             logit_bias=body.logit_bias or {}, constraint=tool_constraint or constraint)
 
-    async def respond(self, request, body, prompts, chat: bool, tools=None, tool_constraint=None):
-        """Queue the prompts (400 if refused, 503 if full); the whole response, or server-sent events if "stream"."""
+    async def submit(self, body, prompts, chat: bool, tool_constraint=None):
+        """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400) for a
+        request the engine refuses, 503 when it cannot take more now."""
         params = self.params(body, prompts, chat, tool_constraint)
         try:
             rids, events = await self.loop.submit(prompts, params)
@@ -296,17 +245,33 @@ class Server:
             raise Refused(str(e)) from None
         except Unavailable as e:
             raise Refused(str(e), response=unavailable(str(e))) from None
+        return rids, events, params
+
+    async def respond(self, request, body, prompts, chat: bool, tools=None, tool_constraint=None):
+        """Queue the prompts; the whole response, or server-sent events if "stream"."""
+        rids, events, params = await self.submit(body, prompts, chat, tool_constraint)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}", "created": int(time.time()),
                 "model": self.model_name}
+        legacy = chat and body.functions is not None
         out = Outputs(self.tokenizer, prompts, body.n, chat, params.logprobs is not None,
-                      getattr(body, "echo", False), tools)
+                      getattr(body, "echo", False), tools, getattr(body, "parallel_tool_calls", True), legacy)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
             return StreamingResponse(self.sse(rids, events, out, meta, include_usage), media_type="text/event-stream")
         return await self.whole(request, rids, events, out, meta)
 
     async def whole(self, request, rids, events, out: Outputs, meta: dict):
-        """The response once every sample is over; a client that goes away first (499) aborts them."""
+        """The response once every sample is over."""
+        failed = await self.collect(request, rids, events, out)
+        if failed:
+            return failed
+        # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
+        return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
+                             "choices": [out.choice(i) for i in range(out.num_choices)], "usage": out.usage()})
+
+    async def collect(self, request, rids, events, out: Outputs):
+        """Every event into `out`: None, or the error response (500 if a request failed; 499, with
+        its requests aborted, if the client went away first)."""
         collect = asyncio.ensure_future(collect_all(rids, events, out))
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -321,9 +286,7 @@ class Server:
             return error(499, "the client closed the request")
         if collect.result():
             return error(500, f"the request failed: {collect.result()}", "server_error")
-        # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
-        return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
-                             "choices": [out.choice(i) for i in range(out.num_choices)], "usage": out.usage()})
+        return None
 
     async def sse(self, rids, events, out: Outputs, meta: dict, include_usage: bool):
         """A chunk per new text, usage if asked, then [DONE]; a client that goes away aborts its requests."""
@@ -358,6 +321,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     the EngineThread the engine was loaded on (engine_loop.py says why), else a new one."""
     limits = limits or Limits()
     server = Server(engine, tokenizer, model_name, limits, thread)
+    responses = Responses(server, limits.max_stored_responses)
     app = FastAPI(title="llm inference server", exception_handlers={
         RequestValidationError: bad_request, HTTPException: http_error, Refused: refused})
     app.state.engine_loop = server.loop
@@ -365,25 +329,14 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model_id:path}")(server.model)
     app.post("/tokenize")(server.tokenize)
     app.post("/detokenize")(server.detokenize)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/v1/responses")(responses.create)
+    app.post("/v1/embeddings")(server.embeddings)
     return app
-
-
-def add_limit_args(p: argparse.ArgumentParser):
-    d = Limits()
-    p.add_argument("--max_waiting", type=int, default=d.max_waiting,
-                   help="requests that may wait for a slot; more get 503 with Retry-After")
-    p.add_argument("--max_n", type=int, default=d.max_n, help="most samples (n) per prompt")
-    p.add_argument("--max_model_len", type=int, default=None,
-                   help="most prompt + max_tokens per request (default: the model's context)")
-    p.add_argument("--max_body_bytes", type=int, default=d.max_body_bytes, help="largest request body; more get 413")
-    p.add_argument("--max_prompts", type=int, default=d.max_prompts, help="most prompts in one completions request")
-    p.add_argument("--max_stop", type=int, default=d.max_stop, help="most stop strings per request")
-    p.add_argument("--shutdown_timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
 
 
 class DrainingServer(uvicorn.Server):
@@ -426,6 +379,8 @@ def main(argv=None) -> int:
     add_engine_args(p)
     args = p.parse_args(argv)
     check_engine_args(p, args)
+    if args.max_stored_responses < 0:
+        p.error("--max_stored_responses must be >= 0")
     for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")

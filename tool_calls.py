@@ -62,23 +62,50 @@ def render_args(messages, tools, tool_choice, chat_template):
     return [{"role": "system", "content": system}] + messages, {}
 
 
-def call_constraint(tools, tool_choice, fmt: str):
-    """The grammar a "required" or named tool_choice imposes, or None."""
+def legacy_tools(functions, function_call):
+    """The legacy `functions` and `function_call` as (tools, tool_choice)."""
+    tools = [{"type": "function", "function": f} for f in functions or []]
+    if isinstance(function_call, dict):
+        return tools, {"type": "function", "function": {"name": function_call.get("name")}}
+    return tools, function_call
+
+
+def strict(schema):
+    """A `strict` tool's parameters: no keys beyond the schema's in any object (OpenAI's strict mode)."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False):
+    """The grammar a "required" or named tool_choice imposes, or None. With `parallel`, "required"
+    allows one or more calls (hermes; Llama 3.1's reply is one call)."""
     if tool_choice != "required" and not isinstance(tool_choice, dict):
         return None
     chosen = [t for t in tools if not isinstance(tool_choice, dict) or t["function"]["name"] == tool_choice["function"]["name"]]
     key = "parameters" if fmt == "llama3" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               key: t["function"].get("parameters") or {"type": "object"}},
+
+    def schema_of(f):
+        params = f.get("parameters") or {"type": "object"}
+        return strict(params) if f.get("strict") else params
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: schema_of(t["function"])},
               "required": ["name", key], "additionalProperties": False} for t in chosen]
     schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
     if fmt == "llama3":
         return Constraint("json_schema", schema)
-    return Constraint("grammar", 'start: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema))
+    several = parallel and tool_choice == "required"
+    start = 'start: one ("\\n" one)*\n' if several else "start: one\n"
+    return Constraint("grammar", start + 'one: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema))
 
 
-def parse_calls(text: str, fmt: str, tools):
-    """The reply -> (content or None, [OpenAI tool_call]); text that does not parse stays content."""
+def parse_calls(text: str, fmt: str, tools, parallel: bool = True):
+    """The reply -> (content or None, [OpenAI tool_call]); text that does not parse stays content.
+    Without `parallel`, the first call only (the others are dropped from the content too)."""
     known, found, rest = set(names(tools)), [], text
     if fmt == "llama3":
         try:
@@ -96,9 +123,144 @@ def parse_calls(text: str, fmt: str, tools):
         if isinstance(obj, dict) and obj.get("name") in known:
             found.append(_call(obj["name"], obj.get("arguments", {})))
             rest = rest.replace(m.group(0), "", 1)
-    return (rest.strip() or None) if found else text, found
+    return (rest.strip() or None) if found else text, found if parallel else found[:1]
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call(name, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*'),
+        "llama3": re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')}
+
+
+class CallStream:
+    """A reply's tool calls while it is written, for streaming. feed(text), and finish() when the
+    reply ends, return parts: ("content", text), ("call", id, name) when a call's head
+    `{"name": ..., "arguments": ` is written, then ("arguments", fragment): the raw text of its
+    arguments until their JSON value closes. A call written otherwise (keys in another order) is
+    parsed whole when it closes, as parse_calls does; text that never parses stays content.
+    Whitespace after content is held until more content follows, so the calls' surroundings trim."""
+
+    def __init__(self, fmt: str, tools, parallel: bool = True):
+        self.fmt, self.tools, self.known, self.parallel = fmt, tools, set(names(tools)), parallel
+        self.state = "start" if fmt == "llama3" else "text"
+        self.pending, self.held, self.calls = "", "", 0  # text not yet passed on; whitespace after content
+        self.depth, self.in_string, self.escaped = 0, False, False  # the arguments' JSON scanner
+
+    def feed(self, text: str) -> list:
+        self.pending += text
+        parts = []
+        while getattr(self, "_" + self.state)(parts):
+            pass
+        return parts
+
+    def finish(self) -> list:
+        parts = []
+        if self.state in ("head", "raw"):  # a call that never streamed: parsed whole, or content
+            self._whole(parts, self.pending if self.fmt == "llama3" else OPEN + self.pending)
+        elif self.state in ("start", "text"):
+            self._content(parts, self.pending)
+        if not self.calls and self.held:
+            parts.append(("content", self.held))
+        self.pending, self.held = "", ""
+        return parts
+
+    def _content(self, parts, text: str):
+        text, self.held = self.held + text, ""
+        body = text.rstrip()
+        if body:
+            parts.append(("content", body))
+        self.held = text[len(body):]
+
+    def _whole(self, parts, text: str):
+        content, calls = parse_calls(text, self.fmt, self.tools)
+        if content:
+            self._content(parts, content)
+        for call in calls[:None if self.parallel else 1 - self.calls]:
+            self.calls += 1
+            parts += [("call", call["id"], call["function"]["name"]), ("arguments", call["function"]["arguments"])]
+
+    def _start(self, parts) -> bool:  # llama3: a reply that opens with JSON may be a call
+        head = self.pending.lstrip()
+        if head:
+            self.state = "head" if head[0] in "{<" else "text"
+        return bool(head)
+
+    def _text(self, parts) -> bool:
+        if self.fmt == "llama3":
+            self._content(parts, self.pending)
+            self.pending = ""
+            return False
+        at = self.pending.find(OPEN)
+        if at < 0:  # keep what may be the start of OPEN
+            keep = next((k for k in range(len(OPEN) - 1, 0, -1) if self.pending.endswith(OPEN[:k])), 0)
+            self._content(parts, self.pending[:len(self.pending) - keep])
+            self.pending = self.pending[len(self.pending) - keep:]
+            return False
+        self._content(parts, self.pending[:at])
+        self.pending = self.pending[at + len(OPEN):]
+        self.state = "head"
+        return True
+
+    def _head(self, parts) -> bool:
+        m = HEAD[self.fmt].match(self.pending)
+        if m and m.group(1) in self.known and self.calls and not self.parallel:  # a second call: dropped
+            self.state = "tail"
+            return True
+        if m and m.group(1) in self.known:
+            self.calls += 1
+            parts.append(("call", call_id(), m.group(1)))
+            self.pending, self.state = self.pending[m.end():], "arguments"
+            self.depth, self.in_string, self.escaped = 0, False, False
+            return True
+        if m or CLOSE in self.pending:
+            self.state = "raw"
+            return True
+        return False
+
+    def _arguments(self, parts) -> bool:
+        end = None
+        for j, c in enumerate(self.pending):
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                self.escaped, self.in_string = c == "\\", c != '"'
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]" or (c == "," and self.depth == 0):
+                self.depth -= c != ","
+                if self.depth <= 0:
+                    end = j + (c != "," and self.depth == 0)
+                    break
+        fragment = self.pending if end is None else self.pending[:end]
+        if fragment:
+            parts.append(("arguments", fragment))
+        self.pending = "" if end is None else self.pending[end:]
+        if end is not None:
+            self.state = "tail"
+        return end is not None
+
+    def _tail(self, parts) -> bool:  # the rest of the call, up to and with its CLOSE
+        at = -1 if self.fmt == "llama3" else self.pending.find(CLOSE)
+        if at < 0:
+            self.pending = self.pending[-len(CLOSE):] if self.fmt == "hermes" else ""
+            return False
+        self.pending, self.state = self.pending[at + len(CLOSE):], "text"
+        return True
+
+    def _raw(self, parts) -> bool:
+        at = self.pending.find(CLOSE)
+        if at < 0:
+            return False
+        self._whole(parts, OPEN + self.pending[:at + len(CLOSE)])
+        self.pending, self.state = self.pending[at + len(CLOSE):], "text"
+        return True

@@ -19,12 +19,13 @@ FLOORS = {
     1: ["runtime", "cpu_kernels", "model", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
     2: ["kv_cache", "sequence", "scoring", "quantize", "tool_calls"],
     3: ["paged", "speculative", "quant_groups", "openai_format", "perplexity"],
-    4: ["fuse_layers", "gguf_weights", "hf_quant"],
+    4: ["fuse_layers", "gguf_weights", "hf_quant", "server_limits"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
     7: ["engine", "generate"],
     8: ["batch", "engine_loop"],
-    9: ["serve"],
+    9: ["responses"],
+    10: ["serve"],
 }
 FLOOR = {name: n for n, names in FLOORS.items() for name in names}
 ORDER = [name for n in sorted(FLOORS) for name in FLOORS[n]]
