@@ -8,11 +8,13 @@ import json
 import httpx
 import jsonschema
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import tool_calls
+from constrain import compile_constraint
 from helpers import tiny_checkpoint
 from test_serve import AUTH, client, serve_checkpoint
-from tokenizer import render_chat_template
+from tokenizer import load_tokenizer, render_chat_template
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -51,6 +53,94 @@ def test_parse_both_formats_and_leave_what_does_not_parse():
                                             "llama3", TOOLS)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
     assert tool_calls.parse_calls("hello", "llama3", TOOLS) == ("hello", [])
+
+
+def streamed(text: str, cuts, fmt="hermes", parallel=True):
+    """CallStream fed `text` in pieces cut at `cuts`: (content, [(name, arguments as parsed JSON)], fragments)."""
+    stream, parts, at = tool_calls.CallStream(fmt, TOOLS, parallel), [], 0
+    for cut in sorted(cuts) + [len(text)]:
+        parts += stream.feed(text[at:cut])
+        at = max(at, cut)
+    parts += stream.finish()
+    calls = []
+    for kind, *value in parts:
+        if kind == "call":
+            calls.append([value[1], ""])
+        elif kind == "arguments":
+            calls[-1][1] += value[0]
+    content = "".join(v[0] for kind, *v in parts if kind == "content")
+    return content, [(name, json.loads(args)) for name, args in calls], sum(kind == "arguments" for kind, *_ in parts)
+
+
+def whole(text: str, fmt="hermes", parallel=True):
+    content, calls = tool_calls.parse_calls(text, fmt, TOOLS, parallel)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+ARGUMENTS = st.fixed_dictionaries({"a": st.integers(0, 99), "city": st.text(max_size=6)})
+PROSE = st.text(st.sampled_from("ab <>{}\"\n\\_/lt"), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(PROSE, st.sampled_from(["add", "get_weather", "nope"]), ARGUMENTS), min_size=1, max_size=3),
+       PROSE, st.lists(st.integers(0, 400), max_size=12), st.booleans())
+def test_streamed_calls_equal_the_whole_parse_however_the_text_is_cut(pieces, tail, cuts, parallel):
+    """Prose around calls (known and unknown names, strings holding braces, quotes and tags),
+    cut anywhere: the streamed calls are parse_calls' calls, the streamed content its content
+    up to the whitespace around calls."""
+    text = "".join(f'{prose}<tool_call>{{"name": "{name}", "arguments": {json.dumps(args)}}}</tool_call>'
+                   for prose, name, args in pieces) + tail
+    content, calls, _ = streamed(text, cuts, parallel=parallel)
+    want_content, want_calls = whole(text, parallel=parallel)
+    assert calls == want_calls
+    assert content.split() == (want_content or "").split() or not want_calls and content == want_content
+
+
+def test_streamed_calls_arrive_in_pieces_and_other_forms_still_parse():
+    text = 'Let me see. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 22}}</tool_call>'
+    content, calls, fragments = streamed(text, range(0, len(text), 3))
+    assert (content, calls) == ("Let me see.", [("add", {"a": 1, "b": 22})]) and fragments > 3
+    reordered = '<tool_call>{"arguments": {"a": 5}, "name": "add"}</tool_call>'  # parsed whole at its close
+    assert streamed(reordered, [7, 20])[:2] == ("", [("add", {"a": 5})])
+    llama = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    assert streamed(llama, [5, 30], fmt="llama3")[:2] == ("", [("get_weather", {"city": "Oslo", "unit": "c"})])
+    assert streamed("hello {x", [3], fmt="llama3")[:2] == ("hello {x", [])
+    cut = '<tool_call>{"name": "add", "argu'  # cut by max_tokens before its head: content, as parse_calls
+    assert streamed(cut, [4])[:2] == (cut, [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("grammar-tiny"))
+    with open(folder / "config.json") as f:
+        return load_tokenizer(folder), json.load(f)["vocab_size"]
+
+
+def accepts(constraint, tokenizer, text: str) -> bool:
+    """Whether `text` (tokenized) is a complete output of the constraint."""
+    tokenizer, vocab = tokenizer
+    matcher = compile_constraint(constraint, tokenizer, vocab, tokenizer.stop_ids)
+    for t in tokenizer.encode(text, bos=False):
+        matcher.advance(t)
+        if matcher.error:
+            return False
+    return matcher.m.is_accepting()
+
+
+def test_required_allows_parallel_calls_and_strict_tools_allow_no_extra_keys(tokenizer):
+    one = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    two = one + "\n" + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}</tool_call>'
+    parallel = tool_calls.call_constraint(TOOLS, "required", "hermes", parallel=True)
+    single = tool_calls.call_constraint(TOOLS, "required", "hermes", parallel=False)
+    assert accepts(parallel, tokenizer, one) and accepts(parallel, tokenizer, two)
+    assert accepts(single, tokenizer, one) and not accepts(single, tokenizer, two)
+    loose = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}
+    extra = '<tool_call>{"name": "f", "arguments": {"x": 1, "y": 2}}</tool_call>'
+    strict = {"type": "function", "function": {**loose["function"], "strict": True}}
+    assert accepts(tool_calls.call_constraint([loose], "required", "hermes"), tokenizer, extra)
+    assert not accepts(tool_calls.call_constraint([strict], "required", "hermes"), tokenizer, extra)
+    assert accepts(tool_calls.call_constraint([strict], "required", "hermes"), tokenizer, extra.replace(', "y": 2', ""))
 
 
 def test_tools_reach_the_template_or_a_system_message():
@@ -111,7 +201,6 @@ def test_streamed_tool_call_deltas_and_a_conversation_that_continues(server):
     {"tools": TOOLS, "tool_choice": "sometimes"},
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}},
     {"tool_choice": "required"},
-    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
 ])
 def test_bad_tools_get_400(server, body):
     url = server[0]

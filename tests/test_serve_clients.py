@@ -1,0 +1,231 @@
+"""serve.py through the clients people point at it: the `openai` SDK's Responses API (streamed and
+not, function tools and their outputs, previous_response_id, structured text), models.retrieve,
+null for optional fields, legacy functions, tool calls streamed as they are written; LangChain's
+OpenAI and ChatOpenAI; the OpenAI Agents SDK's default (Responses) model with a function tool.
+One server on a tiny model (float64, so batching never changes a greedy token) for the module."""
+import asyncio
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from engine import Engine
+from helpers import tiny_checkpoint
+from serve import Limits
+from test_serve import AUTH, KEY, client, start_server
+from test_tool_calls import ADD, PARAMS, TOOLS, USER, WEATHER, check_call
+import torch
+import weights
+from tokenizer import load_tokenizer
+
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's tool shape
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "label": {"enum": ["a", "b"]}},
+         "required": ["x", "label"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("clients-tiny"), max_position_embeddings=2048)
+    model, info = weights.load(folder, dtype=torch.float64)
+    tokenizer = load_tokenizer(info.source)
+    engine = Engine.for_model(model, num_blocks=800, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
+                              stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    limits = Limits(max_n=4, max_stored_responses=3)
+    url, _, stop = start_server(engine, tokenizer, limits)
+    yield url
+    stop()
+
+
+def post(url, path, body):
+    return httpx.post(url + path, json=body, headers=AUTH, timeout=60)
+
+
+# -- the Responses API -----------------------------------------------------------------------------
+def test_responses_text_equals_chat_whole_and_streamed(server):
+    c = client(server)
+    chat = c.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    r = c.responses.create(model="tiny", instructions="Be brief.", input="Hello there", max_output_tokens=12,
+                           temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 12 tokens, no stop
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 12
+    events = list(c.responses.create(model="tiny", instructions="Be brief.", input="Hello there",
+                                     max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.incomplete" and "response.output_text.done" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text
+
+
+def test_a_function_call_round_trip_by_previous_response_id_or_by_items(server):
+    c = client(server)
+    first = c.responses.create(model="tiny", input="What is the weather in Paris?", tools=FLAT,
+                               tool_choice="required", parallel_tool_calls=False, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1
+    call = calls[0]
+    jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    chained = c.responses.create(model="tiny", previous_response_id=first.id, input=[answer], tools=FLAT,
+                                 max_output_tokens=8, temperature=0)
+    resent = c.responses.create(model="tiny", tools=FLAT, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}, answer])
+    assert chained.output_text == resent.output_text  # the kept conversation is the one resent
+    assert chained.usage.input_tokens == resent.usage.input_tokens > first.usage.input_tokens
+    streamed = list(c.responses.create(model="tiny", input="What is the weather in Paris?", tools=FLAT,
+                                       tool_choice="required", parallel_tool_calls=False, temperature=0, stream=True))
+    fragments = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) > 1  # written as they are generated, not at the end
+    done = streamed[-1].response.output[-1]
+    assert (done.name, json.loads("".join(fragments))) == (call.name, json.loads(call.arguments))
+
+
+def test_structured_text_and_a_named_function(server):
+    c = client(server)
+    r = c.responses.create(model="tiny", input="A point, please", temperature=0, max_output_tokens=60,
+                           text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), POINT)
+    named = c.responses.create(model="tiny", input="Add 2 and 3", tools=FLAT, temperature=0,
+                               tool_choice={"type": "function", "name": "add"})
+    assert [item.name for item in named.output if item.type == "function_call"] == ["add"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"type": "input_audio", "data": "..."}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_never", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "hi", "previous_response_id": "resp_never_issued"}, "previous_response_id"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+])
+def test_bad_responses_requests_get_400_naming_the_field(server, body, param):
+    r = post(server, "/v1/responses", {"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_only_the_newest_responses_are_kept(server):
+    c = client(server)
+    ids = [c.responses.create(model="tiny", input=f"turn {i}", max_output_tokens=2, temperature=0).id
+           for i in range(4)]  # the server keeps 3
+    c.responses.create(model="tiny", input="again", previous_response_id=ids[1], max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="no longer kept"):
+        c.responses.create(model="tiny", input="again", previous_response_id=ids[0], max_output_tokens=2)
+    unstored = c.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        c.responses.create(model="tiny", input="again", previous_response_id=unstored.id, max_output_tokens=2)
+
+
+# -- what else clients send ------------------------------------------------------------------------
+NULLS = ["model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options", "logit_bias",
+         "seed", "frequency_penalty", "presence_penalty", "response_format", "user"]
+
+
+def test_null_is_absent_and_unknown_fields_are_ignored(server):
+    plain = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "temperature": 0}).json()
+    nulls = post(server, "/v1/completions", {"prompt": "Hi", **dict.fromkeys(NULLS + ["logprobs", "echo"]),
+                                             "max_tokens": 5, "temperature": 0, "not_a_field": {"x": 1}})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "Hi", "name": None, "tool_calls": None}], "max_tokens": 5}
+    r = post(server, "/v1/chat/completions", {**chat, **dict.fromkeys(NULLS + [
+        "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"]), "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert post(server, "/v1/completions", {"prompt": None}).json()["error"]["param"] == "prompt"
+    bad = post(server, "/v1/completions", {"prompt": "Hi", "logit_bias": {"99999999": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"  # a known field still checked
+
+
+def test_models_retrieve_and_endpoints_not_served(server):
+    c = client(server)
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.models.retrieve("gpt-nothing")
+    with pytest.raises(openai.NotFoundError, match="does not serve embeddings"):
+        c.embeddings.create(model="tiny", input="hello")
+    r = httpx.get(server + "/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and "/v1/responses" in r.json()["error"]["message"]
+
+
+def test_chat_tool_calls_stream_as_written_and_equal_the_whole_reply(server):
+    c = client(server)
+    args = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200, seed=5)
+    whole = c.chat.completions.create(**args).choices[0]
+    calls, fragments = {}, 0
+    for chunk in c.chat.completions.create(**args, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+            entry["arguments"] += d.function.arguments or ""
+            fragments += bool(d.function.arguments)
+    assert fragments > 1 and whole.finish_reason == "tool_calls"
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(calls.items())] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+    for t in whole.message.tool_calls:
+        check_call(t)
+
+
+def test_legacy_functions_are_answered_in_their_form(server):
+    legacy = {"model": "tiny", "messages": USER, "functions": [WEATHER["function"], ADD["function"]],
+              "function_call": {"name": "add"}, "max_tokens": 100, "seed": 1}
+    r = post(server, "/v1/chat/completions", legacy).json()["choices"][0]
+    assert r["finish_reason"] == "function_call" and r["message"]["function_call"]["name"] == "add"
+    jsonschema.validate(json.loads(r["message"]["function_call"]["arguments"]), PARAMS["add"])
+    both = post(server, "/v1/chat/completions", {**legacy, "tools": TOOLS})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "functions"
+
+
+# -- LangChain and the OpenAI Agents SDK -----------------------------------------------------------
+def test_langchain_openai_llm_and_chat_model(server):
+    from langchain_openai import ChatOpenAI, OpenAI
+    from pydantic import BaseModel, Field
+
+    llm = OpenAI(base_url=server + "/v1", api_key=KEY, model="tiny", max_tokens=6, temperature=0, max_retries=0)
+    text = llm.invoke("Once upon a time")  # sends "seed": null and "logprobs": null
+    assert text and "".join(llm.stream("Once upon a time")) == text
+    chat = ChatOpenAI(base_url=server + "/v1", api_key=KEY, model="tiny", max_tokens=6, temperature=0, max_retries=0)
+    reply = chat.invoke("Hello")
+    assert reply.content and "".join(c.content for c in chat.stream("Hello")) == reply.content
+    tooled = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?", max_tokens=120)
+    assert tooled.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(tooled.tool_calls[0]["args"], PARAMS["get_weather"])
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=9)
+        label: str = Field(pattern="^[ab]$")
+    point = chat.with_structured_output(Point).invoke("A point", max_tokens=60)
+    assert isinstance(point, Point)
+
+
+def test_openai_agents_sdk_runs_a_function_tool(server):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)
+    asked = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny"
+
+    class Report(BaseModel):  # a closed answer, so the tiny model's reply ends within max_tokens
+        sky: Literal["sunny", "rainy"]
+
+    model = OpenAIResponsesModel("tiny", openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0))
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                  output_type=Report, model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                                   temperature=0, max_tokens=200))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    assert len(asked) == 1 and asked[0] in ("Paris", "Oslo")  # the call parsed into the tool's arguments
+    assert isinstance(result.final_output, Report)
