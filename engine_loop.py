@@ -40,7 +40,8 @@ class Over(NamedTuple):
     first: int  # the request's first choice index
     error: str  # None, or why the request failed
     prompt_logprobs: list  # None, or the prompt's (engine Request.prompt_logprobs)
-    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache held
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache held (at most the prompt: a
+    # readmission after preemption finds its blocks again)
 
 
 async def events_of(rids, events, out):
@@ -162,7 +163,8 @@ class EngineLoop:
             if ttft is not None:
                 self._observe_ttft(ttft)
             req = event.request
-            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs, req.prompt_tokens_hit))
+            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs,
+                                                                   min(req.prompt_tokens_hit, len(req.prompt))))
             return
         self.tokens_generated += event.token is not None
         loop.call_soon_threadsafe(q.put_nowait, (first + event.index, event.token, event.text, event.finish_reason,

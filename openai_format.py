@@ -24,7 +24,7 @@ from tool_calls import CallStream, parse_calls
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
 # Fields of OpenAI's API accepted and ignored without a log line: they change nothing here.
 IGNORED = {"user", "store", "metadata", "service_tier", "reasoning_effort", "reasoning", "prompt_cache_key",
-           "safety_identifier", "include", "truncation", "verbosity", "modalities", "prediction", "background"}
+           "safety_identifier", "include", "truncation", "verbosity", "modalities", "prediction"}
 UNKNOWN_LOGGED = set()  # unknown field names logged so far (at most 100: a hostile client sends many)
 
 
@@ -72,6 +72,8 @@ class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
     logprobs: int = Field(None, ge=0, le=20)  # the chosen token's and this many alternatives
     echo: bool = False  # the prompt's text and log-probabilities first
+    suffix: str = None  # refused unless empty: text after the completion (insertion) is not served
+    best_of: int = None  # refused above 1: the best of several samples is not picked here (n is)
 
 
 class TextPart(Body):
@@ -131,6 +133,10 @@ def refusal(body, chat: bool):
         if body.max_tokens == 0:
             return "max_tokens must be >= 1", "max_tokens"
         return None
+    if body.suffix:
+        return "suffix (text after the completion) is not supported; send the prompt alone", "suffix"
+    if body.best_of is not None and body.best_of > 1:
+        return "best_of is not supported; n returns several samples", "best_of"
     if body.echo and body.stream:
         return "echo is not supported with stream; send the request without stream", "echo"
     if body.max_tokens == 0 and not body.echo:
@@ -187,11 +193,13 @@ class Refused(Exception):
 
     def __init__(self, message: str, param: str = None, response=None):
         super().__init__(message)
+        self.param = param
         self.response = response if response is not None else error(400, message, param=param)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None,
+          code: str = None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

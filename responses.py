@@ -16,8 +16,8 @@ Streamed, the events are OpenAI's: response.created, response.in_progress; for e
 response.output_item.added, then a message's response.content_part.added,
 response.output_text.delta ..., response.output_text.done, response.content_part.done, or a
 function call's response.function_call_arguments.delta ..., .done; response.output_item.done;
-last response.completed (response.incomplete when max_output_tokens or a shutdown cut it, with
-incomplete_details.reason "max_output_tokens" or "interrupted"; response.failed if it failed).
+last response.completed (response.incomplete when max_output_tokens cut it, with
+incomplete_details.reason "max_output_tokens", or a shutdown, with none; response.failed).
 
 `previous_response_id` continues a conversation: each reply (unless `store: false`) is kept in
 memory with the messages that led to it, the newest `--max_stored_responses` of them; an id never
@@ -42,7 +42,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 class ResponsesRequest(Body):
     model: str = None
-    input: str | list[dict]
+    input: str | list
     instructions: str = None
     max_output_tokens: int = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -55,6 +55,8 @@ class ResponsesRequest(Body):
     previous_response_id: str = None
     store: bool = True
     metadata: dict = None
+    background: bool = False  # refused: replies here are never run in the background
+    conversation: str | dict = None  # refused: conversations here are previous_response_id chains
 
 
 # -- the request as chat messages ------------------------------------------------------------------
@@ -80,9 +82,12 @@ def input_messages(items, history: list) -> list:
         return [{"role": "user", "content": items}]
     messages, calls = [], {c["id"] for m in history for c in m.get("tool_calls") or ()}
     for i, item in enumerate(items):
-        where, kind = f"input[{i}]", item.get("type", "message")
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an item object, got {type(item).__name__}", where)
+        kind = item.get("type", "message")
         if kind == "message":
-            if item.get("role") not in ROLES:
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
                                  f"{where}.role")
             messages.append({"role": ROLES[item["role"]], "content": text_of(item.get("content"), where)})
@@ -98,14 +103,16 @@ def input_messages(items, history: list) -> list:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            if item.get("call_id") not in calls:
+            if not isinstance(item.get("call_id"), str) or item["call_id"] not in calls:
                 raise ValueError(f"{where}.call_id: no function_call with call_id {item.get('call_id')!r} comes "
                                  "before this output (in input, or in previous_response_id's conversation)",
                                  f"{where}.call_id")
             output = item.get("output")
+            if not isinstance(output, (str, list)):
+                raise ValueError(f"{where}.output must be a string or a list of text parts", f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else text_of(output, where)})
-        elif kind != "reasoning":  # (another model's reasoning, sent back by a client: not for this one)
+                             "content": output if isinstance(output, str) else text_of(output, f"{where}.output")})
+        elif not isinstance(kind, str) or kind != "reasoning":  # (another model's reasoning, sent back by a client: not for this one)
             raise ValueError(f"{where}.type: unknown input item type {kind!r}; this server takes message, "
                              "function_call and function_call_output items", f"{where}.type")
     return messages
@@ -145,24 +152,48 @@ def chat_fields(body: ResponsesRequest) -> dict:
     return fields
 
 
+# chat's field names as a Responses client knows them, for errors found on the chat path
+RESPONSES_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def renamed(refused: Refused) -> Refused:
+    """A Refused from the chat path, naming the Responses field."""
+    param = refused.param and refused.param.split(".")[0]
+    if param not in RESPONSES_NAMES:
+        return refused
+    new = refused.param.replace(param, RESPONSES_NAMES[param], 1)
+    return Refused(str(refused).replace(param, RESPONSES_NAMES[param], 1), new)
+
+
 def chat_request(body: ResponsesRequest, history: list):
     """(ChatRequest, the conversation to keep: history + input, without instructions); Refused."""
+    for name in ("background", "conversation"):
+        if getattr(body, name):
+            raise Refused(f"{name} is not served here: replies are answered while the request waits, and a "
+                          "conversation continues by previous_response_id", name)
     try:
         conversation = history + input_messages(body.input, history)
+        if not conversation:
+            raise ValueError("input holds no message", "input")
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         return ChatRequest(messages=instructions + conversation, **chat_fields(body)), conversation
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise renamed(Refused(f"{where}: {first['msg']}", where)) from None
     except ValueError as e:
-        if isinstance(e, ValidationError):
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise Refused(f"{where}: {first['msg']}", where) from None
         raise Refused(*e.args) from None
 
 
 # -- the reply as output items ---------------------------------------------------------------------
-def message_item(text: str, status: str = "completed") -> dict:
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(text: str = None, status: str = "completed") -> dict:
+    """A message item: with its text, or (text None) with no content part yet, as streaming adds it."""
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [] if text is None else [text_part(text)]}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -189,7 +220,7 @@ def usage(out: Outputs) -> dict:
 def ending(reason) -> tuple:
     """(status, incomplete_details) for a finish_reason."""
     if reason in ("length", "abort"):  # cut by max_output_tokens, or by the server shutting down
-        return "incomplete", {"reason": "max_output_tokens" if reason == "length" else "interrupted"}
+        return "incomplete", {"reason": "max_output_tokens"} if reason == "length" else None
     return "completed", None
 
 
@@ -209,9 +240,9 @@ class Events:
         for kind, *value in parts:
             if kind == "content" and (self.open is None or self.open["type"] != "message"):
                 yield from self.close()
-                yield from self._add(message_item("", "in_progress"))
-                yield self.event("response.content_part.added", **self._at(), content_index=0,
-                                 part={"type": "output_text", "text": "", "annotations": []})
+                yield from self._add(message_item(None, "in_progress"))
+                self.open["content"].append(text_part(""))
+                yield self.event("response.content_part.added", **self._at(), content_index=0, part=text_part(""))
             if kind == "content":
                 self.open["content"][0]["text"] += value[0]
                 yield self.event("response.output_text.delta", **self._at(), content_index=0, delta=value[0],
@@ -223,8 +254,8 @@ class Events:
                 self.open["arguments"] += value[0]
                 yield self.event("response.function_call_arguments.delta", **self._at(), delta=value[0])
 
-    def close(self):
-        """Events that end the item being written."""
+    def close(self, status: str = "completed"):
+        """Events that end the item being written, with its status."""
         item, self.open = self.open, None
         if item is None:
             return
@@ -236,7 +267,7 @@ class Events:
         else:
             yield self.event("response.function_call_arguments.done", **at, name=item["name"],
                              arguments=item["arguments"])
-        item["status"] = "completed"
+        item["status"] = status
         yield self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
     def _add(self, item):
@@ -258,8 +289,11 @@ class Responses:
     async def create(self, body: ResponsesRequest, request: Request):
         history = self.history(body.previous_response_id)
         chat, conversation = chat_request(body, history)
-        prompt, tools, constraint = await self.server.chat_prompt(chat)
-        rids, events, _ = await self.server.submit(chat, [prompt], True, constraint)
+        try:
+            prompt, tools, constraint = await self.server.chat_prompt(chat)
+            rids, events, _ = await self.server.submit(chat, [prompt], True, constraint)
+        except Refused as e:
+            raise renamed(e) from None
         out = Outputs(self.server.tokenizer, [prompt], 1, True, False, False, tools, chat.parallel_tool_calls)
         meta = {"id": f"resp_{rids[0]}", "object": "response", "created_at": int(time.time()),
                 "model": self.server.model_name, **self.echoed(body)}
@@ -269,9 +303,9 @@ class Responses:
         failed = await self.server.collect(request, rids, events, out)
         if failed:
             return failed
-        items = self.items(out)
-        self.keep(meta["id"], conversation + [assistant_message(items)], body.store)
         status, details = ending(out.reasons[0])
+        items = self.items(out, status)
+        self.keep(meta["id"], conversation + [assistant_message(items)], body.store)
         return JSONResponse({**meta, "status": status, "incomplete_details": details, "error": None,
                              "output": items, "usage": usage(out)})
 
@@ -301,11 +335,11 @@ class Responses:
                 "truncation": "disabled"}
 
     @staticmethod
-    def items(out: Outputs) -> list:
+    def items(out: Outputs, status: str) -> list:
         """A whole reply's output items: its text as a message, then its function calls."""
         content, calls = parse_calls(out.text(0), *out.tools, out.parallel) if out.tools else (out.text(0), [])
-        items = [message_item(content)] if content or not calls else []
-        return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        items = [message_item(content or "", status)] if content or not calls else []
+        return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
 
     async def sse(self, rids, events, out: Outputs, meta: dict, conversation: list, store: bool):
         """The reply as Responses events; a client that goes away aborts its request."""
@@ -326,11 +360,13 @@ class Responses:
                 parts = (stream.feed(text) + (stream.finish() if reason else [])) if stream else [("content", text)]
                 for e in writer.parts([p for p in parts if p[0] != "content" or p[1]]):
                     yield e
-            for e in writer.close():
+            status, details = ending(out.reasons[0])
+            for e in writer.parts([] if writer.items else [("content", "")]):  # (an empty reply: one empty message)
+                yield e
+            for e in writer.close(status):
                 yield e
             finished = True
             self.keep(meta["id"], conversation + [assistant_message(writer.items)], store)
-            status, details = ending(out.reasons[0])
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             yield writer.event(kind, response={**response, "status": status, "incomplete_details": details,
                                                "output": writer.items, "usage": usage(out)})

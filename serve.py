@@ -106,7 +106,7 @@ class Server:
     async def model(self, model_id: str):
         if model_id != self.model_name:
             message = f"the model {model_id!r} does not exist: this server serves {self.model_name!r}"
-            raise Refused(message, response=error(404, message, param="model"))
+            raise Refused(message, response=error(404, message, param="model", code="model_not_found"))
         return self.card()
 
     async def embeddings(self):
@@ -148,8 +148,8 @@ class Server:
         messages = self.messages(body)
         tools = self.tools(body)
         messages, extra = render_args(messages, body.tools, body.tool_choice, self.tokenizer.chat_template)
-        parallel = body.parallel_tool_calls
-        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0], parallel) if tools else None
+        parallel, text = body.parallel_tool_calls, self.constraint(body)
+        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0], parallel, text) if tools else None
         text = await self.render(messages, extra)
         prompt, = await self.encode([text], "messages", bos=False)  # the template writes BOS where the model wants it
         return prompt, tools, tool_constraint
@@ -201,7 +201,8 @@ class Server:
         try:
             check_tools(body.tools, body.tool_choice)
         except ValueError as e:
-            raise Refused(f"tools: {e}", "tools") from None
+            param = e.args[1] if len(e.args) > 1 else "tools"
+            raise Refused(f"{param}: {e.args[0]}", param) from None
         return tool_format(self.tokenizer.chat_template), body.tools
 
     async def render(self, messages, extra: dict) -> str:
@@ -212,7 +213,7 @@ class Server:
 
     def params(self, body, prompts, chat: bool, tool_constraint=None) -> RequestParams:
         """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the constraint.
-        A forced tool call's grammar wins over response_format, which shapes text replies (as OpenAI's)."""
+        The tools' grammar (a forced call; calls or the JSON answer under "auto") takes response_format's place."""
         lengths = [len(p) for p in prompts]
         default_max = self.context - max(lengths) if chat else 16
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -224,16 +225,21 @@ class Server:
                               f"of {self.context} tokens", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         logprobs, prompt_logprobs = logprob_counts(body, chat)
-        try:
-            constraint = constraint_of(body)
-        except ValueError as e:
-            raise Refused(e.args[0], e.args[1]) from None
+        constraint = self.constraint(body)
         return RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                              top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                              min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                              logit_bias=body.logit_bias or {}, constraint=tool_constraint or constraint)
+
+    @staticmethod
+    def constraint(body):
+        """The output constraint response_format or structured_outputs asks for, or None; Refused."""
+        try:
+            return constraint_of(body)
+        except ValueError as e:
+            raise Refused(e.args[0], e.args[1]) from None
 
     async def submit(self, body, prompts, chat: bool, tool_constraint=None):
         """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400) for a

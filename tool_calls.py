@@ -22,22 +22,24 @@ CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def check_tools(tools, tool_choice):
-    """ValueError (message) unless tools are OpenAI function tools and tool_choice names one."""
+    """ValueError (message, param: "tools" unless given) unless tools are OpenAI function tools
+    and tool_choice names one."""
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools must be a non-empty list")
     for t in tools:
         f = t.get("function") if isinstance(t, dict) else None
         if t.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise ValueError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
-        if not isinstance(f.get("parameters", {}), dict):
+        if not isinstance(f.get("parameters") or {}, dict):
             raise ValueError(f"tool {f['name']}: parameters must be a JSON schema object")
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if name not in names(tools):
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     elif tool_choice not in (None, "auto", "none", "required"):
-        raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}')
+        raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
+                         "tool_choice")
 
 
 def names(tools):
@@ -70,37 +72,65 @@ def legacy_tools(functions, function_call):
     return tools, function_call
 
 
+SCHEMA_MAPS, SCHEMA_LISTS = ("properties", "patternProperties", "$defs", "definitions"), ("anyOf", "oneOf", "allOf",
+                                                                                       "prefixItems")
+
+
 def strict(schema):
-    """A `strict` tool's parameters: no keys beyond the schema's in any object (OpenAI's strict mode)."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
+    """A `strict` tool's parameters: no keys beyond the schema's in any object (OpenAI's strict
+    mode). Only subschemas are visited: a property named "properties" or an enum's values stay."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict(sub) for sub in out[key]]
+    for key in ("items", "not", "if", "then", "else", "contains", "additionalItems"):
+        if isinstance(out.get(key), dict):
+            out[key] = strict(out[key])
     if out.get("type") == "object" or "properties" in out:
         out.setdefault("additionalProperties", False)
     return out
 
 
-def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False):
-    """The grammar a "required" or named tool_choice imposes, or None. With `parallel`, "required"
-    allows one or more calls (hermes; Llama 3.1's reply is one call)."""
-    if tool_choice != "required" and not isinstance(tool_choice, dict):
-        return None
-    chosen = [t for t in tools if not isinstance(tool_choice, dict) or t["function"]["name"] == tool_choice["function"]["name"]]
+def call_schemas(tools, fmt: str) -> list:
+    """One JSON schema per tool for a call to it: {"name": its name, "arguments": its parameters}."""
     key = "parameters" if fmt == "llama3" else "arguments"
 
     def schema_of(f):
         params = f.get("parameters") or {"type": "object"}
         return strict(params) if f.get("strict") else params
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: schema_of(t["function"])},
-              "required": ["name", key], "additionalProperties": False} for t in chosen]
-    schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    return [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: schema_of(t["function"])},
+             "required": ["name", key], "additionalProperties": False} for t in tools]
+
+
+def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False, text: Constraint = None):
+    """The grammar of what the reply may be, or None. A "required" or named tool_choice: one call
+    (with `parallel`, "required" allows one or more: hermes; Llama 3.1's reply is one call).
+    "auto" with a JSON text format (`text`, response_format's constraint): calls, or that JSON
+    (else the format's grammar would leave no room for a call)."""
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    if not forced and (text is None or text.kind not in ("json_schema", "json_object")):
+        return None
+    chosen = [t for t in tools if not isinstance(tool_choice, dict) or t["function"]["name"] == tool_choice["function"]["name"]]
+    calls = call_schemas(chosen, fmt)
+    answer = None
+    if not forced:
+        answer = json.loads(text.value) if isinstance(text.value, str) else text.value or {}
+        answer = answer if text.kind == "json_schema" else {"type": "object"}
     if fmt == "llama3":
-        return Constraint("json_schema", schema)
-    several = parallel and tool_choice == "required"
-    start = 'start: one ("\\n" one)*\n' if several else "start: one\n"
-    return Constraint("grammar", start + 'one: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema))
+        options = calls + ([answer] if answer is not None else [])
+        return Constraint("json_schema", {"x-guidance": JSON_LAYOUT, **(options[0] if len(options) == 1 else {"anyOf": options})})
+    schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    several = parallel and not isinstance(tool_choice, dict)
+    grammar = ('start: one ("\\n" one)*' if several else "start: one") + (" | answer" if answer is not None else "")
+    grammar += '\none: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema)
+    if answer is not None:
+        grammar += "\nanswer: %json " + json.dumps({"x-guidance": JSON_LAYOUT, **answer})
+    return Constraint("grammar", grammar)
 
 
 def parse_calls(text: str, fmt: str, tools, parallel: bool = True):
@@ -135,7 +165,7 @@ def _call(name, arguments) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*'),
         "llama3": re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')}
 
@@ -187,11 +217,12 @@ class CallStream:
             self.calls += 1
             parts += [("call", call["id"], call["function"]["name"]), ("arguments", call["function"]["arguments"])]
 
-    def _start(self, parts) -> bool:  # llama3: a reply that opens with JSON may be a call
+    def _start(self, parts) -> bool:  # llama3: a reply that opens with JSON (or the python tag) may be a call
         head = self.pending.lstrip()
-        if head:
-            self.state = "head" if head[0] in "{<" else "text"
-        return bool(head)
+        if not head or PYTHON_TAG.startswith(head) and head != PYTHON_TAG:
+            return False
+        self.state = "head" if head[0] == "{" or head.startswith(PYTHON_TAG) else "text"
+        return True
 
     def _text(self, parts) -> bool:
         if self.fmt == "llama3":
@@ -226,8 +257,15 @@ class CallStream:
         return False
 
     def _arguments(self, parts) -> bool:
-        end = None
+        end, held = None, len(self.pending)
         for j, c in enumerate(self.pending):
+            if c == "<" and not self.in_string and self.fmt == "hermes":  # malformed: the call closes here
+                if self.pending.startswith(CLOSE, j):
+                    end = j
+                    break
+                if CLOSE.startswith(self.pending[j:]):  # maybe CLOSE, cut by the feed
+                    held = j
+                    break
             if self.escaped:
                 self.escaped = False
             elif self.in_string:
@@ -241,10 +279,10 @@ class CallStream:
                 if self.depth <= 0:
                     end = j + (c != "," and self.depth == 0)
                     break
-        fragment = self.pending if end is None else self.pending[:end]
+        fragment = self.pending[:held] if end is None else self.pending[:end]
         if fragment:
             parts.append(("arguments", fragment))
-        self.pending = "" if end is None else self.pending[end:]
+        self.pending = self.pending[held:] if end is None else self.pending[end:]
         if end is not None:
             self.state = "tail"
         return end is not None

@@ -53,6 +53,7 @@ def test_responses_text_equals_chat_whole_and_streamed(server):
                            temperature=0)
     assert r.output_text == chat.choices[0].message.content
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 12 tokens, no stop
+    assert [item.status for item in r.output] == ["incomplete"]
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 12
     events = list(c.responses.create(model="tiny", instructions="Be brief.", input="Hello there",
                                      max_output_tokens=12, temperature=0, stream=True))
@@ -94,6 +95,10 @@ def test_structured_text_and_a_named_function(server):
                            text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), POINT)
+    with c.responses.stream(model="tiny", input="A point, please", temperature=0, max_output_tokens=60, text={
+            "format": {"type": "json_schema", "name": "point", "schema": POINT}}) as stream:  # the SDK's accumulation
+        final = stream.get_final_response()
+    assert len(final.output) == 1 and len(final.output[0].content) == 1 and final.output_text == r.output_text
     named = c.responses.create(model="tiny", input="Add 2 and 3", tools=FLAT, temperature=0,
                                tool_choice={"type": "function", "name": "add"})
     assert [item.name for item in named.output if item.type == "function_call"] == ["add"]
@@ -107,6 +112,15 @@ def test_structured_text_and_a_named_function(server):
     ({"input": "hi", "previous_response_id": "resp_never_issued"}, "previous_response_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),
+    ({"input": [1]}, "input[0]"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1"}]}, "input[1].output"),
+    ({"input": "hi", "text": {"format": "json"}}, "text.format"),
+    ({"input": "hi", "tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
 ])
 def test_bad_responses_requests_get_400_naming_the_field(server, body, param):
     r = post(server, "/v1/responses", {"model": "tiny", **body})
@@ -142,15 +156,22 @@ def test_null_is_absent_and_unknown_fields_are_ignored(server):
         "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"]), "max_tokens": 5})
     assert r.status_code == 200, r.text
     assert post(server, "/v1/completions", {"prompt": None}).json()["error"]["param"] == "prompt"
-    bad = post(server, "/v1/completions", {"prompt": "Hi", "logit_bias": {"99999999": 1}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"  # a known field still checked
+    for field, value in (("logit_bias", {"99999999": 1}), ("suffix", "and then"), ("best_of", 3)):
+        bad = post(server, "/v1/completions", {"prompt": "Hi", field: value})  # known fields still checked
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+    tool = {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
+    r = post(server, "/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required", "max_tokens": 40})
+    assert r.status_code == 200, r.text  # (its arguments: any object, which a random model may not end in 40 tokens)
+    message = r.json()["choices"][0]["message"]
+    assert message.get("tool_calls") or message["content"].startswith('<tool_call>{"name": "f", "arguments": {')
 
 
 def test_models_retrieve_and_endpoints_not_served(server):
     c = client(server)
     assert c.models.retrieve("tiny").id == "tiny"
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:
         c.models.retrieve("gpt-nothing")
+    assert e.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError, match="does not serve embeddings"):
         c.embeddings.create(model="tiny", input="hello")
     r = httpx.get(server + "/v1/nothing", headers=AUTH)
@@ -206,7 +227,10 @@ def test_langchain_openai_llm_and_chat_model(server):
     assert isinstance(point, Point)
 
 
-def test_openai_agents_sdk_runs_a_function_tool(server):
+def test_openai_agents_sdk_runs_a_function_tool_and_a_structured_answer(server):
+    """Agents on the SDK's Responses model: one calls a tool (the run stops at its result), one
+    answers in its output_type, run streamed. (A random model under "auto" may call tools every
+    turn, so the two are run apart.)"""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from pydantic import BaseModel
 
@@ -223,9 +247,17 @@ def test_openai_agents_sdk_runs_a_function_tool(server):
         sky: Literal["sunny", "rainy"]
 
     model = OpenAIResponsesModel("tiny", openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0))
-    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
-                  output_type=Report, model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                                   temperature=0, max_tokens=200))
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
-    assert len(asked) == 1 and asked[0] in ("Paris", "Oslo")  # the call parsed into the tool's arguments
-    assert isinstance(result.final_output, Report)
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
+    caller = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                   model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    reporter = Agent(name="report", instructions="Report the sky.", model=model, output_type=Report,
+                     model_settings=ModelSettings(temperature=0, max_tokens=60))
+
+    async def both():  # one event loop: the client's connections belong to it
+        result = await Runner.run(caller, "What is the weather in Paris?", max_turns=2)
+        run = Runner.run_streamed(reporter, "Is it sunny?", max_turns=1)
+        kinds = {event.type async for event in run.stream_events()}
+        return result.final_output, run.final_output, kinds
+    answer, report, kinds = asyncio.run(both())
+    assert asked in (["Paris"], ["Oslo"]) and answer == "sunny"  # the call parsed into the tool's arguments
+    assert isinstance(report, Report) and "raw_response_event" in kinds

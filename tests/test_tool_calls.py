@@ -107,6 +107,13 @@ def test_streamed_calls_arrive_in_pieces_and_other_forms_still_parse():
     assert streamed("hello {x", [3], fmt="llama3")[:2] == ("hello {x", [])
     cut = '<tool_call>{"name": "add", "argu'  # cut by max_tokens before its head: content, as parse_calls
     assert streamed(cut, [4])[:2] == (cut, [])
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> and more'  # unclosed JSON ends at CLOSE
+    stream = tool_calls.CallStream("hermes", TOOLS)
+    parts = [p for k in range(0, len(broken), 5) for p in stream.feed(broken[k:k + 5])] + stream.finish()
+    assert "".join(v[0] for kind, *v in parts if kind == "content") == " and more"
+    assert "".join(v[0] for kind, *v in parts if kind == "arguments").strip() == '{"a": 1'  # as far as it got
+    html = tool_calls.CallStream("llama3", TOOLS)  # a reply opening with "<" that is not the python tag
+    assert html.feed("<b>bold") == [("content", "<b>bold")]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +148,21 @@ def test_required_allows_parallel_calls_and_strict_tools_allow_no_extra_keys(tok
     assert accepts(tool_calls.call_constraint([loose], "required", "hermes"), tokenizer, extra)
     assert not accepts(tool_calls.call_constraint([strict], "required", "hermes"), tokenizer, extra)
     assert accepts(tool_calls.call_constraint([strict], "required", "hermes"), tokenizer, extra.replace(', "y": 2', ""))
+
+
+def test_auto_with_a_json_format_allows_calls_or_the_json_answer(tokenizer):
+    from constrain import Constraint
+
+    answer = Constraint("json_schema", {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                        "required": ["ok"], "additionalProperties": False})
+    assert tool_calls.call_constraint(TOOLS, "auto", "hermes") is None  # free text: nothing to hold
+    either = tool_calls.call_constraint(TOOLS, "auto", "hermes", parallel=True, text=answer)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert accepts(either, tokenizer, call) and accepts(either, tokenizer, '{"ok": true}')
+    assert not accepts(either, tokenizer, '{"ok": 1}') and not accepts(either, tokenizer, "plain words")
+    llama = tool_calls.call_constraint(TOOLS, "auto", "llama3", text=answer)
+    assert accepts(llama, tokenizer, '{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert accepts(llama, tokenizer, '{"ok": false}')
 
 
 def test_tools_reach_the_template_or_a_system_message():
