@@ -5,6 +5,7 @@ OpenAI and ChatOpenAI; the OpenAI Agents SDK's default (Responses) model with a 
 One server on a tiny model (float64, so batching never changes a greedy token) for the module."""
 import asyncio
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -27,6 +28,9 @@ POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
          "required": ["x", "label"], "additionalProperties": False}
 
 
+LOOPS = {}  # url -> the server's EngineLoop
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tiny_checkpoint(tmp_path_factory.mktemp("clients-tiny"), max_position_embeddings=2048)
@@ -35,7 +39,8 @@ def server(tmp_path_factory):
     engine = Engine.for_model(model, num_blocks=800, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
                               stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
     limits = Limits(max_n=4, max_stored_responses=3)
-    url, _, stop = start_server(engine, tokenizer, limits)
+    url, app, stop = start_server(engine, tokenizer, limits)
+    LOOPS[url] = app.state.engine_loop
     yield url
     stop()
 
@@ -102,6 +107,24 @@ def test_structured_text_and_a_named_function(server):
     named = c.responses.create(model="tiny", input="Add 2 and 3", tools=FLAT, temperature=0,
                                tool_choice={"type": "function", "name": "add"})
     assert [item.name for item in named.output if item.type == "function_call"] == ["add"]
+
+
+def test_a_client_that_leaves_a_streamed_response_aborts_it(server):
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1000}}, "required": ["s"]}
+    loop, body = LOOPS[server], {"model": "tiny", "input": "Tell me everything", "max_output_tokens": 1500,
+                                 "temperature": 0, "stream": True,  # a format that forbids stopping early
+                                 "text": {"format": {"type": "json_schema", "name": "long", "schema": long}}}
+    whole = client(server).responses.create(**{**body, "stream": False})
+    assert whole.usage.output_tokens > 400  # long enough that leaving early shows
+    before = loop.tokens_generated
+    with httpx.Client(base_url=server, headers=AUTH) as h:
+        with h.stream("POST", "/v1/responses", json=body) as r:
+            assert any(line.startswith("data: ") and "output_text.delta" in line for line in r.iter_lines())
+    deadline = time.time() + 10
+    while loop.engine.requests or loop.engine.scheduler.allocator.num_used():
+        assert time.time() < deadline, "the abandoned response kept running"
+        time.sleep(0.02)
+    assert loop.tokens_generated - before < whole.usage.output_tokens // 2
 
 
 @pytest.mark.parametrize("body, param", [
