@@ -12,6 +12,7 @@ ATEN_CPU_CAPABILITY, because ATen and Inductor choose kernels by the CPU's instr
     grouped_decode_attention  for SDPA in bf16/fp16: two matmuls; SDPA's one-token bf16 kernel is slow
     PagedDecodeInPlace   for gather blocks + SDPA, one token: reads the pool where it lies, no copy
     padded_linear        for F.linear: rows padded to few counts, since oneDNN keeps a kernel per shape
+    flash_attention_works  whether SDPA's flash kernel runs here (else it is switched off at import)
     cpu_int4_kernel_error  checks ATen's int4 kernel against (q - 8) * scale + zero per group
 
 Run its tests:
@@ -31,6 +32,26 @@ import torch.nn.functional as F
 # and grouped_decode_attention in bf16/fp16 (benchmarks/RESULTS.md, "Weight-only quantization and
 # the int8 KV cache (CPU)").
 FUSED_DECODE_MAX_SLOTS = 1024
+
+
+def flash_attention_works() -> bool:
+    """Whether torch's CPU flash attention runs a bf16 and an fp16 prefill here. It picks its AMX
+    path from the hardware but packs with a kernel gated by ATen's capability, so on an AMX Xeon
+    under ATEN_CPU_CAPABILITY=avx2 or default a prefill of 100 queries fails ("pack_vnni2 is only
+    supported when avx512 is supported"). Only checked below AVX-512, where that can happen."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return True
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(1, 1, 100, 16, dtype=dtype)
+            F.scaled_dot_product_attention(x, x, x)
+        return True
+    except RuntimeError:
+        return False
+
+
+if not flash_attention_works():  # SDPA then takes its math kernel: the same maths, slower
+    torch.backends.cuda.enable_flash_sdp(False)  # (the switch is named for CUDA; it selects CPU flash too)
 
 
 # ---- one-token attention over a static cache -------------------------------------------------
