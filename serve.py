@@ -91,7 +91,10 @@ class Server:
 
     # routes have no return annotations: FastAPI would take them as response models
     async def health(self):
-        return JSONResponse({"status": "draining"}, 503) if self.loop.draining else {"status": "ok"}
+        ranks = getattr(self.engine, "ranks", 1)  # tensor-parallel ranks (tp_engine.py)
+        if self.loop.draining:
+            return JSONResponse({"status": "draining", "ranks": ranks}, 503)
+        return {"status": "ok", "ranks": ranks}
 
     async def metrics(self):
         return PlainTextResponse(self.loop.metrics(), media_type="text/plain; version=0.0.4")
@@ -373,7 +376,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
-    from engine import add_engine_args, check_engine_args, engine_options, load_engine
+    from engine import add_engine_args, check_engine_args, engine_options
+    from tp_engine import ignore_signals_unless_rank_zero, load_engine  # tensor-parallel under torchrun
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
@@ -390,6 +394,7 @@ def main(argv=None) -> int:
     for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    ignore_signals_unless_rank_zero()
     thread = EngineThread()  # loads the model and then steps it (engine_loop.py says why)
     try:
         engine, tokenizer, info = thread.call(load_engine, **engine_options(args)).result()

@@ -23,8 +23,8 @@ FLOORS = {
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
     7: ["engine", "generate"],
-    8: ["batch", "engine_loop"],
-    9: ["responses"],
+    8: ["tp_engine", "engine_loop"],
+    9: ["batch", "responses"],
     10: ["serve"],
 }
 FLOOR = {name: n for n, names in FLOORS.items() for name in names}

@@ -318,7 +318,7 @@ def test_the_api_key_guards_everything_but_health_and_any_case_of_bearer(server)
     for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
         assert httpx.get(url + path).status_code == 401, path
         assert httpx.get(url + path, headers={"Authorization": f"bearer {KEY}"}).status_code == 200, path
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/health").json() == {"status": "ok", "ranks": 1}
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 

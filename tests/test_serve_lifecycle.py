@@ -51,7 +51,7 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     """serve.py loads the model on the thread that then steps it (engine_loop.EngineThread): a
     model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
     cores every op then waits for its workers to wake."""
-    import engine as engine_module
+    import tp_engine
     import serve
     from engine_loop import EngineThread
 
@@ -60,7 +60,7 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     def load_engine(**options):
         loaded_on.append(threading.current_thread())
         raise ValueError("no checkpoint here")
-    monkeypatch.setattr(engine_module, "load_engine", load_engine)
+    monkeypatch.setattr(tp_engine, "load_engine", load_engine)
     assert serve.main(["--checkpoint", "nowhere"]) == 2  # the loader's error reaches the main thread
     assert loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
 
@@ -118,7 +118,7 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
         deadline = start + 5
         while httpx.get(url + "/health").status_code != 503:
             assert time.time() < deadline, "/health never said draining"
-        assert httpx.get(url + "/health").json() == {"status": "draining"}
+        assert httpx.get(url + "/health").json() == {"status": "draining", "ranks": 1}
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
         assert proc.wait(timeout=1 + 5) == 0
         for t in threads:

@@ -44,3 +44,61 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_d
         (out / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
+
+
+ENGINE = dict(num_blocks=18, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+
+
+def engine_workload(engine, tokenizer) -> dict:
+    """Shared prompt heads, n = 2, sampled and greedy rows, a pool tight enough to preempt, and an
+    abort after three steps: {request id: (each sample's tokens, finish reasons)}."""
+    from engine import Finished, RequestParams
+
+    head = tokenizer.encode("hello world, the quick brown fox")
+    ids = [engine.add_request(head + tokenizer.encode(tail), RequestParams(**params))
+           for tail, params in [(" jumps", dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)),
+                                (" over", dict(max_new_tokens=20, temperature=0.9, seed=4, n=2, ignore_eos=True)),
+                                (" the lazy", dict(max_new_tokens=30, temperature=0.0, ignore_eos=True)),
+                                (" dog", dict(max_new_tokens=40, temperature=0.7, seed=1, ignore_eos=True))]]
+    done = {}
+    for step in range(10_000):
+        if step == 3:
+            engine.abort(ids[3])
+        if not engine.has_unfinished():
+            break
+        done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
+    return {rid: ([s.output for s in r.seqs], [s.finish_reason for s in r.seqs]) for rid, r in done.items()}, \
+        engine.scheduler.stats["preemptions"]
+
+
+def run_engine_rank(rank, world, folder, init_file, out_dir, options):
+    """tp_engine.build on a float64 model: rank 0 runs engine_workload and saves what it gave."""
+    import json
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        import tp
+        import tp_engine
+        import weights
+        from tokenizer import load_tokenizer
+
+        model, info = weights.load(folder, dtype=torch.float64, shard=(rank, world))
+        tp_engine.check_same_options(options[rank])
+        tp.parallelize(model)
+        tokenizer = load_tokenizer(info.source)
+        try:
+            engine = tp_engine.build(model, tokenizer, **options[rank])
+        except SystemExit:  # a follower: rank 0 said stop (and the group is destroyed)
+            return
+        results, preemptions = engine_workload(engine, tokenizer)
+        engine.model.link.stop()  # (atexit does not run in a spawned process); destroys the group
+        (out / "rank0.json").write_text(json.dumps({"results": {str(k): v for k, v in results.items()},
+                                                    "preemptions": preemptions, "ranks": engine.ranks}))
+    except Exception as e:
+        (out / f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

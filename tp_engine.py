@@ -1,0 +1,279 @@
+"""Serving past one device: the engine (engine.py) over tensor-parallel ranks (tp.py), so that
+batch.py and serve.py run under torchrun with the outputs of one process.
+
+    torchrun --nproc_per_node 2 batch.py --requests requests.jsonl
+    torchrun --nproc_per_node 3 serve.py --port 8000          # the embedded model: 1 or 3 ranks
+
+One scheduler, N runners. Rank 0 owns everything on the host: the Scheduler and its block
+allocator, the tokenizer, sampling, and serve.py's HTTP server. Every rank holds 1/N of the
+weights (tp.py) and a KV pool of the same blocks holding 1/N of the KV heads, so a block id means
+the same on every rank and only rank 0 needs to know which are free. Each step rank 0 broadcasts
+what the forward needs as two int64 tensors, a fixed header and a payload:
+
+    header   [kind, tokens N, kept rows K, copies C, groups G, payload length]
+    payload  tokens [N] | positions [N] | keep [K] | copies [2C] | (rows, T, width) [3G] | tables
+
+and every rank runs the same forward on its shard (the copy-on-write copies first). The output
+head is replicated, so every rank computes the full logits and nothing comes back: rank 0 samples.
+
+The other ranks run `follow()`: receive a step, run it, until rank 0 says stop. Every collective,
+a waiting broadcast too, fails after the process group's timeout, so an idle rank 0 sends a
+keepalive every KEEPALIVE_S. A rank that dies makes the next collective fail on the others: each
+says what it knows (rank 0 names ranks on its machine that are gone) and exits 1, never hanging
+past the timeout. torchrun passes SIGTERM to every rank; the followers ignore it, rank 0 drains
+and then stops them, so all exit 0.
+"""
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import tp
+from engine import Engine, load_engine as load_one_process
+from paged import plan_blocks
+from runtime import DTYPES, human, log, pick_device
+
+STEP, KEEPALIVE, STOP = 0, 1, 2
+KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
+TIMEOUT_S = 120.0  # the process group's: the longest any collective waits
+CHECKED = ("checkpoint", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
+           "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "compile", "prefix_caching")
+
+
+def pack(copies, groups, tokens, pos, keep):
+    """A step as (header [6], payload [L]) int64 tensors on the tokens' device."""
+    device = tokens.device
+    long = dict(dtype=torch.long, device=device)
+    meta = torch.tensor([(rows, T, table.shape[1]) for rows, T, table in groups], **long).view(-1)
+    parts = [tokens.view(-1), pos.view(-1), keep.view(-1), torch.tensor(copies, **long).view(-1), meta]
+    payload = torch.cat(parts + [table.reshape(-1) for _, _, table in groups])
+    header = torch.tensor([STEP, tokens.numel(), keep.numel(), len(copies), len(groups), payload.numel()], **long)
+    return header, payload
+
+
+def unpack(header, payload):
+    """(copies, groups, tokens [1, N], positions [1, N], keep) from pack's tensors."""
+    _, n, k, c, g, length = header.tolist()
+    sizes = [n, n, k, 2 * c, 3 * g]
+    tokens, pos, keep, copies, meta, tables = payload.split(sizes + [length - sum(sizes)])
+    groups, at = [], 0
+    for rows, T, width in meta.view(g, 3).tolist():
+        groups.append((rows, T, tables[at:at + rows * width].view(rows, width)))
+        at += rows * width
+    return [tuple(p) for p in copies.view(c, 2).tolist()], groups, tokens.view(1, n), pos.view(1, n), keep
+
+
+class Link:
+    """The steps rank 0 broadcasts and the others receive; the lock keeps a keepalive from landing
+    inside a step's collectives (the forward's all-reduces included)."""
+
+    def __init__(self, device, peers):
+        self.device, self.peers, self.lock = device, peers, threading.RLock()  # peers: (host, pid) per rank
+        self.last, self.steps, self.seconds, self.stopped = time.monotonic(), 0, 0.0, False
+
+    def send(self, header, payload=None):
+        start = time.perf_counter()
+        dist.broadcast(header, 0)
+        if payload is not None:
+            dist.broadcast(payload, 0)
+        self.last = time.monotonic()
+        if payload is not None:
+            self.steps, self.seconds = self.steps + 1, self.seconds + time.perf_counter() - start
+
+    def signal(self, kind: int):
+        with self.lock:
+            self.send(torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.long, device=self.device))
+
+    def receive(self):
+        """(kind, the step or None)."""
+        header = torch.empty(6, dtype=torch.long, device=self.device)
+        dist.broadcast(header, 0)
+        if header[0].item() != STEP:
+            return header[0].item(), None
+        payload = torch.empty(header[5].item(), dtype=torch.long, device=self.device)
+        dist.broadcast(payload, 0)
+        return STEP, unpack(header, payload)
+
+    def keep_alive(self):
+        """Rank 0, in a daemon thread: a keepalive whenever no step went out for KEEPALIVE_S."""
+        while not self.stopped:
+            time.sleep(KEEPALIVE_S / 4)
+            if time.monotonic() - self.last > KEEPALIVE_S and not self.stopped:
+                try:
+                    self.signal(KEEPALIVE)
+                except Exception as e:
+                    self.fail(e)
+
+    def stop(self):
+        """Rank 0, at exit: the followers stop and exit 0."""
+        if not self.stopped:
+            self.stopped = True
+            try:
+                self.signal(STOP)
+            except Exception as e:  # a follower is gone: say which
+                self.fail(e)
+            # before the interpreter exits: a group left to its destructors can abort the process
+            # ("terminate called without an active exception")
+            dist.destroy_process_group()
+            if self.steps:
+                log(f"tensor parallel: {self.steps} steps broadcast to {len(self.peers) - 1} ranks, "
+                    f"{1e6 * self.seconds / self.steps:.0f} us each")
+
+    def fail(self, error):
+        """A collective failed: say which ranks on this machine are gone, and exit 1 (never hang)."""
+        time.sleep(0.5)  # a rank that failed is still exiting
+        here = socket.gethostname()
+        gone = [r for r, (host, pid) in enumerate(self.peers) if host == here and pid != os.getpid() and not alive(pid)]
+        who = f"rank {', '.join(map(str, gone))} stopped" if gone else "another rank stopped or failed"
+        log(f"error: tensor parallel rank {dist.get_rank()}: {who} ({type(error).__name__}: {error}); exiting")
+        os._exit(1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class LeaderCache:
+    """Rank 0's cache as the engine sees it: the copy-on-write copies and step groups it is given
+    are kept for the next broadcast; everything else is the real cache's."""
+
+    def __init__(self, cache):
+        self.inner, self.copies, self.groups = cache, [], None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def copy_block(self, src: int, dst: int):
+        self.inner.copy_block(src, dst)
+        self.copies.append((src, dst))
+
+    @contextlib.contextmanager
+    def step_groups(self, groups):
+        self.groups = groups
+        with self.inner.step_groups(groups):
+            yield self
+
+
+class LeaderModel:
+    """Rank 0's model as the engine sees it: each forward is first broadcast, then run here."""
+
+    def __init__(self, model, link: Link):
+        self.inner, self.link = model, link
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, tokens, input_pos, cache: LeaderCache, keep=None):
+        try:
+            with self.link.lock:
+                keep = keep if keep is not None else torch.arange(tokens.shape[1], device=tokens.device)
+                self.link.send(*pack(cache.copies, cache.groups, tokens, input_pos, keep))
+                cache.copies = []
+                return self.inner(tokens, input_pos, cache.inner, keep=keep)
+        except Exception as e:  # the ranks are out of step now: nothing can go on
+            self.link.fail(e)
+
+
+def ignore_signals_unless_rank_zero():
+    """A follower ignores SIGTERM and SIGINT (rank 0 drains, then stops it). Call it on the main
+    thread (only it may set handlers): serve.py does before its engine thread loads the model."""
+    if int(os.environ.get("RANK", "0")) != 0 and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def follow(model, cache, link: Link):
+    """Ranks other than 0: run each step rank 0 sends, until it says stop."""
+    ignore_signals_unless_rank_zero()
+    while True:
+        try:
+            kind, step = link.receive()
+            if kind == STOP:
+                return
+            if kind == STEP:
+                copies, groups, tokens, pos, keep = step
+                for src, dst in copies:
+                    cache.copy_block(src, dst)
+                with torch.no_grad(), cache.step_groups(groups):
+                    model(tokens, pos, cache, keep=keep)
+        except Exception as e:
+            link.fail(e)
+
+
+def check_same_options(options: dict):
+    """Every rank must run the same engine: ValueError naming the flags that differ."""
+    mine = {k: options.get(k) for k in CHECKED}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = {k: [o[k] for o in everyone] for k in CHECKED if any(o[k] != mine[k] for o in everyone)}
+    if differ:
+        raise ValueError("every rank must be started with the same engine flags; these differ (per rank): "
+                         + "; ".join(f"{k}: {v}" for k, v in differ.items()))
+
+
+def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None, max_num_seqs=64,
+          max_num_batched_tokens=512, schedule_policy="fcfs", prefix_caching=True):
+    """The engine on rank 0 of a parallelized model (tp.parallelize); on the other ranks, follow
+    rank 0's steps and then end the process with exit code 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
+                             max_tokens=max_num_seqs * model.config.max_position_embeddings)
+    agreed = torch.tensor([mine])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
+    num_blocks = int(agreed.item())
+    peers = [None] * world
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
+                              schedule_policy, tokenizer.stop_ids, tokenizer)
+    link = Link(engine.device, peers)
+    if rank != 0:
+        follow(model, engine.cache, link)
+        dist.destroy_process_group()  # (as Link.stop does on rank 0)
+        raise SystemExit(0)
+    per_rank = engine.cache.nbytes()
+    log(f"{plan}\ntensor parallel over {world} ranks (pids {', '.join(str(pid) for _, pid in peers)}): {num_blocks} "
+        f"blocks on each, {human(per_rank)} of KV per rank, {human(world * per_rank)} in all")
+    engine.model, engine.cache, engine.ranks = LeaderModel(model, link), LeaderCache(engine.cache), world
+    atexit.register(link.stop)
+    threading.Thread(target=link.keep_alive, daemon=True, name="tp-keepalive").start()
+    return engine
+
+
+def load_engine(**options):
+    """engine.load_engine, and under torchrun with several processes the tensor-parallel engine:
+    (Engine, tokenizer, load info) on rank 0; the other ranks serve rank 0 and exit 0 inside."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return load_one_process(**options)
+    import weights
+    from tokenizer import load_tokenizer
+
+    rank, world = tp.init(TIMEOUT_S)
+    check_same_options(options)
+    if options.get("compile"):
+        raise ValueError("--compile does not run tensor-parallel engine steps; leave it out under torchrun")
+    device = pick_device(options.get("device"))
+    device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
+    model, info = weights.load_for_inference(options.get("checkpoint"), device, DTYPES[options.get("dtype", "bfloat16")],
+                                             options.get("quantize"), dequantize=options.get("dequantize", False),
+                                             shard=(rank, world), log=log if rank == 0 else None)
+    tp.check_same_checkpoint(model)
+    tp.parallelize(model)
+    tokenizer = load_tokenizer(info.source)
+    weights.settle()
+    if rank == 0:
+        log(f"loaded {info.source} in {info.load_s:.2f} s; this rank holds {human(model.weight_bytes())} of weights")
+    names = ("num_blocks", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+             "schedule_policy", "prefix_caching")
+    return build(model, tokenizer, **{k: options[k] for k in names if k in options}), tokenizer, info
