@@ -85,6 +85,12 @@ def test_batch_on_three_ranks_equals_one_process_on_the_embedded_model(tmp_path)
     assert "tensor parallel over 3 ranks" in log and "steps broadcast to 2 ranks" in log
 
 
+def test_a_world_size_that_does_not_divide_the_heads_is_refused_with_the_sizes_that_work(tmp_path):
+    out = subprocess.run(TORCHRUN + ["2", "batch.py", "--requests", "-"], cwd=ROOT, input="", capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "world sizes that work: [1, 3]" in out.stderr
+
+
 def start_torchrun_server(folder, ranks=2, extra=()):
     proc = subprocess.Popen(TORCHRUN + [str(ranks), "serve.py", "--checkpoint", str(folder), "--port", "0",
                                         "--dtype", "float32", "--num_blocks", "200", "--block_size", "8", *extra],
@@ -119,6 +125,10 @@ def test_serve_on_two_ranks_answers_as_one_process_and_drains_on_sigterm(gqa):
         chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0)
         assert client(url).chat.completions.create(**chat).choices[0].message.content == \
             client(url_one).chat.completions.create(**chat).choices[0].message.content
+        scored = dict(body, logprobs=2, echo=True, max_tokens=4, extra_body={"structured_outputs": {"regex": "[a-z]+"}})
+        two, alone = (client(u).completions.create(**scored).choices[0] for u in (url, url_one))
+        assert two.text == alone.text and two.logprobs.tokens == alone.logprobs.tokens
+        assert two.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
         leaving = {"prompt": "the lazy dog", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=leaving, headers={"Authorization": "Bearer test-key"}) as r:
             assert next(r.iter_lines()).startswith("data: ")
