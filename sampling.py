@@ -77,8 +77,8 @@ def check_sampling(temperature, top_k, top_p, min_p=0.0, repetition_penalty=1.0,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not (is_number(min_p) and 0 <= min_p <= 1):
         raise ValueError(f"min_p must be in [0, 1] (0 is off), got {min_p!r}")
-    if not (is_number(repetition_penalty) and 0 < repetition_penalty < math.inf):
-        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {repetition_penalty!r}")
+    if not (is_number(repetition_penalty) and 1e-3 <= repetition_penalty <= 1e3):  # beyond, logits overflow
+        raise ValueError(f"repetition_penalty must be in [0.001, 1000] (1 is off), got {repetition_penalty!r}")
     for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
         if not (is_number(value) and -2 <= value <= 2):
             raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {value!r}")

@@ -39,6 +39,8 @@ class RequestParams:
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
                        self.frequency_penalty, self.presence_penalty, self.logit_bias)
         self.logit_bias = parse_logit_bias(self.logit_bias)  # {"123": -100} -> {123: -100.0}
+        if 0 < self.temperature < 1e-20:  # logits / temperature would overflow: its limit, greedy
+            self.temperature = 0.0
         scoring = self.prompt_logprobs is not None
         for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
             value = getattr(self, name)

@@ -76,6 +76,13 @@ async def http_error(request, exc: HTTPException):
     return error(exc.status_code, str(exc.detail))
 
 
+def param_of(message: str, body):
+    """The request field an engine error names first ("repetition_penalty must be ..."), or None."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    word = {"max_new_tokens": "max_tokens"}.get(word, word)
+    return word if word in type(body).model_fields else None
+
+
 def chunk(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -251,7 +258,7 @@ class Server:
         try:
             rids, events = await self.loop.submit(prompts, params)
         except ValueError as e:  # RequestParams.check and Engine.add_request, in the engine thread
-            raise Refused(str(e)) from None
+            raise Refused(str(e), param_of(str(e), body)) from None
         except Unavailable as e:
             raise Refused(str(e), response=unavailable(str(e))) from None
         return rids, events, params

@@ -234,7 +234,7 @@ def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
     (["--top_k", "0"], "top_k must be >= 1"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--min_p", "1.5"], "min_p must be in [0, 1]"),
-    (["--repetition_penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--repetition_penalty", "0"], "repetition_penalty must be in [0.001, 1000]"),
     (["--frequency_penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
     (["--presence_penalty", "3"], "presence_penalty must be in [-2, 2]"),
     (["--logit_bias", "{5: 1}"], "--logit_bias is not JSON"),

@@ -195,7 +195,7 @@ def test_all_controls_off_adjust_nothing():
 
 @pytest.mark.parametrize("field, value, message", [
     ("min_p", -0.1, r"min_p must be in \[0, 1\]"), ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
-    ("min_p", float("nan"), "min_p"), ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+    ("min_p", float("nan"), "min_p"), ("repetition_penalty", 0.0, "repetition_penalty must be in \\[0.001, 1000\\]"),
     ("repetition_penalty", -1.0, "repetition_penalty"), ("repetition_penalty", float("inf"), "repetition_penalty"),
     ("frequency_penalty", 2.5, r"frequency_penalty must be in \[-2, 2\]"),
     ("presence_penalty", -2.1, r"presence_penalty must be in \[-2, 2\]"), ("presence_penalty", "1", "presence_penalty"),

@@ -252,6 +252,13 @@ def test_bad_sampling_controls_get_400_naming_the_field_and_the_server_keeps_ser
         client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                             logit_bias={str(vocab + 5): -100})
     assert post(url, {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -100}, "min_p": 1}).status_code == 200
+    greedy = post(url, {"prompt": "hi", "max_tokens": 6, "temperature": 0}).json()["choices"][0]["text"]
+    for tiny_temperature in (1e-308, 5e-324, 1e-45):  # its limit: greedy, never a 500 from overflowing logits
+        r = post(url, {"prompt": "hi", "max_tokens": 6, "temperature": tiny_temperature})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, r.text
+    for penalty in (1e-300, 1e300):
+        error = post(url, {"prompt": "hi", "max_tokens": 2, "repetition_penalty": penalty}).json()["error"]
+        assert error["param"] == "repetition_penalty" and "[0.001, 1000]" in error["message"]
 
 
 # -- traffic a server left running meets ----------------------------------------------------------
