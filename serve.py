@@ -356,24 +356,34 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (then exit 0);
-    a second one stops at once. It says its address once bound (with --port 0 the OS picks it)."""
+    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (then exit
+    0), with --shutdown_timeout (plus GRACE_S to close) a hard bound; a second one exits at once
+    (128 + the signal: 143, 130), without unwinding threads caught mid-step (that aborted the
+    process with a traceback). It says its address once bound (with --port 0 the OS picks it)."""
+    GRACE_S = 2.0
 
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout: float):
         super().__init__(config)
         self.engine_loop, self.shutdown_timeout = engine_loop, shutdown_timeout
 
     def handle_exit(self, sig, frame):
+        name = signal.Signals(sig).name
         if self.engine_loop.draining:
-            self.should_exit = self.force_exit = True
-            return
+            log(f"signal {name} again: exiting now")
+            os._exit(128 + sig)
         self.engine_loop.draining = True
-        log(f"signal {signal.Signals(sig).name}: draining (up to {self.shutdown_timeout:g} s)")
+        log(f"signal {name}: draining (up to {self.shutdown_timeout:g} s)")
         threading.Thread(target=self.drain, daemon=True).start()
+        threading.Thread(target=self.watchdog, daemon=True).start()
 
     def drain(self):
         self.engine_loop.drain(self.shutdown_timeout)
         self.should_exit = True
+
+    def watchdog(self):
+        time.sleep(self.shutdown_timeout + self.GRACE_S)
+        log(f"still closing {self.GRACE_S:g} s after --shutdown_timeout: exiting")
+        os._exit(0)
 
     def announce(self):
         while not self.started:

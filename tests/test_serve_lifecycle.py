@@ -15,6 +15,7 @@ import pytest
 
 from helpers import tiny_checkpoint
 from engine import Engine
+import serve
 from serve import Limits
 from test_serve import AUTH, KEY, client, start_server, tiny, wait_idle  # noqa: F401 (fixtures)
 
@@ -52,7 +53,6 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
     cores every op then waits for its workers to wake."""
     import tp_engine
-    import serve
     from engine_loop import EngineThread
 
     loaded_on = []
@@ -82,6 +82,32 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
         assert r.choices[0].text and stepped_on == {built_on}
     finally:
         stop()
+
+
+def test_a_second_sigterm_exits_at_once_without_a_traceback(tmp_path):
+    folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
+                             "float32", "--num_blocks", "600", "--shutdown_timeout", "60"],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        while "serving on" not in (line := proc.stderr.readline()):
+            assert line, "serve.py exited before serving"
+        url = line.split("serving on ")[1].split()[0]
+        body = {"prompt": "hello world", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60), daemon=True).start()
+        while "llm_requests_running 1" not in httpx.get(url + "/metrics").text:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 128 + signal.SIGTERM and time.time() - start < 2
+        rest = proc.stderr.read()
+        assert "again: exiting now" in rest and "Traceback" not in rest and "terminate called" not in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
@@ -120,7 +146,7 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
             assert time.time() < deadline, "/health never said draining"
         assert httpx.get(url + "/health").json() == {"status": "draining", "ranks": 1}
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
-        assert proc.wait(timeout=1 + 5) == 0
+        assert proc.wait(timeout=1 + serve.DrainingServer.GRACE_S + 1) == 0  # --shutdown_timeout bounds the exit
         for t in threads:
             t.join(timeout=5)
         assert reasons == {"long0": "abort", "long1": "abort", "short": "length"}, reasons
