@@ -22,6 +22,7 @@ prefix-cache hit rate, preemptions).
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -103,7 +104,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
+        lines = []  # under torchrun only rank 0 reads them (the others follow its steps inside load_engine)
+        if int(os.environ.get("RANK", "0")) == 0:
+            lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
         engine, tokenizer, _ = load_engine(**engine_options(args))
     except (ValueError, OSError) as e:
         log(f"error: {e}")

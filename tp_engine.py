@@ -18,10 +18,12 @@ head is replicated, so every rank computes the full logits and nothing comes bac
 
 The other ranks run `follow()`: receive a step, run it, until rank 0 says stop. Every collective,
 a waiting broadcast too, fails after the process group's timeout, so an idle rank 0 sends a
-keepalive every KEEPALIVE_S. A rank that dies makes the next collective fail on the others: each
-says what it knows (rank 0 names ranks on its machine that are gone) and exits 1, never hanging
-past the timeout. torchrun passes SIGTERM to every rank; the followers ignore it, rank 0 drains
-and then stops them, so all exit 0.
+keepalive every KEEPALIVE_S. A rank that dies makes the next collective fail on the others (gloo;
+NCCL's watchdog aborts them after the timeout instead, so rank 0 also looks at the processes of
+the ranks on its machine every few seconds): each says what it knows, rank 0 naming the ranks on
+its machine that are gone, and exits 1, never hanging past the timeout. torchrun passes SIGTERM
+to every rank; the followers ignore it, and serve.py's rank 0 drains and then stops them, so all
+exit 0 (batch.py's rank 0 just ends, and its followers then exit 1).
 """
 import atexit
 import contextlib
@@ -41,8 +43,8 @@ from runtime import DTYPES, human, log, pick_device
 
 STEP, KEEPALIVE, STOP = 0, 1, 2
 KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
-TIMEOUT_S = 120.0  # the process group's: the longest any collective waits
-CHECKED = ("checkpoint", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
+TIMEOUT_S = 600.0  # the process group's: the longest any collective waits (loading included)
+CHECKED = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
            "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "compile", "prefix_caching")
 
 
@@ -75,7 +77,7 @@ class Link:
 
     def __init__(self, device, peers):
         self.device, self.peers, self.lock = device, peers, threading.RLock()  # peers: (host, pid) per rank
-        self.last, self.steps, self.seconds, self.stopped = time.monotonic(), 0, 0.0, False
+        self.rank, self.last, self.steps, self.seconds, self.stopped = dist.get_rank(), time.monotonic(), 0, 0.0, False
 
     def send(self, header, payload=None):
         start = time.perf_counter()
@@ -88,7 +90,8 @@ class Link:
 
     def signal(self, kind: int):
         with self.lock:
-            self.send(torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.long, device=self.device))
+            if not self.stopped:
+                self.send(torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.long, device=self.device))
 
     def receive(self):
         """(kind, the step or None)."""
@@ -101,23 +104,37 @@ class Link:
         return STEP, unpack(header, payload)
 
     def keep_alive(self):
-        """Rank 0, in a daemon thread: a keepalive whenever no step went out for KEEPALIVE_S."""
-        while not self.stopped:
+        """Rank 0, in a daemon thread: a keepalive whenever no step went out for KEEPALIVE_S, and a
+        look at the ranks on this machine (NCCL's collectives do not fail when a peer dies: its
+        watchdog aborts them after the timeout, with no word of which rank)."""
+        while True:
             time.sleep(KEEPALIVE_S / 4)
-            if time.monotonic() - self.last > KEEPALIVE_S and not self.stopped:
-                try:
-                    self.signal(KEEPALIVE)
-                except Exception as e:
-                    self.fail(e)
+            with self.lock:  # (stop takes it too: after a stop, followers that ended are no failure)
+                if self.stopped:
+                    return
+                if self.gone():
+                    self.fail(RuntimeError("its process has ended"))
+                if time.monotonic() - self.last > KEEPALIVE_S:
+                    try:
+                        self.signal(KEEPALIVE)
+                    except Exception as e:
+                        self.fail(e)
+
+    def gone(self) -> list:
+        """The ranks on this machine whose process has ended."""
+        here = socket.gethostname()
+        return [r for r, (host, pid) in enumerate(self.peers) if host == here and pid != os.getpid() and not alive(pid)]
 
     def stop(self):
-        """Rank 0, at exit: the followers stop and exit 0."""
-        if not self.stopped:
-            self.stopped = True
+        """Rank 0, at exit: the followers stop and exit 0; no step goes out after this."""
+        with self.lock:
+            if self.stopped:
+                return
             try:
                 self.signal(STOP)
             except Exception as e:  # a follower is gone: say which
                 self.fail(e)
+            self.stopped = True
             # before the interpreter exits: a group left to its destructors can abort the process
             # ("terminate called without an active exception")
             dist.destroy_process_group()
@@ -128,10 +145,9 @@ class Link:
     def fail(self, error):
         """A collective failed: say which ranks on this machine are gone, and exit 1 (never hang)."""
         time.sleep(0.5)  # a rank that failed is still exiting
-        here = socket.gethostname()
-        gone = [r for r, (host, pid) in enumerate(self.peers) if host == here and pid != os.getpid() and not alive(pid)]
-        who = f"rank {', '.join(map(str, gone))} stopped" if gone else "another rank stopped or failed"
-        log(f"error: tensor parallel rank {dist.get_rank()}: {who} ({type(error).__name__}: {error}); exiting")
+        gone = self.gone()
+        who = f"rank {', '.join(map(str, gone))} stopped" if gone else "a rank stopped or failed (this one, or another)"
+        log(f"error: tensor parallel rank {self.rank}: {who} ({type(error).__name__}: {error}); exiting")
         os._exit(1)
 
 
@@ -176,14 +192,16 @@ class LeaderModel:
         return getattr(self.inner, name)
 
     def __call__(self, tokens, input_pos, cache: LeaderCache, keep=None):
-        try:
-            with self.link.lock:
+        with self.link.lock:
+            if self.link.stopped:  # shutting down: the other ranks have gone
+                raise RuntimeError("the tensor-parallel ranks have been stopped")
+            try:
                 keep = keep if keep is not None else torch.arange(tokens.shape[1], device=tokens.device)
                 self.link.send(*pack(cache.copies, cache.groups, tokens, input_pos, keep))
                 cache.copies = []
                 return self.inner(tokens, input_pos, cache.inner, keep=keep)
-        except Exception as e:  # the ranks are out of step now: nothing can go on
-            self.link.fail(e)
+            except BaseException as e:  # (an interrupt too) the ranks are out of step now: nothing can go on
+                self.link.fail(e)
 
 
 def ignore_signals_unless_rank_zero():
@@ -206,8 +224,8 @@ def follow(model, cache, link: Link):
                 copies, groups, tokens, pos, keep = step
                 for src, dst in copies:
                     cache.copy_block(src, dst)
-                with torch.no_grad(), cache.step_groups(groups):
-                    model(tokens, pos, cache, keep=keep)
+                with torch.no_grad(), cache.step_groups(groups):  # (no rows kept: rank 0 samples)
+                    model(tokens, pos, cache, keep=keep[:0])
         except Exception as e:
             link.fail(e)
 
@@ -230,9 +248,10 @@ def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                              max_tokens=max_num_seqs * model.config.max_position_embeddings)
-    agreed = torch.tensor([mine])
+    agreed = torch.tensor([mine], device=model.norm.weight.device)  # (NCCL reduces device tensors only)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
     num_blocks = int(agreed.item())
+    _, plan = plan_blocks(model, block_size, num_blocks)
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,

@@ -1,4 +1,5 @@
-"""One tensor-parallel rank, started by tests/test_tp.py with torch.multiprocessing (spawn)."""
+"""One tensor-parallel rank, started by tests/test_tp.py (generate.py's path) and
+tests/test_tp_engine.py (the engine's) with torch.multiprocessing (spawn)."""
 import traceback
 from datetime import timedelta
 from pathlib import Path
