@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from constraint_check import ConstraintChecker
 from engine_loop import EngineLoop, EngineThread, Unavailable, collect_all, events_of
 from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, Refused, TokenizeRequest,
                            constraint_of, encode, error, logprob_counts, prompt_list, refusal, template_messages,
@@ -95,6 +96,10 @@ class Server:
         self.loop = EngineLoop(engine, limits.max_waiting, thread)
         self.context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
         self.context_name = "--max_model_len" if self.context < engine.max_model_len else "the model's context"
+        self.checker = None  # constraints tried in a child process first (constraint_check.py)
+        if limits.constraint_timeout and getattr(tokenizer, "source", None):
+            self.checker = ConstraintChecker(tokenizer.source, engine.model.config.vocab_size, engine.stop_ids,
+                                             limits.constraint_timeout)
 
     # routes have no return annotations: FastAPI would take them as response models
     async def health(self):
@@ -255,6 +260,12 @@ class Server:
         """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400) for a
         request the engine refuses, 503 when it cannot take more now."""
         params = self.params(body, prompts, chat, tool_constraint)
+        if params.constraint is not None and self.checker:  # where a crash or a stall harms no one
+            try:
+                await asyncio.to_thread(self.checker.check, params.constraint)
+            except ValueError as e:
+                param = "tools" if tool_constraint else "response_format" if body.response_format else "structured_outputs"
+                raise Refused(f"{param}: {e}", param) from None
         try:
             rids, events = await self.loop.submit(prompts, params)
         except ValueError as e:  # RequestParams.check and Engine.add_request, in the engine thread
@@ -341,6 +352,8 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     app = FastAPI(title="llm inference server", exception_handlers={
         RequestValidationError: bad_request, HTTPException: http_error, Refused: refused})
     app.state.engine_loop = server.loop
+    if server.checker:
+        app.router.on_shutdown.append(server.checker.close)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=server.loop)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
@@ -406,8 +419,9 @@ def main(argv=None) -> int:
     add_engine_args(p)
     args = p.parse_args(argv)
     check_engine_args(p, args)
-    if args.max_stored_responses < 0:
-        p.error("--max_stored_responses must be >= 0")
+    for name in ("max_stored_responses", "constraint_timeout"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
     for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")

@@ -35,8 +35,8 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_to
 class Tokenizer:
     """encode/decode over one backend, with bos_id, stop_ids and an optional chat template."""
 
-    def __init__(self, backend, bos_id=None, stop_ids=(), add_bos=False, chat_template=None, special=None):
-        self.backend = backend  # an object with encode(text) -> ids and decode(ids) -> str
+    def __init__(self, backend, bos_id=None, stop_ids=(), add_bos=False, chat_template=None, special=None, source=None):
+        self.backend, self.source = backend, source  # encode(text) -> ids, decode(ids) -> str; the checkpoint
         self.bos_id, self.add_bos = bos_id, add_bos
         self.stop_ids = set(i for i in stop_ids if i is not None)
         self.chat_template = chat_template
@@ -356,14 +356,15 @@ def _json(path: Path) -> dict:
 
 
 def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer of a checkpoint: a .gguf file or an HF-style folder."""
+    """The tokenizer of a checkpoint: a .gguf file or an HF-style folder (its `source`, so another
+    process can load it again: constraint_check.py)."""
     path = Path(path)
     # a GGUF file, or a folder quantize.py wrote from one (its tokenizer kept as tokenizer.gguf)
     gguf_file = path if path.is_file() and path.suffix == ".gguf" else path / "tokenizer.gguf"
     if gguf_file.is_file():
         parts = from_gguf(gguf_file)
         return Tokenizer(HFBackend(parts["tokenizer"]), parts["bos_id"], parts["stop_ids"], parts["add_bos"],
-                         parts["chat_template"], parts["special"])
+                         parts["chat_template"], parts["special"], str(path))
     config = _json(path / "tokenizer_config.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
@@ -375,7 +376,7 @@ def load_tokenizer(path) -> Tokenizer:
     bos, stops = _bos_and_stops(path, backend, config, special)
     # tokenizer.json's post-processor says whether BOS is added; other formats use the config.
     add_bos = default_bos if isinstance(backend, HFBackend) else bool(config.get("add_bos_token", default_bos))
-    return Tokenizer(backend, bos, stops, add_bos, template, special)
+    return Tokenizer(backend, bos, stops, add_bos, template, special, str(path))
 
 
 def _backend(path: Path, config: dict, special: dict):

@@ -22,7 +22,7 @@ FLOORS = {
     4: ["fuse_layers", "gguf_weights", "hf_quant", "server_limits"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
-    7: ["engine", "generate"],
+    7: ["engine", "generate", "constraint_check"],
     8: ["tp_engine", "engine_loop"],
     9: ["batch", "responses"],
     10: ["serve"],

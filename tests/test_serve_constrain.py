@@ -105,3 +105,38 @@ def test_bad_constraints_get_400_and_the_server_keeps_serving(server, extra):
     assert r.json()["error"]["param"] in ("response_format", "structured_outputs", None)
     ok = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def lark_chain(n: int) -> str:
+    """n rules, each naming the next: 3,000 of them segfault llguidance's grammar compiler."""
+    return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} | "a"' for i in range(n)) + f'\nr{n}: "b"'
+
+
+@pytest.mark.parametrize("rules", [3_000, 30_000])
+def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(server, rules):
+    url = server[0]
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
+        "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": lark_chain(rules)}})
+    error = r.json()["error"]
+    assert r.status_code == 400 and "crashed the grammar compiler" in error["message"], r.text
+    assert error["param"] == "structured_outputs" and "Traceback" not in error["message"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=1,
+                                         extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert out.choices[0].text in ("red", "blue")  # the checker came back for the next one
+
+
+def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
+    from constrain import Constraint
+    from constraint_check import ConstraintChecker
+
+    _, model, tokenizer = tiny
+    checker = ConstraintChecker(tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=1.0)
+    checker.check(Constraint("choice", ["yes", "no"]))
+    with pytest.raises(ValueError, match="within 1 s"):
+        checker.check(Constraint("choice", [f"option number {i}" for i in range(100_000)]))
+    looping = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    with pytest.raises(ValueError, match="no output|invalid constraint"):
+        checker.check(Constraint("json_schema", looping))
+    checker.check(Constraint("regex", "[a-z]+"))  # a new child after the one killed at the deadline
+    assert len(checker.passed) == 2

@@ -1,0 +1,106 @@
+"""Constraints tried first where a crash cannot take the server down: a child process compiles
+each new constraint exactly as the engine will (constrain.compile_constraint, with the same
+tokenizer) and computes its first token mask, within a deadline. serve.py asks before it queues a
+constrained request, so a grammar that crashes llguidance's native code (a 3,000-rule Lark chain
+segfaults it), one that takes seconds to compile, or one that fails only at its first mask ("max
+is 2000" items in a row) is a 400 at admission, and the engine thread never stalls on it.
+
+    python -c "import constraint_check"     # library only; serve.py uses it
+
+The child starts on the first constrained request and serves one check at a time; one that dies
+or runs past the deadline is killed and replaced. Constraints that passed are remembered (the
+newest CACHE_SIZE), so a schema used by every request is tried once. The engine then compiles it
+again in its own process: that is the price of never compiling an untried grammar there.
+"""
+import json
+import multiprocessing
+import threading
+from collections import OrderedDict
+
+from constrain import Constraint
+
+CACHE_SIZE = 256
+STARTUP_S = 120.0
+MESSAGE_CHARS = 300  # of llguidance's error: its first line, never a Rust backtrace
+
+
+def child(conn, tokenizer_source, vocab_size: int, stop_ids):
+    """The child: compile each constraint it is sent, then its first mask; answer "" or the error."""
+    import torch
+
+    from constrain import compile_constraint
+    from tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_source)
+    conn.send_bytes(b"ready")
+    while True:
+        c = json.loads(conn.recv_bytes())
+        try:
+            matcher = compile_constraint(Constraint(c["kind"], c["value"]), tokenizer, vocab_size, stop_ids)
+            allowed = torch.isfinite(matcher.mask_logits(torch.zeros(vocab_size))).nonzero().view(-1).tolist()
+            error = matcher.error or ""
+            if not error and set(allowed) <= set(stop_ids):  # e.g. a $ref to itself: nothing can match
+                error = "it allows no output at all (a schema that refers only to itself?)"
+        except Exception as e:
+            error = str(e) or type(e).__name__
+        conn.send_bytes(error.encode())
+
+
+class ConstraintChecker:
+    """check(constraint): None if the engine can take it, else ValueError saying why."""
+
+    def __init__(self, tokenizer_source, vocab_size: int, stop_ids=(), deadline_s: float = 10.0):
+        self.args = (str(tokenizer_source), vocab_size, tuple(stop_ids))
+        self.deadline_s, self.lock, self.passed = deadline_s, threading.Lock(), OrderedDict()
+        self.process = self.conn = None
+
+    def check(self, c: Constraint):
+        key = json.dumps({"kind": c.kind, "value": c.value}, sort_keys=True)
+        with self.lock:
+            if key in self.passed:
+                self.passed.move_to_end(key)
+                return
+            error = self._ask(key)
+            if not error:
+                self.passed[key] = True
+                while len(self.passed) > CACHE_SIZE:
+                    self.passed.popitem(last=False)
+                return
+        raise ValueError(error)
+
+    def close(self):
+        """End the child (serve.py's app does when it shuts down)."""
+        with self.lock:
+            if self.process is not None:
+                self.process.kill()
+                self.process.join(timeout=5)
+                self.process = None
+
+    def _ask(self, key: str) -> str:
+        if self.process is None or not self.process.is_alive():
+            self._start()
+        self.conn.send_bytes(key.encode())
+        try:
+            if self.conn.poll(self.deadline_s):
+                first = self.conn.recv_bytes().decode().strip().splitlines()
+                return f"invalid constraint: {first[0][:MESSAGE_CHARS]}" if first else ""
+            self.process.kill()
+            self.process.join(timeout=5)
+            return f"the constraint did not compile within {self.deadline_s:g} s (--constraint_timeout); simplify it"
+        except (EOFError, OSError):  # the child died on it
+            self.process.join(timeout=5)
+            return (f"the constraint crashed the grammar compiler (exit code {self.process.exitcode}); "
+                    "simplify it (fewer rules, a shallower schema)")
+        finally:
+            if not self.process.is_alive():
+                self.process = None
+
+    def _start(self):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks inherited
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=child, args=(theirs, *self.args), daemon=True, name="constraint-check")
+        self.process.start()
+        theirs.close()
+        if not self.conn.poll(STARTUP_S) or self.conn.recv_bytes() != b"ready":  # (torch and the tokenizer load)
+            self.process.kill()
+            raise RuntimeError(f"the constraint checker did not start within {STARTUP_S:g} s")
