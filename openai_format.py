@@ -308,6 +308,7 @@ class Outputs:
         self.ids = [[] for _ in range(self.num_choices)]
         self.entries = [[] for _ in range(self.num_choices)]
         self.prompt_logprobs = {}  # prompt index -> its entries, once its request is over
+        self.prompt_arrays = {}  # prompt index -> its completions-shaped log-probabilities (echo)
         self.sent = [0] * self.num_choices  # tokens whose log-probabilities were streamed
         self.offset = [0] * self.num_choices  # characters streamed
 
@@ -353,14 +354,22 @@ class Outputs:
             prompt = self.prompts[i // self.n]
             head = self.tokenizer.decode(prompt)
             text = head + text
-            if self.logprobs:  # (a request aborted while prefilling has fewer scores than tokens)
-                scores = self.prompt_logprobs.get(i // self.n) or [None]
-                logprobs = completion_logprobs(self.tokenizer, prompt, scores + [None] * (len(prompt) - len(scores)))
+            if self.logprobs:
+                logprobs = {k: list(v) for k, v in self._prompt_logprobs(i // self.n).items()}
                 for key, values in self._logprobs(i, 0, len(head)).items():
                     logprobs[key] += values
         elif self.logprobs:
             logprobs = self._logprobs(i, 0, 0)
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": self.reasons[i]}
+
+    def _prompt_logprobs(self, p: int) -> dict:
+        """Prompt p's arrays, built once for all its n choices (a request aborted while prefilling
+        has fewer scores than tokens)."""
+        if p not in self.prompt_arrays:
+            prompt, scores = self.prompts[p], self.prompt_logprobs.get(p) or [None]
+            self.prompt_arrays[p] = completion_logprobs(self.tokenizer, prompt,
+                                                        scores + [None] * (len(prompt) - len(scores)))
+        return self.prompt_arrays[p]
 
     def _message(self, i: int):
         """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given."""

@@ -139,7 +139,8 @@ class Server:
                 ids = await asyncio.to_thread(encode, self.tokenizer, body.prompt or "", bos)
         except Exception as e:
             raise Refused(f"cannot tokenize: {e}", "messages" if body.messages is not None else "prompt") from None
-        return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+        # the reply built off the event loop too: a 4 MB text's ids held /health for seconds
+        return await asyncio.to_thread(JSONResponse, {"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, body: DetokenizeRequest):
         vocab = self.engine.model.config.vocab_size
@@ -240,6 +241,13 @@ class Server:
                               f"of {self.context} tokens", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         logprobs, prompt_logprobs = logprob_counts(body, chat)
+        if logprobs is not None:  # what the response would hold, refused up front if too much
+            scored = prompt_logprobs is not None
+            entries = body.n * sum(length * scored + max_tokens for length in lengths) * (1 + logprobs)
+            if entries > self.limits.max_logprob_entries:
+                raise Refused(f"this request asks for {entries} log-probabilities (tokens x samples x (1 + "
+                              f"alternatives)); this server answers at most {self.limits.max_logprob_entries} "
+                              "(--max_logprob_entries)", "logprobs")
         constraint = self.constraint(body)
         return RequestParams(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                              top_p=body.top_p, seed=body.seed, stop=stop, n=body.n, ignore_eos=body.ignore_eos,
@@ -292,9 +300,11 @@ class Server:
         failed = await self.collect(request, rids, events, out)
         if failed:
             return failed
-        # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
-        return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
-                             "choices": [out.choice(i) for i in range(out.num_choices)], "usage": out.usage()})
+
+        def build():  # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
+            return JSONResponse({**meta, "object": "chat.completion" if out.chat else "text_completion",
+                                 "choices": [out.choice(i) for i in range(out.num_choices)], "usage": out.usage()})
+        return await asyncio.to_thread(build)  # off the event loop: log-probabilities can be many
 
     async def collect(self, request, rids, events, out: Outputs):
         """Every event into `out`: None, or the error response (500 if a request failed; 499, with
@@ -422,7 +432,8 @@ def main(argv=None) -> int:
     for name in ("max_stored_responses", "constraint_timeout"):
         if getattr(args, name) < 0:
             p.error(f"--{name} must be >= 0")
-    for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len"):
+    for name in ("max_waiting", "max_n", "max_body_bytes", "max_prompts", "max_stop", "max_model_len",
+                 "max_logprob_entries"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     ignore_signals_unless_rank_zero()

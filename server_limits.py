@@ -25,6 +25,7 @@ class Limits:
     max_prompts: int = 64  # prompts in one completions request
     max_stop: int = 16  # stop strings
     max_stored_responses: int = 256  # Responses API replies kept for previous_response_id (0: none)
+    max_logprob_entries: int = 2_000_000  # log-probabilities one response may hold (~100 MB of JSON)
     constraint_timeout: float = 10.0  # seconds a new constraint may take to compile (0: not tried first)
 
 
@@ -80,6 +81,8 @@ def add_limit_args(p: argparse.ArgumentParser):
     p.add_argument("--max_stop", type=int, default=d.max_stop, help="most stop strings per request")
     p.add_argument("--max_stored_responses", type=int, default=d.max_stored_responses,
                    help="replies of /v1/responses kept in memory for previous_response_id (0 keeps none)")
+    p.add_argument("--max_logprob_entries", type=int, default=d.max_logprob_entries,
+                   help="most log-probabilities one response may hold (tokens x samples x (1 + alternatives))")
     p.add_argument("--constraint_timeout", type=float, default=d.constraint_timeout,
                    help="seconds a new constraint may take to compile in the checking process; 0 compiles it "
                         "on the engine thread untried")

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     tokenizer = load_tokenizer(info.source)
     engine = Engine.for_model(model, num_blocks=800, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
                               stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
-    limits = Limits(max_n=4, max_stored_responses=3)
+    limits = Limits(max_n=4, max_stored_responses=3, max_logprob_entries=50_000)
     url, app, stop = start_server(engine, tokenizer, limits)
     LOOPS[url] = app.state.engine_loop
     yield url
@@ -187,6 +187,16 @@ def test_null_is_absent_and_unknown_fields_are_ignored(server):
     assert r.status_code == 200, r.text  # (its arguments: any object, which a random model may not end in 40 tokens)
     message = r.json()["choices"][0]["message"]
     assert message.get("tool_calls") or message["content"].startswith('<tool_call>{"name": "f", "arguments": {')
+
+
+def test_a_response_holding_too_many_logprobs_is_refused_up_front(server):
+    body = {"prompt": [3 + i % 250 for i in range(1500)], "max_tokens": 0, "echo": True, "logprobs": 20, "n": 2}
+    r = post(server, "/v1/completions", body)  # 2 x 1,500 tokens x 21 = 63,000 > 50,000
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "63000" in r.text
+    ok = post(server, "/v1/completions", {**body, "n": 1, "logprobs": 5})  # 1,500 x 6 = 9,000
+    assert ok.status_code == 200, ok.text
+    choice = ok.json()["choices"][0]
+    assert ok.status_code == 200 and len(choice["logprobs"]["tokens"]) == 1500
 
 
 def test_models_retrieve_and_endpoints_not_served(server):
