@@ -131,13 +131,24 @@ class Matcher:
         return self.m.is_stopped()
 
     @property
-    def error(self):
-        return self.m.get_error() if self.m.is_error() else None
+    def error(self):  # its first line: llguidance appends its parser's whole state
+        return (self.m.get_error().strip().splitlines() or ["failed"])[0][:300] if self.m.is_error() else None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A constraint already compiled, for one request (serve.py compiles off the engine thread,
+    since llguidance releases the GIL while it works): compile_constraint hands back its matcher."""
+    constraint: Constraint
+    matcher: Matcher
 
 
 def compile_constraint(c: Constraint, tokenizer, vocab_size: int, stop_ids=()) -> Matcher:
     """A Matcher at the start of the constraint; ValueError naming what is wrong with it."""
     import llguidance
+
+    if isinstance(c, Compiled):
+        return c.matcher
 
     try:
         grammar = grammar_text(c)

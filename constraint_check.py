@@ -1,9 +1,10 @@
 """Constraints tried first where a crash cannot take the server down: a child process compiles
 each new constraint exactly as the engine will (constrain.compile_constraint, with the same
-tokenizer) and computes its first token mask, within a deadline. serve.py asks before it queues a
+tokenizer) and walks its first PROBE_STEPS tokens, computing each mask, within a deadline. serve.py asks before it queues a
 constrained request, so a grammar that crashes llguidance's native code (a 3,000-rule Lark chain
-segfaults it), one that takes seconds to compile, or one that fails only at its first mask ("max
-is 2000" items in a row) is a 400 at admission, and the engine thread never stalls on it.
+segfaults it), one that takes seconds to compile, or one that fails only once it runs ("max is
+2000" items in a row) is a 400 at admission. serve.py then compiles it in a worker thread and
+hands the engine a constrain.Compiled, so the engine thread never compiles at all.
 
     python -c "import constraint_check"     # library only; serve.py uses it
 
@@ -21,13 +22,12 @@ from constrain import Constraint
 
 CACHE_SIZE = 256
 STARTUP_S = 120.0
+PROBE_STEPS = 8  # tokens walked into each constraint
 MESSAGE_CHARS = 300  # of llguidance's error: its first line, never a Rust backtrace
 
 
 def child(conn, tokenizer_source, vocab_size: int, stop_ids):
     """The child: compile each constraint it is sent, then its first mask; answer "" or the error."""
-    import torch
-
     from constrain import compile_constraint
     from tokenizer import load_tokenizer
 
@@ -37,13 +37,29 @@ def child(conn, tokenizer_source, vocab_size: int, stop_ids):
         c = json.loads(conn.recv_bytes())
         try:
             matcher = compile_constraint(Constraint(c["kind"], c["value"]), tokenizer, vocab_size, stop_ids)
-            allowed = torch.isfinite(matcher.mask_logits(torch.zeros(vocab_size))).nonzero().view(-1).tolist()
-            error = matcher.error or ""
-            if not error and set(allowed) <= set(stop_ids):  # e.g. a $ref to itself: nothing can match
-                error = "it allows no output at all (a schema that refers only to itself?)"
+            error = probe(matcher, vocab_size, set(stop_ids))
         except Exception as e:
             error = str(e) or type(e).__name__
         conn.send_bytes(error.encode())
+
+
+def probe(matcher, vocab_size: int, stop_ids: set) -> str:
+    """Walk PROBE_STEPS tokens into the constraint (the first allowed each time), computing each
+    mask, where llguidance's run-time limits show ("Current row has 20001 items; max is 2000"
+    comes at the second token of a 20,000-way choice): "" or the error."""
+    import torch
+
+    for step in range(PROBE_STEPS):
+        allowed = torch.isfinite(matcher.mask_logits(torch.zeros(vocab_size))).nonzero().view(-1).tolist()
+        if matcher.error:
+            return matcher.error
+        going_on = [t for t in allowed if t not in stop_ids]
+        if not going_on:  # complete (or, at the start, a $ref to itself: nothing can match)
+            return "" if step else "it allows no output at all (a schema that refers only to itself?)"
+        matcher.advance(going_on[0])
+        if matcher.error:
+            return matcher.error
+    return ""
 
 
 class ConstraintChecker:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from constrain import Compiled, compile_constraint
 from constraint_check import ConstraintChecker
 from engine_loop import EngineLoop, EngineThread, Unavailable, collect_all, events_of
 from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, Refused, TokenizeRequest,
@@ -47,7 +47,7 @@ from responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server_limits import Guard, Limits, add_limit_args
+from server_limits import DrainingServer, Guard, Limits, add_limit_args
 from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
@@ -264,16 +264,24 @@ class Server:
         except ValueError as e:
             raise Refused(e.args[0], e.args[1]) from None
 
+    async def compiled(self, constraint, body, tool_constraint):
+        """The constraint tried in the checker's process (where a crash or a stall harms no one),
+        then compiled here off the engine thread: constrain.Compiled; Refused naming the field."""
+        try:
+            await asyncio.to_thread(self.checker.check, constraint)
+            vocab, stops = self.engine.model.config.vocab_size, self.engine.stop_ids
+            return Compiled(constraint, await asyncio.to_thread(compile_constraint, constraint, self.tokenizer,
+                                                                 vocab, stops))
+        except ValueError as e:
+            param = "tools" if tool_constraint else "response_format" if body.response_format else "structured_outputs"
+            raise Refused(f"{param}: {e}", param) from None
+
     async def submit(self, body, prompts, chat: bool, tool_constraint=None):
         """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400) for a
         request the engine refuses, 503 when it cannot take more now."""
         params = self.params(body, prompts, chat, tool_constraint)
-        if params.constraint is not None and self.checker:  # where a crash or a stall harms no one
-            try:
-                await asyncio.to_thread(self.checker.check, params.constraint)
-            except ValueError as e:
-                param = "tools" if tool_constraint else "response_format" if body.response_format else "structured_outputs"
-                raise Refused(f"{param}: {e}", param) from None
+        if params.constraint is not None and self.checker:
+            params.constraint = await self.compiled(params.constraint, body, tool_constraint)
         try:
             rids, events = await self.loop.submit(prompts, params)
         except ValueError as e:  # RequestParams.check and Engine.add_request, in the engine thread
@@ -376,43 +384,6 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     app.post("/v1/responses")(responses.create)
     app.post("/v1/embeddings")(server.embeddings)
     return app
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (then exit
-    0), with --shutdown_timeout (plus GRACE_S to close) a hard bound; a second one exits at once
-    (128 + the signal: 143, 130), without unwinding threads caught mid-step (that aborted the
-    process with a traceback). It says its address once bound (with --port 0 the OS picks it)."""
-    GRACE_S = 2.0
-
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout: float):
-        super().__init__(config)
-        self.engine_loop, self.shutdown_timeout = engine_loop, shutdown_timeout
-
-    def handle_exit(self, sig, frame):
-        name = signal.Signals(sig).name
-        if self.engine_loop.draining:
-            log(f"signal {name} again: exiting now")
-            os._exit(128 + sig)
-        self.engine_loop.draining = True
-        log(f"signal {name}: draining (up to {self.shutdown_timeout:g} s)")
-        threading.Thread(target=self.drain, daemon=True).start()
-        threading.Thread(target=self.watchdog, daemon=True).start()
-
-    def drain(self):
-        self.engine_loop.drain(self.shutdown_timeout)
-        self.should_exit = True
-
-    def watchdog(self):
-        time.sleep(self.shutdown_timeout + self.GRACE_S)
-        log(f"still closing {self.GRACE_S:g} s after --shutdown_timeout: exiting")
-        os._exit(0)
-
-    def announce(self):
-        while not self.started:
-            time.sleep(0.05)
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        log(f"serving on http://{host}:{port} (OpenAI API under /v1)")
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
 """What one request may ask of serve.py, checked before any handler reads it: the API key, the
-body size, the server draining, and the limits each request is held to (`Limits`, one flag each).
+body size, the server draining, and the limits each request is held to (`Limits`, one flag each);
+and how the server ends (`DrainingServer`: drain on the first signal, within a hard bound).
 
     python -c "import server_limits"     # library only; serve.py uses it
 
@@ -8,11 +9,17 @@ parses a byte of it; `Limits` are checked by serve.py's steps before anything is
 """
 import argparse
 import hmac
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
+import uvicorn
 from starlette.exceptions import HTTPException
 
 from openai_format import error, unavailable
+from runtime import log
 
 
 @dataclass
@@ -88,3 +95,40 @@ def add_limit_args(p: argparse.ArgumentParser):
                         "on the engine thread untried")
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before stopping (then exit
+    0), with --shutdown_timeout (plus GRACE_S to close) a hard bound; a second one exits at once
+    (128 + the signal: 143, 130), without unwinding threads caught mid-step (that aborted the
+    process with a traceback). It says its address once bound (with --port 0 the OS picks it)."""
+    GRACE_S = 2.0
+
+    def __init__(self, config: uvicorn.Config, engine_loop, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine_loop, self.shutdown_timeout = engine_loop, shutdown_timeout
+
+    def handle_exit(self, sig, frame):
+        name = signal.Signals(sig).name
+        if self.engine_loop.draining:
+            log(f"signal {name} again: exiting now")
+            os._exit(128 + sig)
+        self.engine_loop.draining = True
+        log(f"signal {name}: draining (up to {self.shutdown_timeout:g} s)")
+        threading.Thread(target=self.drain, daemon=True).start()
+        threading.Thread(target=self.watchdog, daemon=True).start()
+
+    def drain(self):
+        self.engine_loop.drain(self.shutdown_timeout)
+        self.should_exit = True
+
+    def watchdog(self):
+        time.sleep(self.shutdown_timeout + self.GRACE_S)
+        log(f"still closing {self.GRACE_S:g} s after --shutdown_timeout: exiting")
+        os._exit(0)
+
+    def announce(self):
+        while not self.started:
+            time.sleep(0.05)
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        log(f"serving on http://{host}:{port} (OpenAI API under /v1)")

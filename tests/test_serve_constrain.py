@@ -140,3 +140,26 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
         checker.check(Constraint("json_schema", looping))
     checker.check(Constraint("regex", "[a-z]+"))  # a new child after the one killed at the deadline
     assert len(checker.passed) == 2
+
+
+def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
+    """The engine thread gets a constrain.Compiled (compiled in a worker thread, llguidance
+    releasing the GIL), so it never compiles; 20,000 choices, which pass their first mask and fail
+    at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
+    from constrain import Compiled
+
+    url, _, _, engine, _ = server
+    seen, add = [], engine.add_request
+
+    def recorded(prompt, params=None, request_id=None):
+        seen.append(type(params.constraint))
+        return add(prompt, params, request_id)
+    monkeypatch.setattr(engine, "add_request", recorded)
+    out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=2,
+                                         extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
+    assert re.fullmatch("[a-c]{3}", out.choices[0].text) and seen == [Compiled]
+    choices = [f"option number {i}" for i in range(20_000)]
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
+        "prompt": "x", "max_tokens": 4, "structured_outputs": {"choice": choices}})
+    assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text[:300]
+    assert "\n" not in r.json()["error"]["message"] and seen == [Compiled]  # one line; never queued
