@@ -85,7 +85,7 @@ class GGUFFile:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self.pos // alignment) * alignment
-        self.tensors, names = [], set()
+        self.tensors, names, spans = [], set(), []
         for name, dims, raw_type, offset in records:
             if name in names:
                 raise ValueError(f"tensor {name!r} appears twice")
@@ -102,12 +102,18 @@ class GGUFFile:
             if at + nbytes > len(self.map):
                 raise ValueError(f"tensor {name!r} needs {nbytes:,} bytes at {at:,}, past the end of the "
                                  f"file ({len(self.map):,} bytes): truncated")
+            spans.append((at, at + nbytes, name))
             shape = tuple(reversed(dims)) or (1,)
             if kind.name in PLAIN_TENSORS:
                 data = self.map[at:at + nbytes].view(PLAIN_TENSORS[kind.name]).reshape(shape)
             else:  # [..., row bytes]
                 data = self.map[at:at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
             self.tensors.append(Tensor(name, kind, np.array(dims, dtype=np.uint64), data))
+        spans.sort()
+        for (_, end, first), (at, _, second) in zip(spans, spans[1:]):  # a tensor's bytes are its own
+            if at < end:
+                raise ValueError(f"tensors {first!r} and {second!r} overlap in the file (offsets point into "
+                                 "each other's data)")
 
     def release(self, tensor: Tensor):
         """Drop a tensor's pages from this process's resident set once it has been copied out (the

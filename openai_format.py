@@ -16,7 +16,7 @@ With `echo`, a completion's text and arrays start with the prompt's; the first p
 no log-probability (null), and `max_tokens: 0` scores a prompt without generating.
 """
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from runtime import log
 from tool_calls import CallStream, parse_calls
@@ -69,7 +69,7 @@ class Sampling(Body):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or several
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # one prompt, or several (ids: not booleans)
     logprobs: int = Field(None, ge=0, le=20)  # the chosen token's and this many alternatives
     echo: bool = False  # the prompt's text and log-probabilities first
     suffix: str = None  # refused unless empty: text after the completion (insertion) is not served
@@ -284,7 +284,7 @@ class TokenizeRequest(Body):  # vLLM's /tokenize: a prompt, or chat messages
 
 class DetokenizeRequest(Body):
     model: str = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # -- one response's choices ------------------------------------------------------------------------

@@ -95,6 +95,8 @@ def config_from_hf(cfg: dict, source) -> ModelConfig:
         raise CheckpointError(f"{source}: config.json is not a JSON object")
     try:
         return _config_from_hf(cfg, source)
+    except CheckpointError:
+        raise
     except KeyError as e:
         raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
@@ -115,6 +117,8 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = {}
     heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim") is not None and not (isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0):
+        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}")
     bias = bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
     return ModelConfig(
@@ -148,6 +152,7 @@ def check_config(config: ModelConfig, total_bytes: int, source):
     if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
         raise CheckpointError(f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
                               f"{config.rope_scaling!r} is not usable")
+    check_rope_scaling(config.rope_scaling, source)
     if config.max_position_embeddings > MAX_CONTEXT:
         raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
                               f"{MAX_CONTEXT}; the config is wrong")
@@ -161,6 +166,23 @@ def check_config(config: ModelConfig, total_bytes: int, source):
     if total_bytes is not None and params / 4 > total_bytes:
         raise CheckpointError(f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
                               f"more than the {total_bytes:,} bytes of weights hold; it does not match them")
+
+
+ROPE_NUMBERS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings")}
+
+
+def check_rope_scaling(scaling: dict, source):
+    """Each number its RoPE scaling type needs, present and positive (high_freq_factor above
+    low_freq_factor), named if not; an unknown type is model.py's to refuse."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    for key in ROPE_NUMBERS.get(kind, ()):
+        value = scaling.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise CheckpointError(f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise CheckpointError(f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
+                              f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
 
 
 def _hf_tensors(folder: Path):
@@ -243,6 +265,8 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             config = config_from_hf(raw, config)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{config}: nested too deeply to be a config") from None
         fmt, files = _hf_tensors(path)
         tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
         total = sum(f.stat().st_size for f in files)
@@ -366,6 +390,10 @@ def _check_tensor(file, name, tensor, expected, qdtypes, quant):
         raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
     if name in qdtypes and not isinstance(tensor, quant_groups.Packed) and tensor.dtype != qdtypes[name]:
         raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
+        low, high = torch.aminmax(tensor)  # one pass that NaN propagates through (RESULTS.md, "NaN check")
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values")
 
 
 def _check_complete(expected, state, packed, built, source):

@@ -179,6 +179,8 @@ def test_null_is_absent_and_unknown_fields_are_ignored(server):
         "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"]), "max_tokens": 5})
     assert r.status_code == 200, r.text
     assert post(server, "/v1/completions", {"prompt": None}).json()["error"]["param"] == "prompt"
+    booleans = post(server, "/v1/completions", {"prompt": [True, False], "max_tokens": 2})  # not token ids
+    assert booleans.status_code == 400 and booleans.json()["error"]["param"].startswith("prompt")
     for field, value in (("logit_bias", {"99999999": 1}), ("suffix", "and then"), ("best_of", 3)):
         bad = post(server, "/v1/completions", {"prompt": "Hi", field: value})  # known fields still checked
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field

@@ -18,6 +18,10 @@ from weights import CheckpointError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     hf = hf_model("llama3")
@@ -271,6 +275,12 @@ def test_default_model_not_installed_says_how(monkeypatch):
     ({"hidden_size": "64"}, "positive integer"),
     ({"num_attention_heads": 0}, "n_heads must be a positive integer|do not make a model"),
     ({"intermediate_size": -5}, "positive integer"),
+    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_theta must be a positive number"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "linear RoPE scaling needs a positive number factor"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "factor": "x"}}, "needs a positive number factor, got 'x'"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "factor": 0}}, "needs a positive number factor, got 0"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 4}}, "high_freq_factor above low_freq_factor"),
 ])
 def test_a_config_is_checked_against_bounds_and_the_weights_before_building(tiny, tmp_path, edit, message):
     import time
@@ -282,6 +292,31 @@ def test_a_config_is_checked_against_bounds_and_the_weights_before_building(tiny
     with pytest.raises(CheckpointError, match=message):
         weights.load(tmp_path / "m")
     assert time.perf_counter() - start < 5
+
+
+def test_a_deep_config_nan_weights_and_overlapping_gguf_tensors_are_named(tiny, tmp_path):
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny[1], tmp_path / "deep")
+    (tmp_path / "deep" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="config.json: nested too deeply"):
+        weights.load(tmp_path / "deep")
+    shutil.copytree(tiny[1], tmp_path / "nan")
+    file = next((tmp_path / "nan").glob("*.safetensors"))
+    tensors = load_file(file)
+    name = sorted(tensors)[3]
+    tensors[name].view(-1)[7] = float("nan")
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=f"tensor '{weights._hf_name(name)}' holds NaN or infinite values"):
+        weights.load(tmp_path / "nan")
+    path = write_gguf(tiny[0], tmp_path / "overlap.gguf")
+    reader = gguf.GGUFReader(str(path), "r+")  # the second tensor's data offset set to the first's
+    reader.tensors[1].field.parts[-1][0] = reader.tensors[0].field.parts[-1][0]
+    reader.data.flush()
+    del reader
+    with pytest.raises(CheckpointError, match="overlap in the file"):
+        weights.load(path)
 
 
 def test_gguf_file_reads_what_the_gguf_package_reads(tiny, tmp_path):
