@@ -44,7 +44,11 @@ def _gpt2(tokens, merges, pre):
     from tokenizers import Tokenizer as HFTokenizer, decoders, models
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in merges]
+    for i, pair in enumerate(pairs):  # each merge joins two tokens into a third, all in the vocabulary
+        if len(pair) != 2 or not all(p in vocab for p in pair) or "".join(pair) not in vocab:
+            raise TokenizerError(f"tokenizer.ggml.merges[{i}] ({merges[i]!r}) is not two tokens of the "
+                                 f"vocabulary ({len(tokens)} tokens) that join into a third")
     tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3")))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
@@ -86,10 +90,17 @@ def from_gguf(path: Path) -> dict:
     if not tokens:
         raise TokenizerError(f"{path}: no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)")
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores = field(reader, "tokenizer.ggml.scores")
+    for key, values in (("token_type", types), ("scores", scores if kind == "llama" else None)):
+        if values is not None and len(values) != len(tokens):
+            raise TokenizerError(f"{path}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
     if kind == "gpt2":
-        tok = _gpt2(tokens, field(reader, "tokenizer.ggml.merges") or [], field(reader, "tokenizer.ggml.pre", "gpt2"))
+        try:
+            tok = _gpt2(tokens, field(reader, "tokenizer.ggml.merges") or [], field(reader, "tokenizer.ggml.pre", "gpt2"))
+        except TokenizerError as e:
+            raise TokenizerError(f"{path}: {e}") from None
     elif kind == "llama":
-        tok = _llama(tokens, field(reader, "tokenizer.ggml.scores"), field(reader, "tokenizer.ggml.unknown_token_id"),
+        tok = _llama(tokens, scores, field(reader, "tokenizer.ggml.unknown_token_id"),
                      field(reader, "tokenizer.ggml.add_space_prefix", True))
     else:
         raise TokenizerError(f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)")
@@ -99,6 +110,10 @@ def from_gguf(path: Path) -> dict:
 
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     stops = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    for key, value in zip(("bos", "eos", "eot", "eom"), [bos] + stops):
+        if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+            raise TokenizerError(f"{path}: tokenizer.ggml.{key}_token_id {value!r} is not a token of its "
+                                 f"{len(tokens)}")
     add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
     return {"tokenizer": tok, "bos_id": bos, "stop_ids": stops, "add_bos": add_bos,
             "chat_template": field(reader, "tokenizer.chat_template"), "special": special}

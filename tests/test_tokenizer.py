@@ -407,3 +407,28 @@ def test_printer_prints_until_the_stop_token(embedded_tokenizer):
         printer([t])
     printer.flush()
     assert out.getvalue() == printer.text.sent == tok.decode(ids)
+
+
+@pytest.mark.parametrize("tokens, merges, extra, message", [
+    (["a", "b", "ab"], ["a b", "ab"], {}, r"merges\[1\] \('ab'\) is not two tokens"),
+    (["a", "b"], ["a b"], {}, r"merges\[0\] \('a b'\) is not two tokens of the vocabulary \(2 tokens\)"),
+    (["a", "b", "ab"], ["a b"], {"types": [1, 1]}, "token_type has 2 entries for 3 tokens"),
+    (["a", "b", "ab"], ["a b"], {"eos": 7}, "eos_token_id 7 is not a token of its 3"),
+])
+def test_a_malformed_gguf_vocabulary_is_named(tmp_path, tokens, merges, extra, message):
+    """Merges that are not two tokens joining into a third (or a vocabulary shorter than its
+    merges), metadata lists of the wrong length, token ids outside the vocabulary: TokenizerError."""
+    import gguf
+
+    from runtime import TokenizerError
+
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(extra.get("types", [1] * len(tokens)))
+    w.add_eos_token_id(extra.get("eos", 0))
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(TokenizerError, match=message):
+        load_tokenizer(tmp_path / "bad.gguf")
