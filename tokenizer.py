@@ -11,9 +11,8 @@ One `Tokenizer` wraps whichever library the checkpoint's files call for:
 Special tokens written in the text (`<|im_start|>`) become their single ids. BOS/EOS and the
 stop tokens come from the checkpoint's metadata (generation_config.json may list several). Chat
 templates come from tokenizer_config.json, chat_template.jinja or the GGUF metadata, and are
-rendered in a subclass of jinja2's ImmutableSandboxedEnvironment that also bounds what a template
-may build (repetition, output size, widths) and how long it may run, since a template is code
-from the checkpoint.
+rendered by chat_template.py in a sandbox that also bounds what a template may build and how
+long it may run, since a template is code from the checkpoint.
 
     python tokenizer.py [CHECKPOINT] "Some text"      # prints the ids and their pieces
 """
@@ -21,9 +20,9 @@ import base64
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
+from chat_template import render_chat_template
 from gguf_tokenizer import LLAMA3_PATTERN, from_gguf
 from runtime import TokenizerError
 
@@ -157,125 +156,6 @@ class Printer:
     def write(self, text: str):
         self.out.write(text)
         self.out.flush()
-
-
-# What one render of a chat template may build and spend. A template is code from a file written
-# by someone else: jinja2's sandbox stops attribute walks (__class__, __globals__) but not
-# `'a' * 10**10`, `range(99999)` nested in itself, or `'{:>9999999999}'.format(1)`.
-TEMPLATE_MAX_CHARS = 2**24  # of any string or list the template builds, and of its output
-TEMPLATE_MAX_SECONDS = 2.0
-
-
-def _bounded_sandbox():
-    import math
-
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def check_size(value):
-        if isinstance(value, (str, list, tuple, bytes)) and len(value) > TEMPLATE_MAX_CHARS:
-            raise SecurityError(f"the template built a value of {len(value)} items (limit {TEMPLATE_MAX_CHARS})")
-        return value
-
-    def check_args(args, kwargs):  # widths, counts and repeats beyond what any output may hold
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > TEMPLATE_MAX_CHARS:
-                raise SecurityError(f"the template passed {a}, beyond the limit of {TEMPLATE_MAX_CHARS}")
-
-    def bounded_filter(f):
-        def wrapper(*args, **kwargs):
-            check_args(args, kwargs)
-            return check_size(f(*args, **kwargs))
-        wrapper.__dict__.update(getattr(f, "__dict__", {}))  # keeps jinja's pass_context / pass_environment marks
-        return wrapper
-
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**", "+", "%"])
-
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.filters = {name: bounded_filter(f) for name, f in self.filters.items()}
-
-        def unsafe_undefined(self, obj, attribute):  # an attribute walk fails now, not silently as ""
-            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe")
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                for seq, times in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
-                            len(seq) * times > TEMPLATE_MAX_CHARS:
-                        raise SecurityError(f"the template repeats a value {times} times (limit {TEMPLATE_MAX_CHARS} items)")
-            if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)) and \
-                    abs(left) > 1 and right * math.log2(abs(left)) > 4096:
-                raise SecurityError(f"the template computes {left} ** {right}, a number over 4096 bits")
-            if operator == "%" and isinstance(left, str):
-                check_args(right if isinstance(right, tuple) else (right,), {})
-            return check_size(super().call_binop(context, operator, left, right))
-
-        def call(__self, __context, __obj, *args, **kwargs):
-            check_args(args, kwargs)
-            bound_to = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
-            if isinstance(bound_to, str) and re.search(r"\d{7,}", bound_to):
-                raise SecurityError("the template formats with a width beyond any output")
-            try:
-                return check_size(super().call(__context, __obj, *args, **kwargs))
-            except OverflowError as e:  # the sandbox's own range() limit
-                raise SecurityError(str(e)) from None
-
-    return BoundedSandbox
-
-
-def _with_deadline(render, seconds: float):
-    """render() stopped after `seconds`: a trace on the template's own frames (their code is
-    named "<template>") checks the clock every 1024 lines, loops without output included."""
-    from jinja2.exceptions import SecurityError
-
-    deadline, lines = time.monotonic() + seconds, 0
-
-    def on_line(frame, event, arg):
-        nonlocal lines
-        lines += 1
-        if lines % 1024 == 0 and time.monotonic() > deadline:
-            raise SecurityError(f"the template ran for more than {seconds:g} s")
-        return on_line
-
-    def on_call(frame, event, arg):
-        return on_line if frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        return render()
-    finally:
-        sys.settrace(previous)
-
-
-def render_chat_template(template: str, messages, add_generation_prompt=True, **extra) -> str:
-    """The template rendered in a sandbox that also bounds what it may build and how long it may
-    run; any failure is a TokenizerError."""
-    from jinja2.exceptions import TemplateError
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-
-    def render():
-        out, size = [], 0
-        for part in env.from_string(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       **extra):
-            out.append(part)
-            size += len(part)
-            if size > TEMPLATE_MAX_CHARS:
-                raise TemplateError(f"the template's output exceeds {TEMPLATE_MAX_CHARS} characters")
-        return "".join(out)
-
-    try:
-        return _with_deadline(render, TEMPLATE_MAX_SECONDS)
-    except (TemplateError, OverflowError, MemoryError, RecursionError) as e:
-        raise TokenizerError(f"chat template failed: {e}") from None
 
 
 # --- backends -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # not even torch; constrain's llguidance and gguf_file's gguf are imported where they are used).
 FLOORS = {
     1: ["runtime", "cpu_kernels", "model", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
-    2: ["kv_cache", "sequence", "scoring", "quantize", "tool_calls"],
+    2: ["kv_cache", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["paged", "speculative", "quant_groups", "openai_format", "perplexity"],
     4: ["fuse_layers", "gguf_weights", "hf_quant", "server_limits"],
     5: ["weights", "gguf_tokenizer"],

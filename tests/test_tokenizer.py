@@ -211,16 +211,28 @@ HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without bui
     "format string attribute walk": "{{ '{0.__class__.__init__.__globals__}'.format(messages) }}",
     "cycler walk": "{{ cycler.__init__.__globals__.os }}",
     "output size": "{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}",
+    "doubling by ~": "{% set ns = namespace(s='aa') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                     "{% endfor %}{{ ns.s | length }}",
+    "percent width in the format": "{{ '%9999999999s' % 'a' }}",
+    "join bomb": "{% set x = 'x' * 9999999 %}{{ [x, x, x] | join }}",
+    "format bomb": "{% set x = 'x' * 9999999 %}{{ '{0}{0}{0}'.format(x) }}",
+    "joined by a long separator": "{% set x = 'x' * 9999999 %}{{ ['a', 'b', 'c'] | join(x) }}",
 }
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_hostile_chat_templates_fail_clearly_and_quickly(name, monkeypatch):
-    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_SECONDS", 0.3)
-    start = time.perf_counter()
+    import resource
+
+    import chat_template
+
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 0.3)
+    start, peak = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(TokenizerError, match="chat template failed"):
         render_chat_template(HOSTILE_TEMPLATES[name], MESSAGES)
-    assert time.perf_counter() - start < 2 * tokenizer.TEMPLATE_MAX_SECONDS + 1
+    assert time.perf_counter() - start < 2 * chat_template.TEMPLATE_MAX_SECONDS + 1
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak  # KiB: the process's peak, raised by
+    assert grown < 400_000, f"the template grew the process's peak by {grown} KiB"  # at most a bounded build
 
 
 def test_a_bounded_template_still_renders_loops_and_filters():
