@@ -78,10 +78,12 @@ def test_batch_on_three_ranks_equals_one_process_on_the_embedded_model(tmp_path)
     """The embedded model (9 heads, 3 KV heads) in float32, greedy, through torchrun and batch.py."""
     requests = [{"id": i, "prompt": p, "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
                 for i, p in enumerate(["The capital of France is", "The capital of France is a city", "Once"])]
-    args = ["--dtype", "float32", "--num_blocks", "64"]
-    alone, _ = run_batch(args, requests, tmp_path)
+    requests.append({"id": 3, "prompt": "The capital of France is", "max_new_tokens": 12, "temperature": 0.8,
+                     "seed": 7, "n": 2, "ignore_eos": True})  # forked samples, seeded
+    args = ["--dtype", "float32", "--num_blocks", "9", "--block_size", "4"]  # tight: preemption
+    alone, one_log = run_batch(args, requests, tmp_path)
     three, log = run_batch(args, requests, tmp_path, ranks=3)
-    assert three == alone and len(alone) == 3
+    assert three == alone and len(alone) == 4 and "preemptions 0" not in one_log
     assert "tensor parallel over 3 ranks" in log and "steps broadcast to 2 ranks" in log
 
 
