@@ -97,9 +97,10 @@ class Link:
         """(kind, the step or None)."""
         header = torch.empty(6, dtype=torch.long, device=self.device)
         dist.broadcast(header, 0)
-        if header[0].item() != STEP:
-            return header[0].item(), None
-        payload = torch.empty(header[5].item(), dtype=torch.long, device=self.device)
+        kind, *_, length = header.tolist()  # one device-to-host read per step
+        if kind != STEP:
+            return kind, None
+        payload = torch.empty(length, dtype=torch.long, device=self.device)
         dist.broadcast(payload, 0)
         return STEP, unpack(header, payload)
 

@@ -16,18 +16,22 @@ from tp_worker import PROMPT, run_rank
 NEW_TOKENS = 12
 
 
-def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None):
-    """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
-    world = len(checkpoints)
-    ctx = mp.start_processes(run_rank, args=(world, [str(c) if c else None for c in checkpoints],
-                                             str(tmp_path / "rendezvous"), str(tmp_path), new_tokens, compile_decode, quantize),
-                             nprocs=world, join=False, start_method="spawn")
+def start_ranks(fn, args, world: int, timeout_s: float):
+    """fn(rank, *args) on `world` spawned processes, joined within timeout_s (else killed, failing the test)."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"tensor-parallel ranks did not finish within {timeout_s} s")
+
+
+def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None):
+    """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
+    world = len(checkpoints)
+    start_ranks(run_rank, (world, [str(c) if c else None for c in checkpoints], str(tmp_path / "rendezvous"),
+                           str(tmp_path), new_tokens, compile_decode, quantize), world, timeout_s)
     results = []
     for rank in range(world):
         err = tmp_path / f"rank{rank}.err"

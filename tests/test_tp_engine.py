@@ -13,13 +13,13 @@ import time
 import httpx
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import tp_engine
 import weights
 from engine import Engine
 from helpers import tiny_checkpoint
 from test_serve import client, start_server
+from test_tp import start_ranks
 from tokenizer import load_tokenizer
 from tp_worker import ENGINE, engine_workload, run_engine_rank
 
@@ -35,14 +35,8 @@ def gqa(tmp_path_factory):
 
 def spawn_engine(folder, tmp_path, options, timeout_s=180):
     world = len(options)
-    ctx = mp.start_processes(run_engine_rank, args=(world, str(folder), str(tmp_path / "rendezvous"), str(tmp_path),
-                                                    options), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"tensor-parallel ranks did not finish within {timeout_s} s")
+    start_ranks(run_engine_rank, (world, str(folder), str(tmp_path / "rendezvous"), str(tmp_path), options), world,
+                timeout_s)
     errors = [(tmp_path / f"rank{r}.err").read_text() for r in range(world) if (tmp_path / f"rank{r}.err").exists()]
     return errors or json.loads((tmp_path / "rank0.json").read_text())
 
