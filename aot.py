@@ -244,7 +244,8 @@ def build(spec: dict):
 
     import runtime
     import weights
-    from kv_cache import Int8KVCache, StaticKVCache
+    from kv_cache import StaticKVCache
+    from kv_int8 import Int8KVCache
 
     load = dict(spec["load"])
     model, _ = weights.load_for_inference(device="cpu", dtype=DTYPES[load.pop("dtype")], log=log, **load)

@@ -77,7 +77,9 @@ class Engine:
         allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
         scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0)
-        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores)
+        c = model.config  # a window on every layer: blocks behind it are freed as sequences grow
+        window = c.sliding_window if all(c.window(i) for i in range(c.n_layers)) else 0
+        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, window)
         return cls(model, PagedKVCache.for_model(model, num_blocks, block_size), scheduler, tokenizer, stop_ids, compile)
 
     # -- the request lifecycle -----------------------------------------------------------------
@@ -327,12 +329,14 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
     """(Engine, tokenizer, load info) for a checkpoint; logs the memory plan. Then, as generate.py,
     drops what only loading needed (weights.settle)."""
     import weights
+    from families import window_plan
 
     model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
     tokenizer = load_tokenizer(info.source)
     weights.settle()
     num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                    max_tokens=max_num_seqs * model.config.max_position_embeddings)
+    plan += window_plan(model.config, block_size, PagedKVCache.bytes_per_block(model, block_size))
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{plan}")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
                               schedule_policy, tokenizer.stop_ids, tokenizer, compile)

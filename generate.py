@@ -34,7 +34,8 @@ import torch
 import aot
 import constrain
 import tp
-from kv_cache import Int8KVCache, StaticKVCache
+from kv_cache import StaticKVCache
+from kv_int8 import Int8KVCache
 from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
                      cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
@@ -175,8 +176,6 @@ def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int 
         raise ValueError(f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({max_new_tokens})")
     if seq_len > context:
         raise ValueError(f"--max_seq_len {seq_len} exceeds this model's context of {context} tokens")
-    if config.sliding_window and seq_len > config.sliding_window:
-        raise ValueError(f"--max_seq_len {seq_len} exceeds the sliding window ({config.sliding_window}), which is not implemented")
     return seq_len
 
 

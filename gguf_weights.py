@@ -43,17 +43,21 @@ import torch
 from model import ModelConfig
 from runtime import CheckpointError
 
-SUPPORTED_ARCH = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+GEMMA = ("gemma2", "gemma3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF tensor name (after "blk.N.") -> model.py name (after "layers.N.")
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",  # (Phi-3's, split on loading)
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma's four norms per layer
 
 
 def read(path: Path):
@@ -97,28 +101,76 @@ def config_from_gguf(reader, path) -> ModelConfig:
 
     names = {t.name for t in reader.tensors}
     heads = get("attention.head_count")
-    scaling = {}
-    if field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    if "rope_freqs.weight" in names:  # Llama 3.1+: per-pair frequency divisors stored as a tensor
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        scaling = {"rope_type": "freq_factors", "factors": np.asarray(t.data, dtype=np.float32).tolist()}
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"), n_heads=heads,
         n_kv_heads=get("attention.head_count_kv", heads), intermediate_size=get("feed_forward_length"),
         head_dim=get("attention.key_length", 0), norm_eps=get("attention.layer_norm_rms_epsilon"),
-        rope_theta=get("rope.freq_base", 10000.0), rope_scaling=scaling,
+        rope_theta=get("rope.freq_base", 10000.0), rope_scaling=rope_scaling(reader, arch, path),
         max_position_embeddings=get("context_length"), tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names, **family_switches(reader, arch, path, get),
     )
 
 
-def model_name(gguf_name: str) -> str:
+def rope_scaling(reader, arch, path) -> dict:
+    """RoPE scaling from `rope.scaling.*` metadata and the factor tensors llama.cpp stores."""
+    data = {t.name: np.asarray(t.data, dtype=np.float32).tolist() for t in reader.tensors
+            if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")}
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in data:  # Llama 3.1+: per-pair frequency divisors stored as a tensor
+        return {"rope_type": "freq_factors", "factors": data["rope_freqs.weight"]}
+    if "rope_factors_long.weight" in data:  # Phi-3's LongRoPE
+        scaling = {"rope_type": "longrope", "long_factor": data["rope_factors_long.weight"],
+                   "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"]),
+                   "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
+        attention = field(reader, f"{arch}.rope.scaling.attn_factor")
+        return {**scaling, "attention_factor": attention} if attention else scaling
+    if kind in ("linear", "yarn"):
+        scaling = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor")}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = field(reader, f"{arch}.rope.scaling.original_context_length")
+        return scaling
+    if kind not in (None, "none"):
+        raise CheckpointError(f"{path}: metadata {arch}.rope.scaling.type {kind!r} is not supported "
+                              "(supported: none, linear, yarn, and the rope_freqs / rope_factors_* tensors)")
+    return {}
+
+
+def family_switches(reader, arch, path, get) -> dict:
+    """Sliding windows, partial rotary and Gemma's switches, as llama.cpp's converter writes them:
+    Gemma's layer pattern and local RoPE base are not stored (every 2nd / 6th layer full, base 10000),
+    nor query_pre_attn_scalar (head_dim, or dim / heads for the 27B models: 46 or 62 layers)."""
+    window = field(reader, f"{arch}.attention.sliding_window", 0)
+    if not isinstance(window, int) or window < 0:
+        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, got {window!r}")
+    n_layers, out = get("block_count"), {"sliding_window": window}
+    rotary = field(reader, f"{arch}.rope.dimension_count")
+    if rotary and rotary != get("attention.key_length", rotary):
+        out["rotary_dim"] = rotary
+    if arch not in GEMMA:
+        return out
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list) and len(pattern) != n_layers:
+        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} "
+                              f"layers, the file has {n_layers} (block_count)")
+    if not window:
+        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window is missing: {arch} needs it")
+    windowed = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n_layers)]
+    large = n_layers == (46 if arch == "gemma2" else 62)
+    return {**out, "layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
+            "norm_offset": 1.0, "embed_scale": True, "sandwich_norms": True, "mlp_act": "gelu_tanh",
+            "query_scale": get("embedding_length") / get("attention.head_count") if large else get("attention.key_length"),
+            "attn_softcap": field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0,
+            "logit_softcap": field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0,
+            "local_rope_theta": field(reader, f"{arch}.rope.freq_base_swa", 10000.0) if arch == "gemma3" else 0.0}
+
+
+def model_name(gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return f"layers.{parts[1]}.{LAYER_NAMES.get(parts[2], parts[2])}.{parts[3]}"
+        names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMA else LAYER_NAMES
+        return f"layers.{parts[1]}.{names.get(parts[2], parts[2])}.{parts[3]}"
     return f"{GLOBAL_NAMES.get(parts[0], parts[0])}.{parts[1]}"
 
 
@@ -273,17 +325,38 @@ def open_gguf(path: Path, keep_quantized: bool = True):
 
     def tensors():
         for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
+            if t.name.startswith(("rope_freqs.", "rope_factors_")):
                 continue  # folded into config.rope_scaling
-            name = model_name(t.name)
+            name = model_name(t.name, arch)
             w = (keep_quantized and packed(t, name, path)) or dequantize(t, path)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
                 w = unpermute(w, heads) if isinstance(w, torch.Tensor) else w.rows(unpermute(torch.arange(w.shape[0]), heads))
+            if arch in GEMMA and name.endswith("norm.weight"):
+                w = w - 1  # llama.cpp stores Gemma's (1 + w); model.py adds the 1 itself
             reader.release(t)  # w is a copy: its pages of the file need not stay resident
-            yield path, name, w
+            yield from split_fused(path, name, w, config) if arch == "phi3" else [(path, name, w)]
 
     return config, tensors(), path.stat().st_size
+
+
+def split_fused(path, name, w, config):
+    """Phi-3's attn_qkv and fused ffn_up (gate rows, then up rows) as model.py's separate layers."""
+    q, kv, ff = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.intermediate_size
+    fused = {"self_attn.qkv_proj.weight": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+             "mlp.up_proj.weight": [("mlp.gate_proj", ff), ("mlp.up_proj", ff)]}
+    key = next((k for k in fused if name.endswith(k)), None)
+    if key is None:
+        return [(path, name, w)]
+    if w.shape[0] != sum(n for _, n in fused[key]):
+        raise CheckpointError(f"{path}: fused tensor {name!r} has {w.shape[0]} rows, expected "
+                              f"{sum(n for _, n in fused[key])} for the heads and feed_forward_length in its metadata")
+    out, start, prefix = [], 0, name[: -len(key)]
+    for part, n in fused[key]:
+        rows = w[start:start + n].clone() if isinstance(w, torch.Tensor) else w.rows(torch.arange(start, start + n))
+        out.append((path, f"{prefix}{part}.weight", rows))
+        start += n
+    return out
 
 
 def write_tokenizer_only(src: Path, dst: Path):

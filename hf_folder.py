@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 import gguf_weights
 import weights
-from quantize import GROUP_SIZES, METADATA_KEY, check_mode, describe, plan, portable_tensors, quantize_int8
+from quant_files import METADATA_KEY
+from quantize import GROUP_SIZES, check_mode, describe, plan, portable_tensors, quantize_int8
 
 
 def hf_state_dict(model, keep_head: bool = False) -> dict:

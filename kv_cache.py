@@ -41,16 +41,12 @@ Without a call (or after `use_positions(None)`) attention reads all S slots: the
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.
 
-`Int8KVCache` (`generate.py --kv_cache_dtype int8`) stores K and V as int8 with one scale per
-token and head, halving the bytes a long-context decode step reads:
-
-    bytes per token = 2 * layers * kv_heads * (head_dim * 1 + bytes of one scale)
+`Int8KVCache` (kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8 beside it.
 """
 import torch
 import torch.nn.functional as F
 
 import cpu_kernels
-from cpu_kernels import decode_attention
 
 MIN_ATTEND_SLOTS = 128  # the smallest prefix attended: below it a step's attention costs little
 EAGER_SLOTS = 256  # eager steps attend over a multiple of this many slots (few matmul shapes)
@@ -126,7 +122,7 @@ class StaticKVCache:
             self.attend_len = eager_attend_len(n_positions, self.max_seq_len)
         return self.attend_len
 
-    def attend(self, layer, q, k, v, input_pos):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
         rows = self.rows[: k.shape[0], None]  # [B, 1]: row b writes at its own positions input_pos[b]
         self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
@@ -134,66 +130,41 @@ class StaticKVCache:
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
         # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
         k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
-        mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]: slot visible to query
-        if q.shape[1] == 1 and self.decode is not None:  # the kernel picked where the cache was built
+        mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
+        if q.shape[1] == 1 and self.decode is not None and not softcap:  # the kernel picked where the cache was built
             return self.decode(q, k_cache, v_cache, mask)
-        return attention(q, k_cache, v_cache, mask)
+        return attention(q, k_cache, v_cache, mask, softcap)
 
     def reset(self):
         for t in self.tensors():
             t.zero_()
 
 
-def attention(q, k_cache, v_cache, mask):
+def visible(slots, input_pos, window=0):
+    """[B, 1, T, S]: slot s (holding position s) is visible to the query at p when s <= p and,
+    under a sliding window w, p - w < s (Hugging Face's convention: w keys, the query's own included).
+
+    slots [S]; input_pos [B, T]"""
+    p = input_pos[:, None, :, None]
+    return (slots <= p) & (slots > p - window) if window else slots <= p
+
+
+def attention(q, k_cache, v_cache, mask, softcap=0.0):
     """softmax(q k^T / sqrt(D) + mask) v by SDPA, K/V never repeated per query head (enable_gqa).
+    With softcap (Gemma 2), the scores become softcap * tanh(scores / softcap) first: SDPA has no
+    such step, so those are computed here, query heads grouped over their shared KV head.
 
     q [B, T, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, T, S] -> [B, T, H, D]"""
+    if softcap:
+        B, T, H, D = q.shape
+        Hkv = k_cache.shape[1]
+        qg = q.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+        scores = (qg @ k_cache[:, :, None].transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, T, S]
+        scores = torch.tanh(scores / softcap) * softcap
+        p = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1).to(v_cache.dtype)
+        return (p @ v_cache[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
     return y.transpose(1, 2)
-
-
-def quantize_per_token(x: torch.Tensor):
-    """x [..., D] -> (int8 [..., D], scale [..., 1]) with x ~= q * scale, symmetric per vector."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / 127
-    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale.to(x.dtype)
-
-
-class Int8KVCache(StaticKVCache):
-    """K/V as int8 [B, Hkv, S, D] plus scales [B, Hkv, S, 1] in the model's dtype.
-
-    The reference: dequantize, then `attention` (or the one-token `decode` kernel, as the float
-    cache). A one-token step under torch.compile runs cpu_kernels.decode_attention on the int8
-    cache directly (Inductor fuses the int8 -> float conversion into its loops), so the step reads
-    half the bytes of a bf16 cache."""
-
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
-                 decode=None):
-        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode)
-        shape = (batch_size, n_kv_heads, max_seq_len, 1)
-        self.k_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-
-    def tensors(self) -> list:
-        return self.k + self.v + self.k_scale + self.v_scale
-
-    def attend(self, layer, q, k, v, input_pos):
-        # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
-        rows = self.rows[: k.shape[0], None]
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            xq, xs = quantize_per_token(x)
-            cache[layer][rows, :, input_pos] = xq
-            scales[layer][rows, :, input_pos] = xs
-        L = self.attend_len
-        mask = self.slots[:L] <= input_pos[:, None, :, None]  # [B, 1, T, L]
-        k_cache, v_cache, k_scale, v_scale = (t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale))
-        if q.shape[1] == 1 and torch.compiler.is_compiling():
-            # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
-            # (v * v_scale), with the int8 values converted inside the fused reductions
-            return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
-        k_cache, v_cache = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale  # [B, Hkv, L, D]
-        if q.shape[1] == 1 and self.decode is not None:
-            return self.decode(q, k_cache, v_cache, mask)
-        return attention(q, k_cache, v_cache, mask)
 
 
 class NoCache:
@@ -201,7 +172,10 @@ class NoCache:
 
     For one-shot forwards of whole sequences that start at position 0 (perplexity, tests)."""
 
-    def attend(self, layer, q, k, v, input_pos):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
+        if window or softcap:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+            return attention(q, k, v, visible(input_pos[0], input_pos, window), softcap)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )

@@ -1,31 +1,33 @@
 """The Llama-family transformer, written to be read top to bottom.
 
-One decoder-only architecture covers Llama 2, Llama 3 / 3.1 / 3.2, Mistral (without sliding
-window), TinyLlama, SmolLM2, Qwen2 / Qwen2.5 and Qwen3. They differ only in a few switches, all
-in `ModelConfig`: grouped-query attention (n_kv_heads < n_heads), a head_dim that need not be
-dim / n_heads, bias on q/k/v (Qwen2), RMSNorm on q and k per head (Qwen3), a tied or untied
-output head, and how RoPE frequencies are scaled (`llama3`, `linear`).
+One decoder-only architecture covers Llama 2 / 3.x, Mistral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3,
+Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`: grouped-query
+attention, a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and k (Qwen3,
+Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3, linear, yarn, longrope, dynamic),
+sliding windows per layer, and Gemma's (1 + w) norms, sqrt(dim) embeddings, GeGLU, norms around
+each branch, query_pre_attn_scalar and tanh soft-capping of scores and logits.
 
 The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q
-and k by RoPE at `input_pos`, and hands them to the cache:
+and k by RoPE at `input_pos`, and hands them to the cache with the layer's window and soft cap:
 
     logits = model(tokens[B, T], input_pos[B, T], cache)
-    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T])
+    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T], window, softcap)
 
-The positions are the only per-step fact the model passes along; anything else a cache needs
-(block tables) its caller writes into the cache before the forward. kv_cache.py
-holds the static cache; paged.py the paged one.
+A query at p then sees keys at p - window < s <= p (window 0: all s <= p). The positions are the
+only per-step fact the model passes along; anything else a cache needs (block tables) its caller
+writes into the cache before the forward. kv_cache.py holds the static cache; paged.py the paged one.
 
 Parameter names follow Hugging Face's Llama layout without the leading "model." (so an HF
 checkpoint loads by name); weights.py turns every checkpoint format into this layout.
 Run `python generate.py` to see it write text; tests/test_model.py checks it against HF.
 """
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rope import RotaryEmbedding
 
 
 @dataclass
@@ -45,42 +47,40 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     o_bias: bool = False  # Llama's attention_bias puts a bias on o_proj too
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
-    sliding_window: int = 0  # Mistral; 0: none. Not implemented: contexts must fit inside it.
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k, before RoPE
+    sliding_window: int = 0  # keys a windowed layer still sees (Mistral, Qwen2, Gemma, Phi-3); 0: none
+    layer_types: tuple = ()  # per layer "sliding_attention" or "full_attention"; (): every layer windowed if a window is set
+    rotary_dim: int = 0  # the leading dims RoPE rotates (Phi-4-mini's partial_rotary_factor); 0: head_dim
+    local_rope_theta: float = 0.0  # Gemma 3: sliding layers' own RoPE base, unscaled; 0: the same RoPE
+    # Gemma 2 / 3's switches
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w) in float32 (Gemma: 1)
+    embed_scale: bool = False  # embeddings times sqrt(dim)
+    mlp_act: str = "silu"  # or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # norms after attention and the MLP too, before the residual add
+    query_scale: float = 0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
+    logit_softcap: float = 0.0  # the same on the final logits
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it sees the whole context)."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
 
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        bad = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if bad or len(self.layer_types) not in (0, self.n_layers):
+            raise ValueError(f"layer_types must give each of the {self.n_layers} layers one of sliding_attention, "
+                             f"full_attention; got {sorted(bad) or len(self.layer_types)}")
+        if self.mlp_act not in ACTIVATIONS:
+            raise ValueError(f"MLP activation {self.mlp_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation speeds [head_dim/2], with the checkpoint's frequency scaling applied.
-    Computed on the CPU whatever the default device (on meta tensors this arithmetic would import
-    the compiler stack); the caller moves it."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":  # positions divided by `factor`
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
-        # low_freq_factor and high_freq_factor interpolated smoothly.
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_context = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-        return torch.where(medium, smoothed, scaled)
-    if kind == "freq_factors":  # GGUF's rope_freqs.weight: one divisor per pair, precomputed
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
-    raise ValueError(f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -90,22 +90,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, H, D]; cos, sin [B, T, D] -> broadcast over heads
+    # x [B, T, H, D]; cos, sin [B, T, R] -> broadcast over heads; dims past R (partial rotary) pass through
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
     return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, then scale in the input dtype, as the reference does.
+        # Normalise in float32, then scale in the input dtype, as the reference does (Gemma: by 1 + w in float32).
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def norm(config: ModelConfig, dim: int = 0) -> RMSNorm:
+    return RMSNorm(dim or config.dim, config.norm_eps, config.norm_offset)
 
 
 class Attention(nn.Module):
@@ -119,10 +128,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
         self.qkv_proj = None  # fuse_layers.py may replace q/k/v by one layer with their rows stacked
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         else:
             self.q_norm = self.k_norm = None
+        self.window, self.softcap = config.window(layer), config.attn_softcap  # what the cache must apply
+        # query_pre_attn_scalar: folded into q, so every attention kernel keeps its 1/sqrt(D)
+        self.q_scale = (config.head_dim / config.query_scale) ** 0.5 if config.query_scale else 1.0
 
     def forward(self, x, cos, sin, input_pos, cache):
         B, T, _ = x.shape
@@ -137,12 +148,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cache.attend(self.layer, q, k, v, input_pos)  # [B, T, H, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        y = cache.attend(self.layer, q, k, v, input_pos, window=self.window, softcap=self.softcap)  # [B, T, H, D]
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU has tanh-GELU in place of silu."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -150,25 +163,33 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
         self.gate_up_proj = None  # or gate and up stacked in one layer (fuse_layers.py)
+        self.act = ACTIVATIONS[config.mlp_act]
 
     def forward(self, x):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.input_layernorm = norm(config)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.post_attention_layernorm = norm(config)  # Llama: before the MLP; Gemma: on attention's output
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(config), norm(config)
 
     def forward(self, x, cos, sin, input_pos, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
+        if self.sandwich:  # Gemma 2 / 3: each branch normalised before and after
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,38 +199,57 @@ class Transformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = norm(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Not a parameter: rebuilt from config wherever the model is created, never loaded.
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(self.norm.weight.device), persistent=False)
+        self.make_rope(self.norm.weight.device)
 
-    def rope(self, input_pos: torch.Tensor):
-        # input_pos [B, T] -> cos, sin [B, T, D], computed in float32 then cast like the reference
-        freqs = input_pos[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        dtype = self.norm.weight.dtype  # the activations' dtype (the embedding may be int8)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def make_rope(self, device):
+        """The RoPE tables (rope.py): buffers, not parameters, rebuilt from the config, never loaded."""
+        c = self.config
+        self.rotary = RotaryEmbedding(c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling,
+                                      c.max_position_embeddings).to(device)
+        self.local_rotary = (RotaryEmbedding(c.rotary_dim or c.head_dim, c.local_rope_theta).to(device)
+                             if c.local_rope_theta else None)
+
+    def embed(self, tokens):
+        x = self.embed_tokens(tokens)  # [B, T, dim]
+        if self.config.embed_scale:  # Gemma: times sqrt(dim), rounded to the activations' dtype as the reference
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        return x
+
+    def forward_layers(self, x, input_pos, cache, layers):
+        """x [B, T, dim] through `layers`, each rotating q, k by its RoPE's cos/sin [B, T, D] at input_pos."""
+        tables = {}  # one cos/sin pair per distinct RoPE (Gemma 3's sliding layers have their own), once per step
+        for layer in layers:
+            local = self.local_rotary is not None and layer.self_attn.window > 0
+            if local not in tables:  # in the activations' dtype (the embedding may be int8)
+                tables[local] = (self.local_rotary if local else self.rotary)(input_pos, self.norm.weight.dtype)
+            x = layer(x, *tables[local], input_pos, cache)
+        return x
+
+    def head(self, x):
+        logits = self.lm_head(self.norm(x)).float()
+        if self.config.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
+        return logits
 
     def forward(self, tokens, input_pos, cache, last_only: bool = False, keep=None):
         """tokens, input_pos [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only, or
         [B, len(keep), vocab] for the positions `keep` [n] along T, e.g. each sequence's last token
         in a flattened batch)."""
-        x = self.embed_tokens(tokens)  # [B, T, dim]
-        cos, sin = self.rope(input_pos)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, cache)
+        x = self.forward_layers(self.embed(tokens), input_pos, cache, self.layers)
         if last_only:  # prefill needs only the next token's logits: skip the [T, vocab] matmul
             x = x[:, -1:]
         elif keep is not None:
             x = x[:, keep]
-        return self.lm_head(self.norm(x)).float()
+        return self.head(x)
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters and buffers holding weights, a tied tensor counted once."""
         seen, total = set(), 0
-        for t in list(self.parameters()) + [b for n, b in self.named_buffers() if n != "inv_freq"]:
+        for t in list(self.parameters()) + [b for n, b in self.named_buffers() if "rotary" not in n]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()

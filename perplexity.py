@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kv_cache import Int8KVCache, StaticKVCache
+from kv_cache import StaticKVCache
+from kv_int8 import Int8KVCache
 from runtime import DTYPES, pick_device
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "declaration.txt"

@@ -222,9 +222,9 @@ class Packed:
     source: str  # what the file holds, for the load plan: "Q4_1", "gptq int4 g128", ...
 
     def rows(self, index: torch.Tensor) -> "Packed":
-        """The same weight with its rows reordered (every tensor here is per row first)."""
+        """The weight's rows `index`, reordered or a subset (every tensor here is per row first)."""
         tensors = {k: None if v is None else v[index] for k, v in self.tensors.items()}
-        return Packed(self.kind, tensors, self.shape, self.groupsize, self.source)
+        return Packed(self.kind, tensors, (len(index), self.shape[1]), self.groupsize, self.source)
 
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.tensors.values() if v is not None)

@@ -19,7 +19,10 @@ preempted: its blocks are released (full ones stay in the prefix cache) and it w
 front of the queue to be recomputed, prompt and generated tokens together.
 
 After the forward, `update(plan, results)` appends each sampled token, names the blocks that
-filled up in the prefix cache, and frees the blocks of the sequences that finished.
+filled up in the prefix cache, and frees the blocks of the sequences that finished. When every
+layer attends through a sliding `window`, it also frees each block whose positions no later query
+can see (all below num_computed - window + 1): its table entry becomes the null block 0, and a
+sequence holds at most window / block_size + 2 blocks however long it grows.
 
     scheduler = Scheduler(paged.BlockAllocator(num_blocks=64, block_size=16), max_num_seqs=8)
     scheduler.add(seq)                       # a sequence.Sequence (or anything with its fields)
@@ -47,10 +50,11 @@ class Scheduler:
 
     policy: "fcfs" or "lpm"; reserve_tokens: every sequence reserves this many tokens at admission,
     as a static cache would (benchmarks); scores: None, or prompt scoring's hooks (scoring.py):
-    `reusable_tokens(request, hashes)` and `must_wait(request, running)`."""
+    `reusable_tokens(request, hashes)` and `must_wait(request, running)`; window: the sliding window
+    of every layer, or 0 (some layer sees the whole context: every block is kept)."""
 
     def __init__(self, allocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "fcfs", reserve_tokens: int = None, scores=None):
+                 policy: str = "fcfs", reserve_tokens: int = None, scores=None, window: int = 0):
         if policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule policy must be fcfs or lpm, got {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
@@ -58,7 +62,7 @@ class Scheduler:
                              f"({max_num_seqs}): every running sequence needs a token per step")
         self.allocator, self.block_size, self.policy = allocator, allocator.block_size, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.reserve_tokens, self.scores = reserve_tokens, scores
+        self.reserve_tokens, self.scores, self.window = reserve_tokens, scores, window
         self.waiting, self.running = deque(), []
         self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
 
@@ -181,7 +185,7 @@ class Scheduler:
         return True
 
     def _release(self, seq):
-        for b in seq.blocks:
+        for b in filter(None, seq.blocks):  # (0: a block freed outside the window)
             self.allocator.release(b)
         seq.blocks, seq.hashes, seq.num_computed = [], [], 0
 
@@ -198,9 +202,17 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        for b in seq.blocks:
+        for b in filter(None, seq.blocks):
             self.allocator.release(b)
         seq.blocks = []  # its hashes stay: they name what it computed (prompt scoring remembers by them)
+
+    def _free_outside_window(self, seq):
+        """Release the blocks before the window of seq's next query (a full one stays in the prefix
+        cache until evicted), newest first, stopping at the first one already freed."""
+        i = min((seq.num_computed - self.window + 1) // self.block_size, len(seq.blocks)) - 1
+        while i >= 0 and seq.blocks[i]:
+            self.allocator.release(seq.blocks[i])
+            seq.blocks[i], i = 0, i - 1
 
     def update(self, plan, results):
         """After the step's forward: plan's tokens are computed; results [(seq, token or None,
@@ -213,10 +225,12 @@ class Scheduler:
                 i = len(seq.hashes)
                 parent = seq.hashes[-1] if seq.hashes else None
                 seq.hashes.append(self.allocator.register(seq.blocks[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+            if self.window:
+                self._free_outside_window(seq)
         for seq, twins in plan.forks:
             for k, twin in enumerate(t for t in twins if not t.finish_reason):
                 twin.num_computed, twin.blocks, twin.hashes = seq.num_computed, list(seq.blocks), list(seq.hashes)
-                for b in twin.blocks:
+                for b in filter(None, twin.blocks):
                     self.allocator.share(b)
                 self.running.insert(self.running.index(seq) + 1 + k, twin)
         for seq, token, reason in results:

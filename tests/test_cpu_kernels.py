@@ -7,7 +7,8 @@ import torch.nn.functional as F
 import cpu_kernels
 import quantize
 import runtime
-from kv_cache import Int8KVCache, StaticKVCache, quantize_per_token
+from kv_cache import StaticKVCache
+from kv_int8 import Int8KVCache, quantize_per_token
 from paged import PagedKVCache
 
 

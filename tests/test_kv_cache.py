@@ -7,7 +7,8 @@ import generate
 import runtime
 import weights
 from helpers import tiny_checkpoint
-from kv_cache import Int8KVCache, StaticKVCache, attend_len_for
+from kv_cache import StaticKVCache, attend_len_for
+from kv_int8 import Int8KVCache
 from sampling import SamplingParams
 
 CAPACITY = 1024  # large against the positions the tests use, so the prefix is what they read

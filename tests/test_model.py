@@ -55,7 +55,7 @@ def test_classic_and_new_rope_config_forms_agree(pair, tmp_path):
     to_classic_config(classic)
     model2, _ = weights.load(classic, dtype=torch.float32)
     assert model2.config == model.config
-    torch.testing.assert_close(model2.inv_freq, model.inv_freq)
+    torch.testing.assert_close(model2.rotary.inv_freq, model.rotary.inv_freq)
 
 
 def test_switches_come_from_the_config():

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 import generate
+import helpers
 import runtime
 import int4_layout
 import quantize
 import weights
 from helpers import tiny_checkpoint
-from kv_cache import Int8KVCache, NoCache, StaticKVCache
+from kv_cache import NoCache, StaticKVCache
+from kv_int8 import Int8KVCache
 from perplexity import DEFAULT_TEXT, perplexity
 
 # a tiny model whose every linear layer the int4 kernels take at group 64 (K % 64, N % 16)
@@ -140,7 +142,7 @@ def test_int4_at_the_default_group_size_covers_the_linear_layers(embedded, tiny)
     small = dict(embedded[0].config.__dict__, n_layers=2)  # the embedded model's shapes, 2 layers
     for model in (weights.Transformer(weights.ModelConfig(**small)), weights.load(tiny)[0]):
         report = quantize.quantize_model(model, "int4", 64)
-        assert quantize.linear_coverage(model) >= 0.99
+        assert helpers.linear_coverage(model) >= 0.99
         assert report["bytes_after"] < report["bytes_before"]
         assert set(report["kept"]) == {"lm_head", "embed_tokens"}
 

@@ -117,3 +117,12 @@ def test_int4_quantized_shards_equal_one_process(tmp_path):
         assert not isinstance(r, str), r
         torch.testing.assert_close(r["logits"], logits, atol=1e-4, rtol=1e-4)
         assert r["tokens"] == rows[0]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3_longrope"])
+def test_gemma_and_phi3_on_two_ranks_equal_one_process(arch, tmp_path):
+    """Soft-capping, sandwich norms and windows (Gemma 2); fused projections split before each rank
+    takes its slice, and partial rotary (Phi-3)."""
+    folder = save_hf(hf_model(arch), tmp_path / "ckpt")
+    model, logits, tokens = single_process(folder)
+    check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)

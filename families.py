@@ -1,0 +1,197 @@
+"""Model families: an HF config.json (and its tensor names) turned into model.py's ModelConfig and layout.
+
+Each family the model runs is a set of switches (model.py's ModelConfig); this file reads them
+from the keys each family's config.json uses, with that family's defaults for keys a published
+config leaves out (Gemma 3's text_config gives only what differs from Gemma3TextConfig), and
+renames or splits tensors whose layout differs from Llama's:
+
+    llama, mistral      Mistral v0.1: a sliding window on every layer
+    qwen2, qwen3        use_sliding_window: windows on the layers from max_window_layers on
+    gemma2              (1 + w) norms, sqrt(dim) embeddings, GeGLU, sandwich norms, soft-capping,
+                        sliding and full layers alternating
+    gemma3_text, gemma3 q/k norms, five sliding layers to one full, a local RoPE base for sliding ones
+                        (gemma3: the text model of the multimodal checkpoint; its vision tower is skipped)
+    phi3                fused qkv_proj and gate_up_proj (split here), LongRoPE, partial rotary
+
+    python -c "import json, families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
+"""
+import torch
+
+from model import ModelConfig
+from rope import SUPPORTED, kind_of
+from runtime import CheckpointError
+
+SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                       max_position_embeddings=131072, query_pre_attn_scalar=256, sliding_window=4096,
+                       rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=6,
+                       tie_word_embeddings=True)
+GEMMA2_DEFAULTS = dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, head_dim=256)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's names -> model.py's
+
+
+def config_from_hf(cfg: dict, source) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: config.json is not a JSON object")
+    try:
+        return _config_from_hf(cfg, source)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
+        raise CheckpointError(f"{source}: config.json has values that do not make a model ({e})") from None
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config: Gemma 3's multimodal checkpoints nest it, with its defaults."""
+    if cfg.get("model_type") == "gemma3":
+        cfg = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
+    defaults = {"gemma3_text": GEMMA3_DEFAULTS, "gemma2": GEMMA2_DEFAULTS}.get(cfg.get("model_type"), {})
+    return {**defaults, **cfg}  # a key given as null stays null (no soft cap, no window), as in HF
+
+
+def rope_of(cfg: dict, kind: str):
+    """(theta, scaling, local theta) from the classic `rope_theta` + `rope_scaling` or the newer
+    `rope_parameters` (Gemma 3's nested per layer type: full_attention, sliding_attention)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    local = rope.pop("sliding_attention", None)
+    rope = dict(rope.pop("full_attention", None) or rope)
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rope or dict(cfg.get("rope_scaling") or {})
+    if kind == "phi3" and kind_of(scaling) in ("su", "yarn"):  # Phi-3's older names for LongRoPE
+        scaling["rope_type"] = "longrope"
+    if kind_of(scaling) in ("yarn", "longrope", "llama3"):  # Phi-3 keeps the original context outside
+        old = cfg.get("original_max_position_embeddings") if kind == "phi3" else None
+        scaling["original_max_position_embeddings"] = old or scaling.get(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+    for key in ("partial_rotary_factor", "rope_theta"):
+        scaling.pop(key, None)
+    if kind_of(scaling) == "default":
+        scaling = {}
+    local_theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq")) if kind == "gemma3_text" else 0.0
+    return theta, scaling, local_theta or 0.0
+
+
+def layer_types_of(cfg: dict, kind: str, n_layers: int, window):
+    """Which layers are windowed, from `layer_types` or each family's older keys; () means all of them."""
+    if not window:
+        return ()
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    if kind in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
+    if kind in ("gemma2", "gemma3_text"):
+        every = 2 if kind == "gemma2" else cfg.get("sliding_window_pattern", 6)
+        return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
+    return ()
+
+
+def _config_from_hf(cfg: dict, source) -> ModelConfig:
+    if cfg.get("model_type") not in SUPPORTED_HF:
+        raise CheckpointError(
+            f"{source}: architecture {cfg.get('model_type')!r} ({cfg.get('architectures')}) is not a family "
+            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})")
+    cfg = text_config(cfg)
+    kind = cfg["model_type"]
+    theta, scaling, local_theta = rope_of(cfg, kind)
+    heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim") is not None and not (isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0):
+        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    bias = bool(cfg.get("attention_bias", False))
+    windowed = cfg.get("use_sliding_window", False) if kind in ("qwen2", "qwen3") else kind != "llama"
+    window = cfg.get("sliding_window") if windowed else None
+    gemma = kind in ("gemma2", "gemma3_text")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        intermediate_size=cfg["intermediate_size"], head_dim=head_dim,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=kind in ("qwen3", "gemma3_text"), sliding_window=window or 0,
+        layer_types=layer_types_of(cfg, kind, cfg["num_hidden_layers"], window),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0, local_rope_theta=local_theta,
+        norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
+        mlp_act=ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
+        attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
+        logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
+    )
+
+
+def hf_tensors(cfg: dict, config: ModelConfig, tensors):
+    """(file, name, tensor) in model.py's names: Phi-3's fused projections split, Gemma 3's text
+    model taken out of its multimodal checkpoint (the vision tower and projector skipped)."""
+    kind = cfg.get("model_type")
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for file, name, t in tensors:
+        if kind == "gemma3":
+            if not name.startswith("language_model."):
+                continue  # vision_tower.*, multi_modal_projector.*
+            name = name.removeprefix("language_model.").removeprefix("model.")
+        if kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
+            _check_rows(file, name, t, q + 2 * kv)
+            for part, w in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                yield file, name.replace("qkv_proj", part), w.clone()  # its own storage: no parameter is a view
+        elif kind == "phi3" and name.endswith("mlp.gate_up_proj.weight"):
+            _check_rows(file, name, t, 2 * config.intermediate_size)
+            for part, w in zip(("gate_proj", "up_proj"), t.chunk(2)):
+                yield file, name.replace("gate_up_proj", part), w.clone()
+        else:
+            yield file, name, t
+
+
+def _check_rows(file, name, t, rows):
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows:
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(getattr(t, 'shape', ()))}, "
+                              f"expected {rows} rows (the fused projections of the config)")
+
+
+ROPE_NUMBERS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "longrope": ("original_max_position_embeddings",)}
+
+
+def check_rope_scaling(scaling: dict, rotary_dim: int, source):
+    """Each number its RoPE scaling type needs, present and positive (high_freq_factor above
+    low_freq_factor; LongRoPE's factors one per rotated pair), named if not; the type supported."""
+    kind = kind_of(scaling)
+    if kind not in SUPPORTED:
+        raise CheckpointError(f"{source}: RoPE scaling type {kind!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED)})")
+    for key in ROPE_NUMBERS.get(kind, ()):
+        value = scaling.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise CheckpointError(f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise CheckpointError(f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
+                              f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        value = scaling.get(key)
+        if not (isinstance(value, list) and len(value) == rotary_dim // 2
+                and all(isinstance(x, (int, float)) and x > 0 for x in value)):
+            raise CheckpointError(f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
+                                  f"numbers (one per rotated pair), got {str(value)[:80]}")
+
+
+def window_plan(config: ModelConfig, block_size: int, bytes_per_block: int) -> str:
+    """The memory plan's line on sliding windows: what they save in the paged cache, or ''."""
+    windows = [config.window(i) for i in range(config.n_layers)]
+    n, w = sum(1 for x in windows if x), config.sliding_window
+    if not n:
+        return ""
+    if n == config.n_layers:
+        most = w // block_size + 2
+        return (f"\nsliding window of {w} tokens on every layer: a sequence holds at most {most} blocks "
+                f"({most * bytes_per_block / 2**20:.1f} MiB) however long it grows; older blocks are freed")
+    return (f"\nsliding window of {w} tokens on {n} of {config.n_layers} layers: those attend to at most {w} keys, "
+            f"but blocks are kept whole for the {config.n_layers - n} layers that see the whole context")

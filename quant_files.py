@@ -1,0 +1,48 @@
+"""quantize.py's checkpoints: the tensors each quantized layer writes, and the layers built back from them.
+
+A folder written by `python quantize.py` (hf_folder.py writes it) holds, in place of each quantized
+layer's float weight, its portable tensors (quantize.portable_tensors) and, in the safetensors
+metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. weights.py checks a checkpoint's
+tensors against `expected_tensors` and calls `install` to build the layers:
+
+    int8  (and any embedding)   weight int8 [N, K], scales float32 [N]
+    int4                        weight uint8 [N, K/2] (two values a byte), scales and zeros float32 [N, K/g]
+"""
+import torch
+
+from quantize import Int8Embedding, Int8Linear, _set, make_layer
+
+METADATA_KEY = "quantization"  # safetensors metadata: {"mode", "groupsize", "layers"}
+
+
+def portable_shapes(mode: str, groupsize: int, name: str, N: int, K: int) -> dict:
+    """{suffix: (shape, dtype)} of a quantized layer's tensors in a checkpoint."""
+    if mode == "int8" or name == "embed_tokens":
+        return {"weight": ((N, K), torch.int8), "scales": ((N,), torch.float32)}
+    G = (N, K // groupsize)
+    return {"weight": ((N, K // 2), torch.uint8), "scales": (G, torch.float32), "zeros": (G, torch.float32)}
+
+
+def expected_tensors(model, quant: dict) -> dict:
+    """{tensor name: (shape, dtype)} for the quantized layers of a model built on the meta device."""
+    out = {}
+    for name in quant["layers"]:
+        N, K = model.get_submodule(name).weight.shape
+        for suffix, spec in portable_shapes(quant["mode"], quant["groupsize"], name, N, K).items():
+            out[f"{name}.{suffix}"] = spec
+    return out
+
+
+def install(model, state: dict, quant: dict, dtype, device):
+    """Build the quantized layers from their checkpoint tensors (popped from `state`)."""
+    mode, g = quant["mode"], quant["groupsize"]
+    for name in quant["layers"]:
+        portable = {s: state.pop(f"{name}.{s}") for s in portable_shapes(mode, g, name, 2, 2 * (g or 1))}
+        if name == "embed_tokens":
+            _set(model, name, Int8Embedding({k: v.to(device) for k, v in portable.items()}, dtype))
+            continue
+        bias = state.pop(f"{name}.bias", None)
+        _set(model, name, make_layer(portable, bias, mode, g, dtype, device))
+    emb, head = model.embed_tokens, model.lm_head
+    if model.config.tie_word_embeddings and isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear):
+        emb.weight, emb.scales = head.weight, head.scales  # the same table, computed twice on disk

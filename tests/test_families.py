@@ -1,0 +1,251 @@
+"""Sliding windows, Gemma 2 / 3, YaRN, LongRoPE, dynamic NTK and Phi-3 against HF transformers
+(tests/test_model.py also runs every one of them through its prefill and static-cache checks):
+greedy tokens, decoding past the window and past the original context, compiled == eager, the
+paged cache == the static one, and a windowed request's KV blocks bounded by its window."""
+import json
+
+import numpy as np
+
+import pytest
+import torch
+
+import generate
+import runtime
+import weights
+from engine import Engine, RequestParams
+from helpers import check_allocator, hf_model, save_hf
+from kv_cache import StaticKVCache
+from paged import PagedKVCache
+from sampling import SamplingParams
+
+NEW = ["mistral_window", "qwen2_windows", "qwen2_yarn", "llama_dynamic", "phi3_longrope", "gemma2", "gemma3"]
+WINDOWED = ["mistral_window", "qwen2_windows", "gemma2", "gemma3"]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=NEW)
+def pair(request, tmp_path_factory):
+    hf = hf_model(request.param)
+    model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp(request.param)), dtype=torch.float32)
+    return request.param, hf, model
+
+
+def config_of(arch):
+    return weights.config_from_hf(json.loads(hf_model(arch).config.to_json_string()), arch)
+
+
+def test_each_family_sets_its_switches():
+    """A guard on the fixtures: each config really exercises what it is listed for."""
+    c = config_of("mistral_window")
+    assert [c.window(i) for i in range(2)] == [8, 8]
+    c = config_of("qwen2_windows")
+    assert [c.window(i) for i in range(2)] == [0, 8]  # max_window_layers=1: layer 0 sees everything
+    c = config_of("gemma2")
+    assert [c.window(i) for i in range(2)] == [8, 0] and c.attn_softcap == 2.0 and c.logit_softcap == 3.0
+    assert c.norm_offset == 1.0 and c.embed_scale and c.sandwich_norms and c.mlp_act == "gelu_tanh"
+    assert c.query_scale == 24 and c.tie_word_embeddings
+    c = config_of("gemma3")
+    assert [c.window(i) for i in range(2)] == [8, 0] and c.qk_norm and c.local_rope_theta == 10000.0
+    assert c.rope_theta == 1e6 and c.rope_scaling["rope_type"] == "linear" and not c.attn_softcap
+    c = config_of("phi3_longrope")
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["original_max_position_embeddings"] == 32
+    assert c.rotary_dim == 8 and c.head_dim == 16
+    assert config_of("qwen2_yarn").rope_scaling["rope_type"] == "yarn"
+    assert config_of("llama_dynamic").rope_scaling["rope_type"] == "dynamic"
+
+
+def hf_greedy(hf, prompt, n):
+    """Hugging Face's forward fed one token at a time, argmax each step."""
+    from transformers import DynamicCache
+
+    past, out, x = DynamicCache(config=hf.config), [], prompt
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(x, past_key_values=past, use_cache=True).logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_greedy_tokens_match_hf(pair):
+    """32 tokens from an 8-token prompt: past the windows of 8 and the original contexts of 32.
+    Phi-3's generate() in transformers drops its cache when a sequence first passes the original
+    context and recomputes it under the long factors; rope.py keeps each key as it was written
+    (its docstring), which is Hugging Face's forward fed token by token: that is the reference."""
+    arch, hf, model = pair
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    if arch == "phi3_longrope":
+        ref = hf_greedy(hf, prompt, 32)
+    else:
+        with torch.no_grad():
+            ref = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[0, 8:]
+    ours, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 48), prompt, 32, SamplingParams(0.0),
+                                ignore_eos=True)
+    assert ours[0] == list(ref)
+
+
+@pytest.mark.parametrize("arch", ["llama_dynamic", "phi3_longrope", "qwen2_yarn"])
+def test_decoding_past_the_original_context_matches_hf_token_by_token(arch, tmp_path):
+    """Hugging Face's dynamic NTK and LongRoPE decide per forward; fed one token at a time (a fresh
+    model: its rotary state grows), each token is rotated as rope.py rotates it."""
+    from transformers import DynamicCache
+
+    hf = hf_model(arch)
+    model, _ = weights.load(save_hf(hf, tmp_path / arch), dtype=torch.float32)
+    x = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(5))
+    cache, past = StaticKVCache.for_model(model, 1, 64), DynamicCache(config=hf.config)
+    with torch.no_grad():
+        ref = [hf(x[:, :24], past_key_values=past, use_cache=True).logits]
+        ours = [model(x[:, :24], torch.arange(24)[None], cache)]
+        for t in range(24, 48):  # past the original context of 32
+            ref.append(hf(x[:, t:t + 1], past_key_values=past, use_cache=True).logits)
+            ours.append(model(x[:, t:t + 1], torch.full((1, 1), t), cache))
+    torch.testing.assert_close(torch.cat(ours, 1), torch.cat(ref, 1), atol=ATOL, rtol=0)
+
+
+def test_compiled_decode_equals_eager(pair):
+    arch, _, model = pair
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    run = dict(ignore_eos=True)
+    eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 30, SamplingParams(0.0), **run)
+    compiled, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 30, SamplingParams(0.0),
+                                    decode_fn=runtime.compile_decode("cpu"), **run)
+    assert compiled == eager
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_paged_cache_equals_static_on_windowed_models(arch, tmp_path):
+    model, _ = weights.load(save_hf(hf_model(arch), tmp_path / arch), dtype=torch.float32)
+    x = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(6))
+    out = []
+    for cache in (StaticKVCache.for_model(model, 2, 48), PagedKVCache.for_batch(model, 2, 48, block_size=4)):
+        with torch.no_grad():
+            steps = [model(x[:, :20], torch.arange(20).expand(2, 20), cache)]
+            steps += [model(x[:, t:t + 1], torch.full((2, 1), t), cache) for t in range(20, 40)]
+        out.append(torch.cat(steps, 1))
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def windowed64(tmp_path_factory):
+    """Mistral with a window of 8 on every layer, in float64 (exact comparisons)."""
+    hf = hf_model("mistral_window")
+    model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp("window")), dtype=torch.float64)
+    return model
+
+
+def alone(model, prompt, n_new):
+    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
+    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True)
+    return rows[0]
+
+
+def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(windowed64):
+    """window 8, blocks of 4: each sequence holds at most 8 / 4 + 2 blocks however long it runs,
+    its tokens equal a static cache's, and a later request sharing its prompt still hits the cache."""
+    model, bs = windowed64, 4
+    engine = Engine.for_model(model, num_blocks=40, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16)
+    prompt = [5 + i % 200 for i in range(10)]
+    params = RequestParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)  # 42 tokens: > 4 windows
+    most, results = 0, {}
+    for later in (prompt, prompt[:9] + [77]):  # the second after the first, whose prompt blocks are cached
+        engine.add_request(later, params, request_id=len(results))
+        while engine.has_unfinished():
+            for event in engine.step():
+                if hasattr(event, "result"):
+                    results[event.request_id] = event.result
+            for seq in engine.scheduler.running:
+                most = max(most, sum(1 for b in seq.blocks if b))
+    first, second = 0, 1
+    assert most <= 8 // bs + 2, f"a sequence held {most} blocks"
+    assert results[first]["tokens"] == alone(model, prompt, 32)
+    assert results[second]["tokens"] == alone(model, prompt[:9] + [77], 32)
+    assert engine.scheduler.stats["prompt_tokens_hit"] > 0
+    check_allocator(engine.scheduler.allocator)
+    assert engine.scheduler.allocator.num_used() == 0
+
+
+def test_mixed_layers_keep_every_block(tmp_path):
+    """Gemma's full layers see the whole context: nothing is freed, and the tokens are still exact."""
+    model, _ = weights.load(save_hf(hf_model("gemma3"), tmp_path / "g"), dtype=torch.float64)
+    engine = Engine.for_model(model, num_blocks=40, block_size=4)
+    assert engine.scheduler.window == 0
+    prompt = list(range(5, 25))
+    out = engine.run_batch([prompt], RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    assert out[0]["tokens"] == alone(model, prompt, 20)
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3_longrope", "phi3")])
+def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, gguf_arch, tmp_path):
+    """Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv / ffn_up and rope_factors_* tensors,
+    the window pattern as a list. llama.cpp keeps no query_pre_attn_scalar: it is head_dim here."""
+    from helpers import write_gguf
+
+    hf = hf_model(arch, **({"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {}))
+    model, _ = weights.load(write_gguf(hf, tmp_path / f"{arch}.gguf", arch=gguf_arch), dtype=torch.float32)
+    x = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(7))
+    cache = StaticKVCache.for_model(model, 1, 48)
+    with torch.no_grad():
+        # (Phi-3: a one-shot forward past its original context of 32 rotates every key by the long factors)
+        ref = hf(x[:, :30] if arch == "phi3_longrope" else x).logits
+        ours = [model(x[:, :30], torch.arange(30)[None], cache)]
+        ours += [model(x[:, t:t + 1], torch.full((1, 1), t), cache) for t in range(30, 40)]
+    torch.testing.assert_close(torch.cat(ours, 1)[:, :ref.shape[1]], ref, atol=ATOL, rtol=0)
+
+
+def test_gguf_window_metadata_that_contradicts_the_file_is_named(tmp_path):
+    import gguf
+
+    from helpers import write_gguf
+    from runtime import CheckpointError
+
+    hf = hf_model("gemma3", query_pre_attn_scalar=16)
+    path = write_gguf(hf, tmp_path / "g.gguf", arch="gemma3")
+    reader = gguf.GGUFReader(str(path))
+    bad = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(bad), "gemma3")
+    for key, f in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        if key == "gemma3.attention.sliding_window_pattern":
+            w.add_sliding_window_pattern([True, False, True])  # three layers' types, two layers
+            continue
+        sub = gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None
+        w.add_key_value(key, f.contents(), gguf.GGUFValueType(f.types[0]), sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="sliding_window_pattern lists 3 layers"):
+        weights.load(bad)
+
+
+def quantization_errors(arch, tmp_path) -> dict:
+    """{mode: |logits(quantized) - logits(float)| / |logits(float)|} for a tiny `arch` model."""
+    import copy
+
+    import quantize
+    from kv_cache import NoCache
+
+    model, _ = weights.load(save_hf(hf_model(arch), tmp_path / arch), dtype=torch.float32)
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
+    pos, errors = torch.arange(24)[None], {}
+    with torch.no_grad():
+        ref = model(x, pos, NoCache())
+        for mode in ("int8", "int4"):
+            q = copy.deepcopy(model)
+            assert len(quantize.quantize_model(q, mode, groupsize=32)["quantized"]) == 7 * model.config.n_layers
+            errors[mode] = float((q(x, pos, NoCache()) - ref).norm() / ref.norm())
+    return errors
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3_longrope"])
+def test_int8_and_int4_weights_err_as_much_as_on_llama(arch, tmp_path):
+    """quantize.py's layers in these families: logits as close to float as a Llama's of the same sizes."""
+    errors, llama = quantization_errors(arch, tmp_path), quantization_errors("llama2", tmp_path)
+    for mode in errors:
+        assert 0 < errors[mode] < 1.5 * llama[mode], f"{mode}: {errors[mode]:.4f} (Llama: {llama[mode]:.4f})"
