@@ -193,6 +193,10 @@ def decode_step(model, cache, load: dict) -> AotDecode:
 
     if cache.max_seq_len > MAX_SLOTS:
         raise AotError(f"--compile aot serves caches of up to {MAX_SLOTS} slots, not {cache.max_seq_len}")
+    windows = sorted({layer.self_attn.window for layer in model.layers} - {0})
+    if windows and max(windows) < cache.max_seq_len:  # the step picks its window path by attend length
+        raise AotError(f"--compile aot does not export sliding-window layers (window {windows[-1]}, a cache of "
+                       f"{cache.max_seq_len} slots); use --compile")
     step = Step(model, cache)
     folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)
     try:

@@ -290,8 +290,12 @@ class PagedKVCache:
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
         pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
-        R, W = table.shape
         T, H, D = q.shape[1:]
+        if T == 1 and window and window // bs + 2 < table.shape[1]:  # decode past the window: its blocks only
+            first = (pos - window + 1).clamp(min=0) // bs  # [R, 1]: the window's first block
+            table = table.gather(1, (first + self.slots[:window // bs + 2]).clamp(max=table.shape[1] - 1))
+            pos = pos - first * bs  # positions within the window's blocks (the mask is shift-invariant)
+        R, W = table.shape
         Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
         mask = visible(self.slots[:L], pos, window)  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
         if T == 1 and self.decode is not None and not softcap:  # the kernel picked where the cache was built

@@ -251,7 +251,7 @@ def test_bad_checkpoints_exit_with_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert generate.main(["--checkpoint", str(tmp_path)]) == 2
-    assert "not in the Llama family" in capsys.readouterr().err
+    assert "is not a family this project runs" in capsys.readouterr().err
 
 
 def test_cli_process_exits_non_zero_without_a_traceback(tmp_path):
