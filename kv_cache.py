@@ -128,25 +128,12 @@ class StaticKVCache:
         self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
         self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
-        if window and q.shape[1] == 1 and window < L:  # decode past the window: read only its slots
-            return self._attend_window(layer, q, input_pos, window, softcap)
         # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
         k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
         if q.shape[1] == 1 and self.decode is not None and not softcap:  # the kernel picked where the cache was built
             return self.decode(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap)
-
-    def _attend_window(self, layer, q, input_pos, window, softcap):
-        """One-token rows: the `window` slots before each query gathered, then attended, so a step
-        costs what the window holds however long the context (RESULTS.md, "Sliding windows")."""
-        held = input_pos - (window - 1) + self.slots[:window]  # [B, W]: the positions the window holds (< 0: none)
-        rows = self.rows[: q.shape[0], None]
-        k_win, v_win = (c[layer][rows, :, held.clamp(min=0)].transpose(1, 2) for c in (self.k, self.v))  # [B, Hkv, W, D]
-        mask = (held >= 0)[:, None, None, :]  # [B, 1, 1, W]
-        if self.decode is not None and not softcap:
-            return self.decode(q, k_win, v_win, mask)
-        return attention(q, k_win, v_win, mask, softcap)
 
     def reset(self):
         for t in self.tensors():

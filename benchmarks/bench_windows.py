@@ -8,16 +8,18 @@ vocabulary 49152; `--layers` of them) with random weights and a sliding window o
 on every layer. For each multiple m a prompt of m * window random tokens is prefilled (untimed),
 then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
 
-- ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step): a
-  decode step past the window gathers only the window's slots (kv_cache.py), so its cost should
-  follow the window, not the context;
+- ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step):
+  "ring" is kv_window.py (what generate.py uses for windowed models: each layer keeps window + 64
+  slots, a step reads them all), so its cost should follow the window, not the context; "masked"
+  is kv_cache.py, its slow twin, which keeps every position and masks the old ones;
 - ours, paged cache through the engine (batch.py's path): blocks behind the window are freed, and
   the step reads only the window's blocks; the most blocks the sequence held is printed against
   the bound window / block_size + 2;
 - HF transformers eager on the same weights (MistralForCausalLM, its DynamicCache keeping the
   window), decoded by a plain loop of forwards.
 
-Each configuration is warmed up, then `--rounds` interleaved rounds run, each row keeping its median.
+Each configuration is warmed up, then `--rounds` interleaved rounds run (every other one in reverse
+order), each row keeping its median.
 """
 import argparse
 import os
@@ -36,6 +38,7 @@ import runtime  # noqa: E402
 import weights  # noqa: E402
 from engine import Engine, RequestParams  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
+from kv_window import WindowedKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
 
@@ -59,9 +62,10 @@ def build(args):
     return hf.to(dtype).eval(), model
 
 
-def static_run(model, prompt, n, decode_fn):
-    """() -> tokens/s of n greedy steps after prefilling `prompt` into a fresh static cache."""
-    cache = StaticKVCache.for_model(model, 1, len(prompt) + n)
+def static_run(model, prompt, n, decode_fn, kind, kv_bytes):
+    """() -> tokens/s of n greedy steps after prefilling `prompt` into a fresh static cache of `kind`."""
+    cache = kind.for_model(model, 1, len(prompt) + n)
+    kv_bytes[kind.__name__, len(prompt)] = cache.nbytes()
     x = torch.tensor([prompt])
     with torch.no_grad():
         cache.use_positions(len(prompt) - 1, round_up=False)
@@ -114,7 +118,7 @@ def main():
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--block_size", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(runtime.DTYPES))
     p.add_argument("--skip_compile", action="store_true")
     p.add_argument("--skip_hf", action="store_true")
@@ -125,12 +129,15 @@ def main():
           f"{[m * args.window for m in args.multiples]}, {args.new_tokens} new tokens", flush=True)
     compiled = None if args.skip_compile else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
     rng = torch.Generator().manual_seed(1)
-    rows, held = [], {}
+    rows, held, kv_bytes = [], {}, {}
     for m in args.multiples:
         prompt = torch.randint(3, 49152, (m * args.window,), generator=rng).tolist()
-        rows.append(("ours static eager", m, static_run(model, prompt, args.new_tokens, generate.decode_one)))
-        if compiled:
-            rows.append(("ours static compiled", m, static_run(model, prompt, args.new_tokens, compiled)))
+        for name, kind in (("ring", WindowedKVCache), ("masked", StaticKVCache)):
+            rows.append((f"ours static {name} eager", m, static_run(model, prompt, args.new_tokens,
+                                                                    generate.decode_one, kind, kv_bytes)))
+            if compiled:
+                rows.append((f"ours static {name} compiled", m, static_run(model, prompt, args.new_tokens,
+                                                                           compiled, kind, kv_bytes)))
         held[m] = [0]
         rows.append(("ours paged engine", m, engine_run(model, prompt, args.new_tokens, args.block_size, held[m])))
         if not args.skip_hf:
@@ -140,9 +147,9 @@ def main():
         run()
     print(f"warm-up (compiling included): {time.perf_counter() - start:.1f} s", flush=True)
     speeds = [[] for _ in rows]
-    for _ in range(args.rounds):
-        for i, (_, _, run) in enumerate(rows):
-            speeds[i].append(run())
+    for r in range(args.rounds):  # every other round in reverse order: no row always runs first or last
+        for i in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
+            speeds[i].append(rows[i][2]())
     median = {(label, m): statistics.median(s) for (label, m, _), s in zip(rows, speeds)}
     base = min(args.multiples)
     print(f"\n| path | context | tok/s | vs {base}x window | KV blocks held (bound {args.window // args.block_size + 2}) |")
@@ -151,6 +158,8 @@ def main():
         ratio = median[(label, m)] / median[(label, base)]
         blocks = str(held[m][0]) if "paged" in label else ""
         print(f"| {label} | {m * args.window} ({m}x) | {median[(label, m)]:.1f} | {ratio:.2f} | {blocks} |")
+    print("\nstatic KV cache bytes: " + ", ".join(f"{name} at {n} tokens {b / 2**20:.1f} MiB"
+                                              for (name, n), b in sorted(kv_bytes.items())))
 
 
 if __name__ == "__main__":

@@ -252,20 +252,24 @@ def test_int8_and_int4_weights_err_as_much_as_on_llama(arch, tmp_path):
 
 
 @pytest.mark.parametrize("softcap, kernels", [(0.0, False), (0.0, True), (2.0, True)])
-def test_window_gathers_equal_masked_attention_over_every_slot(softcap, kernels):
-    """The fast path (a decode step reads only its window's slots or blocks, through the reference
-    attention or the CPU kernels) against its slow twin: kv_cache.attention over the whole cache
-    under the window's mask."""
+def test_window_paths_equal_masked_attention_over_every_slot(softcap, kernels):
+    """The fast paths (a decode step reads only its window: the paged cache's window blocks,
+    kv_window.py's ring, through the reference attention or the CPU kernels) against their slow
+    twin, kv_cache.attention over every slot written under the window's mask."""
     import cpu_kernels
     from kv_cache import attention, visible
+    from kv_window import WindowedKVCache
 
     torch.manual_seed(0)
-    B, H, Hkv, D, S, window = 3, 4, 2, 16, 64, 10
-    static = StaticKVCache(1, B, Hkv, S, D, decode=cpu_kernels.static_decode if kernels else None)
+    B, H, Hkv, D, S, window = 3, 4, 2, 16, 256, 10
+    decode = cpu_kernels.static_decode if kernels else None
+    static = StaticKVCache(1, B, Hkv, S, D, decode=decode)
+    ring = WindowedKVCache(1, B, Hkv, S, D, decode=decode, windows=[window])
+    assert ring.k[0].shape[2] == 128  # window + 64, rounded up to 64: half the slots
     paged = PagedKVCache(1, 1 + B * S // 4, 4, Hkv, D, decode=cpu_kernels.PagedDecodeInPlace() if kernels else None)
     paged.block_tables = 1 + torch.arange(B * S // 4).view(B, S // 4)
     k, v = torch.randn(B, 50, Hkv, D), torch.randn(B, 50, Hkv, D)
-    for cache in (static, paged):
+    for cache in (static, ring, paged):
         cache.attend(0, torch.randn(B, 50, H, D), k, v, torch.arange(50).expand(B, 50), window, softcap)
     pos = torch.tensor([[50], [31], [7]])  # past the window, past it less, within it
     q, k1, v1 = torch.randn(B, 1, H, D), torch.randn(B, 1, Hkv, D), torch.randn(B, 1, Hkv, D)
@@ -275,9 +279,38 @@ def test_window_gathers_equal_masked_attention_over_every_slot(softcap, kernels)
         vs = torch.cat([v[b:b + 1, :pos[b, 0]], v1[b:b + 1]], 1).transpose(1, 2)
         mask = visible(torch.arange(ks.shape[2]), pos[b:b + 1], window)
         want.append(attention(q[b:b + 1], ks, vs, mask, softcap))
-    for cache in (static, paged):
+    for cache in (static, ring, paged):
         got = cache.attend(0, q, k1, v1, pos, window, softcap)
         torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "gemma2"])
+def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(arch, tmp_path):
+    """kv_window.py against kv_cache.py on whole models (window 8, rings of 128 slots): a prefill
+    longer than the ring, a short chunk written before it attends, decodes, and 110 tokens greedy
+    past the ring's end, eager against compiled."""
+    import torch._dynamo
+    from kv_window import WindowedKVCache
+
+    model, _ = weights.load(save_hf(hf_model(arch, max_position_embeddings=512), tmp_path / arch), dtype=torch.float32)
+    x = torch.randint(3, 256, (2, 150), generator=torch.Generator().manual_seed(10))
+    out = []
+    for cache in (StaticKVCache.for_model(model, 2, 160), WindowedKVCache.for_model(model, 2, 160)):
+        with torch.no_grad():
+            steps = [model(x[:, :130], torch.arange(130).expand(2, 130), cache),  # longer than the ring (128)
+                     model(x[:, 130:140], torch.arange(130, 140).expand(2, 10), cache)]
+            steps += [model(x[:, t:t + 1], torch.full((2, 1), t), cache) for t in range(140, 150)]
+        out.append(torch.cat(steps, 1))
+    assert any(r for r in cache.ring) and cache.nbytes() < StaticKVCache.for_model(model, 2, 160).nbytes()
+    torch.testing.assert_close(out[1], out[0], atol=ATOL, rtol=0)
+    if arch == "gemma2":  # (compiled on the other two: every layer a ring, and rings beside full layers)
+        return
+    torch._dynamo.reset()
+    prompt, params = x[:, :40], SamplingParams(0.0)
+    eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 160), prompt, 110, params, ignore_eos=True)
+    ring, _ = generate.generate(model, WindowedKVCache.for_model(model, 2, 160), prompt, 110, params, ignore_eos=True,
+                                decode_fn=runtime.compile_decode("cpu", autotune=False))
+    assert ring == eager
 
 
 def test_unknown_rope_and_layer_types_name_themselves_and_the_supported_ones(tmp_path):
