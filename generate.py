@@ -181,18 +181,16 @@ def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int 
 
 
 def make_cache(model, batch_size: int, seq_len: int, kind: str = "static", kv_dtype: str = "model", block_size: int = 16):
-    """kind "static" (kv_cache.py; kv_dtype "int8" for Int8KVCache; kv_window.py's rings for windowed
-    layers) or "paged" (paged.py)."""
+    """kind "static" (kv_cache.py; kv_dtype "int8": kv_int8.py; windowed layers: kv_window.py's rings) or "paged"."""
     if kind == "paged":
         from paged import PagedKVCache
 
         if kv_dtype != "model":
             raise ValueError("--cache paged stores K/V in the model's dtype; --kv_cache_dtype int8 needs --cache static")
         return PagedKVCache.for_batch(model, batch_size, seq_len, block_size)
-    if kv_dtype == "int8":
-        return Int8KVCache.for_model(model, batch_size, seq_len)
-    windowed = any(layer.self_attn.window for layer in model.layers)  # windowed layers keep only their window
-    return (WindowedKVCache if windowed else StaticKVCache).for_model(model, batch_size, seq_len)
+    windowed = any(layer.self_attn.window for layer in model.layers)
+    kind = Int8KVCache if kv_dtype == "int8" else WindowedKVCache if windowed else StaticKVCache
+    return kind.for_model(model, batch_size, seq_len)
 
 
 def main(argv=None) -> int:

@@ -238,5 +238,11 @@ def memory_plan(model, cache) -> str:
         per_block = cache.nbytes() / cache.num_blocks
         return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
                           f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
+    rings = [r for r in getattr(cache, "ring", ()) if r]  # kv_window.py: windowed layers keep only their window
+    if rings:
+        full = sum(t.numel() * t.element_size() * cache.max_seq_len // t.shape[2] for t in cache.tensors())
+        return weights + (f"KV cache {human(cache.nbytes())}: {len(rings)} of {len(cache.ring)} layers windowed, kept as "
+                          f"rings of {max(rings)} slots ({human(full)} if every layer kept {cache.max_seq_len} tokens "
+                          f"x {cache.batch_size})")
     per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
     return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"

@@ -121,6 +121,10 @@ def write_family_metadata(w, hf, arch):
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+    if c.rope_parameters.get("rope_type") == "yarn":  # Qwen2.5 / Qwen3 long-context files
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c.rope_parameters["factor"])
+        w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
     if arch == "phi3":
         rope = c.rope_parameters
         head_dim = c.hidden_size // c.num_attention_heads

@@ -177,10 +177,12 @@ def test_mixed_layers_keep_every_block(tmp_path):
     assert out[0]["tokens"] == alone(model, prompt, 20)
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3_longrope", "phi3")])
+@pytest.mark.parametrize("arch, gguf_arch", [("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3_longrope", "phi3"),
+                                             ("qwen2_yarn", "qwen2")])
 def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, gguf_arch, tmp_path):
     """Gemma's norms stored as 1 + w, Phi-3's fused attn_qkv / ffn_up and rope_factors_* tensors,
-    the window pattern as a list. llama.cpp keeps no query_pre_attn_scalar: it is head_dim here."""
+    the window pattern as a list, YaRN's rope.scaling.* keys. llama.cpp keeps no
+    query_pre_attn_scalar: it is head_dim here."""
     from helpers import write_gguf
 
     hf = hf_model(arch, **({"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {}))
@@ -369,3 +371,21 @@ def test_a_gemma_shaped_chat_template_renders_in_the_sandbox():
         "<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n")
     with pytest.raises(ValueError, match="roles must alternate"):
         render_chat_template(GEMMA_SHAPED_TEMPLATE, messages[1:2] * 2, bos_token="<bos>")
+
+
+def test_generate_cli_on_a_windowed_model_static_rings_equal_paged(tmp_path, capsys):
+    """generate.py end to end on a windowed checkpoint with a tokenizer: its static cache (rings)
+    and --cache paged give the same tokens, 200 of them past a window of 8, and the plan says what
+    the rings keep."""
+    from helpers import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "mistral", arch="mistral_window", max_position_embeddings=512)
+    outs = []
+    for extra in ([], ["--cache", "paged"]):
+        argv = ["--checkpoint", str(folder), "--prompt", "hello world", "--max_new_tokens", "200", "--dtype",
+                "float32", "--temperature", "0", "--ignore_eos", "--json", *extra]
+        assert generate.main(argv) == 0
+        out, err = capsys.readouterr()
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+        assert ("kept as rings of 128 slots" in err) == (not extra)
+    assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 200

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = {
     1: ["runtime", "cpu_kernels", "rope", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
-    3: ["families", "paged", "speculative", "quant_groups", "kv_int8", "quant_files", "openai_format"],
+    3: ["families", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
     4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "perplexity"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
