@@ -45,6 +45,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 # the rows, unpacking its layout costs the same at any, and the two meet near this many rows
 # (benchmarks/RESULTS.md, "The engine at a GGUF's own bits")
 INT4_LARGE_M = 128
+INT4_LARGE_M_FLOAT32 = 2  # the kernel's float32 path is 20x its bf16 one: unpacking wins from 2 rows (RESULTS.md)
 
 
 # ---- quantizing one weight to portable tensors ---------------------------------------------
@@ -183,7 +184,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
-        if self.cpu and x2.shape[0] >= INT4_LARGE_M:
+        if self.cpu and x2.shape[0] >= (INT4_LARGE_M if x.dtype != torch.float32 else INT4_LARGE_M_FLOAT32):
             y = padded_linear(x2, self.dequantize().to(x.dtype))
         elif self.cpu:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.groupsize, self.scales_and_zeros)
