@@ -77,6 +77,11 @@ def rope_of(cfg: dict, kind: str):
 
 def layer_types_of(cfg: dict, kind: str, n_layers: int, window):
     """Which layers are windowed, from `layer_types` or each family's older keys; () means all of them."""
+    types = _layer_types(cfg, kind, n_layers, window)
+    return () if all(t == "sliding_attention" for t in types) else types
+
+
+def _layer_types(cfg: dict, kind: str, n_layers: int, window):
     if not window:
         return ()
     if cfg.get("layer_types"):

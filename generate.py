@@ -301,7 +301,7 @@ def interactive(args, model, tokenizer, device) -> int:
         messages.append({"role": "user", "content": text})
         ids = tokenizer.encode_chat(messages)
         common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-        common = min(common, len(ids) - 1)  # at least one token to prefill
+        common = min(common, len(ids) - 1) if len(cached) - common <= getattr(cache, "rewind_limit", len(cached)) else 0
         if len(ids) + args.max_new_tokens > seq_len:
             log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
             break

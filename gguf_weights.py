@@ -29,8 +29,10 @@ quantize it again in its own layout.
 Two facts a reader needs:
 - llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
   for its RoPE kernel ("Meta" layout: pairs are adjacent elements). model.py rotates pairs
-  (i, i + D/2) as Hugging Face does, so those rows are permuted back here. Qwen2/Qwen3 files use
-  the other RoPE kind and are stored unpermuted.
+  (i, i + D/2) as Hugging Face does, so those rows are permuted back here. Qwen2/Qwen3, Gemma and
+  Phi-3 files use the other RoPE kind and are stored unpermuted. Gemma's norms are stored as 1 + w
+  (model.py adds the 1 itself, so it is taken off here) and Phi-3's attn_qkv and ffn_up hold fused
+  projections (split here).
 - GGUF lists shapes innermost first; gguf_file.py hands arrays in PyTorch order (block-quantized
   ones as bytes [rows, row_bytes]).
 """
@@ -145,8 +147,8 @@ def family_switches(reader, arch, path, get) -> dict:
     if not isinstance(window, int) or window < 0:
         raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, got {window!r}")
     n_layers, out = get("block_count"), {"sliding_window": window}
-    rotary = field(reader, f"{arch}.rope.dimension_count")
-    if rotary and rotary != get("attention.key_length", rotary):
+    rotary = field(reader, f"{arch}.rope.dimension_count")  # (llama.cpp writes no key_length for phi3)
+    if rotary and rotary != (field(reader, f"{arch}.attention.key_length") or get("embedding_length") // get("attention.head_count")):
         out["rotary_dim"] = rotary
     if arch not in GEMMA:
         return out

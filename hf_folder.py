@@ -28,8 +28,33 @@ def hf_state_dict(model, keep_head: bool = False) -> dict:
 
 
 def hf_config(model) -> dict:
+    """config.json for the model's family (families.py reads it back to the same ModelConfig)."""
     a = model.config
-    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias and not a.o_bias else "llama"
+    if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
+        raise ValueError("a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "
+                         "Hugging Face's phi3 layout fuses q/k/v; keep the original folder or GGUF file")
+    gemma = a.norm_offset == 1.0
+    kind = (("gemma3_text" if a.qk_norm else "gemma2") if gemma else "qwen3" if a.qk_norm
+            else "qwen2" if a.qkv_bias and not a.o_bias else "mistral" if a.sliding_window else "llama")
+    return {**_common_config(model, kind), **_family_config(a, gemma)}
+
+
+def _family_config(a, gemma: bool) -> dict:
+    """The keys of windows and of Gemma's switches."""
+    out = {}
+    if a.sliding_window:
+        out.update(sliding_window=a.sliding_window, use_sliding_window=True,
+                   layer_types=list(a.layer_types) or ["sliding_attention"] * a.n_layers)
+    if gemma:
+        out.update(query_pre_attn_scalar=a.query_scale or a.head_dim, attn_logit_softcapping=a.attn_softcap or None,
+                   final_logit_softcapping=a.logit_softcap or None, hidden_activation="gelu_pytorch_tanh")
+        if a.local_rope_theta:
+            out["rope_local_base_freq"] = a.local_rope_theta
+    return out
+
+
+def _common_config(model, kind: str) -> dict:
+    a = model.config
     return {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
             "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
             "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,

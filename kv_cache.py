@@ -16,7 +16,8 @@ The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 `attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a
 mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
 at position p sees slots 0..p, which is causal attention within the step and full attention to
-the past. GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+the past; a layer with a sliding window w sees only p - w < s <= p (`visible`; kv_window.py keeps
+such layers as rings of their window instead). GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
 That is the reference. A cache may be given a faster one-token kernel where it is built
 (`decode`): `for_model` on CPU passes cpu_kernels.static_decode, the same maths by other routes.
 
@@ -161,7 +162,7 @@ def attention(q, k_cache, v_cache, mask, softcap=0.0):
         qg = q.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
         scores = (qg @ k_cache[:, :, None].transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, T, S]
         scores = torch.tanh(scores / softcap) * softcap
-        p = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1).to(v_cache.dtype)
+        p = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1, dtype=torch.float32).to(v_cache.dtype)
         return (p @ v_cache[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
     return y.transpose(1, 2)

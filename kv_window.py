@@ -15,7 +15,8 @@ six) or Mistral v0.1 at a long context hold a fraction of a full cache.
 Writes come before attention when the step's T tokens cannot evict a key one of its queries
 still needs (T <= R - window + 1: MARGIN covers decode, speculative verification and short
 chunks, whose rejected tokens are overwritten in place later). A longer prefill attends over the
-ring and its own keys side by side, then writes only its last R tokens.
+ring and its own keys side by side (ring entries at or past its first position are left over from
+an earlier use, not keys), then writes only its last R tokens.
 
     cache = WindowedKVCache.for_model(model, batch_size=1, max_seq_len=32768)
     logits = model(tokens, input_pos, cache)       # the model is unchanged; layers without a window use the plain path
@@ -49,6 +50,8 @@ class WindowedKVCache(StaticKVCache):
             self.held.append(torch.full((batch_size, R), -1, dtype=torch.long, device=device))
         self.slots = torch.arange(max_seq_len, device=device)
         self.max_seq_len = self.attend_len = max_seq_len
+        # how far a caller may move back (generate.py --interactive): the rings keep window keys behind it
+        self.rewind_limit = min((R - w for R, w in zip(self.ring, self.windows) if R), default=max_seq_len)
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
@@ -71,7 +74,8 @@ class WindowedKVCache(StaticKVCache):
         else:  # a long prefill: the ring and the step's own keys side by side
             keys = torch.cat((k_ring, k.transpose(1, 2).to(k_ring.dtype)), dim=2)  # [B, Hkv, R + T, D]
             values = torch.cat((v_ring, v.transpose(1, 2).to(v_ring.dtype)), dim=2)
-            positions = torch.cat((held[:B], input_pos), dim=1)  # [B, R + T]
+            stale = held[:B] >= input_pos[:, :1]  # entries from an earlier use at or past this chunk: not keys
+            positions = torch.cat((held[:B].masked_fill(stale, -1), input_pos), dim=1)  # [B, R + T]
         p, s = input_pos[:, None, :, None], positions[:B, None, None, :]
         mask = (s >= 0) & (s <= p) & (s > p - window)  # [B, 1, T, R (+ T)]
         if T == 1 and self.decode is not None and not softcap:

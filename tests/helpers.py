@@ -151,8 +151,9 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch != "phi3":  # llama.cpp's Phi-3 converter writes rope.dimension_count but no key_length
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3 nests it per layer type)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

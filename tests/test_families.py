@@ -389,3 +389,57 @@ def test_generate_cli_on_a_windowed_model_static_rings_equal_paged(tmp_path, cap
         outs.append(json.loads(out.strip().splitlines()[-1]))
         assert ("kept as rings of 128 slots" in err) == (not extra)
     assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 200
+
+
+def test_a_used_ring_cache_gives_a_new_sequence_the_fresh_caches_logits(tmp_path):
+    """generate.py reuses a cache (the compile warm-up, --num_samples, speculative warm-up): ring
+    entries left from the last sequence are never keys of the next, in a long prefill or after."""
+    from kv_window import WindowedKVCache
+
+    model, _ = weights.load(save_hf(hf_model("mistral_window", max_position_embeddings=512), tmp_path / "m"),
+                            dtype=torch.float32)
+    first, second = (torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(s)) for s in (11, 12))
+    used = WindowedKVCache.for_model(model, 1, 256)
+    out = []
+    for cache, runs in ((used, (first, second)), (StaticKVCache.for_model(model, 1, 256), (second,))):
+        for x in runs:
+            with torch.no_grad():
+                steps = [model(x[:, :190], torch.arange(190)[None], cache)]  # longer than the ring (128)
+                steps += [model(x[:, t:t + 1], torch.full((1, 1), t), cache) for t in range(190, 200)]
+        out.append(torch.cat(steps, 1))
+    torch.testing.assert_close(out[0], out[1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral_window", "qwen2_windows"])
+def test_hf_folders_written_back_keep_the_family(arch, tmp_path):
+    """save_hf_folder (and quantize.py's folders) write each family's keys: our loader gets the same
+    config back, and Hugging Face transformers the same logits."""
+    import hf_folder
+    from transformers import AutoModelForCausalLM
+
+    model, _ = weights.load(save_hf(hf_model(arch), tmp_path / "in"), dtype=torch.float32)
+    out = hf_folder.save_hf_folder(model, tmp_path / "out")
+    again, _ = weights.load(out, dtype=torch.float32)
+    assert again.config == model.config
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(x).logits
+        from kv_cache import NoCache
+        torch.testing.assert_close(again(x, torch.arange(24)[None], NoCache()), ref, atol=ATOL, rtol=0)
+
+
+def test_phi3_models_are_not_written_as_a_folder_they_would_not_load_as(tmp_path):
+    import hf_folder
+
+    model, _ = weights.load(save_hf(hf_model("phi3_longrope"), tmp_path / "in"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="Phi-3 style model"):
+        hf_folder.save_hf_folder(model, tmp_path / "out")
+
+
+@pytest.mark.parametrize("arch, older", [("qwen2_windows", {}), ("gemma2", {}), ("gemma3", {"sliding_window_pattern": 2})])
+def test_older_configs_without_layer_types_give_the_same_layers(arch, older, tmp_path):
+    """Hub configs from before `layer_types`: max_window_layers (Qwen2), every 2nd layer full
+    (Gemma 2), sliding_window_pattern (Gemma 3)."""
+    cfg = json.loads(hf_model(arch).config.to_json_string())
+    old = {k: v for k, v in cfg.items() if k != "layer_types"} | older
+    assert weights.config_from_hf(old, arch) == weights.config_from_hf(cfg, arch)
