@@ -28,7 +28,7 @@ GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=92
                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=6,
                        tie_word_embeddings=True)
 GEMMA2_DEFAULTS = dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                       final_logit_softcapping=30.0, head_dim=256)
+                       final_logit_softcapping=30.0, head_dim=256, max_position_embeddings=8192)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's names -> model.py's
 
 
@@ -102,6 +102,9 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
             f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})")
     cfg = text_config(cfg)
     kind = cfg["model_type"]
+    if cfg.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: use_bidirectional_attention makes an embedding model (EmbeddingGemma), "
+                              "not one that generates; this project runs causal language models")
     theta, scaling, local_theta = rope_of(cfg, kind)
     heads = cfg["num_attention_heads"]
     if cfg.get("head_dim") is not None and not (isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0):

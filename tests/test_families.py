@@ -443,3 +443,11 @@ def test_older_configs_without_layer_types_give_the_same_layers(arch, older, tmp
     cfg = json.loads(hf_model(arch).config.to_json_string())
     old = {k: v for k, v in cfg.items() if k != "layer_types"} | older
     assert weights.config_from_hf(old, arch) == weights.config_from_hf(cfg, arch)
+
+
+def test_an_embedding_gemma_is_refused_by_name():
+    from runtime import CheckpointError
+
+    cfg = json.loads(hf_model("gemma3").config.to_json_string()) | {"use_bidirectional_attention": True}
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention makes an embedding model"):
+        weights.config_from_hf(cfg, "config.json")
