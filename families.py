@@ -29,7 +29,7 @@ GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=92
                        tie_word_embeddings=True)
 GEMMA2_DEFAULTS = dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
                        final_logit_softcapping=30.0, head_dim=256, max_position_embeddings=8192)
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's names -> model.py's
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's names -> model.py's
 
 
 def config_from_hf(cfg: dict, source) -> ModelConfig:
@@ -116,8 +116,8 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     window = cfg.get("sliding_window") if windowed else None
     gemma = kind in ("gemma2", "gemma3_text")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-    if act not in ACTIVATIONS:
-        raise CheckpointError(f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if act not in HF_ACTIVATIONS:
+        raise CheckpointError(f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(HF_ACTIVATIONS)})")
     return ModelConfig(
         vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -130,7 +130,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         layer_types=layer_types_of(cfg, kind, cfg["num_hidden_layers"], window),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0, local_rope_theta=local_theta,
         norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
-        mlp_act=ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
+        mlp_act=HF_ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
         attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
         logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
     )

@@ -24,7 +24,7 @@ def hf_state_dict(model, keep_head: bool = False) -> dict:
     """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head."""
     tied = model.config.tie_word_embeddings and not keep_head
     return {(k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous().cpu()
-            for k, v in model.state_dict().items() if k != "inv_freq" and not (k == "lm_head.weight" and tied)}
+            for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
 
 
 def hf_config(model) -> dict:

@@ -41,9 +41,14 @@ def kind_of(scaling: dict) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
+def pair_exponents(d: int) -> torch.Tensor:
+    """2i / d for the d / 2 pairs, on the CPU (on meta tensors this arithmetic would import the compiler)."""
+    return torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+
+
 def base_inv_freq(theta: float, d: int) -> torch.Tensor:
-    """theta ** (-2i / d) for the d / 2 pairs, on the CPU (on meta tensors this would import the compiler)."""
-    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    """theta ** (-2i / d) for the d / 2 pairs."""
+    return 1.0 / (theta ** pair_exponents(d))
 
 
 def llama3_inv_freq(inv_freq, s: dict) -> torch.Tensor:
@@ -79,7 +84,7 @@ def yarn_inv_freq(theta: float, d: int, s: dict, context: int):
     low, high = max(low, 0), min(high, d - 1)
     high = high + 0.001 if low == high else high  # no zero-width ramp
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    speed = theta ** (torch.arange(0, d, 2, device="cpu").float() / d)
+    speed = theta ** pair_exponents(d)
     keep = 1 - ramp  # 1: original speed (extrapolate), 0: interpolated
     return (1.0 / (factor * speed)) * (1 - keep) + (1.0 / speed) * keep, float(attention)
 
@@ -108,7 +113,7 @@ class RotaryEmbedding(nn.Module):
             factor = s.get("factor") or context / self.original
             self.attention_factor = s.get("attention_factor") or (
                 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(self.original)))
-            shape = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
+            shape = pair_exponents(d)
             inv_freq = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32, device="cpu") * theta ** shape)
             self.register_buffer("long_inv_freq", 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32, device="cpu")
                                                          * theta ** shape), persistent=False)
@@ -117,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         elif self.kind != "default":
             raise ValueError(f"RoPE scaling type {self.kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("exponents", torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d, persistent=False)
+        self.register_buffer("exponents", pair_exponents(d), persistent=False)
 
     def per_token_inv_freq(self, input_pos: torch.Tensor) -> torch.Tensor:
         """[B, T, d/2] speeds of each token, for the scalings that depend on the sequence's length."""

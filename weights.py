@@ -310,7 +310,7 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
 def _expected_tensors(model, quant):
     """({name: shape} the checkpoint must hold, {name: dtype} of quantize.py's tensors) for this model:
     a checkpoint written by quantize.py holds other tensors in place of its quantized layers' weights."""
-    expected = {n: p.shape for n, p in model.state_dict().items() if n != "inv_freq"}
+    expected = {n: p.shape for n, p in model.state_dict().items()}
     if not quant:
         return expected, {}
     import quant_files

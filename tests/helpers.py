@@ -266,3 +266,14 @@ def linear_coverage(model) -> float:
             total += n
             done += n if not isinstance(m, nn.Linear) else 0
     return done / total
+
+
+def alone(model, prompt, n_new):
+    """The engine's slow twin: one request, a static cache, generate.py's loop, greedy."""
+    import generate
+    from kv_cache import StaticKVCache
+    from sampling import SamplingParams
+
+    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
+    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True)
+    return rows[0]

@@ -9,7 +9,7 @@ import torch
 
 import generate
 import weights
-from helpers import check_allocator, run_to_end, tiny_checkpoint
+from helpers import alone, check_allocator, run_to_end, tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from engine import Engine, Finished, RequestParams
@@ -20,13 +20,6 @@ def tiny64(tmp_path_factory):
     folder = tiny_checkpoint(tmp_path_factory.mktemp("sched-tiny"), max_position_embeddings=2304)
     model, _ = weights.load(folder, dtype=torch.float64)
     return model
-
-
-def alone(model, prompt, n_new):
-    """The slow twin: one request, a static cache, generate.py's loop."""
-    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
-    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True)
-    return rows[0]
 
 
 def greedy(n):

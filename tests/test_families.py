@@ -13,7 +13,7 @@ import generate
 import runtime
 import weights
 from engine import Engine, RequestParams
-from helpers import check_allocator, hf_model, save_hf
+from helpers import alone, check_allocator, hf_model, save_hf
 from kv_cache import StaticKVCache
 from paged import PagedKVCache
 from sampling import SamplingParams
@@ -134,12 +134,6 @@ def windowed64(tmp_path_factory):
     hf = hf_model("mistral_window")
     model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp("window")), dtype=torch.float64)
     return model
-
-
-def alone(model, prompt, n_new):
-    cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
-    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True)
-    return rows[0]
 
 
 def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(windowed64):
