@@ -12,6 +12,9 @@ renames or splits tensors whose layout differs from Llama's:
     gemma3_text, gemma3 q/k norms, five sliding layers to one full, a local RoPE base for sliding ones
                         (gemma3: the text model of the multimodal checkpoint; its vision tower is skipped)
     phi3                fused qkv_proj and gate_up_proj (split here), LongRoPE, partial rotary
+    mixtral             mixture of experts (moe.py): 8 experts, top 2, per-expert w1/w3/w2 stacked here
+    qwen2_moe           experts plus a gated shared expert, norm_topk_prob, decoder_sparse_step, mlp_only_layers
+    qwen3_moe           experts, q/k norms
 
     python -c "import json, families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
@@ -21,7 +24,9 @@ from model import ModelConfig
 from rope import SUPPORTED, kind_of
 from runtime import CheckpointError
 
-SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3")
+SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
+                "qwen2_moe", "qwen3_moe")
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
                        max_position_embeddings=131072, query_pre_attn_scalar=256, sliding_window=4096,
@@ -86,6 +91,9 @@ def _layer_types(cfg: dict, kind: str, n_layers: int, window):
         return ()
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
+    if kind == "qwen2_moe":  # transformers' rule: odd layers below max_window_layers
+        first = cfg.get("max_window_layers", 28)
+        return tuple("sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(n_layers))
     if kind in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", 28)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
@@ -112,7 +120,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     bias = bool(cfg.get("attention_bias", False))
-    windowed = cfg.get("use_sliding_window", False) if kind in ("qwen2", "qwen3") else kind != "llama"
+    windowed = cfg.get("use_sliding_window", False) if kind in QWEN else kind != "llama"
     window = cfg.get("sliding_window") if windowed else None
     gemma = kind in ("gemma2", "gemma3_text")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -125,15 +133,35 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=bias or kind == "qwen2", o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=kind in ("qwen3", "gemma3_text"), sliding_window=window or 0,
+        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and cfg.get("qkv_bias", True)), o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        sliding_window=window or 0,
         layer_types=layer_types_of(cfg, kind, cfg["num_hidden_layers"], window),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0, local_rope_theta=local_theta,
         norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
         mlp_act=HF_ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
         attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
         logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
+        **experts_of(cfg, kind),
     )
+
+
+def experts_of(cfg: dict, kind: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from Mixtral's and Qwen-MoE's keys ({} for a dense model)."""
+    if kind == "mixtral":
+        return dict(n_experts=cfg.get("num_local_experts", 8), n_experts_per_tok=cfg.get("num_experts_per_tok", 2))
+    # published Qwen configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if kind == "qwen2_moe" else 128))
+    if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
+        return {}
+    n = cfg["num_hidden_layers"]
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    shared = cfg.get("shared_expert_intermediate_size", 5632) if kind == "qwen2_moe" else 0
+    return dict(n_experts=experts,
+                n_experts_per_tok=cfg.get("num_experts_per_tok", 4 if kind == "qwen2_moe" else 8),
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 1408 if kind == "qwen2_moe" else 768),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared or 0,
+                dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
 
 
 def hf_tensors(cfg: dict, config: ModelConfig, tensors):
@@ -156,6 +184,46 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
                 yield file, name.replace("gate_up_proj", part), w.clone()
         else:
             yield file, name, t
+
+
+MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def stacked_experts(config: ModelConfig, tensors):
+    """(file, name, tensor) with each layer's per-expert weights (`mlp.experts.{e}.gate_proj.weight`,
+    Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) stacked into moe.py's `mlp.experts.gate_proj`
+    [E, ff, dim] as soon as all E have arrived; transformers' own stacked `gate_up_proj` split."""
+    pending = {}  # stacked name -> {expert: tensor}
+    for file, name, t in tensors:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[4].isdigit() and parts[6] == "weight":
+            e, proj = int(parts[4]), MIXTRAL_EXPERT.get(parts[5], parts[5])
+            target = ".".join(parts[:4] + [proj])
+            if e >= config.n_experts:
+                raise CheckpointError(f"{file}: tensor {name!r} is expert {e}, but the config has {config.n_experts} experts")
+            group = pending.setdefault(target, {})
+            group[e] = t
+            if len(group) == config.n_experts:
+                yield file, target, _stack(file, target, pending.pop(target))
+        elif name.endswith("mlp.experts.gate_up_proj") and isinstance(t, torch.Tensor) and t.dim() == 3:
+            gate, up = t.chunk(2, dim=1)  # transformers' [E, 2 ff, dim]: gate rows, then up rows
+            yield file, name.replace("gate_up_proj", "gate_proj"), gate.clone()
+            yield file, name.replace("gate_up_proj", "up_proj"), up.clone()
+        else:
+            yield file, name, t
+    for target, group in pending.items():
+        missing = sorted(set(range(config.n_experts)) - set(group))
+        raise CheckpointError(f"{file}: {target} is missing experts {missing[:8]} of {config.n_experts}")
+
+
+def _stack(file, target, group: dict) -> torch.Tensor:
+    first = group[0]
+    for e, t in group.items():
+        if not isinstance(t, torch.Tensor) or t.shape != first.shape:
+            raise CheckpointError(f"{file}: expert {e} of {target} has shape {tuple(getattr(t, 'shape', ()))}, "
+                                  f"expert 0 has {tuple(first.shape)}")
+    return torch.stack([group[e] for e in range(len(group))])
 
 
 def _check_rows(file, name, t, rows):

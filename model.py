@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe import SparseMoE
 from rope import RotaryEmbedding
 
 
@@ -60,6 +61,13 @@ class ModelConfig:
     query_scale: float = 0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same on the final logits
+    # mixtures of experts (moe.py): k of n_experts experts per token, each moe_intermediate_size wide (0: intermediate_size)
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the k chosen probabilities
+    shared_expert_size: int = 0  # Qwen2-MoE: the width of an expert every token also passes through
+    dense_layers: tuple = ()  # layers that keep a dense MLP (decoder_sparse_step, mlp_only_layers)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: it sees the whole context)."""
@@ -157,11 +165,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU has tanh-GELU in place of silu."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, width: int = 0):
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+        width = width or config.intermediate_size
+        self.gate_proj = nn.Linear(config.dim, width, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.dim, width, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(width, config.dim, bias=config.mlp_bias)
         self.gate_up_proj = None  # or gate and up stacked in one layer (fuse_layers.py)
         self.act = ACTIVATIONS[config.mlp_act]
 
@@ -179,7 +188,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = norm(config)  # Llama: before the MLP; Gemma: on attention's output
-        self.mlp = MLP(config)
+        if config.n_experts and layer not in config.dense_layers:  # moe.py: k of E experts per token
+            shared = MLP(config, config.shared_expert_size) if config.shared_expert_size else None
+            self.mlp = SparseMoE(config, ACTIVATIONS[config.mlp_act], shared)
+        else:
+            self.mlp = MLP(config)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(config), norm(config)
@@ -257,8 +270,8 @@ class Transformer(nn.Module):
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step reads: an embedding table that is not also the output head
-        is only indexed (one row), so it does not count."""
+        is only indexed (one row), so it does not count; nor do the experts a token's router passes over."""
         total, head = self.weight_bytes(), getattr(self.lm_head, "weight", None)
         if head is None or head is not self.embed_tokens.weight:  # (None: a head kept as two int4 halves)
             total -= sum(t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values())
-        return total
+        return total - sum(m.inactive_bytes() for m in self.modules() if isinstance(m, SparseMoE))  # unchosen experts

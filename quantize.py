@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from cpu_kernels import cpu_int4_kernel_error, padded_linear
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
+from moe import Experts, Int4Experts, Int8Experts
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -232,10 +233,16 @@ def plan(model, mode: str, groupsize: int = 64, head: bool = False, embedding: b
     check_mode(mode, groupsize)
     out = {}
     for name, m in model.named_modules():
+        if type(m) is Experts:  # moe.py's stacked experts, each expert's rows as a layer's
+            widths = (m.gate_proj.shape[2], m.down_proj.shape[2])
+            bad = [k for k in widths if k % groupsize] if mode == "int4" else []
+            out[name] = f"{bad[0]} input channels are not a multiple of the group size {groupsize}" if bad else None
         if not isinstance(m, nn.Linear):
             continue
         N, K = m.weight.shape
-        if name == "lm_head" and not head:
+        if name.endswith(("mlp.gate", "shared_expert_gate")):
+            out[name] = "router (it picks the experts; a few KiB)"
+        elif name == "lm_head" and not head:
             out[name] = "output head (--quantize_head to include it)"
         elif mode == "int4" and K % groupsize:
             out[name] = f"{K} input channels are not a multiple of the group size {groupsize}"
@@ -263,6 +270,18 @@ def make_layer(portable: dict, bias, mode: str, groupsize: int, dtype, device):
     return Int8Linear(portable, bias, dtype) if mode == "int8" else Int4Linear(portable, bias, dtype, groupsize, device)
 
 
+def quantize_experts(experts: Experts, mode: str, groupsize: int, dtype) -> Experts:
+    """moe.py's stacked experts at 8 or 4 bits: each expert's [N, K] weight quantized as a layer's."""
+    portable = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        parts = [portable_tensors(w, mode, groupsize) for w in getattr(experts, name)]  # one expert at a time
+        stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+        portable[name] = tuple(stacked[k] for k in ("weight", "scales", "zeros") if k in stacked)
+    if mode == "int8":
+        return Int8Experts(experts, portable, dtype)
+    return Int4Experts(experts, portable, dtype, groupsize)
+
+
 def _set(model, name: str, module):
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -282,15 +301,18 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
         if reason is not None:
             continue
         m = model.get_submodule(name)
-        dtype, device = m.weight.dtype, m.weight.device
         if name == "embed_tokens":
+            dtype = m.weight.dtype
             if tied and mode == "int8" and isinstance(model.lm_head, Int8Linear):  # one int8 table serves both
                 portable = {"weight": model.lm_head.weight, "scales": model.lm_head.scales}
             else:
                 portable = quantize_int8(m.weight)
             _set(model, name, Int8Embedding(portable, dtype))
+        elif isinstance(m, Experts):
+            _set(model, name, quantize_experts(m, mode, groupsize, m.gate_proj.dtype))
         else:
-            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize, dtype, device))
+            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize,
+                                         m.weight.dtype, m.weight.device))
     report = {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
               "quantized": [n for n, r in layers.items() if r is None],
               "kept": {n: r for n, r in layers.items() if r is not None},

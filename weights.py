@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import quant_groups
-from families import check_rope_scaling, config_from_hf, hf_tensors
+from families import check_rope_scaling, config_from_hf, hf_tensors, stacked_experts
 from model import ModelConfig, Transformer
 from runtime import CheckpointError, release_memory
 
@@ -209,6 +209,8 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             raise CheckpointError(f"{config}: nested too deeply to be a config") from None
         fmt, files = _hf_tensors(path)
         tensors = hf_tensors(raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f)))
+        if config.n_experts:
+            tensors = stacked_experts(config, tensors)
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
         hf_quantized = raw.get("quantization_config")

@@ -42,6 +42,12 @@ ARCHS = {
                    layer_types=["sliding_attention", "full_attention"], rope_parameters={
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+    # mixtures of experts: few experts, so every token's choice matters; one dense layer in Qwen2-MoE
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=32),
 }
 
 

@@ -1,0 +1,158 @@
+"""Mixture of experts: a router picks k of E feed-forward experts for each token.
+
+In place of one MLP, a sparse layer holds E small SwiGLU experts and a router, a linear map
+dim -> E. Each token goes to the k experts with the largest router probabilities, and its output
+is their outputs weighted by those probabilities (renormalised over the k when the config says
+so); Qwen2-MoE adds a shared expert every token passes through, scaled by a sigmoid gate:
+
+    p = softmax(router(x))                          [T, E]
+    w, idx = topk(p, k)                             [T, k]   (w / w.sum() if norm_topk_prob)
+    y = sum_j w[:, j] * expert[idx[:, j]](x)        [T, dim] (+ sigmoid(gate(x)) * shared(x))
+
+Per token only k experts' weights are read, so decode is bound by the *active* bytes, not the
+total (Qwen3-30B-A3B: 3B of 30B parameters per token). Two ways to run the chosen experts:
+
+- gather (few tokens, and always under torch.compile, whose graphs cannot hold a host-side
+  loop): index the stacked weights by the chosen ids, then one batched matmul (gpt-fast's trick);
+- grouped (many tokens: prefill, large engine steps, eager): sort the (token, expert) pairs by
+  expert, one matmul per expert hit over its tokens, scatter-add back. Never a pass of every
+  token through every expert.
+
+Experts are stored stacked: gate_proj, up_proj [E, ff, dim], down_proj [E, dim, ff], so that a
+gather is one index. `Int8Experts` and `Int4Experts` (quantize.py makes them) hold the same
+weights at 8 or 4 bits per expert row and dequantize only the experts a step uses.
+tests/test_moe.py checks both paths against a plain loop over experts and the model against HF.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATHER_MAX_TOKENS = 4  # rows up to which eager runs gather the chosen experts (benchmarks/RESULTS.md, "Mixtures of experts")
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, each down(act(gate(x)) * up(x)), with their weights stacked."""
+
+    def __init__(self, n_experts: int, dim: int, ff: int, act):
+        super().__init__()
+        self.n_experts, self.act = n_experts, act
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, ff, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, ff, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ff))
+
+    def weights(self, name: str, ids: torch.Tensor, dtype) -> torch.Tensor:
+        """The weights of experts `ids` [n] for projection `name` -> [n, out, in] (a gather)."""
+        return getattr(self, name)[ids].to(dtype)
+
+    def linear(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x [n, in] through expert e's projection `name` -> [n, out]."""
+        return F.linear(x, getattr(self, name)[e])
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, dim], idx and w [T, k] -> [T, dim]."""
+        if torch.compiler.is_compiling() or x.shape[0] <= GATHER_MAX_TOKENS:
+            return self.gathered(x, idx, w)
+        return self.grouped(x, idx, w)
+
+    def gathered(self, x, idx, w):
+        T, k = idx.shape
+        ids = idx.reshape(-1)  # [T*k]
+        xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, dim]
+        gate = torch.bmm(xs, self.weights("gate_proj", ids, x.dtype).transpose(1, 2))  # [T*k, 1, ff]
+        up = torch.bmm(xs, self.weights("up_proj", ids, x.dtype).transpose(1, 2))
+        y = torch.bmm(self.act(gate) * up, self.weights("down_proj", ids, x.dtype).transpose(1, 2))  # [T*k, 1, dim]
+        return (y.view(T, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
+
+    def grouped(self, x, idx, w):
+        T, k = idx.shape
+        order = idx.reshape(-1).argsort(stable=True)  # (token, choice) pairs sorted by expert
+        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()  # the one host sync
+        tokens, weight = order // k, w.reshape(-1)[order].to(x.dtype)
+        out, start = torch.zeros_like(x), 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                xe = x[rows]  # [n, dim]
+                h = self.act(self.linear("gate_proj", xe, e)) * self.linear("up_proj", xe, e)
+                out.index_add_(0, rows, self.linear("down_proj", h, e) * weight[start:start + n, None])
+                start += n
+        return out
+
+    def expert_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+
+class Int8Experts(Experts):
+    """Each expert's rows int8 with one scale per row: w[e, n, :] ~= q[e, n, :] * scale[e, n]."""
+
+    def __init__(self, experts: Experts, portable: dict, dtype):
+        nn.Module.__init__(self)
+        self.n_experts, self.act = experts.n_experts, experts.act
+        for name, (q, scales) in portable.items():  # q int8 [E, N, K], scales [E, N]
+            self.register_buffer(name, q.contiguous())
+            self.register_buffer(f"{name}_scales", scales.to(dtype))
+
+    def weights(self, name, ids, dtype):
+        return getattr(self, name)[ids].to(dtype) * getattr(self, f"{name}_scales")[ids][..., None].to(dtype)
+
+    def linear(self, name, x, e):
+        q, scales = getattr(self, name)[e], getattr(self, f"{name}_scales")[e]
+        if x.device.type == "cpu" and x.dtype != torch.float32:  # the CPU int8 kernel (quantize.Int8Linear)
+            return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+        return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
+
+class Int4Experts(Experts):
+    """Each expert's rows int4, two values a byte in row order, an offset and a scale per group:
+    w[e, n, k] ~= (q[e, n, k] - 8) * scale[e, n, k // G] + zero[e, n, k // G] (quantize.py's portable int4)."""
+
+    def __init__(self, experts: Experts, portable: dict, dtype, groupsize: int):
+        nn.Module.__init__(self)
+        self.n_experts, self.act, self.groupsize = experts.n_experts, experts.act, groupsize
+        for name, (q, scales, zeros) in portable.items():  # q uint8 [E, N, K/2], scales/zeros [E, N, K/G]
+            self.register_buffer(name, q.contiguous())
+            self.register_buffer(f"{name}_scales", scales.to(dtype))
+            self.register_buffer(f"{name}_zeros", zeros.to(dtype))
+
+    def weights(self, name, ids, dtype):
+        packed = getattr(self, name)[ids]  # [n, N, K/2]
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:2], -1, self.groupsize)
+        scales, zeros = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_zeros")[ids]  # [n, N, G]
+        w = (q.to(dtype) - 8) * scales[..., None].to(dtype) + zeros[..., None].to(dtype)
+        return w.reshape(*packed.shape[:2], -1)
+
+    def linear(self, name, x, e):
+        return F.linear(x, self.weights(name, torch.tensor([e]), x.dtype)[0])
+
+
+class SparseMoE(nn.Module):
+    """The router and the experts of one layer (and Qwen2-MoE's shared expert with its gate)."""
+
+    def __init__(self, config, act, shared_expert=None):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.n_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router
+        self.experts = Experts(config.n_experts, config.dim, config.moe_intermediate_size or config.intermediate_size,
+                               act)
+        self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), scaled by a sigmoid gate
+        self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
+
+    def route(self, x: torch.Tensor):
+        """x [T, dim] -> the chosen experts idx [T, k] and their weights w [T, k] (float32)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return idx, w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [B*T, dim]
+        y = self.experts(x, *self.route(x))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(shape)
+
+    def inactive_bytes(self) -> int:
+        """Bytes of the experts a token does not use: what a decode step need not read."""
+        return self.experts.expert_bytes() * (self.experts.n_experts - self.top_k) // self.experts.n_experts

@@ -1,0 +1,173 @@
+"""Mixtures of experts (moe.py) against HF transformers and against themselves: Mixtral, Qwen2-MoE
+(a gated shared expert, norm_topk_prob false, a dense layer) and Qwen3-MoE (tests/test_model.py
+also runs each through its prefill and static-cache logit checks); the gather and grouped expert
+paths against a plain loop over experts, at float and at 8 / 4 bits; compiled == eager; the
+engine's batched requests == each alone; int8 / int4 experts within bounds; bad checkpoints."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import generate
+import quantize
+import runtime
+import weights
+from engine import Engine, RequestParams
+from helpers import alone, hf_model, save_hf
+from kv_cache import NoCache, StaticKVCache
+from moe import Experts
+from runtime import CheckpointError
+from sampling import SamplingParams
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def pair(request, tmp_path_factory):
+    hf = hf_model(request.param)
+    model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp(request.param)), dtype=torch.float32)
+    return request.param, hf, model
+
+
+def test_each_family_sets_its_switches():
+    def config(arch):
+        return weights.config_from_hf(json.loads(hf_model(arch).config.to_json_string()), arch)
+
+    c = config("mixtral")
+    assert (c.n_experts, c.n_experts_per_tok, c.norm_topk_prob, c.shared_expert_size) == (4, 2, True, 0)
+    c = config("qwen2_moe")
+    assert (c.n_experts, c.moe_intermediate_size, c.shared_expert_size, c.norm_topk_prob) == (4, 32, 48, False)
+    assert c.dense_layers == (1,) and c.qkv_bias
+    c = config("qwen3_moe")
+    assert (c.n_experts, c.n_experts_per_tok, c.norm_topk_prob, c.qk_norm) == (8, 3, True, True)
+
+
+def test_greedy_tokens_match_hf(pair):
+    arch, hf, model = pair
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[0, 8:]
+    ours, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 48), prompt, 32, SamplingParams(0.0),
+                                ignore_eos=True)
+    assert ours[0] == list(ref)
+
+
+def loop_over_experts(experts: Experts, x, idx, w, weight):
+    """The slow twin: every token through each of its chosen experts, one at a time, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            xe = x[t].double()
+            h = experts.act(weight("gate_proj", e) @ xe) * (weight("up_proj", e) @ xe)
+            out[t] += float(w[t, j]) * (weight("down_proj", e) @ h)
+    return out
+
+
+def random_experts(E=6, dim=64, ff=32, dtype=torch.float64):
+    torch.manual_seed(0)
+    experts = Experts(E, dim, ff, F.silu)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(0.2 * torch.randn_like(p))
+    return experts.to(dtype)
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_gather_and_grouped_paths_equal_a_loop_over_experts(T):
+    experts = random_experts()
+    x = torch.randn(T, 64, dtype=torch.float64)
+    w, idx = torch.rand(T, 2, dtype=torch.float64).softmax(-1), torch.randint(0, 6, (T, 2))
+    idx[:, 1] = (idx[:, 0] + 1 + idx[:, 1] % 5) % 6  # two different experts per token, as topk gives
+    ref = loop_over_experts(experts, x, idx, w, lambda name, e: getattr(experts, name)[e].double())
+    torch.testing.assert_close(experts.gathered(x, idx, w), ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(experts.grouped(x, idx, w), ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
+    experts = random_experts(dtype=torch.float32)
+    q = quantize.quantize_experts(experts, mode, 32, dtype)
+    x = torch.randn(40, 64).to(dtype)
+    w, idx = torch.rand(40, 2).softmax(-1), torch.stack([torch.arange(40) % 6, (torch.arange(40) + 2) % 6], 1)
+
+    def dequantized(name, e):
+        return q.weights(name, torch.tensor([e]), torch.float64)[0]
+    ref = loop_over_experts(q, x, idx, w, dequantized)
+    tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16 activations: the product's own rounding
+    torch.testing.assert_close(q.gathered(x, idx, w).double(), ref, atol=tol, rtol=0.02)
+    torch.testing.assert_close(q.grouped(x, idx, w).double(), ref, atol=tol, rtol=0.02)
+    # and the quantized weights near the float ones
+    exact = loop_over_experts(experts, x.float(), idx, w, lambda name, e: getattr(experts, name)[e].double())
+    error = (ref - exact).norm() / exact.norm()
+    assert error < (0.02 if mode == "int8" else 0.15), f"{mode} experts: relative error {error:.3f}"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_moe_model_stays_close_to_float(mode, tmp_path):
+    model, _ = weights.load(save_hf(hf_model("qwen2_moe"), tmp_path / "m"), dtype=torch.float32)
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(2))
+    def expert_bytes():
+        return model.layers[0].mlp.experts.expert_bytes()
+    with torch.no_grad():
+        ref, before = model(x, torch.arange(24)[None], NoCache()), expert_bytes()
+        report = quantize.quantize_model(model, mode, 32)
+        ours = model(x, torch.arange(24)[None], NoCache())
+    assert "layers.0.mlp.experts" in report["quantized"] and "layers.0.mlp.gate" in report["kept"]
+    assert expert_bytes() < before / (3.5 if mode == "int8" else 5)  # 1 byte / 0.5 byte + group scales per weight
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree > (0.9 if mode == "int8" else 0.6), f"{mode}: argmax agrees on {agree:.0%} of positions"
+
+
+def test_compiled_decode_equals_eager(pair):
+    arch, _, model = pair
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    run = dict(ignore_eos=True)
+    eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 20, SamplingParams(0.0), **run)
+    compiled, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 20, SamplingParams(0.0),
+                                    decode_fn=runtime.compile_decode("cpu", autotune=False), **run)
+    assert compiled == eager
+
+
+def test_engine_batches_equal_each_request_alone(tmp_path):
+    """Different prompts in one flat step route their tokens to different experts: float64, exact."""
+    model, _ = weights.load(save_hf(hf_model("qwen2_moe"), tmp_path / "m"), dtype=torch.float64)
+    engine = Engine.for_model(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(6 + 5 * i)] for i in range(4)]
+    out = engine.run_batch(prompts, RequestParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [r["tokens"] for r in out] == [alone(model, p, 12) for p in prompts]
+
+
+def test_active_bytes_count_only_the_chosen_experts(pair):
+    _, _, model = pair
+    c = model.config
+    experts = sum(m.experts.expert_bytes() for m in model.modules() if hasattr(m, "experts"))
+    unused = experts * (c.n_experts - c.n_experts_per_tok) // c.n_experts
+    dense_read = model.weight_bytes() - model.embed_tokens.weight.numel() * 4 * (not c.tie_word_embeddings)
+    assert model.bytes_read_per_token() == dense_read - unused
+
+
+def test_missing_or_misshapen_experts_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = save_hf(hf_model("mixtral"), tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    broken = {k: v for k, v in tensors.items() if k != name}
+    save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj is missing experts \[3\]"):
+        weights.load(folder)
+    broken[name] = tensors[name][:, :16].contiguous()
+    save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"expert 3 of layers\.1\.mlp\.experts\.down_proj has shape \(64, 16\)"):
+        weights.load(folder)
+    broken[name] = tensors[name]
+    broken[name.replace(".3.", ".7.")] = tensors[name].clone()
+    save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="is expert 7, but the config has 4 experts"):
+        weights.load(folder)
