@@ -21,6 +21,7 @@ renames or splits tensors whose layout differs from Llama's:
 import torch
 
 from model import ModelConfig
+from moe import MoEConfig
 from rope import SUPPORTED, kind_of
 from runtime import CheckpointError
 
@@ -149,7 +150,8 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
 def experts_of(cfg: dict, kind: str) -> dict:
     """ModelConfig's mixture-of-experts fields from Mixtral's and Qwen-MoE's keys ({} for a dense model)."""
     if kind == "mixtral":
-        return dict(n_experts=cfg.get("num_local_experts", 8), n_experts_per_tok=cfg.get("num_experts_per_tok", 2))
+        return dict(moe=MoEConfig(cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2),
+                                  cfg["intermediate_size"]))
     # published Qwen configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if kind == "qwen2_moe" else 128))
     if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
@@ -157,11 +159,11 @@ def experts_of(cfg: dict, kind: str) -> dict:
     n = cfg["num_hidden_layers"]
     step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
     shared = cfg.get("shared_expert_intermediate_size", 5632) if kind == "qwen2_moe" else 0
-    return dict(n_experts=experts,
-                n_experts_per_tok=cfg.get("num_experts_per_tok", 4 if kind == "qwen2_moe" else 8),
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 1408 if kind == "qwen2_moe" else 768),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared or 0,
-                dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
+    return dict(moe=MoEConfig(
+        experts, cfg.get("num_experts_per_tok", 4 if kind == "qwen2_moe" else 8),
+        cfg.get("moe_intermediate_size", 1408 if kind == "qwen2_moe" else 768),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared or 0,
+        dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step)))
 
 
 def hf_tensors(cfg: dict, config: ModelConfig, tensors):
@@ -200,11 +202,11 @@ def stacked_experts(config: ModelConfig, tensors):
         if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[4].isdigit() and parts[6] == "weight":
             e, proj = int(parts[4]), MIXTRAL_EXPERT.get(parts[5], parts[5])
             target = ".".join(parts[:4] + [proj])
-            if e >= config.n_experts:
-                raise CheckpointError(f"{file}: tensor {name!r} is expert {e}, but the config has {config.n_experts} experts")
+            if e >= config.moe.n_experts:
+                raise CheckpointError(f"{file}: tensor {name!r} is expert {e}, but the config has {config.moe.n_experts} experts")
             group = pending.setdefault(target, {})
             group[e] = t
-            if len(group) == config.n_experts:
+            if len(group) == config.moe.n_experts:
                 yield file, target, _stack(file, target, pending.pop(target))
         elif name.endswith("mlp.experts.gate_up_proj") and isinstance(t, torch.Tensor) and t.dim() == 3:
             gate, up = t.chunk(2, dim=1)  # transformers' [E, 2 ff, dim]: gate rows, then up rows
@@ -213,8 +215,8 @@ def stacked_experts(config: ModelConfig, tensors):
         else:
             yield file, name, t
     for target, group in pending.items():
-        missing = sorted(set(range(config.n_experts)) - set(group))
-        raise CheckpointError(f"{file}: {target} is missing experts {missing[:8]} of {config.n_experts}")
+        missing = sorted(set(range(config.moe.n_experts)) - set(group))
+        raise CheckpointError(f"{file}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}")
 
 
 def _stack(file, target, group: dict) -> torch.Tensor:

@@ -72,13 +72,13 @@ def fuse_projections(model) -> int:
     """Fuse every layer's q/k/v and gate/up in place; returns how many groups were fused."""
     fused = 0
     for layer in model.layers:
-        a, mlp = layer.self_attn, layer.mlp
+        a, mlp = layer.self_attn, getattr(layer.mlp, "shared_expert", layer.mlp)  # (moe.py: its dense shared expert)
         if a.qkv_proj is None and a.q_proj is not None:
             qkv = concat_rows([a.q_proj, a.k_proj, a.v_proj])
             if qkv is not None:
                 a.qkv_proj, a.q_proj, a.k_proj, a.v_proj = qkv, None, None, None
                 fused += 1
-        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        if mlp is not None and mlp.gate_up_proj is None and mlp.gate_proj is not None:
             gate_up = concat_rows([mlp.gate_proj, mlp.up_proj])
             if gate_up is not None:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None

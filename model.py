@@ -1,11 +1,11 @@
 """The Llama-family transformer, written to be read top to bottom.
 
-One decoder-only architecture covers Llama 2 / 3.x, Mistral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3,
-Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`: grouped-query
-attention, a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and k (Qwen3,
-Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3, linear, yarn, longrope, dynamic),
-sliding windows per layer, and Gemma's (1 + w) norms, sqrt(dim) embeddings, GeGLU, norms around
-each branch, query_pre_attn_scalar and tanh soft-capping of scores and logits.
+One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3
+(and their MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`:
+grouped-query attention, a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and
+k (Qwen3, Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3, linear, yarn, longrope, dynamic),
+sliding windows per layer, Gemma's (1 + w) norms, sqrt(dim) embeddings, GeGLU, norms around each
+branch, query_pre_attn_scalar and tanh soft-capping, and routers that pick k of E experts (moe.py).
 
 The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q
 and k by RoPE at `input_pos`, and hands them to the cache with the layer's window and soft cap:
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe import SparseMoE
+from moe import MoEConfig, SparseMoE
 from rope import RotaryEmbedding
 
 
@@ -61,19 +61,12 @@ class ModelConfig:
     query_scale: float = 0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same on the final logits
-    # mixtures of experts (moe.py): k of n_experts experts per token, each moe_intermediate_size wide (0: intermediate_size)
-    n_experts: int = 0
-    n_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalise the k chosen probabilities
-    shared_expert_size: int = 0  # Qwen2-MoE: the width of an expert every token also passes through
-    dense_layers: tuple = ()  # layers that keep a dense MLP (decoder_sparse_step, mlp_only_layers)
+    moe: MoEConfig | None = None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: it sees the whole context)."""
-        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
-            return 0
-        return self.sliding_window
+        full = self.layer_types and self.layer_types[layer] != "sliding_attention"
+        return 0 if full else self.sliding_window
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -188,11 +181,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = norm(config)  # Llama: before the MLP; Gemma: on attention's output
-        if config.n_experts and layer not in config.dense_layers:  # moe.py: k of E experts per token
-            shared = MLP(config, config.shared_expert_size) if config.shared_expert_size else None
-            self.mlp = SparseMoE(config, ACTIVATIONS[config.mlp_act], shared)
-        else:
-            self.mlp = MLP(config)
+        self.mlp = SparseMoE.for_layer(config, layer, MLP, ACTIVATIONS[config.mlp_act]) or MLP(config)  # moe.py
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(config), norm(config)

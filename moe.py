@@ -23,11 +23,23 @@ gather is one index. `Int8Experts` and `Int4Experts` (quantize.py makes them) ho
 weights at 8 or 4 bits per expert row and dequantize only the experts a step uses.
 tests/test_moe.py checks both paths against a plain loop over experts and the model against HF.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 GATHER_MAX_TOKENS = 4  # rows up to which eager runs gather the chosen experts (benchmarks/RESULTS.md, "Mixtures of experts")
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int  # E experts in each sparse layer
+    n_experts_per_tok: int  # k of them chosen per token
+    intermediate_size: int  # each expert's FFN width
+    norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
+    shared_expert_size: int = 0  # Qwen2-MoE: the width of an expert every token also passes through
+    dense_layers: tuple = ()  # layers that keep a dense MLP (decoder_sparse_step, mlp_only_layers)
 
 
 class Experts(nn.Module):
@@ -125,17 +137,37 @@ class Int4Experts(Experts):
         return F.linear(x, self.weights(name, torch.tensor([e]), x.dtype)[0])
 
 
+def quantized(experts: Experts, mode: str, groupsize: int, dtype, quantize_weight) -> Experts:
+    """The experts at 8 or 4 bits: quantize_weight(w [N, K]) gives quantize.py's portable tensors
+    of one expert's projection, stacked here over the experts."""
+    portable = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        parts = [quantize_weight(w) for w in getattr(experts, name)]  # one expert at a time
+        portable[name] = tuple(torch.stack([p[k] for p in parts]) for k in ("weight", "scales", "zeros") if k in parts[0])
+    if mode == "int8":
+        return Int8Experts(experts, portable, dtype)
+    return Int4Experts(experts, portable, dtype, groupsize)
+
+
 class SparseMoE(nn.Module):
     """The router and the experts of one layer (and Qwen2-MoE's shared expert with its gate)."""
 
     def __init__(self, config, act, shared_expert=None):
         super().__init__()
-        self.top_k, self.norm_topk_prob = config.n_experts_per_tok, config.norm_topk_prob
-        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router
-        self.experts = Experts(config.n_experts, config.dim, config.moe_intermediate_size or config.intermediate_size,
-                               act)
+        moe = config.moe
+        self.top_k, self.norm_topk_prob = moe.n_experts_per_tok, moe.norm_topk_prob
+        self.gate = nn.Linear(config.dim, moe.n_experts, bias=False)  # the router
+        self.experts = Experts(moe.n_experts, config.dim, moe.intermediate_size, act)
         self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), scaled by a sigmoid gate
         self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
+
+    @classmethod
+    def for_layer(cls, config, layer: int, mlp, act):
+        """The layer's sparse MLP, or None where the config keeps it dense; `mlp` builds a dense one."""
+        moe = config.moe
+        if moe is None or layer in moe.dense_layers:
+            return None
+        return cls(config, act, mlp(config, moe.shared_expert_size) if moe.shared_expert_size else None)
 
     def route(self, x: torch.Tensor):
         """x [T, dim] -> the chosen experts idx [T, k] and their weights w [T, k] (float32)."""

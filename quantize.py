@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from cpu_kernels import cpu_int4_kernel_error, padded_linear
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
-from moe import Experts, Int4Experts, Int8Experts
+import moe
+from moe import Experts
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -270,18 +271,6 @@ def make_layer(portable: dict, bias, mode: str, groupsize: int, dtype, device):
     return Int8Linear(portable, bias, dtype) if mode == "int8" else Int4Linear(portable, bias, dtype, groupsize, device)
 
 
-def quantize_experts(experts: Experts, mode: str, groupsize: int, dtype) -> Experts:
-    """moe.py's stacked experts at 8 or 4 bits: each expert's [N, K] weight quantized as a layer's."""
-    portable = {}
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        parts = [portable_tensors(w, mode, groupsize) for w in getattr(experts, name)]  # one expert at a time
-        stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
-        portable[name] = tuple(stacked[k] for k in ("weight", "scales", "zeros") if k in stacked)
-    if mode == "int8":
-        return Int8Experts(experts, portable, dtype)
-    return Int4Experts(experts, portable, dtype, groupsize)
-
-
 def _set(model, name: str, module):
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -309,7 +298,8 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
                 portable = quantize_int8(m.weight)
             _set(model, name, Int8Embedding(portable, dtype))
         elif isinstance(m, Experts):
-            _set(model, name, quantize_experts(m, mode, groupsize, m.gate_proj.dtype))
+            _set(model, name, moe.quantized(m, mode, groupsize, m.gate_proj.dtype,
+                                            lambda w: portable_tensors(w, mode, groupsize)))
         else:
             _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize,
                                          m.weight.dtype, m.weight.device))

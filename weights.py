@@ -209,7 +209,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             raise CheckpointError(f"{config}: nested too deeply to be a config") from None
         fmt, files = _hf_tensors(path)
         tensors = hf_tensors(raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f)))
-        if config.n_experts:
+        if config.moe:
             tensors = stacked_experts(config, tensors)
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None

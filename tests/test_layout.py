@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # own floor, and nothing in a circle). Floor 1 needs only torch and the standard library (scheduler
 # not even torch; constrain's llguidance and gguf_file's gguf are imported where they are used).
 FLOORS = {
-    1: ["runtime", "cpu_kernels", "rope", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
+    1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["families", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
     4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "perplexity"],
@@ -29,7 +29,7 @@ FLOORS = {
 }
 FLOOR = {name: n for n, names in FLOORS.items() for name in names}
 ORDER = [name for n in sorted(FLOORS) for name in FLOORS[n]]
-TORCH_ONLY = {"runtime", "cpu_kernels", "rope", "model", "sampling", "tp", "int4_layout", "scheduler"}
+TORCH_ONLY = {"runtime", "cpu_kernels", "rope", "moe", "model", "sampling", "tp", "int4_layout", "scheduler"}
 NO_TORCH = {"scheduler"}  # host bookkeeping only: the standard library
 STDLIB = set(sys.stdlib_module_names)
 
@@ -146,7 +146,7 @@ model = Transformer(config).eval()
 """
 
 USES = {
-    "model": (["model.py", "rope.py", "kv_cache.py", "cpu_kernels.py"], TINY + """
+    "model": (["model.py", "rope.py", "moe.py", "kv_cache.py", "cpu_kernels.py"], TINY + """
 from kv_cache import NoCache, StaticKVCache
 tokens = torch.tensor([[1, 5, 9, 3]])
 cache = StaticKVCache.for_model(model, 1, 16)
@@ -179,7 +179,7 @@ ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.tran
                                                        is_causal=True, enable_gqa=True).transpose(1, 2)
 assert torch.allclose(y, ref, atol=1e-5)
 """),
-    "quantize": (["quantize.py", "int4_layout.py", "cpu_kernels.py"], """
+    "quantize": (["quantize.py", "moe.py", "int4_layout.py", "cpu_kernels.py"], """
 import torch
 import quantize
 torch.manual_seed(0)
@@ -188,7 +188,7 @@ for mode in ("int8", "int4"):
     layer = quantize.make_layer(quantize.portable_tensors(w, mode, 64), None, mode, 64, torch.float32, "cpu")
     assert torch.allclose(layer(x), x @ layer.dequantize().T, atol=1e-3)
 """),
-    "speculative": (["speculative.py", "model.py", "rope.py", "kv_cache.py", "cpu_kernels.py", "sampling.py"], TINY + """
+    "speculative": (["speculative.py", "model.py", "rope.py", "moe.py", "kv_cache.py", "cpu_kernels.py", "sampling.py"], TINY + """
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from speculative import ModelDrafter, speculative_generate

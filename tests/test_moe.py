@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 
 import generate
+import moe
 import quantize
 import runtime
 import weights
 from engine import Engine, RequestParams
 from helpers import alone, hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
-from moe import Experts
+from moe import Experts, MoEConfig
 from runtime import CheckpointError
 from sampling import SamplingParams
 
@@ -34,13 +35,11 @@ def test_each_family_sets_its_switches():
     def config(arch):
         return weights.config_from_hf(json.loads(hf_model(arch).config.to_json_string()), arch)
 
-    c = config("mixtral")
-    assert (c.n_experts, c.n_experts_per_tok, c.norm_topk_prob, c.shared_expert_size) == (4, 2, True, 0)
+    assert config("mixtral").moe == MoEConfig(4, 2, 32, norm_topk_prob=True)
     c = config("qwen2_moe")
-    assert (c.n_experts, c.moe_intermediate_size, c.shared_expert_size, c.norm_topk_prob) == (4, 32, 48, False)
-    assert c.dense_layers == (1,) and c.qkv_bias
+    assert c.moe == MoEConfig(4, 2, 32, norm_topk_prob=False, shared_expert_size=48, dense_layers=(1,)) and c.qkv_bias
     c = config("qwen3_moe")
-    assert (c.n_experts, c.n_experts_per_tok, c.norm_topk_prob, c.qk_norm) == (8, 3, True, True)
+    assert c.moe == MoEConfig(8, 3, 32, norm_topk_prob=True) and c.qk_norm
 
 
 def test_greedy_tokens_match_hf(pair):
@@ -89,7 +88,7 @@ def test_gather_and_grouped_paths_equal_a_loop_over_experts(T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
     experts = random_experts(dtype=torch.float32)
-    q = quantize.quantize_experts(experts, mode, 32, dtype)
+    q = moe.quantized(experts, mode, 32, dtype, lambda w: quantize.portable_tensors(w, mode, 32))
     x = torch.randn(40, 64).to(dtype)
     w, idx = torch.rand(40, 2).softmax(-1), torch.stack([torch.arange(40) % 6, (torch.arange(40) + 2) % 6], 1)
 
@@ -147,7 +146,7 @@ def test_active_bytes_count_only_the_chosen_experts(pair):
     _, _, model = pair
     c = model.config
     experts = sum(m.experts.expert_bytes() for m in model.modules() if hasattr(m, "experts"))
-    unused = experts * (c.n_experts - c.n_experts_per_tok) // c.n_experts
+    unused = experts * (c.moe.n_experts - c.moe.n_experts_per_tok) // c.moe.n_experts
     dense_read = model.weight_bytes() - model.embed_tokens.weight.numel() * 4 * (not c.tie_word_embeddings)
     assert model.bytes_read_per_token() == dense_read - unused
 
