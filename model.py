@@ -1,11 +1,10 @@
 """The Llama-family transformer, written to be read top to bottom.
 
-One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3
-(and their MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`:
-grouped-query attention, a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and
-k (Qwen3, Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3, linear, yarn, longrope, dynamic),
-sliding windows per layer, Gemma's (1 + w) norms, sqrt(dim) embeddings, GeGLU, norms around each
-branch, query_pre_attn_scalar and tanh soft-capping, and routers that pick k of E experts (moe.py).
+One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3 (and their
+MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`: grouped-query attention,
+a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and k (Qwen3, Gemma 3), tied heads, how RoPE
+is stretched (rope.py: llama3, linear, yarn, longrope, dynamic), sliding windows per layer, Gemma's (1 + w) norms,
+sqrt(dim) embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers (moe.py).
 
 The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q
 and k by RoPE at `input_pos`, and hands them to the cache with the layer's window and soft cap:

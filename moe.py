@@ -12,25 +12,23 @@ so); Qwen2-MoE adds a shared expert every token passes through, scaled by a sigm
 Per token only k experts' weights are read, so decode is bound by the *active* bytes, not the
 total (Qwen3-30B-A3B: 3B of 30B parameters per token). Two ways to run the chosen experts:
 
-- gather (few tokens, and always under torch.compile, whose graphs cannot hold a host-side
-  loop): index the stacked weights by the chosen ids, then one batched matmul (gpt-fast's trick);
-- grouped (many tokens: prefill, large engine steps, eager): sort the (token, expert) pairs by
-  expert, one matmul per expert hit over its tokens, scatter-add back. Never a pass of every
-  token through every expert.
+- gather (under torch.compile, whose graphs cannot hold a host-side loop; its decode steps are
+  few tokens): index the stacked weights by the chosen ids, then one batched matmul (gpt-fast's
+  trick);
+- grouped (eager, any number of tokens): sort the (token, expert) pairs by expert, one matmul per
+  expert hit over its tokens, scatter-add back. On CPU it beats an eager gather even for one
+  token (no copies). Never a pass of every token through every expert.
 
 Experts are stored stacked: gate_proj, up_proj [E, ff, dim], down_proj [E, dim, ff], so that a
 gather is one index. `Int8Experts` and `Int4Experts` (quantize.py makes them) hold the same
 weights at 8 or 4 bits per expert row and dequantize only the experts a step uses.
 tests/test_moe.py checks both paths against a plain loop over experts and the model against HF.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GATHER_MAX_TOKENS = 4  # rows up to which eager runs gather the chosen experts (benchmarks/RESULTS.md, "Mixtures of experts")
-
 
 @dataclass
 class MoEConfig:
@@ -40,6 +38,15 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
     shared_expert_size: int = 0  # Qwen2-MoE: the width of an expert every token also passes through
     dense_layers: tuple = ()  # layers that keep a dense MLP (decoder_sparse_step, mlp_only_layers)
+
+    def widths(self) -> list:
+        """The widths tensor parallelism splits: each expert's, and the shared expert's."""
+        return [self.intermediate_size, self.shared_expert_size]
+
+    def sharded(self, world: int) -> "MoEConfig":
+        """One rank's slice (tp.py): every expert keeps its router slot with 1/world of its width."""
+        return replace(self, intermediate_size=self.intermediate_size // world,
+                       shared_expert_size=self.shared_expert_size // world)
 
 
 class Experts(nn.Module):
@@ -62,7 +69,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, dim], idx and w [T, k] -> [T, dim]."""
-        if torch.compiler.is_compiling() or x.shape[0] <= GATHER_MAX_TOKENS:
+        # eager: grouped even for one token, its copy-free matmuls beat the gathered copies on CPU (RESULTS.md)
+        if torch.compiler.is_compiling():
             return self.gathered(x, idx, w)
         return self.grouped(x, idx, w)
 
@@ -89,6 +97,11 @@ class Experts(nn.Module):
                 out.index_add_(0, rows, self.linear("down_proj", h, e) * weight[start:start + n, None])
                 start += n
         return out
+
+    def int4_refusal(self, groupsize: int):
+        """Why int4 groups of `groupsize` cannot hold these experts' input channels, or None."""
+        bad = [k for k in (self.gate_proj.shape[2], self.down_proj.shape[2]) if k % groupsize]
+        return f"{bad[0]} input channels are not a multiple of the group size {groupsize}" if bad else None
 
     def expert_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
@@ -137,9 +150,10 @@ class Int4Experts(Experts):
         return F.linear(x, self.weights(name, torch.tensor([e]), x.dtype)[0])
 
 
-def quantized(experts: Experts, mode: str, groupsize: int, dtype, quantize_weight) -> Experts:
+def quantized(experts: Experts, mode: str, groupsize: int, quantize_weight) -> Experts:
     """The experts at 8 or 4 bits: quantize_weight(w [N, K]) gives quantize.py's portable tensors
     of one expert's projection, stacked here over the experts."""
+    dtype = experts.gate_proj.dtype
     portable = {}
     for name in ("gate_proj", "up_proj", "down_proj"):
         parts = [quantize_weight(w) for w in getattr(experts, name)]  # one expert at a time

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from cpu_kernels import cpu_int4_kernel_error, padded_linear
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
 import moe
-from moe import Experts
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -234,10 +233,8 @@ def plan(model, mode: str, groupsize: int = 64, head: bool = False, embedding: b
     check_mode(mode, groupsize)
     out = {}
     for name, m in model.named_modules():
-        if type(m) is Experts:  # moe.py's stacked experts, each expert's rows as a layer's
-            widths = (m.gate_proj.shape[2], m.down_proj.shape[2])
-            bad = [k for k in widths if k % groupsize] if mode == "int4" else []
-            out[name] = f"{bad[0]} input channels are not a multiple of the group size {groupsize}" if bad else None
+        if type(m) is moe.Experts:  # moe.py's stacked experts, each expert's rows as a layer's
+            out[name] = m.int4_refusal(groupsize) if mode == "int4" else None
         if not isinstance(m, nn.Linear):
             continue
         N, K = m.weight.shape
@@ -290,19 +287,18 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
         if reason is not None:
             continue
         m = model.get_submodule(name)
+        if isinstance(m, moe.Experts):  # each expert's projection quantized as one layer's weight
+            _set(model, name, moe.quantized(m, mode, groupsize, lambda w: portable_tensors(w, mode, groupsize)))
+            continue
+        dtype, device = m.weight.dtype, m.weight.device
         if name == "embed_tokens":
-            dtype = m.weight.dtype
             if tied and mode == "int8" and isinstance(model.lm_head, Int8Linear):  # one int8 table serves both
                 portable = {"weight": model.lm_head.weight, "scales": model.lm_head.scales}
             else:
                 portable = quantize_int8(m.weight)
             _set(model, name, Int8Embedding(portable, dtype))
-        elif isinstance(m, Experts):
-            _set(model, name, moe.quantized(m, mode, groupsize, m.gate_proj.dtype,
-                                            lambda w: portable_tensors(w, mode, groupsize)))
         else:
-            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize,
-                                         m.weight.dtype, m.weight.device))
+            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize, dtype, device))
     report = {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
               "quantized": [n for n, r in layers.items() if r is None],
               "kept": {n: r for n, r in layers.items() if r is not None},

@@ -6,14 +6,14 @@ Each transformer layer is two matrix pairs, and each pair needs one all-reduce:
 - attention: q/k/v are split by output columns, so rank r computes heads r*H/W .. (r+1)*H/W
   (and the KV heads they read), attends locally, and o_proj, split by input rows, produces a
   partial sum of the layer output: all-reduce it.
-- MLP: gate/up split by columns, down split by rows, one all-reduce.
+- MLP: gate/up split by columns, down split by rows, one all-reduce. A mixture of experts
+  (moe.py) splits each expert's width the same way; the router is replicated, so every rank
+  picks the same experts, and one all-reduce follows the layer.
 So a rank holds 1/W of every layer's weights and of the KV cache. Heads, KV heads and the FFN
 width must divide by W; otherwise a clear error lists the world sizes that work.
-
-The embedding and output head are replicated, not vocabulary-sharded: every rank then computes
-the same full logits with no extra communication, so sampling (with a seed shared by all ranks)
-picks the same token everywhere. It costs `vocab * dim` bytes per rank (54 MiB for SmolLM2 in
-bf16); for a 128K vocabulary at dim 4096 it would be worth sharding.
+The embedding and output head are replicated, not vocabulary-sharded: every rank computes the
+same full logits with no extra communication, so sampling (with a seed shared by all ranks)
+picks the same token everywhere. It costs `vocab * dim` bytes per rank (54 MiB for SmolLM2 in bf16).
 
 Sharding happens while loading (weights.load(..., shard=(rank, world))): every tensor is sliced
 before it is converted and kept, so a rank never holds more than its shard plus the replicated
@@ -23,6 +23,7 @@ Backends: NCCL on GPUs, gloo on CPUs, launched by torchrun (one node or several)
 """
 import dataclasses
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -47,8 +48,8 @@ def init(timeout_s: float = 300.0):
 
 
 def working_world_sizes(config) -> list:
-    return [w for w in range(1, config.n_heads + 1)
-            if config.n_heads % w == 0 and config.n_kv_heads % w == 0 and config.intermediate_size % w == 0]
+    widths = [config.n_heads, config.n_kv_heads, config.intermediate_size] + (config.moe.widths() if config.moe else [])
+    return [w for w in range(1, config.n_heads + 1) if all(n % w == 0 for n in widths)]
 
 
 def shard_config(config, world: int):
@@ -58,13 +59,16 @@ def shard_config(config, world: int):
             f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, {config.n_kv_heads} KV heads "
             f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(config)}")
     return dataclasses.replace(config, n_heads=config.n_heads // world, n_kv_heads=config.n_kv_heads // world,
-                               intermediate_size=config.intermediate_size // world)
+                               intermediate_size=config.intermediate_size // world,
+                               moe=config.moe and config.moe.sharded(world))
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's slice of one full tensor, copied out so the full tensor can be freed."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if module == "experts":  # moe.py's stacked [E, ff, dim] (gate, up) and [E, dim, ff] (down): split ff
+        return tensor.chunk(world, dim=2 if kind == "down_proj" else 1)[rank].clone(memory_format=torch.contiguous_format)
     if module in COLUMN_PARALLEL:  # weight [out, in] and bias [out]: split out
         return tensor.chunk(world, dim=0)[rank].clone(memory_format=torch.contiguous_format)
     if module in ROW_PARALLEL:
@@ -75,7 +79,7 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torc
 
 
 class RowParallel(nn.Module):
-    """A row-parallel linear: each rank's partial product, summed across ranks."""
+    """A row-parallel linear (or a whole sparse MLP): each rank's partial product, summed across ranks."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -91,7 +95,10 @@ def parallelize(model):
     """Wrap the row-parallel projections of a model loaded with shard=(rank, world)."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
+        if hasattr(layer.mlp, "experts"):  # experts and shared expert summed, then one all-reduce
+            layer.mlp = RowParallel(layer.mlp)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj)
     return model
 
 
@@ -109,8 +116,6 @@ def check_same_checkpoint(model):
 def quiet_unless_rank_zero(rank: int):
     """torchrun starts one copy of the program per rank: only rank 0 talks to the terminal."""
     if rank != 0:
-        import sys
-
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 

@@ -3,6 +3,7 @@
 also runs each through its prefill and static-cache logit checks); the gather and grouped expert
 paths against a plain loop over experts, at float and at 8 / 4 bits; compiled == eager; the
 engine's batched requests == each alone; int8 / int4 experts within bounds; bad checkpoints."""
+import copy
 import json
 
 import pytest
@@ -88,7 +89,7 @@ def test_gather_and_grouped_paths_equal_a_loop_over_experts(T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
     experts = random_experts(dtype=torch.float32)
-    q = moe.quantized(experts, mode, 32, dtype, lambda w: quantize.portable_tensors(w, mode, 32))
+    q = moe.quantized(copy.deepcopy(experts).to(dtype), mode, 32, lambda w: quantize.portable_tensors(w, mode, 32))
     x = torch.randn(40, 64).to(dtype)
     w, idx = torch.rand(40, 2).softmax(-1), torch.stack([torch.arange(40) % 6, (torch.arange(40) + 2) % 6], 1)
 

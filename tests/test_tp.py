@@ -124,3 +124,11 @@ def test_gemma2_on_two_ranks_equals_one_process(tmp_path):
     folder = save_hf(hf_model("gemma2"), tmp_path / "ckpt")
     model, logits, tokens = single_process(folder)
     check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
+
+
+def test_moe_on_two_ranks_equals_one_process(tmp_path):
+    """Qwen2-MoE: each expert's width and the shared expert split, the router replicated (every rank
+    picks the same experts), one all-reduce after the sparse layer; its dense layer as before."""
+    folder = save_hf(hf_model("qwen2_moe"), tmp_path / "ckpt")
+    model, logits, tokens = single_process(folder)
+    check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
