@@ -26,7 +26,7 @@ import torch
 from cpu_kernels import gemm_padding
 from kv_cache import bucket
 from paged import BlockAllocator, PagedKVCache, plan_blocks
-from runtime import DTYPES, compile_decode, log, parse_size, pick_device
+from runtime import DTYPES, compile_decode, log, parse_size, pick_device, weights_line
 from sampling import parse_logit_bias, sample, token_logprobs
 from scheduler import Scheduler, blocks_for
 from scoring import PromptScores
@@ -337,7 +337,7 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
     num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                    max_tokens=max_num_seqs * model.config.max_position_embeddings)
     plan += window_plan(model.config, block_size, PagedKVCache.bytes_per_block(model, block_size))
-    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{plan}")
+    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
                               schedule_policy, tokenizer.stop_ids, tokenizer, compile)
     return engine, tokenizer, info

@@ -15,16 +15,44 @@ import torch
 from safetensors.torch import save_file
 
 import gguf_weights
+import moe
 import weights
+from families import MIXTRAL_EXPERT
 from quant_files import METADATA_KEY
 from quantize import GROUP_SIZES, check_mode, describe, plan, portable_tensors, quantize_int8
 
 
-def hf_state_dict(model, keep_head: bool = False) -> dict:
-    """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head."""
-    tied = model.config.tie_word_embeddings and not keep_head
-    return {(k if k.startswith("lm_head.") else f"model.{k}"): v.detach().contiguous().cpu()
-            for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
+def hf_state_dict(model, keep_head: bool = False, skip=()) -> dict:
+    """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head,
+    the modules in `skip` left out; stacked experts (moe.py) one tensor per expert, as published."""
+    tied, mixtral = model.config.tie_word_embeddings and not keep_head, _kind(model.config) == "mixtral"
+    out = {}
+    for k, v in model.state_dict().items():
+        if (k == "lm_head.weight" and tied) or k.rpartition(".")[0] in skip:
+            continue
+        name, v = (k if k.startswith("lm_head.") else f"model.{k}"), v.detach().contiguous().cpu()
+        if mixtral:
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if ".experts." in name and v.dim() == 3:  # [E, out, in] -> experts.{e}.{projection}.weight
+            prefix, _, projection = name.rpartition(".")
+            projection = MIXTRAL_NAMES[projection] if mixtral else projection
+            out.update({f"{prefix}.{e}.{projection}.weight": w.clone() for e, w in enumerate(v)})
+        else:
+            out[name] = v
+    return out
+
+
+MIXTRAL_NAMES = {v: k for k, v in MIXTRAL_EXPERT.items()}  # gate_proj -> w1, up_proj -> w3, down_proj -> w2
+
+
+def _kind(a) -> str:
+    """The model_type whose config.json expresses this ModelConfig."""
+    gemma = a.norm_offset == 1.0
+    if a.moe:
+        mixtral = a.moe.norm_topk_prob and not (a.moe.shared_expert_size or a.moe.dense_layers or a.qkv_bias)
+        return "qwen3_moe" if a.qk_norm else "mixtral" if mixtral else "qwen2_moe"
+    return (("gemma3_text" if a.qk_norm else "gemma2") if gemma else "qwen3" if a.qk_norm
+            else "qwen2" if a.qkv_bias and not a.o_bias else "mistral" if a.sliding_window else "llama")
 
 
 def hf_config(model) -> dict:
@@ -33,10 +61,26 @@ def hf_config(model) -> dict:
     if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
         raise ValueError("a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "
                          "Hugging Face's phi3 layout fuses q/k/v; keep the original folder or GGUF file")
-    gemma = a.norm_offset == 1.0
-    kind = (("gemma3_text" if a.qk_norm else "gemma2") if gemma else "qwen3" if a.qk_norm
-            else "qwen2" if a.qkv_bias and not a.o_bias else "mistral" if a.sliding_window else "llama")
-    return {**_common_config(model, kind), **_family_config(a, gemma)}
+    if a.moe and a.qk_norm and (a.moe.shared_expert_size or a.qkv_bias):
+        raise ValueError("experts with q/k norms and a shared expert or q/k/v biases have no HF family here")
+    kind = _kind(a)
+    return {**_common_config(model, kind), **_family_config(a, a.norm_offset == 1.0), **_experts_config(a, kind)}
+
+
+def _experts_config(a, kind: str) -> dict:
+    """The keys of Mixtral's and Qwen-MoE's experts (families.experts_of reads them)."""
+    if not a.moe:
+        return {}
+    m = a.moe
+    if kind == "mixtral":
+        return {"num_local_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok,
+                "intermediate_size": m.intermediate_size}
+    out = {"num_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok, "decoder_sparse_step": 1,
+           "moe_intermediate_size": m.intermediate_size, "norm_topk_prob": m.norm_topk_prob,
+           "mlp_only_layers": list(m.dense_layers)}
+    if kind == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=m.shared_expert_size, qkv_bias=a.qkv_bias)
+    return out
 
 
 def _family_config(a, gemma: bool) -> dict:
@@ -79,8 +123,12 @@ def save_quantized(model, folder, mode: str, groupsize: int = 64, head: bool = F
     --checkpoint) reads (quantize.py's format). Returns the plan's report."""
     layers = plan(model, mode, groupsize, head, embedding)
     quantized = [n for n, r in layers.items() if r is None]
-    state = hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)))
-    for name in quantized:
+    experts = {n for n in quantized if isinstance(model.get_submodule(n), moe.Experts)}
+    state = hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)), skip=experts)
+    for name in experts:  # model.{name}.{projection}.{weight, scales, zeros}
+        tensors = moe.portable(model.get_submodule(name), lambda w: portable_tensors(w.float(), mode, groupsize))
+        state.update({f"model.{name}.{p}.{s}": t.contiguous() for p, ts in tensors.items() for s, t in ts.items()})
+    for name in set(quantized) - experts:
         w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
         tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
         prefix = name if name == "lm_head" else f"model.{name}"

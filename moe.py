@@ -20,8 +20,9 @@ total (Qwen3-30B-A3B: 3B of 30B parameters per token). Two ways to run the chose
   token (no copies). Never a pass of every token through every expert.
 
 Experts are stored stacked: gate_proj, up_proj [E, ff, dim], down_proj [E, dim, ff], so that a
-gather is one index. `Int8Experts` and `Int4Experts` (quantize.py makes them) hold the same
-weights at 8 or 4 bits per expert row and dequantize only the experts a step uses.
+gather is one index. `Int8Experts` (a scale per expert row) and `GroupExperts` (scales per group:
+quantize.py's int4, a GGUF file's own blocks) hold them at 8 or 4 bits and dequantize only the
+experts a step uses.
 tests/test_moe.py checks both paths against a plain loop over experts and the model against HF.
 """
 from dataclasses import dataclass, replace
@@ -42,6 +43,16 @@ class MoEConfig:
     def widths(self) -> list:
         """The widths tensor parallelism splits: each expert's, and the shared expert's."""
         return [self.intermediate_size, self.shared_expert_size]
+
+    def parameter_counts(self, c) -> tuple:
+        """(total, active per token) parameters of ModelConfig c, norms and biases left out: what a
+        name like Qwen3-30B-A3B states (30.5B and 3.3B by this count)."""
+        attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+        sparse, expert = c.n_layers - len(self.dense_layers), 3 * c.dim * self.intermediate_size
+        shared = 3 * c.dim * self.shared_expert_size + c.dim * bool(self.shared_expert_size)
+        common = (c.vocab_size * c.dim * (1 if c.tie_word_embeddings else 2) + c.n_layers * attention
+                  + len(self.dense_layers) * 3 * c.dim * c.intermediate_size + sparse * (c.dim * self.n_experts + shared))
+        return common + sparse * self.n_experts * expert, common + sparse * self.n_experts_per_tok * expert
 
     def sharded(self, world: int) -> "MoEConfig":
         """One rank's slice (tp.py): every expert keeps its router slot with 1/world of its width."""
@@ -127,40 +138,79 @@ class Int8Experts(Experts):
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
-class Int4Experts(Experts):
-    """Each expert's rows int4, two values a byte in row order, an offset and a scale per group:
-    w[e, n, k] ~= (q[e, n, k] - 8) * scale[e, n, k // G] + zero[e, n, k // G] (quantize.py's portable int4)."""
+class GroupExperts(Experts):
+    """Each projection in groups of G input channels, a scale and an offset per group, at 4 bits
+    (two values a byte in row order: quantize.py's portable int4, GGUF's Q4_*), at 8 bits (GGUF's
+    Q8_0, Q5_*, Q6_K), or float (a GGUF type read as float); each projection its own kind:
 
-    def __init__(self, experts: Experts, portable: dict, dtype, groupsize: int):
+        w[e, n, k] = (q[e, n, k] - c) * scale[e, n, k // G] + offset[e, n, k // G]   c = 8 at 4 bits, else 0
+
+    Only the experts a step uses are dequantized, in the activations' dtype."""
+
+    def __init__(self, n_experts: int, act, parts: dict, dtype):
+        """parts: {projection: ("int4", q uint8 [E, N, K/2], scales, offsets [E, N, K/G]),
+        ("int8", q int8 [E, N, K], scales, offsets or None) or ("float", w [E, N, K])}."""
         nn.Module.__init__(self)
-        self.n_experts, self.act, self.groupsize = experts.n_experts, experts.act, groupsize
-        for name, (q, scales, zeros) in portable.items():  # q uint8 [E, N, K/2], scales/zeros [E, N, K/G]
-            self.register_buffer(name, q.contiguous())
-            self.register_buffer(f"{name}_scales", scales.to(dtype))
-            self.register_buffer(f"{name}_zeros", zeros.to(dtype))
+        self.n_experts, self.act, self.kinds = n_experts, act, {}
+        for name, (kind, q, *groups) in parts.items():
+            self.kinds[name] = kind
+            self.register_buffer(name, q.to(dtype) if kind == "float" else q.contiguous())
+            for suffix, t in zip(("scales", "offsets"), groups):
+                self.register_buffer(f"{name}_{suffix}", None if t is None else t.to(dtype))
 
     def weights(self, name, ids, dtype):
-        packed = getattr(self, name)[ids]  # [n, N, K/2]
-        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:2], -1, self.groupsize)
-        scales, zeros = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_zeros")[ids]  # [n, N, G]
-        w = (q.to(dtype) - 8) * scales[..., None].to(dtype) + zeros[..., None].to(dtype)
-        return w.reshape(*packed.shape[:2], -1)
+        q, kind = getattr(self, name)[ids], self.kinds[name]  # [n, N, K] (or [n, N, K/2] at 4 bits)
+        if kind == "float":
+            return q.to(dtype)
+        if kind == "int4":
+            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).to(dtype) - 8
+        scales, offsets = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_offsets")  # [n, N, K/G]
+        w = q.to(dtype).unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].to(dtype)  # [n, N, K/G, G]
+        if offsets is not None:
+            w = w + offsets[ids][..., None].to(dtype)
+        return w.flatten(-2)
 
     def linear(self, name, x, e):
-        return F.linear(x, self.weights(name, torch.tensor([e]), x.dtype)[0])
+        return F.linear(x, self.weights(name, slice(e, e + 1), x.dtype)[0])
 
 
-def quantized(experts: Experts, mode: str, groupsize: int, quantize_weight) -> Experts:
-    """The experts at 8 or 4 bits: quantize_weight(w [N, K]) gives quantize.py's portable tensors
-    of one expert's projection, stacked here over the experts."""
-    dtype = experts.gate_proj.dtype
-    portable = {}
-    for name in ("gate_proj", "up_proj", "down_proj"):
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def portable(experts: Experts, quantize_weight) -> dict:
+    """{projection: {"weight", "scales"(, "zeros")}}: quantize_weight(w [N, K]) gives quantize.py's
+    portable tensors of one expert's projection, stacked here over the experts."""
+    out = {}
+    for name in PROJECTIONS:
         parts = [quantize_weight(w) for w in getattr(experts, name)]  # one expert at a time
-        portable[name] = tuple(torch.stack([p[k] for p in parts]) for k in ("weight", "scales", "zeros") if k in parts[0])
+        out[name] = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+    return out
+
+
+def quantized(experts: Experts, mode: str, quantize_weight) -> Experts:
+    """The experts at 8 bits (Int8Experts) or 4 (GroupExperts), quantized by quantize_weight (above)."""
+    return from_portable(experts, mode, portable(experts, quantize_weight), experts.gate_proj.dtype)
+
+
+def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts:
+    """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints store them."""
     if mode == "int8":
-        return Int8Experts(experts, portable, dtype)
-    return Int4Experts(experts, portable, dtype, groupsize)
+        return Int8Experts(experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype)
+    parts = {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}
+    return GroupExperts(experts.n_experts, experts.act, parts, dtype)
+
+
+def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:
+    """{projection: {tensor: (shape, dtype)}} of quantized experts in a checkpoint (quant_files.py)."""
+    out = {}
+    for name in PROJECTIONS:
+        E, N, K = getattr(experts, name).shape
+        if mode == "int8":
+            out[name] = {"weight": ((E, N, K), torch.int8), "scales": ((E, N), torch.float32)}
+        else:
+            G = ((E, N, K // groupsize), torch.float32)
+            out[name] = {"weight": ((E, N, K // 2), torch.uint8), "scales": G, "zeros": G}
+    return out
 
 
 class SparseMoE(nn.Module):

@@ -7,9 +7,11 @@ tensors against `expected_tensors` and calls `install` to build the layers:
 
     int8  (and any embedding)   weight int8 [N, K], scales float32 [N]
     int4                        weight uint8 [N, K/2] (two values a byte), scales and zeros float32 [N, K/g]
+    experts (moe.py)            the same per projection, stacked over the experts: {layer}.{projection}.weight, ...
 """
 import torch
 
+import moe
 from quantize import Int8Embedding, Int8Linear, _set, make_layer
 
 METADATA_KEY = "quantization"  # safetensors metadata: {"mode", "groupsize", "layers"}
@@ -27,7 +29,12 @@ def expected_tensors(model, quant: dict) -> dict:
     """{tensor name: (shape, dtype)} for the quantized layers of a model built on the meta device."""
     out = {}
     for name in quant["layers"]:
-        N, K = model.get_submodule(name).weight.shape
+        m = model.get_submodule(name)
+        if isinstance(m, moe.Experts):  # {name}.{projection}.{weight, scales, zeros}, stacked over the experts
+            shapes = moe.portable_shapes(m, quant["mode"], quant["groupsize"])
+            out.update({f"{name}.{p}.{s}": spec for p, specs in shapes.items() for s, spec in specs.items()})
+            continue
+        N, K = m.weight.shape
         for suffix, spec in portable_shapes(quant["mode"], quant["groupsize"], name, N, K).items():
             out[f"{name}.{suffix}"] = spec
     return out
@@ -37,6 +44,12 @@ def install(model, state: dict, quant: dict, dtype, device):
     """Build the quantized layers from their checkpoint tensors (popped from `state`)."""
     mode, g = quant["mode"], quant["groupsize"]
     for name in quant["layers"]:
+        m = model.get_submodule(name)
+        if isinstance(m, moe.Experts):
+            tensors = {p: {s: state.pop(f"{name}.{p}.{s}").to(device) for s in specs}
+                       for p, specs in moe.portable_shapes(m, mode, g).items()}
+            _set(model, name, moe.from_portable(m, mode, tensors, dtype))
+            continue
         portable = {s: state.pop(f"{name}.{s}") for s in portable_shapes(mode, g, name, 2, 2 * (g or 1))}
         if name == "embed_tokens":
             _set(model, name, Int8Embedding({k: v.to(device) for k, v in portable.items()}, dtype))

@@ -288,7 +288,7 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
             continue
         m = model.get_submodule(name)
         if isinstance(m, moe.Experts):  # each expert's projection quantized as one layer's weight
-            _set(model, name, moe.quantized(m, mode, groupsize, lambda w: portable_tensors(w, mode, groupsize)))
+            _set(model, name, moe.quantized(m, mode, lambda w: portable_tensors(w, mode, groupsize)))
             continue
         dtype, device = m.weight.dtype, m.weight.device
         if name == "embed_tokens":

@@ -231,9 +231,19 @@ def peak_memory_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def weights_line(model) -> str:
+    """Weight bytes and the bytes a decode step reads (with experts: parameters, total and active)."""
+    line = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
+    if model.config.moe:  # moe.py: a step reads only the experts its tokens chose
+        m, (total, active) = model.config.moe, model.config.moe.parameter_counts(model.config)
+        line += (f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+                 f"({m.n_experts_per_tok} of {m.n_experts} experts) | ")
+    return line
+
+
 def memory_plan(model, cache) -> str:
     """The line generate.py prints: weight bytes, and the KV cache as bytes per token x tokens."""
-    weights = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
+    weights = weights_line(model)
     if hasattr(cache, "block_size"):  # paged: the pool, block 0 being the null block
         per_block = cache.nbytes() / cache.num_blocks
         return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "

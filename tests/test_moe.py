@@ -89,7 +89,7 @@ def test_gather_and_grouped_paths_equal_a_loop_over_experts(T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
     experts = random_experts(dtype=torch.float32)
-    q = moe.quantized(copy.deepcopy(experts).to(dtype), mode, 32, lambda w: quantize.portable_tensors(w, mode, 32))
+    q = moe.quantized(copy.deepcopy(experts).to(dtype), mode, lambda w: quantize.portable_tensors(w, mode, 32))
     x = torch.randn(40, 64).to(dtype)
     w, idx = torch.rand(40, 2).softmax(-1), torch.stack([torch.arange(40) % 6, (torch.arange(40) + 2) % 6], 1)
 
@@ -171,3 +171,63 @@ def test_missing_or_misshapen_experts_are_named(tmp_path):
     save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="is expert 7, but the config has 4 experts"):
         weights.load(folder)
+
+
+def test_folders_written_back_load_in_transformers_and_here(pair, tmp_path):
+    """save_hf_folder writes the family's config and one tensor per expert, as published: HF
+    transformers and weights.load read it to the same logits."""
+    import hf_folder
+    from transformers import AutoModelForCausalLM
+
+    arch, _, model = pair
+    folder = hf_folder.save_hf_folder(model, tmp_path / "back")
+    x = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(x, torch.arange(10)[None], NoCache())
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        torch.testing.assert_close(hf(x).logits, ref, atol=1e-4, rtol=0)
+        again, _ = weights.load(folder)
+        assert again.config == model.config
+        torch.testing.assert_close(again(x, torch.arange(10)[None], NoCache()), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_folders_hold_the_experts_at_their_bits(mode, tmp_path):
+    """quantize.py's folder of a MoE: each projection stacked over the experts, read back to the
+    layers quantize_model makes in memory (same logits)."""
+    import hf_folder
+
+    model, _ = weights.load(save_hf(hf_model("qwen2_moe"), tmp_path / "m"), dtype=torch.float32)
+    report = hf_folder.save_quantized(model, tmp_path / mode, mode, 32)
+    assert "layers.0.mlp.experts" in report["quantized"]
+    loaded, info = weights.load(tmp_path / mode)
+    quantize.quantize_model(model, mode, 32)
+    kind = moe.Int8Experts if mode == "int8" else moe.GroupExperts
+    assert type(loaded.layers[0].mlp.experts) is kind and type(model.layers[0].mlp.experts) is kind
+    x = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ours, ref = (m(x, torch.arange(10)[None], NoCache()) for m in (loaded, model))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_parameter_counts_match_the_published_totals():
+    """Model cards: Mixtral-8x7B 46.7B parameters, 12.9B active; Qwen3-30B-A3B 30.5B, 3.3B active."""
+    from model import ModelConfig
+
+    mixtral = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                          moe=MoEConfig(8, 2, 14336))
+    qwen3 = ModelConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, intermediate_size=6144,
+                        head_dim=128, moe=MoEConfig(128, 8, 768))
+    for c, total, active in ((mixtral, 46.7, 12.9), (qwen3, 30.5, 3.3)):
+        counted = [n / 1e9 for n in c.moe.parameter_counts(c)]
+        assert counted == pytest.approx([total, active], rel=0.02)  # the cards round to one decimal
+
+
+def test_the_memory_plan_prints_total_and_active_parameters(pair):
+    _, _, model = pair
+    c = model.config
+    total, active = c.moe.parameter_counts(c)
+    line = runtime.memory_plan(model, StaticKVCache.for_model(model, 1, 16))
+    assert f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token" in line
+    assert f"({c.moe.n_experts_per_tok} of {c.moe.n_experts} experts)" in line
+    assert runtime.human(model.bytes_read_per_token()) + " read per step" in line
