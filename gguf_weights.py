@@ -18,6 +18,8 @@ into integers and per-group scales without passing through float:
       Q8_0)                        tied to a head run as two int4 halves: rows read from those)
     output (int8-group types,      two int4 halves in bf16 on CPU, else float in --dtype
       or tied to token_embd)       (quant_groups.HEAD_NOTE); an untied Q4_* output keeps int4
+    ffn_{gate,up,down}_exps        moe.GroupExperts, per projection: Q4_* as 4 bits where exact,
+      (experts stacked [E, N, K])  the other block types as 8-bit groups, the rest float
 
 gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
 gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter (write_tokenizer_only).
@@ -45,7 +47,7 @@ import torch
 from model import ModelConfig
 from runtime import CheckpointError
 
-SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 GEMMA = ("gemma2", "gemma3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -56,6 +58,11 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",  # (Phi-3's, split on loading)
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # experts (moe.py): the router, each projection stacked [E, out, in], Qwen2-MoE's gated shared expert
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -112,7 +119,35 @@ def config_from_gguf(reader, path) -> ModelConfig:
         max_position_embeddings=get("context_length"), tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names, **family_switches(reader, arch, path, get),
+        moe=experts_of(reader, arch, path, get, names),
     )
+
+
+def experts_of(reader, arch, path, get, names):
+    """moe.MoEConfig from `expert_*` metadata (Mixtral's files are arch llama), or None for a dense model.
+    Layers without a router tensor (ffn_gate_inp) keep a dense MLP. llama.cpp renormalises the chosen
+    weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's, unless `expert_weights_norm` says."""
+    from moe import MoEConfig
+
+    count = field(reader, f"{arch}.expert_count", 0)
+    if not count:
+        if arch.endswith("moe"):
+            raise CheckpointError(f"{path}: metadata {arch}.expert_count is missing: {arch} needs it")
+        return None
+    if any(n.startswith("blk.0.ffn_gate.0.") for n in names):
+        raise CheckpointError(f"{path}: experts stored one tensor each (blk.N.ffn_gate.E.weight, an older llama.cpp "
+                              "layout); convert the model again with a current llama.cpp (ffn_gate_exps)")
+    gating = field(reader, f"{arch}.expert_gating_func", 1)
+    if gating != 1:
+        raise CheckpointError(f"{path}: metadata {arch}.expert_gating_func {gating} is not supported "
+                              "(supported: 1, softmax over the experts)")
+    n_layers = get("block_count")
+    return MoEConfig(
+        count, get("expert_used_count"),
+        field(reader, f"{arch}.expert_feed_forward_length") or get("feed_forward_length"),
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+        shared_expert_size=field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0,
+        dense_layers=tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
 
 
 def rope_scaling(reader, arch, path) -> dict:
@@ -172,7 +207,8 @@ def model_name(gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMA else LAYER_NAMES
-        return f"layers.{parts[1]}.{names.get(parts[2], parts[2])}.{parts[3]}"
+        name = f"layers.{parts[1]}.{names.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
+        return name.removesuffix(".weight") if parts[2].endswith("_exps") else name  # moe.py's stacked parameters
     return f"{GLOBAL_NAMES.get(parts[0], parts[0])}.{parts[1]}"
 
 
@@ -275,16 +311,28 @@ def _blocks(t, path, kind) -> torch.Tensor:
 
 
 def packed(t, name: str, path):
-    """A quant_groups.Packed for a quantized 2-D weight (the int4 route where it is exact), else None."""
+    """A quant_groups.Packed for a quantized 2-D weight (the int4 route where it is exact), or for
+    stacked experts [E, N, K] (each tensor then [E, N, ...]), else None."""
     import quant_groups
 
-    kind = t.tensor_type.name
-    if kind not in BLOCKS or len(t.shape) != 2 or not name.endswith(".weight"):
+    kind, experts = t.tensor_type.name, len(t.shape) == 3 and ".mlp.experts." in name
+    if kind not in BLOCKS or not (len(t.shape) == 2 and name.endswith(".weight") or experts):
         return None
     q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)
+    if experts:  # the blocks' rows are the experts' rows, one expert after another
+        p = _packed_rows(q, scales, offsets, kind, name, True)
+        E = int(t.shape[2])
+        tensors = {k: None if v is None else v.unflatten(0, (E, -1)) for k, v in p.tensors.items()}
+        return quant_groups.Packed(p.kind, tensors, (E, q.shape[0] // E, q.shape[1]), p.groupsize, kind)
+    return _packed_rows(q, scales, offsets, kind, name, q.shape[0] % 16 == 0)
+
+
+def _packed_rows(q, scales, offsets, kind, name, int4_rows: bool):
+    import quant_groups
+
     N, K = q.shape
     g = K // scales.shape[1]
-    if kind in INT4_TYPES and not name.startswith("embed_tokens") and N % 16 == 0:
+    if kind in INT4_TYPES and not name.startswith("embed_tokens") and int4_rows:
         # quantize.Int4Linear computes (u - 8) * scale + zero with u = q (+ 8 for signed Q4_0); the
         # zero = offset + 8 * scale must be exact in float32 for that to equal q * scale + offset
         zeros = torch.zeros_like(scales) if offsets is None else offsets + 8 * scales
@@ -334,6 +382,8 @@ def open_gguf(path: Path, keep_quantized: bool = True):
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
                 w = unpermute(w, heads) if isinstance(w, torch.Tensor) else w.rows(unpermute(torch.arange(w.shape[0]), heads))
+            if name.endswith("shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp stores the shared expert's gate [dim] as a vector
             if arch in GEMMA and name.endswith("norm.weight"):
                 w = w - 1  # llama.cpp stores Gemma's (1 + w); model.py adds the 1 itself
             reader.release(t)  # w is a copy: its pages of the file need not stay resident

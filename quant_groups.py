@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import int4_layout
+import moe
 import quantize
 from cpu_kernels import padded_linear
 from runtime import release_memory
@@ -217,7 +218,7 @@ class Packed:
 
     kind: str
     tensors: dict
-    shape: tuple  # [N, K] of the float weight it stands for
+    shape: tuple  # [N, K] of the float weight it stands for ([E, N, K] for stacked experts, each tensor [E, N, ...])
     groupsize: int
     source: str  # what the file holds, for the load plan: "Q4_1", "gptq int4 g128", ...
 
@@ -293,6 +294,23 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, own_bit
         own_bits.setdefault("embed_tokens", set()).add(
             f"{p.source} -> {_runs_as(model.embed_tokens, p)}" + (" (read from lm_head's halves)" if shared else ""))
     release_memory()
+
+
+def install_experts(model, name: str, parts: dict, dtype, device, own_bits: dict):
+    """Stacked experts (moe.py) whose projections came as Packed [E, N, K] (a float tensor for a type
+    read as float): a moe.GroupExperts with each projection at the file's own bits."""
+    experts, groups = model.get_submodule(name), {}
+    for projection, p in parts.items():
+        if not isinstance(p, Packed):
+            groups[projection] = ("float", p.to(device))
+            continue
+        t = {k: None if v is None else v.to(device) for k, v in p.tensors.items()}
+        bits = "int4" if p.kind == "int4" else "int8"
+        groups[projection] = (bits, *((t["weight"], t["scales"], t["zeros"]) if bits == "int4"
+                                      else (t["q"], t["scales"], t["offsets"])))
+        own_bits.setdefault(f"experts.{projection}", set()).add(f"{p.source} -> {bits} g{p.groupsize}")
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, moe.GroupExperts(experts.n_experts, experts.act, groups, dtype))
 
 
 def _head(p: Packed, dtype, device) -> nn.Module:

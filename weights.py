@@ -286,6 +286,14 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     state, packed, built, own_bits = {}, {}, set(), {} if own_bits is None else own_bits
 
     def build_when_ready(key):  # a layer at its bits, once its weight and its bias (if any) are in
+        parent = key.rpartition(".")[0]
+        if parent.endswith("mlp.experts"):  # moe.py's projections at their bits: the three together
+            names = [f"{parent}.{p}" for p in PROJECTIONS]
+            if any(n in packed for n in names) and all(n in packed or n in state for n in names):
+                parts = {n.rpartition(".")[2]: packed.pop(n) if n in packed else state.pop(n) for n in names}
+                quant_groups.install_experts(model, parent, parts, dtype, device, own_bits)
+                built.update(names)
+            return
         if key in packed and key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
             quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False, own_bits)
             built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)

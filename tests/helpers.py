@@ -104,6 +104,11 @@ GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused layers
+    # experts (llama.cpp's names): the router, each projection stacked [E, out, in], Qwen2-MoE's shared expert
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                     "post_feedforward_layernorm": "post_ffw_norm"}
@@ -127,6 +132,14 @@ def write_family_metadata(w, hf, arch):
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:  # Mixtral (arch llama), qwen2moe, qwen3moe
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if hasattr(c, "moe_intermediate_size"):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.rope_parameters.get("rope_type") == "yarn":  # Qwen2.5 / Qwen3 long-context files
         w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
         w.add_rope_scaling_factor(c.rope_parameters["factor"])
@@ -138,6 +151,24 @@ def write_family_metadata(w, hf, arch):
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+
+
+def gguf_arrays(hf):
+    """(HF name, float32 array) of each tensor, as llama.cpp's converter lays experts out: transformers'
+    stacked gate_up_proj [E, 2 ff, dim] split into ffn_gate_exps and ffn_up_exps, the shared expert's
+    gate [1, dim] stored as [dim]. (Names end in .weight, so that the layer name is all but the last part.)"""
+    import numpy as np
+
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(a, 2, axis=1)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), gate
+            yield name.replace("gate_up_proj", "up_proj.weight"), up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", a
+        else:
+            yield name, a[0] if name.endswith("shared_expert_gate.weight") else a
 
 
 def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
@@ -169,8 +200,7 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
         d = head_dim
         plain = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
         w.add_tensor("rope_freqs.weight", (plain / hf.model.rotary_emb.inv_freq).numpy().astype(np.float32))
-    for name, t in hf.state_dict().items():
-        a = t.float().numpy()
+    for name, a in gguf_arrays(hf):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         parts = name.split(".")
@@ -189,7 +219,8 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
         if raw_blocks and gname in raw_blocks:
             kind, blocks = raw_blocks[gname]
             w.add_tensor(gname, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
-        elif a.ndim == 2 and qtype != "F32":
+        elif (a.ndim in (2, 3) and qtype != "F32" and "ffn_gate_inp" not in gname  # (llama.cpp keeps routers float)
+              and a.shape[-1] % gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)][0] == 0):
             kind = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
         else:

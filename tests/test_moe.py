@@ -231,3 +231,95 @@ def test_the_memory_plan_prints_total_and_active_parameters(pair):
     assert f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token" in line
     assert f"({c.moe.n_experts_per_tok} of {c.moe.n_experts} experts)" in line
     assert runtime.human(model.bytes_read_per_token()) + " read per step" in line
+
+
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(pair, tmp_path):
+    """Stacked ffn_*_exps [E, out, in], the router ffn_gate_inp, Qwen2-MoE's *_shexp tensors and its
+    dense layer (no router tensor), expert_* metadata; prefill then token-by-token decode."""
+    from helpers import write_gguf
+
+    arch, hf, _ = pair
+    model, _ = weights.load(write_gguf(hf, tmp_path / f"{arch}.gguf", arch=GGUF_ARCH[arch]), dtype=torch.float32)
+    assert model.config.moe == pair[2].config.moe
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
+    cache = StaticKVCache.for_model(model, 1, 32)
+    with torch.no_grad():
+        ref = hf(x).logits
+        ours = [model(x[:, :16], torch.arange(16)[None], cache)]
+        ours += [model(x[:, t:t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
+    torch.testing.assert_close(torch.cat(ours, 1), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1"])
+def test_gguf_experts_at_their_own_bits_equal_gguf_dequantization(qtype, tmp_path):
+    """Each expert projection kept at the file's bits (GroupExperts: 4-bit where Q4_* is exact, else
+    8-bit groups) dequantizes to gguf.quants' own values, and the model equals its dequantized twin."""
+    import gguf
+
+    from helpers import write_gguf
+
+    path = write_gguf(hf_model("qwen2_moe"), tmp_path / f"{qtype}.gguf", arch="qwen2moe", qtype=qtype)
+    model, info = weights.load(path, dtype=torch.float32)
+    experts = model.layers[0].mlp.experts
+    assert type(experts) is moe.GroupExperts and f"{qtype} -> {'int4' if qtype.startswith('Q4') else 'int8'} g32" in info.own_bits
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for name, projection in (("gate_exps", "gate_proj"), ("up_exps", "up_proj"), ("down_exps", "down_proj")):
+        t = tensors[f"blk.0.ffn_{name}.weight"]
+        reference = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())  # [E, N, K]
+        ours = experts.weights(projection, torch.arange(experts.n_experts), torch.float32)
+        assert torch.equal(ours, reference), f"{qtype} {projection}: {(ours - reference).abs().max()}"
+    plain, _ = weights.load(path, dtype=torch.float32, dequantize=True)
+    x = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours, ref = (m(x, torch.arange(12).expand(2, 12), NoCache()) for m in (model, plain))
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def rewrite_gguf(src, dst, keys=None, rename=None):
+    """A copy of GGUF file `src` with metadata `keys` set ({key: value} as uint32 where new) and the
+    tensors in `rename` replaced ({name: [(new name, array), ...]})."""
+    import gguf
+    import numpy as np
+
+    reader, keys = gguf.GGUFReader(str(src)), dict(keys or {})
+    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None
+        w.add_key_value(key, keys.pop(key, f.contents()), gguf.GGUFValueType(f.types[0]), sub_type=sub)
+    for key, value in keys.items():
+        w.add_uint32(key, value)
+    for t in reader.tensors:
+        for name, data in (rename or {}).get(t.name, [(t.name, np.asarray(t.data))]):
+            w.add_tensor(name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_bad_gguf_experts_are_named(tmp_path):
+    """Metadata that contradicts the expert tensors, sigmoid routing, and experts one tensor each."""
+    import gguf
+    import numpy as np
+
+    from helpers import write_gguf
+
+    path = write_gguf(hf_model("qwen3_moe"), tmp_path / "m.gguf", arch="qwen3moe")
+    bad = rewrite_gguf(path, tmp_path / "count.gguf", keys={"qwen3moe.expert_count": 16})
+    with pytest.raises(CheckpointError, match=r"tensor 'layers\.0\.mlp\.experts\.gate_proj' has shape \(8, 32, 64\), "
+                                              r"expected \(16, 32, 64\)"):
+        weights.load(bad)
+    bad = rewrite_gguf(path, tmp_path / "gating.gguf", keys={"qwen3moe.expert_gating_func": 2})
+    with pytest.raises(CheckpointError, match="expert_gating_func 2 is not supported"):
+        weights.load(bad)
+    stacked = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.ffn_gate_exps.weight"]
+    per_expert = [(f"blk.0.ffn_gate.{e}.weight", np.asarray(stacked.data)[e]) for e in range(8)]
+    old = rewrite_gguf(path, tmp_path / "old.gguf", rename={"blk.0.ffn_gate_exps.weight": per_expert})
+    with pytest.raises(CheckpointError, match="an older llama.cpp layout"):
+        weights.load(old)
