@@ -15,6 +15,9 @@ renames or splits tensors whose layout differs from Llama's:
     mixtral             mixture of experts (moe.py): 8 experts, top 2, per-expert w1/w3/w2 stacked here
     qwen2_moe           experts plus a gated shared expert, norm_topk_prob, decoder_sparse_step, mlp_only_layers
     qwen3_moe           experts, q/k norms
+    gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks, biases on q/k/v/o,
+                        sliding and full layers alternating, YaRN; gate_up_proj [E, dim, 2 ff] (gate and up
+                        columns interleaved) split here; MXFP4 expert blocks are hf_quant.py's
 
     python -c "import json, families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
@@ -26,7 +29,7 @@ from rope import SUPPORTED, kind_of
 from runtime import CheckpointError
 
 SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
-                "qwen2_moe", "qwen3_moe")
+                "qwen2_moe", "qwen3_moe", "gpt_oss")
 QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
@@ -98,8 +101,8 @@ def _layer_types(cfg: dict, kind: str, n_layers: int, window):
     if kind in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", 28)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
-    if kind in ("gemma2", "gemma3_text"):
-        every = 2 if kind == "gemma2" else cfg.get("sliding_window_pattern", 6)
+    if kind in ("gemma2", "gemma3_text", "gpt_oss"):
+        every = cfg.get("sliding_window_pattern", 6) if kind == "gemma3_text" else 2
         return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
     return ()
 
@@ -120,7 +123,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         raise CheckpointError(f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    bias = bool(cfg.get("attention_bias", False))
+    bias = bool(cfg.get("attention_bias", kind == "gpt_oss"))
     windowed = cfg.get("use_sliding_window", False) if kind in QWEN else kind != "llama"
     window = cfg.get("sliding_window") if windowed else None
     gemma = kind in ("gemma2", "gemma3_text")
@@ -142,7 +145,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
         mlp_act=HF_ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
         attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
-        logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
+        logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0, attn_sinks=kind == "gpt_oss",
         **experts_of(cfg, kind),
     )
 
@@ -152,6 +155,11 @@ def experts_of(cfg: dict, kind: str) -> dict:
     if kind == "mixtral":
         return dict(moe=MoEConfig(cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2),
                                   cfg["intermediate_size"]))
+    if kind == "gpt_oss":  # its router takes top-k of the logits, then a softmax over those k: renormalised
+        return dict(moe=MoEConfig(cfg.get("num_local_experts", 128), cfg.get("num_experts_per_tok") or
+                                  cfg.get("experts_per_token", 4), cfg["intermediate_size"], norm_topk_prob=True,
+                                  router_bias=True, expert_bias=True, glu_limit=cfg.get("swiglu_limit", 7.0),
+                                  glu_alpha=cfg.get("swiglu_alpha", 1.702)))
     # published Qwen configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if kind == "qwen2_moe" else 128))
     if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
@@ -176,7 +184,9 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
             if not name.startswith("language_model."):
                 continue  # vision_tower.*, multi_modal_projector.*
             name = name.removeprefix("language_model.").removeprefix("model.")
-        if kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
+        if kind == "gpt_oss" and ".mlp." in name:
+            yield from gpt_oss_experts(file, name, t)
+        elif kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
             _check_rows(file, name, t, q + 2 * kv)
             for part, w in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
                 yield file, name.replace("qkv_proj", part), w.clone()  # its own storage: no parameter is a view
@@ -186,6 +196,23 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
                 yield file, name.replace("gate_up_proj", part), w.clone()
         else:
             yield file, name, t
+
+
+def gpt_oss_experts(file, name, t):
+    """gpt-oss's router (mlp.router) as mlp.gate, and its experts stored as x @ W: gate_up_proj [E, dim, 2 ff]
+    with gate and up columns interleaved (and their bias [E, 2 ff]), down_proj [E, ff, dim], as moe.py's
+    [E, out, in] projections; MXFP4 blocks and scales pass on to hf_quant.py."""
+    name = name.replace(".mlp.router.", ".mlp.gate.")
+    if name.endswith(("_blocks", "_scales")) or not isinstance(t, torch.Tensor) or ".experts." not in name:
+        yield file, name, t
+    elif name.endswith("gate_up_proj") or name.endswith("gate_up_proj_bias"):
+        bias = name.endswith("_bias")
+        for part, cols in (("gate_proj", t[..., 0::2]), ("up_proj", t[..., 1::2])):
+            yield file, name.replace("gate_up_proj", part), (cols if bias else cols.transpose(1, 2)).contiguous()
+    elif name.endswith("down_proj"):
+        yield file, name, t.transpose(1, 2).contiguous()
+    else:
+        yield file, name, t
 
 
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

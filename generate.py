@@ -373,14 +373,11 @@ def make_drafter(args, model, seq_len, params, device, tune):
         if not 1 <= args.draft_layers < model.config.n_layers:
             raise ValueError(f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}")
         return ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn), f"first {args.draft_layers} layers"
-    draft, _ = weights.load(args.draft_checkpoint, device=device, dtype=DTYPES[args.dtype], dequantize=bool(args.draft_quantize))
+    draft, _ = weights.load_for_inference(args.draft_checkpoint, device, DTYPES[args.dtype], args.draft_quantize,
+                                          args.groupsize, log=lambda line: log("draft: " + line))
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                          f"({model.config.vocab_size}); a draft must share the target's tokenizer")
-    if args.draft_quantize:
-        import quantize
-
-        quantize.quantize_model(draft, args.draft_quantize, args.groupsize, log=lambda s: log("draft: " + s))
     return ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
 
 

@@ -18,22 +18,21 @@ import gguf_weights
 import moe
 import weights
 from families import MIXTRAL_EXPERT
-from quant_files import METADATA_KEY
-from quantize import GROUP_SIZES, check_mode, describe, plan, portable_tensors, quantize_int8
+from quant_files import METADATA_KEY, describe
+from quantize import GROUP_SIZES, check_mode, plan, portable_tensors, quantize_int8
 
 
 def hf_state_dict(model, keep_head: bool = False, skip=()) -> dict:
     """The model's tensors under HF names ("model." prefix), a tied head left out unless keep_head,
     the modules in `skip` left out; stacked experts (moe.py) one tensor per expert, as published."""
-    tied, mixtral = model.config.tie_word_embeddings and not keep_head, _kind(model.config) == "mixtral"
-    out = {}
-    for k, v in model.state_dict().items():
-        if (k == "lm_head.weight" and tied) or k.rpartition(".")[0] in skip:
-            continue
+    tied, kind = model.config.tie_word_embeddings and not keep_head, _kind(model.config)
+    mixtral, out = kind == "mixtral", {}
+    state = {k: v for k, v in model.state_dict().items() if not ((k == "lm_head.weight" and tied) or k.rpartition(".")[0] in skip)}
+    for k, v in (_gpt_oss_layout(state) if kind == "gpt_oss" else state).items():
         name, v = (k if k.startswith("lm_head.") else f"model.{k}"), v.detach().contiguous().cpu()
         if mixtral:
             name = name.replace(".mlp.", ".block_sparse_moe.")
-        if ".experts." in name and v.dim() == 3:  # [E, out, in] -> experts.{e}.{projection}.weight
+        if ".experts." in name and v.dim() == 3 and kind != "gpt_oss":  # [E, out, in] -> experts.{e}.{projection}.weight
             prefix, _, projection = name.rpartition(".")
             projection = MIXTRAL_NAMES[projection] if mixtral else projection
             out.update({f"{prefix}.{e}.{projection}.weight": w.clone() for e, w in enumerate(v)})
@@ -45,9 +44,28 @@ def hf_state_dict(model, keep_head: bool = False, skip=()) -> dict:
 MIXTRAL_NAMES = {v: k for k, v in MIXTRAL_EXPERT.items()}  # gate_proj -> w1, up_proj -> w3, down_proj -> w2
 
 
+def _gpt_oss_layout(state: dict) -> dict:
+    """gpt-oss's names and layout (families.gpt_oss_experts read back): the router as mlp.router, experts
+    as x @ W, gate and up interleaved in gate_up_proj [E, dim, 2 ff] (and its bias), down_proj [E, ff, dim]."""
+    out = {}
+    for k, v in state.items():
+        k = k.replace(".mlp.gate.", ".mlp.router.")
+        if k.endswith(("experts.up_proj", "experts.up_proj_bias")):
+            continue  # with gate_proj
+        if k.endswith(("experts.gate_proj", "experts.gate_proj_bias")):
+            up = state[k.replace("gate_proj", "up_proj")]
+            both = torch.stack((v, up), dim=2).flatten(1, 2)  # rows (or bias entries) gate 0, up 0, gate 1, ...
+            out[k.replace("gate_proj", "gate_up_proj")] = both if k.endswith("_bias") else both.transpose(1, 2)
+        else:
+            out[k] = v.transpose(1, 2) if k.endswith("experts.down_proj") else v
+    return out
+
+
 def _kind(a) -> str:
     """The model_type whose config.json expresses this ModelConfig."""
     gemma = a.norm_offset == 1.0
+    if a.attn_sinks:
+        return "gpt_oss"
     if a.moe:
         mixtral = a.moe.norm_topk_prob and not (a.moe.shared_expert_size or a.moe.dense_layers or a.qkv_bias)
         return "qwen3_moe" if a.qk_norm else "mixtral" if mixtral else "qwen2_moe"
@@ -72,9 +90,10 @@ def _experts_config(a, kind: str) -> dict:
     if not a.moe:
         return {}
     m = a.moe
-    if kind == "mixtral":
-        return {"num_local_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok,
-                "intermediate_size": m.intermediate_size}
+    if kind in ("mixtral", "gpt_oss"):
+        out = {"num_local_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok,
+               "intermediate_size": m.intermediate_size}
+        return {**out, "swiglu_limit": m.glu_limit, "swiglu_alpha": m.glu_alpha} if kind == "gpt_oss" else out
     out = {"num_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok, "decoder_sparse_step": 1,
            "moe_intermediate_size": m.intermediate_size, "norm_topk_prob": m.norm_topk_prob,
            "mlp_only_layers": list(m.dense_layers)}
@@ -128,6 +147,8 @@ def save_quantized(model, folder, mode: str, groupsize: int = 64, head: bool = F
     for name in experts:  # model.{name}.{projection}.{weight, scales, zeros}
         tensors = moe.portable(model.get_submodule(name), lambda w: portable_tensors(w.float(), mode, groupsize))
         state.update({f"model.{name}.{p}.{s}": t.contiguous() for p, ts in tensors.items() for s, t in ts.items()})
+        state.update({f"model.{name}.{b}": t.detach().float().contiguous() for b, t in  # (gpt-oss's expert biases)
+                      model.get_submodule(name).named_parameters() if b.endswith("_bias")})
     for name in set(quantized) - experts:
         w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
         tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)

@@ -123,7 +123,7 @@ class StaticKVCache:
             self.attend_len = eager_attend_len(n_positions, self.max_seq_len)
         return self.attend_len
 
-    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
         rows = self.rows[: k.shape[0], None]  # [B, 1]: row b writes at its own positions input_pos[b]
         self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
@@ -132,9 +132,9 @@ class StaticKVCache:
         # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
         k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
-        if q.shape[1] == 1 and self.decode is not None and not softcap:  # the kernel picked where the cache was built
+        if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:  # picked at build time
             return self.decode(q, k_cache, v_cache, mask)
-        return attention(q, k_cache, v_cache, mask, softcap)
+        return attention(q, k_cache, v_cache, mask, softcap, sinks)
 
     def reset(self):
         for t in self.tensors():
@@ -150,19 +150,25 @@ def visible(slots, input_pos, window=0):
     return (slots <= p) & (slots > p - window) if window else slots <= p
 
 
-def attention(q, k_cache, v_cache, mask, softcap=0.0):
+def attention(q, k_cache, v_cache, mask, softcap=0.0, sinks=None):
     """softmax(q k^T / sqrt(D) + mask) v by SDPA, K/V never repeated per query head (enable_gqa).
-    With softcap (Gemma 2), the scores become softcap * tanh(scores / softcap) first: SDPA has no
-    such step, so those are computed here, query heads grouped over their shared KV head.
+    SDPA has neither of two steps some models add, so with them the scores are computed here, query
+    heads grouped over their shared KV head: softcap (Gemma 2), scores -> softcap * tanh(scores /
+    softcap); sinks [H] (gpt-oss), one learned logit per head that joins every row's softmax as an
+    extra column and is dropped after it, so a row's weights sum to less than 1.
 
     q [B, T, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, T, S] -> [B, T, H, D]"""
-    if softcap:
+    if softcap or sinks is not None:
         B, T, H, D = q.shape
-        Hkv = k_cache.shape[1]
+        Hkv, S = k_cache.shape[1], k_cache.shape[2]
         qg = q.view(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
         scores = (qg @ k_cache[:, :, None].transpose(-1, -2)) * D**-0.5  # [B, Hkv, G, T, S]
-        scores = torch.tanh(scores / softcap) * softcap
-        p = torch.softmax(scores.masked_fill(~mask[:, :, None], float("-inf")), dim=-1, dtype=torch.float32).to(v_cache.dtype)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        if sinks is not None:  # [H] -> a column [B, Hkv, G, T, 1]
+            scores = torch.cat((scores, sinks.view(1, Hkv, -1, 1, 1).expand(B, -1, -1, T, 1).to(scores.dtype)), -1)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :S].to(v_cache.dtype)
         return (p @ v_cache[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
     return y.transpose(1, 2)
@@ -173,10 +179,10 @@ class NoCache:
 
     For one-shot forwards of whole sequences that start at position 0 (perplexity, tests)."""
 
-    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
-        if window or softcap:
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
+        if window or softcap or sinks is not None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
-            return attention(q, k, v, visible(input_pos[0], input_pos, window), softcap)
+            return attention(q, k, v, visible(input_pos[0], input_pos, window), softcap, sinks)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )

@@ -38,7 +38,7 @@ class Int8KVCache(StaticKVCache):
     def tensors(self) -> list:
         return self.k + self.v + self.k_scale + self.v_scale
 
-    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
         rows = self.rows[: k.shape[0], None]
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
@@ -48,11 +48,11 @@ class Int8KVCache(StaticKVCache):
         L = self.attend_len
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]
         k_cache, v_cache, k_scale, v_scale = (t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale))
-        if q.shape[1] == 1 and torch.compiler.is_compiling() and not softcap:
+        if q.shape[1] == 1 and torch.compiler.is_compiling() and not softcap and sinks is None:
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
         k_cache, v_cache = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale  # [B, Hkv, L, D]
-        if q.shape[1] == 1 and self.decode is not None and not softcap:
+        if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:
             return self.decode(q, k_cache, v_cache, mask)
-        return attention(q, k_cache, v_cache, mask, softcap)
+        return attention(q, k_cache, v_cache, mask, softcap, sinks)

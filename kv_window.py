@@ -60,11 +60,11 @@ class WindowedKVCache(StaticKVCache):
         return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode,
                    [layer.self_attn.window for layer in model.layers])
 
-    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
         R = self.ring[layer]
         if not R:
-            return super().attend(layer, q, k, v, input_pos, window, softcap)
+            return super().attend(layer, q, k, v, input_pos, window, softcap, sinks)
         B, T = input_pos.shape
         rows = self.rows[:B, None]
         k_ring, v_ring, held = self.k[layer], self.v[layer], self.held[layer]
@@ -78,10 +78,10 @@ class WindowedKVCache(StaticKVCache):
             positions = torch.cat((held[:B].masked_fill(stale, -1), input_pos), dim=1)  # [B, R + T]
         p, s = input_pos[:, None, :, None], positions[:B, None, None, :]
         mask = (s >= 0) & (s <= p) & (s > p - window)  # [B, 1, T, R (+ T)]
-        if T == 1 and self.decode is not None and not softcap:
+        if T == 1 and self.decode is not None and not softcap and sinks is None:
             y = self.decode(q, keys[:B], values[:B], mask)
         else:
-            y = attention(q, keys[:B], values[:B], mask, softcap)
+            y = attention(q, keys[:B], values[:B], mask, softcap, sinks)
         if T > R - window + 1:
             self._write(layer, k[:, -R:], v[:, -R:], input_pos[:, -R:])
         return y

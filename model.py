@@ -4,13 +4,14 @@ One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama,
 MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`: grouped-query attention,
 a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and k (Qwen3, Gemma 3), tied heads, how RoPE
 is stretched (rope.py: llama3, linear, yarn, longrope, dynamic), sliding windows per layer, Gemma's (1 + w) norms,
-sqrt(dim) embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers (moe.py).
+sqrt(dim) embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers (moe.py),
+gpt-oss's attention sinks.
 
 The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q
-and k by RoPE at `input_pos`, and hands them to the cache with the layer's window and soft cap:
+and k by RoPE at `input_pos`, and hands them to the cache with the layer's window, soft cap and sinks:
 
     logits = model(tokens[B, T], input_pos[B, T], cache)
-    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T], window, softcap)
+    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T], window, softcap, sinks)
 
 A query at p then sees keys at p - window < s <= p (window 0: all s <= p). The positions are the
 only per-step fact the model passes along; anything else a cache needs (block tables) its caller
@@ -60,6 +61,7 @@ class ModelConfig:
     query_scale: float = 0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same on the final logits
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (kv_cache.attention)
     moe: MoEConfig | None = None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
 
     def window(self, layer: int) -> int:
@@ -132,6 +134,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.window, self.softcap = config.window(layer), config.attn_softcap  # what the cache must apply
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attn_sinks else None  # [H]
         # query_pre_attn_scalar: folded into q, so every attention kernel keeps its 1/sqrt(D)
         self.q_scale = (config.head_dim / config.query_scale) ** 0.5 if config.query_scale else 1.0
 
@@ -150,7 +153,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        y = cache.attend(self.layer, q, k, v, input_pos, window=self.window, softcap=self.softcap)  # [B, T, H, D]
+        y = cache.attend(self.layer, q, k, v, input_pos, self.window, self.softcap, self.sinks)  # [B, T, H, D]
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -39,6 +39,15 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1
     shared_expert_size: int = 0  # Qwen2-MoE: the width of an expert every token also passes through
     dense_layers: tuple = ()  # layers that keep a dense MLP (decoder_sparse_step, mlp_only_layers)
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    expert_bias: bool = False  # gpt-oss: a bias on every expert projection
+    glu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (Experts.glu); 0: plain act(gate) * up
+    glu_alpha: float = 1.702  # its sigmoid's slope
+
+    def __post_init__(self):
+        if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
+            raise ValueError(f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= experts "
+                             f"({self.n_experts}) and a positive expert width ({self.intermediate_size})")
 
     def widths(self) -> list:
         """The widths tensor parallelism splits: each expert's, and the shared expert's."""
@@ -60,15 +69,35 @@ class MoEConfig:
                        shared_expert_size=self.shared_expert_size // world)
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts, each down(act(gate(x)) * up(x)), with their weights stacked."""
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, n_experts: int, dim: int, ff: int, act):
+
+class Experts(nn.Module):
+    """E SwiGLU experts, each down(glu(gate(x), up(x))), with their weights stacked (and gpt-oss's biases)."""
+
+    def __init__(self, n_experts: int, dim: int, ff: int, act, bias=False, limit=0.0, alpha=1.702):
         super().__init__()
-        self.n_experts, self.act = n_experts, act
+        self.n_experts, self.act, self.limit, self.alpha = n_experts, act, limit, alpha
         self.gate_proj = nn.Parameter(torch.empty(n_experts, ff, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, ff, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ff))
+        for name, width in zip(PROJECTIONS, (ff, ff, dim)):  # [E, out] or None
+            self.register_parameter(f"{name}_bias", nn.Parameter(torch.zeros(n_experts, width)) if bias else None)
+
+    def like(self, experts: "Experts"):
+        """A quantized twin's start: the activation of `experts`, and its float biases (moved)."""
+        nn.Module.__init__(self)
+        self.n_experts, self.act, self.limit, self.alpha = experts.n_experts, experts.act, experts.limit, experts.alpha
+        for name in PROJECTIONS:
+            self.register_parameter(f"{name}_bias", getattr(experts, f"{name}_bias"))
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up; gpt-oss's clamped form: gate clamped above at the limit, up on both
+        sides, then (up + 1) * gate * sigmoid(alpha * gate)."""
+        if not self.limit:
+            return self.act(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
     def weights(self, name: str, ids: torch.Tensor, dtype) -> torch.Tensor:
         """The weights of experts `ids` [n] for projection `name` -> [n, out, in] (a gather)."""
@@ -77,6 +106,14 @@ class Experts(nn.Module):
     def linear(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
         """x [n, in] through expert e's projection `name` -> [n, out]."""
         return F.linear(x, getattr(self, name)[e])
+
+    def biased(self, name: str, y: torch.Tensor, ids) -> torch.Tensor:
+        """y plus the biases of the experts that made it, if any: y [n, out] from expert ids (an int),
+        or y [n, 1, out] from experts ids [n]."""
+        bias = getattr(self, f"{name}_bias")
+        if bias is None:
+            return y
+        return y + (bias[ids][:, None] if y.dim() == 3 else bias[ids]).to(y.dtype)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, dim], idx and w [T, k] -> [T, dim]."""
@@ -89,9 +126,9 @@ class Experts(nn.Module):
         T, k = idx.shape
         ids = idx.reshape(-1)  # [T*k]
         xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, dim]
-        gate = torch.bmm(xs, self.weights("gate_proj", ids, x.dtype).transpose(1, 2))  # [T*k, 1, ff]
-        up = torch.bmm(xs, self.weights("up_proj", ids, x.dtype).transpose(1, 2))
-        y = torch.bmm(self.act(gate) * up, self.weights("down_proj", ids, x.dtype).transpose(1, 2))  # [T*k, 1, dim]
+        def project(name, h):  # h [T*k, 1, in] through each row's expert -> [T*k, 1, out]
+            return self.biased(name, torch.bmm(h, self.weights(name, ids, x.dtype).transpose(1, 2)), ids)
+        y = project("down_proj", self.glu(project("gate_proj", xs), project("up_proj", xs)))  # [T*k, 1, dim]
         return (y.view(T, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
 
     def grouped(self, x, idx, w):
@@ -104,8 +141,9 @@ class Experts(nn.Module):
             if n:
                 rows = tokens[start:start + n]
                 xe = x[rows]  # [n, dim]
-                h = self.act(self.linear("gate_proj", xe, e)) * self.linear("up_proj", xe, e)
-                out.index_add_(0, rows, self.linear("down_proj", h, e) * weight[start:start + n, None])
+                gate, up = (self.biased(p, self.linear(p, xe, e), e) for p in ("gate_proj", "up_proj"))
+                y = self.biased("down_proj", self.linear("down_proj", self.glu(gate, up), e), e)
+                out.index_add_(0, rows, y * weight[start:start + n, None])
                 start += n
         return out
 
@@ -122,8 +160,7 @@ class Int8Experts(Experts):
     """Each expert's rows int8 with one scale per row: w[e, n, :] ~= q[e, n, :] * scale[e, n]."""
 
     def __init__(self, experts: Experts, portable: dict, dtype):
-        nn.Module.__init__(self)
-        self.n_experts, self.act = experts.n_experts, experts.act
+        self.like(experts)
         for name, (q, scales) in portable.items():  # q int8 [E, N, K], scales [E, N]
             self.register_buffer(name, q.contiguous())
             self.register_buffer(f"{name}_scales", scales.to(dtype))
@@ -138,6 +175,9 @@ class Int8Experts(Experts):
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # by 4-bit code
+
+
 class GroupExperts(Experts):
     """Each projection in groups of G input channels, a scale and an offset per group, at 4 bits
     (two values a byte in row order: quantize.py's portable int4, GGUF's Q4_*), at 8 bits (GGUF's
@@ -145,25 +185,28 @@ class GroupExperts(Experts):
 
         w[e, n, k] = (q[e, n, k] - c) * scale[e, n, k // G] + offset[e, n, k // G]   c = 8 at 4 bits, else 0
 
-    Only the experts a step uses are dequantized, in the activations' dtype."""
+    e2m1 (MXFP4, gpt-oss): 4-bit floats (E2M1 below) times a power of two per group of 32, stored
+    here as that power. Only the experts a step uses are dequantized, in the activations' dtype."""
 
-    def __init__(self, n_experts: int, act, parts: dict, dtype):
-        """parts: {projection: ("int4", q uint8 [E, N, K/2], scales, offsets [E, N, K/G]),
+    def __init__(self, experts: Experts, parts: dict, dtype):
+        """experts: the float (or meta) module this stands for; parts: {projection: ("int4", q uint8
+        [E, N, K/2], scales, offsets [E, N, K/G]), ("e2m1", q uint8 [E, N, K/2], scales [E, N, K/32]),
         ("int8", q int8 [E, N, K], scales, offsets or None) or ("float", w [E, N, K])}."""
-        nn.Module.__init__(self)
-        self.n_experts, self.act, self.kinds = n_experts, act, {}
+        self.like(experts)
+        self.kinds = {}
         for name, (kind, q, *groups) in parts.items():
             self.kinds[name] = kind
             self.register_buffer(name, q.to(dtype) if kind == "float" else q.contiguous())
-            for suffix, t in zip(("scales", "offsets"), groups):
+            for suffix, t in zip(("scales", "offsets"), (*groups, None, None)):
                 self.register_buffer(f"{name}_{suffix}", None if t is None else t.to(dtype))
 
     def weights(self, name, ids, dtype):
         q, kind = getattr(self, name)[ids], self.kinds[name]  # [n, N, K] (or [n, N, K/2] at 4 bits)
         if kind == "float":
             return q.to(dtype)
-        if kind == "int4":
-            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).to(dtype) - 8
+        if kind in ("int4", "e2m1"):  # two 4-bit codes a byte, the low one first
+            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
+            q = E2M1.to(dtype)[q.long()] if kind == "e2m1" else q.to(dtype) - 8
         scales, offsets = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_offsets")  # [n, N, K/G]
         w = q.to(dtype).unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].to(dtype)  # [n, N, K/G, G]
         if offsets is not None:
@@ -172,9 +215,6 @@ class GroupExperts(Experts):
 
     def linear(self, name, x, e):
         return F.linear(x, self.weights(name, slice(e, e + 1), x.dtype)[0])
-
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def portable(experts: Experts, quantize_weight) -> dict:
@@ -196,8 +236,7 @@ def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts
     """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints store them."""
     if mode == "int8":
         return Int8Experts(experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype)
-    parts = {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}
-    return GroupExperts(experts.n_experts, experts.act, parts, dtype)
+    return GroupExperts(experts, {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}, dtype)
 
 
 def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:
@@ -220,8 +259,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = config.moe
         self.top_k, self.norm_topk_prob = moe.n_experts_per_tok, moe.norm_topk_prob
-        self.gate = nn.Linear(config.dim, moe.n_experts, bias=False)  # the router
-        self.experts = Experts(moe.n_experts, config.dim, moe.intermediate_size, act)
+        self.gate = nn.Linear(config.dim, moe.n_experts, bias=moe.router_bias)  # the router
+        self.experts = Experts(moe.n_experts, config.dim, moe.intermediate_size, act, moe.expert_bias, moe.glu_limit,
+                               moe.glu_alpha)
         self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), scaled by a sigmoid gate
         self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
 

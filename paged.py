@@ -266,25 +266,25 @@ class PagedKVCache:
         for pool in self.tensors():
             pool[dst] = pool[src]
 
-    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0):
+    def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
         B, T, H, D = q.shape
         groups = self.groups if self.groups is not None else [(B, T, self.block_tables)]
         if len(groups) == 1:  # the common case: no slicing of the flat token axis
             rows, t, table = groups[0]
-            return self._attend_group(layer, q.view(rows, t, H, D), k.view(rows, t, -1, D),
-                                      v.view(rows, t, -1, D), input_pos.view(rows, t), table, window, softcap).view(B, T, H, D)
+            return self._attend_group(layer, q.view(rows, t, H, D), k.view(rows, t, -1, D), v.view(rows, t, -1, D),
+                                      input_pos.view(rows, t), table, window, softcap, sinks).view(B, T, H, D)
         q, k, v, pos = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D), input_pos.reshape(-1)
         out, start = [], 0
         for rows, t, table in groups:
             s = slice(start, start + rows * t)
             y = self._attend_group(layer, q[s].view(rows, t, H, D), k[s].view(rows, t, -1, D),
-                                   v[s].view(rows, t, -1, D), pos[s].view(rows, t), table, window, softcap)
+                                   v[s].view(rows, t, -1, D), pos[s].view(rows, t), table, window, softcap, sinks)
             out.append(y.reshape(rows * t, H, D))
             start += rows * t
         return torch.cat(out).view(B, T, H, D)
 
-    def _attend_group(self, layer, q, k, v, pos, table, window, softcap):
+    def _attend_group(self, layer, q, k, v, pos, table, window, softcap, sinks):
         # q [R, T, H, D]; k, v [R, T, Hkv, D]; pos [R, T]; table [R, W] -> [R, T, H, D]
         pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
@@ -298,14 +298,14 @@ class PagedKVCache:
         R, W = table.shape
         Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
         mask = visible(self.slots[:L], pos, window)  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
-        if T == 1 and self.decode is not None and not softcap:  # the kernel picked where the cache was built
+        if T == 1 and self.decode is not None and not softcap and sinks is None:  # picked at build time
             return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
         # F.embedding is the gather, several times faster than pool[table] on CPU.
         k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
-        return attention(q, k_ctx, v_ctx, mask, softcap)
+        return attention(q, k_ctx, v_ctx, mask, softcap, sinks)
 
 
 def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,

@@ -59,3 +59,19 @@ def install(model, state: dict, quant: dict, dtype, device):
     emb, head = model.embed_tokens, model.lm_head
     if model.config.tie_word_embeddings and isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear):
         emb.weight, emb.scales = head.weight, head.scales  # the same table, computed twice on disk
+
+
+def describe(report: dict) -> str:
+    mode = report["mode"] + (f" (groups of {report['groupsize']})" if report["groupsize"] else "")
+    kept = "; ".join(f"{n}: {r}" for n, r in _summarize(report["kept"]).items()) or "nothing"
+    mib = 2**20
+    return (f"quantized {len(report['quantized'])} layers to {mode}: weights {report['bytes_before'] / mib:.1f} MiB -> "
+            f"{report['bytes_after'] / mib:.1f} MiB | kept in higher precision: {kept}")
+
+
+def _summarize(kept: dict) -> dict:
+    """Collapse layers.0.x, layers.1.x, ... that share a reason into layers.*.x."""
+    out = {}
+    for name, reason in kept.items():
+        out.setdefault(".".join("*" if p.isdigit() else p for p in name.split(".")), reason)
+    return out

@@ -305,12 +305,12 @@ def install_experts(model, name: str, parts: dict, dtype, device, own_bits: dict
             groups[projection] = ("float", p.to(device))
             continue
         t = {k: None if v is None else v.to(device) for k, v in p.tensors.items()}
-        bits = "int4" if p.kind == "int4" else "int8"
+        bits = {"int4": "int4", "e2m1": "e2m1"}.get(p.kind, "int8")  # (e2m1: mxfp4.py's codes and powers of two)
         groups[projection] = (bits, *((t["weight"], t["scales"], t["zeros"]) if bits == "int4"
-                                      else (t["q"], t["scales"], t["offsets"])))
+                                      else (t["q"], t["scales"], t.get("offsets"))))
         own_bits.setdefault(f"experts.{projection}", set()).add(f"{p.source} -> {bits} g{p.groupsize}")
     parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, moe.GroupExperts(experts.n_experts, experts.act, groups, dtype))
+    setattr(model.get_submodule(parent), leaf, moe.GroupExperts(experts, groups, dtype))
 
 
 def _head(p: Packed, dtype, device) -> nn.Module:

@@ -273,8 +273,7 @@ def _set(model, name: str, module):
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
-                   log=None) -> dict:
+def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False) -> dict:
     """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes before/after}."""
     if any(hasattr(m, "dequantize") for m in model.modules()):
         raise ValueError("the checkpoint is already quantized; drop --quantize, or quantize its float original")
@@ -303,25 +302,7 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
               "quantized": [n for n, r in layers.items() if r is None],
               "kept": {n: r for n, r in layers.items() if r is not None},
               "bytes_before": before, "bytes_after": model.weight_bytes()}
-    if log:
-        log(describe(report))
-    return report
-
-
-def describe(report: dict) -> str:
-    mode = report["mode"] + (f" (groups of {report['groupsize']})" if report["groupsize"] else "")
-    kept = "; ".join(f"{n}: {r}" for n, r in _summarize(report["kept"]).items()) or "nothing"
-    mib = 2**20
-    return (f"quantized {len(report['quantized'])} layers to {mode}: weights {report['bytes_before'] / mib:.1f} MiB -> "
-            f"{report['bytes_after'] / mib:.1f} MiB | kept in higher precision: {kept}")
-
-
-def _summarize(kept: dict) -> dict:
-    """Collapse layers.0.x, layers.1.x, ... that share a reason into layers.*.x."""
-    out = {}
-    for name, reason in kept.items():
-        out.setdefault(".".join("*" if p.isdigit() else p for p in name.split(".")), reason)
-    return out
+    return report  # quant_files.describe(report) says it in a line
 
 
 def main(argv=None) -> int:  # the command line lives with the checkpoint writers (hf_folder.py)

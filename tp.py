@@ -67,11 +67,11 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torc
     """This rank's slice of one full tensor, copied out so the full tensor can be freed."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-    if module == "experts":  # moe.py's stacked [E, ff, dim] (gate, up) and [E, dim, ff] (down): split ff
+    if module == "experts" and kind != "down_proj_bias":  # moe.py's gate, up [E, ff, dim], [E, ff]; down [E, dim, ff]
         return tensor.chunk(world, dim=2 if kind == "down_proj" else 1)[rank].clone(memory_format=torch.contiguous_format)
-    if module in COLUMN_PARALLEL:  # weight [out, in] and bias [out]: split out
+    if module in COLUMN_PARALLEL or kind == "sinks":  # weight [out, in], bias [out], gpt-oss's sinks [H]: split out
         return tensor.chunk(world, dim=0)[rank].clone(memory_format=torch.contiguous_format)
-    if module in ROW_PARALLEL:
+    if module in ROW_PARALLEL or module == "experts":
         if kind == "weight":  # [out, in]: split in
             return tensor.chunk(world, dim=1)[rank].clone(memory_format=torch.contiguous_format)
         return tensor if rank == 0 else torch.zeros_like(tensor)  # bias: added once by the all-reduce

@@ -219,7 +219,12 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             import hf_quant
 
             hf_quant.check(hf_quantized, path / "config.json")
-            tensors = hf_quant.packed_tensors(hf_quantized, tensors, path, dequantize)
+            if hf_quant.method_of(hf_quantized) == "mxfp4":  # gpt-oss's experts (mxfp4.py)
+                import mxfp4
+
+                tensors = mxfp4.packed_tensors(tensors, path, dequantize)
+            else:
+                tensors = hf_quant.packed_tensors(hf_quantized, tensors, path, dequantize)
             fmt += f" {hf_quant.method_of(hf_quantized)}"
     check_config(config, total, path)
     if (quant or hf_quantized is not None) and shard is not None and shard[1] > 1:
@@ -247,7 +252,11 @@ def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quant
     if quantize:  # before tp.parallelize: each rank quantizes its own shard
         import quantize as quantization
 
-        quantization.quantize_model(model, quantize, groupsize, quantize_head, quantize_embedding, log=log)
+        import quant_files
+
+        report = quantization.quantize_model(model, quantize, groupsize, quantize_head, quantize_embedding)
+        if log:
+            log(quant_files.describe(report))
     if shard is None or shard[1] == 1:
         import fuse_layers
 

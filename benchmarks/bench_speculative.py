@@ -72,7 +72,7 @@ def main():
                     target, seq_len, GREEDY, layers=args.layers, step_fn=runtime.compile_decode("cpu", draft_forward))}
     for mode, group in (("int8", 64), ("int4", 64)):
         draft, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
-        quantize.quantize_model(draft, mode, group, head=True, log=lambda s: None)
+        quantize.quantize_model(draft, mode, group, head=True)
         step = runtime.compile_decode("cpu", draft_forward, autotune=runtime.autotune(draft))
         label = f"{mode} copy of the target" + (f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)")
         drafters[label] = ModelDrafter(draft, seq_len, GREEDY, step_fn=step)

@@ -147,7 +147,7 @@ def check_correctness(device, tiny, report):
     x = torch.randn(3, args.dim, device=device)
     for mode in ("int8", "int4"):
         qmodel = random_model(args, device, torch.bfloat16, seed=1)
-        quantize.quantize_model(qmodel, mode, 64, head=True, log=lambda s: None)
+        quantize.quantize_model(qmodel, mode, 64, head=True)
         layer = qmodel.layers[0].mlp.gate_proj
         xb = x.to(torch.bfloat16)
         ref = torch.nn.functional.linear(xb, layer.dequantize().to(xb.dtype))
@@ -177,7 +177,7 @@ def time_models(device, tiny, report, repeats, deadline):
             continue
         model = random_model(TINY if tiny else SHAPES[shape], device, torch.bfloat16)
         if q != "bf16":
-            quantize.quantize_model(model, q, 64, head=True, log=lambda s: None)
+            quantize.quantize_model(model, q, 64, head=True)
         start = time.perf_counter()
         fn = runtime.decode_one if mode == "eager" else compiled(
             device, graphs=mode == "compiled+graphs", autotune=runtime.autotune(model) and not tiny)

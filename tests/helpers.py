@@ -48,6 +48,11 @@ ARCHS = {
                       shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                       norm_topk_prob=True, head_dim=32),
+    # sinks, biases everywhere, a clamped SwiGLU that bites (limit 1.5), windows of 8 on every other layer, YaRN
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                    sliding_window=8, swiglu_limit=1.5, rope_parameters={
+                        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 64, "rope_theta": 150000.0}),
 }
 
 
