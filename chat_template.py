@@ -12,6 +12,7 @@ results are checked too, and a trace on the template's frames holds a deadline, 
 
 Any failure is a TokenizerError saying what the template tried.
 """
+import datetime
 import json
 import math
 import re
@@ -136,6 +137,14 @@ def _with_deadline(render, seconds: float):
         sys.settrace(previous)
 
 
+def strftime_now(fmt) -> str:
+    """Today's date for a template (transformers gives templates this; gpt-oss's dates its system
+    message): plain directives only, so no field width (glibc's %999999999Y) can make it large."""
+    if not isinstance(fmt, str) or len(fmt) > 64 or re.search(r"%[^a-zA-Z%]", fmt):
+        raise TemplateError(f"strftime_now takes a format of at most 64 characters without widths, got {str(fmt)[:80]!r}")
+    return datetime.datetime.now().strftime(fmt)
+
+
 def render_chat_template(template: str, messages, add_generation_prompt=True, **extra) -> str:
     """The template rendered in a sandbox that also bounds what it may build and how long it may
     run; any failure is a TokenizerError."""
@@ -145,6 +154,7 @@ def render_chat_template(template: str, messages, add_generation_prompt=True, **
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
 
     def render():
         out, size = [], 0

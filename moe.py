@@ -175,7 +175,8 @@ class Int8Experts(Experts):
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # by 4-bit code
+# MXFP4's 4-bit floats (mxfp4.py) by code: sign bit, 2 exponent bits, 1 mantissa bit
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 class GroupExperts(Experts):
@@ -236,7 +237,8 @@ def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts
     """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints store them."""
     if mode == "int8":
         return Int8Experts(experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype)
-    return GroupExperts(experts, {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}, dtype)
+    parts = {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}
+    return GroupExperts(experts, parts, dtype)
 
 
 def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:

@@ -53,7 +53,8 @@ def _convert(stem: str, pair: dict, source, dequantize: bool):
     if not (blocks.dtype == scales.dtype == torch.uint8 and blocks.dim() == 4 and blocks.shape[3] == 16
             and tuple(scales.shape) == tuple(blocks.shape[:3])):
         raise CheckpointError(f"{file}: {stem}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
-                              f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 (uint8 [E, N, K/32, 16] and [E, N, K/32])")
+                              f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 "
+                              "(uint8 [E, N, K/32, 16] and [E, N, K/32])")
     E, N, G, _ = blocks.shape
     codes = blocks.reshape(E, N, G * 16)  # [E, N, K/2]: two codes a byte, the even one low
     powers = torch.exp2(scales.float() - 127)  # [E, N, K/32], exact in float32

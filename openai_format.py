@@ -18,8 +18,9 @@ no log-probability (null), and `max_tokens: 0` scores a prompt without generatin
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+import harmony
 from runtime import log
-from tool_calls import CallStream, parse_calls
+from tool_calls import CallStream, call_id, parse_calls
 
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
 # Fields of OpenAI's API accepted and ignored without a log line: they change nothing here.
@@ -294,13 +295,15 @@ class Outputs:
     log-probability entries."""
 
     def __init__(self, tokenizer, prompts, n: int, chat: bool, logprobs: bool, echo: bool, tools=None,
-                 parallel: bool = True, legacy: bool = False):
+                 parallel: bool = True, legacy: bool = False, channels: bool = False):
         self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
         self.logprobs, self.echo = logprobs, echo
         self.tools = tools  # (format, tools) when the reply may hold tool calls
         self.parallel, self.legacy = parallel, legacy  # several calls allowed; the legacy function_call form
+        self.harmony = channels and chat  # gpt-oss's channels: final -> content, analysis -> reasoning_content
         self.num_choices = len(prompts) * n
-        self.streams = [CallStream(*tools, parallel) if tools else None for _ in range(self.num_choices)]
+        self.streams = [harmony.HarmonyStream(bool(tools)) if self.harmony else CallStream(*tools, parallel) if tools
+                        else None for _ in range(self.num_choices)]
         self.calls_sent = [0] * self.num_choices
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.pieces = [[] for _ in range(self.num_choices)]  # each choice's text, in the pieces that arrived
@@ -372,21 +375,30 @@ class Outputs:
         return self.prompt_arrays[p]
 
     def _message(self, i: int):
-        """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given."""
-        if not self.tools:
-            return {"role": "assistant", "content": self.text(i)}, self.reasons[i]
-        content, calls = parse_calls(self.text(i), *self.tools, parallel=self.parallel)
+        """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given
+        (and gpt-oss's reasoning, harmony.py)."""
+        message, calls = {"role": "assistant", "content": self.text(i)}, []
+        if self.harmony:
+            reply = harmony.parse(self.text(i))
+            message["content"] = reply["content"]
+            if reply["reasoning"]:
+                message["reasoning_content"] = reply["reasoning"]
+            calls = [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+                     for name, arguments in reply["calls"]] if self.tools else []
+            calls = calls if self.parallel else calls[:1]
+        elif self.tools:
+            message["content"], calls = parse_calls(self.text(i), *self.tools, parallel=self.parallel)
         if not calls:
-            return {"role": "assistant", "content": content}, self.reasons[i]
+            return message, self.reasons[i]
         if self.legacy:  # the one call of the legacy `function_call`
-            return {"role": "assistant", "content": content, "function_call": calls[0]["function"]}, "function_call"
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return {**message, "function_call": calls[0]["function"]}, "function_call"
+        return {**message, "tool_calls": calls}, "tool_calls"
 
     def delta(self, i: int, text: str, reason) -> dict:
         """A streamed chunk's choice: the new text (with tools: its content and tool-call parts) and
         the log-probabilities of the tokens since the last; None when nothing is new."""
         delta = {"content": text}
-        if self.chat and self.tools:
+        if self.chat and self.streams[i] is not None:
             parts = self.streams[i].feed(text) + (self.streams[i].finish() if reason else [])
             delta = self._call_delta(i, parts)
             if reason and self.streams[i].calls:
@@ -407,11 +419,12 @@ class Outputs:
         and name first, then fragments of its arguments), or the legacy function_call's."""
         delta, calls = {}, []
         for kind, *value in parts:
-            if kind == "content":
-                delta["content"] = delta.get("content", "") + value[0]
+            if kind in ("content", "reasoning"):  # (reasoning: gpt-oss's analysis channel)
+                key = "content" if kind == "content" else "reasoning_content"
+                delta[key] = delta.get(key, "") + value[0]
             elif kind == "call":
                 self.calls_sent[i] += 1
-                calls.append({"index": self.calls_sent[i] - 1, "id": value[0], "type": "function",
+                calls.append({"index": self.calls_sent[i] - 1, "id": value[0] or call_id(), "type": "function",
                               "function": {"name": value[1], "arguments": ""}})
             elif calls and calls[-1]["index"] == self.calls_sent[i] - 1:
                 calls[-1]["function"]["arguments"] += value[0]

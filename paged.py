@@ -193,13 +193,14 @@ class BlockAllocator:
 
     def register(self, block: int, parent_hash, tokens) -> int:
         """Name a block just filled with `tokens` (all block_size of them) in the prefix cache.
-        Returns its hash. If another block already holds the same prefix, this one stays unnamed
-        (it is freed, not cached, when released)."""
+        Returns its hash. It stays unnamed (freed, not cached, when released) if another block
+        holds the same prefix, or if no one holds the cached parent: the caller's parent is then
+        a copy, and a named child would keep that cached parent from ever being evicted."""
         h = self.chain_hash(parent_hash, tokens)
-        if not self.prefix_caching or h in self.cached or block in self.hash_of:
+        parent = self.cached.get(parent_hash) if parent_hash is not None else None
+        if not self.prefix_caching or h in self.cached or block in self.hash_of or parent and not self.ref[parent]:
             return h
         self.cached[h], self.hash_of[block], self.key[block] = block, h, (parent_hash, tuple(tokens))
-        parent = self.cached.get(parent_hash) if parent_hash is not None else None
         self.parent[block] = parent
         if parent is not None:
             self.children[parent] += 1

@@ -165,7 +165,10 @@ class Server:
         tools = self.tools(body)
         messages, extra = render_args(messages, body.tools, body.tool_choice, self.tokenizer.chat_template)
         parallel, text = body.parallel_tool_calls, self.constraint(body)
-        tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0], parallel, text) if tools else None
+        try:
+            tool_constraint = call_constraint(body.tools, body.tool_choice, tools[0], parallel, text) if tools else None
+        except ValueError as e:
+            raise Refused(e.args[0], e.args[1]) from None
         text = await self.render(messages, extra)
         prompt, = await self.encode([text], "messages", bos=False)  # the template writes BOS where the model wants it
         return prompt, tools, tool_constraint
@@ -297,7 +300,8 @@ class Server:
                 "model": self.model_name}
         legacy = chat and body.functions is not None
         out = Outputs(self.tokenizer, prompts, body.n, chat, params.logprobs is not None,
-                      getattr(body, "echo", False), tools, getattr(body, "parallel_tool_calls", True), legacy)
+                      getattr(body, "echo", False), tools, getattr(body, "parallel_tool_calls", True), legacy,
+                      tool_format(self.tokenizer.chat_template) == "harmony")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
             return StreamingResponse(self.sse(rids, events, out, meta, include_usage), media_type="text/event-stream")

@@ -5,9 +5,10 @@ call always parses.
 
     python -c "import tool_calls"     # library only; serve.py uses it
 
-Two output formats, told apart by the chat template:
+Three output formats, told apart by the chat template:
   hermes   (Qwen2.5, Hermes, and the default)   <tool_call>{"name": ..., "arguments": {...}}</tool_call>
   llama3   (a template that speaks of ipython)  {"name": ..., "parameters": {...}}   (the whole reply)
+  harmony  (gpt-oss: <|channel|>)               a message to=functions.NAME (harmony.py parses it)
 A template that never mentions `tools` (e.g. SmolLM2's) still gets them: a system message lists
 them and asks for the hermes format. tool_choice "none" renders no tools; "auto" lets the model
 choose and parses what it wrote.
@@ -47,6 +48,8 @@ def names(tools):
 
 
 def tool_format(chat_template: str) -> str:
+    if chat_template and "<|channel|>" in chat_template:
+        return "harmony"  # gpt-oss: calls are messages to functions.NAME (harmony.py)
     return "llama3" if chat_template and "ipython" in chat_template else "hermes"
 
 
@@ -113,7 +116,10 @@ def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False, text: 
     "auto" with a JSON text format (`text`, response_format's constraint): calls, or that JSON
     (else the format's grammar would leave no room for a call)."""
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
-    if not forced and (text is None or text.kind not in ("json_schema", "json_object")):
+    if fmt == "harmony" and forced:
+        raise ValueError("tool_choice 'required' or a named function is not enforced in gpt-oss's reply format "
+                         "(harmony); send tool_choice 'auto'", "tool_choice")
+    if fmt == "harmony" or not forced and (text is None or text.kind not in ("json_schema", "json_object")):
         return None
     chosen = [t for t in tools if not isinstance(tool_choice, dict) or t["function"]["name"] == tool_choice["function"]["name"]]
     calls = call_schemas(chosen, fmt)

@@ -241,16 +241,29 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256, **sizes) -> Path:
+# gpt-oss's reply format (harmony.py) in a template of our own: its markers, a dated system message
+HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n# Valid channels: analysis, commentary, final.<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function.name }}\n{% endfor %}<|end|>"
+    "{% endif %}{% for m in messages %}{% if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256, special=(),
+                    chat_template=None, **sizes) -> Path:
     """A complete tiny checkpoint folder: random weights plus a byte-level BPE tokenizer.json
-    trained here, a chat template and an EOS token, so generate.py runs on it end to end."""
+    trained here (with `special` tokens after the three it always has), a chat template and an EOS
+    token, so generate.py runs on it end to end."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 10, trainer)
     kw = {**TINY, **ARCHS[arch], "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_position_embeddings,
@@ -263,7 +276,8 @@ def tiny_checkpoint(folder: Path, arch="smollm2", max_position_embeddings=256, *
             p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
     save_hf(model, folder)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+                                                             "chat_template": chat_template or CHAT_TEMPLATE}))
     return folder
 
 

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # own floor, and nothing in a circle). Floor 1 needs only torch and the standard library (scheduler
 # not even torch; constrain's llguidance and gguf_file's gguf are imported where they are used).
 FLOORS = {
-    1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file"],
+    1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file",
+        "harmony"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["families", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
     4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity"],

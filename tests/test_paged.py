@@ -103,6 +103,30 @@ def test_leaf_first_lru_eviction():
     check_allocator(a)
 
 
+def test_a_request_that_repeats_a_cached_one_can_use_every_available_block():
+    """A's chain of 5 blocks is cached and unused; B shares its first 2, then writes the same tokens
+    into blocks of its own (each a copy of A's, left unnamed) while eviction takes A's tail. Naming
+    B's copy of block 5 under A's block 4 would pin A's 4 and 3 (a cached child): counted as
+    available, never evictable. B must get every block num_available counts."""
+    a = BlockAllocator(num_blocks=8, block_size=2)
+    chain = [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
+    blocks, parent = [], None
+    for toks in chain:
+        blocks.append(a.allocate())
+        parent = a.register(blocks[-1], parent, toks)
+    for b in blocks:
+        a.release(b)
+    hit, hashes = a.lookup_prefix([t for toks in chain for t in toks], 2)
+    for b in hit:
+        a.share(b)
+    parent = hashes[-1]
+    for toks in chain[2:]:  # B decodes A's tokens again, a block at a time
+        parent = a.register(a.allocate(), parent, toks)
+    assert a.num_available() == 2
+    assert a.allocate_many(2) is not None
+    check_allocator(a)
+
+
 def test_lookup_reuses_longest_cached_prefix_only():
     a = BlockAllocator(num_blocks=8, block_size=2)
     parent = None

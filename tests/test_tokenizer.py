@@ -191,6 +191,17 @@ def test_chat_template_raise_exception_is_a_clear_error():
         render_chat_template("{{ raise_exception('roles must alternate') }}", MESSAGES)
 
 
+def test_strftime_now_dates_a_template_and_refuses_widths():
+    """transformers gives templates strftime_now (gpt-oss's dates its system message); a glibc field
+    width (%999999999Y) could build a huge string, so widths are refused."""
+    import datetime
+
+    today = datetime.date.today().isoformat()
+    assert render_chat_template("{{ strftime_now('%Y-%m-%d') }}", MESSAGES) in (today, datetime.date.today().isoformat())
+    with pytest.raises(TokenizerError, match="without widths"):
+        render_chat_template("{{ strftime_now('%999999999Y') }}", MESSAGES)
+
+
 HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without building anything large
     "string repetition": "{{ 'a' * 10**10 }}",
     "list repetition": "{{ ([1] * 10**9) | length }}",
