@@ -117,7 +117,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, dim], idx and w [T, k] -> [T, dim]."""
-        # eager: grouped even for one token, its copy-free matmuls beat the gathered copies on CPU (RESULTS.md)
+        # eager: grouped even for one token; its matmuls on views beat the gathered copies on CPU
+        # (benchmarks/RESULTS.md, "Mixtures of experts")
         if torch.compiler.is_compiling():
             return self.gathered(x, idx, w)
         return self.grouped(x, idx, w)

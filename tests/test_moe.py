@@ -89,6 +89,7 @@ def test_gather_and_grouped_paths_equal_a_loop_over_experts(T):
     torch.testing.assert_close(experts.grouped(x, idx, w), ref, atol=1e-12, rtol=0)
 
 
+@pytest.mark.isa  # Int8Experts runs bf16 on the CPU int8 kernel
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
