@@ -349,7 +349,7 @@ class Outputs:
     def choice(self, i: int) -> dict:
         """Choice i of a whole (not streamed) response."""
         if self.chat:
-            message, reason = self._message(i)
+            message, reason = self.message(i)
             body = {"message": message, "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
             return {"index": i, **body, "finish_reason": reason}
         text, logprobs = self.text(i), None
@@ -374,7 +374,7 @@ class Outputs:
                                                         scores + [None] * (len(prompt) - len(scores)))
         return self.prompt_arrays[p]
 
-    def _message(self, i: int):
+    def message(self, i: int):
         """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given
         (and gpt-oss's reasoning, harmony.py)."""
         message, calls = {"role": "assistant", "content": self.text(i)}, []

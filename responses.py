@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError
 
 from engine_loop import events_of
 from openai_format import Body, ChatRequest, Outputs, Refused
-from tool_calls import parse_calls
+from tool_calls import tool_format
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -294,7 +294,8 @@ class Responses:
             rids, events, _ = await self.server.submit(chat, [prompt], True, constraint)
         except Refused as e:
             raise renamed(e) from None
-        out = Outputs(self.server.tokenizer, [prompt], 1, True, False, False, tools, chat.parallel_tool_calls)
+        out = Outputs(self.server.tokenizer, [prompt], 1, True, False, False, tools, chat.parallel_tool_calls,
+                      channels=tool_format(self.server.tokenizer.chat_template) == "harmony")
         meta = {"id": f"resp_{rids[0]}", "object": "response", "created_at": int(time.time()),
                 "model": self.server.model_name, **self.echoed(body)}
         if body.stream:
@@ -336,8 +337,10 @@ class Responses:
 
     @staticmethod
     def items(out: Outputs, status: str) -> list:
-        """A whole reply's output items: its text as a message, then its function calls."""
-        content, calls = parse_calls(out.text(0), *out.tools, out.parallel) if out.tools else (out.text(0), [])
+        """A whole reply's output items: its text as a message, then its function calls (gpt-oss's
+        reasoning is left out: no reasoning items are written)."""
+        message, _ = out.message(0)
+        content, calls = message["content"], message.get("tool_calls", [])
         items = [message_item(content or "", status)] if content or not calls else []
         return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
 
@@ -358,7 +361,7 @@ class Responses:
                 _, text, reason = event
                 stream = out.streams[0]
                 parts = (stream.feed(text) + (stream.finish() if reason else [])) if stream else [("content", text)]
-                for e in writer.parts([p for p in parts if p[0] != "content" or p[1]]):
+                for e in writer.parts([p for p in parts if p[0] != "reasoning" and (p[0] != "content" or p[1])]):
                     yield e
             status, details = ending(out.reasons[0])
             for e in writer.parts([] if writer.items else [("content", "")]):  # (an empty reply: one empty message)

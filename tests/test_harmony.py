@@ -109,3 +109,19 @@ def test_a_forced_tool_choice_is_refused_by_name(server):
     with pytest.raises(openai.BadRequestError, match="not enforced in gpt-oss's reply format") as e:
         server.chat.completions.create(model="tiny", messages=USER, max_tokens=4, tools=TOOLS, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_the_responses_api_answers_with_the_final_channel():
+    """responses.py's whole reply: the final channel as its message, a call to a function as a
+    function_call item (the analysis channel is not written as reasoning items there)."""
+    from openai_format import Outputs
+    from responses import Responses
+
+    reply = "<|channel|>analysis<|message|>two and two<|end|><|start|>assistant<|channel|>final<|message|>four<|end|>"
+    for tools, items in ((None, [("message", "four")]),
+                         (("harmony", TOOLS), [("message", "four"), ("function_call", "add")])):
+        out = Outputs(None, [[1]], 1, True, False, False, tools, channels=True)
+        for piece in (reply + CALL).split("<|end|>"):  # as the engine hands the text on, in pieces
+            out.add(0, 5, piece + "<|end|>", None, None)
+        got = Responses.items(out, "completed")
+        assert [(i["type"], i["content"][0]["text"] if i["type"] == "message" else i["name"]) for i in got] == items
