@@ -21,6 +21,10 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+O200K_PATTERN = "|".join([  # tiktoken's o200k (gpt-oss; llama.cpp's "gpt-4o" pre-tokenizer): case runs, then the rest
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
 
 CONTROL, USER_DEFINED = 3, 4
 # `tokenizer.ggml.pre` values whose models split every digit into its own word.
@@ -33,8 +37,8 @@ def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in SINGLE_DIGIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "qwen2"):
-        pattern = QWEN2_PATTERN if pre == "qwen2" else LLAMA3_PATTERN
+    if pre in ("llama-bpe", "llama3", "qwen2", "gpt-4o"):
+        pattern = {"qwen2": QWEN2_PATTERN, "gpt-4o": O200K_PATTERN}.get(pre, LLAMA3_PATTERN)
         split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return byte_level  # "gpt2", "default" and unknown kinds: GPT-2's own regex
@@ -49,7 +53,7 @@ def _gpt2(tokens, merges, pre):
         if len(pair) != 2 or not all(p in vocab for p in pair) or "".join(pair) not in vocab:
             raise TokenizerError(f"tokenizer.ggml.merges[{i}] ({merges[i]!r}) is not two tokens of the "
                                  f"vocabulary ({len(tokens)} tokens) that join into a third")
-    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3")))
+    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3", "gpt-4o")))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok

@@ -19,7 +19,8 @@ into integers and per-group scales without passing through float:
     output (int8-group types,      two int4 halves in bf16 on CPU, else float in --dtype
       or tied to token_embd)       (quant_groups.HEAD_NOTE); an untied Q4_* output keeps int4
     ffn_{gate,up,down}_exps        moe.GroupExperts, per projection: Q4_* as 4 bits where exact,
-      (experts stacked [E, N, K])  the other block types as 8-bit groups, the rest float
+      (experts stacked [E, N, K])  MXFP4 (gpt-oss) as its 4-bit floats, the other block types as
+                                   8-bit groups, the rest float
 
 gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
 gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter (write_tokenizer_only).
@@ -47,9 +48,10 @@ import torch
 from model import ModelConfig
 from runtime import CheckpointError
 
-SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss")
 GEMMA = ("gemma2", "gemma3")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                   "MXFP4")
 
 # GGUF tensor name (after "blk.N.") -> model.py name (after "layers.N.")
 LAYER_NAMES = {
@@ -63,6 +65,7 @@ LAYER_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",  # gpt-oss (its pre-MLP norm)
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -142,10 +145,14 @@ def experts_of(reader, arch, path, get, names):
         raise CheckpointError(f"{path}: metadata {arch}.expert_gating_func {gating} is not supported "
                               "(supported: 1, softmax over the experts)")
     n_layers = get("block_count")
+    oss = arch == "gpt-oss"  # biases, and the clamped SwiGLU whose limit and slope llama.cpp fixes in its code
     return MoEConfig(
         count, get("expert_used_count"),
         field(reader, f"{arch}.expert_feed_forward_length") or get("feed_forward_length"),
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+        router_bias="blk.0.ffn_gate_inp.bias" in names, expert_bias="blk.0.ffn_gate_exps.bias" in names,
+        glu_limit=_number(field(reader, f"{arch}.swiglu_clamp_exp", 7.0), f"{arch}.swiglu_clamp_exp", path) if oss else 0.0,
+        glu_alpha=1.702,
         shared_expert_size=field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0,
         dense_layers=tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
 
@@ -167,6 +174,11 @@ def rope_scaling(reader, arch, path) -> dict:
         scaling = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor")}
         if kind == "yarn":
             scaling["original_max_position_embeddings"] = field(reader, f"{arch}.rope.scaling.original_context_length")
+            for key in ("beta_fast", "beta_slow"):
+                if field(reader, f"{arch}.rope.scaling.yarn_{key}") is not None:
+                    scaling[key] = field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if arch == "gpt-oss":  # its YaRN blends the frequencies without rounding the band (truncate false)
+                scaling["truncate"] = False
         return scaling
     if kind not in (None, "none"):
         raise CheckpointError(f"{path}: metadata {arch}.rope.scaling.type {kind!r} is not supported "
@@ -185,6 +197,9 @@ def family_switches(reader, arch, path, get) -> dict:
     rotary = field(reader, f"{arch}.rope.dimension_count")  # (llama.cpp writes no key_length for phi3)
     if rotary and rotary != (field(reader, f"{arch}.attention.key_length") or get("embedding_length") // get("attention.head_count")):
         out["rotary_dim"] = rotary
+    if arch == "gpt-oss":  # sinks, and windows on every other layer from the first (llama.cpp's pattern 2)
+        return {**out, "attn_sinks": True,
+                "layer_types": tuple("full_attention" if i % 2 else "sliding_attention" for i in range(n_layers))}
     if arch not in GEMMA:
         return out
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
@@ -203,12 +218,23 @@ def family_switches(reader, arch, path, get) -> dict:
             "local_rope_theta": field(reader, f"{arch}.rope.freq_base_swa", 10000.0) if arch == "gemma3" else 0.0}
 
 
+def _number(value, key, path) -> float:
+    """A positive number, or one repeated per layer (a list of equal numbers), else a CheckpointError."""
+    values = value if isinstance(value, list) else [value]
+    if not values or len(set(values)) != 1 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        raise CheckpointError(f"{path}: metadata {key} must be one positive number (or the same for every layer), "
+                              f"got {str(value)[:80]}")
+    return float(values[0])
+
+
 def model_name(gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMA else LAYER_NAMES
         name = f"layers.{parts[1]}.{names.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
-        return name.removesuffix(".weight") if parts[2].endswith("_exps") else name  # moe.py's stacked parameters
+        if parts[2].endswith("_exps") or parts[2] == "attn_sinks":  # moe.py's stacked parameters, gpt-oss's sinks
+            return name.removesuffix(".weight").replace(".bias", "_bias")
+        return name
     return f"{GLOBAL_NAMES.get(parts[0], parts[0])}.{parts[1]}"
 
 
@@ -316,6 +342,8 @@ def packed(t, name: str, path):
     import quant_groups
 
     kind, experts = t.tensor_type.name, len(t.shape) == 3 and ".mlp.experts." in name
+    if kind == "MXFP4" and experts:
+        return _mxfp4_experts(t, path)
     if kind not in BLOCKS or not (len(t.shape) == 2 and name.endswith(".weight") or experts):
         return None
     q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)
@@ -325,6 +353,24 @@ def packed(t, name: str, path):
         tensors = {k: None if v is None else v.unflatten(0, (E, -1)) for k, v in p.tensors.items()}
         return quant_groups.Packed(p.kind, tensors, (E, q.shape[0] // E, q.shape[1]), p.groupsize, kind)
     return _packed_rows(q, scales, offsets, kind, name, q.shape[0] % 16 == 0)
+
+
+def _mxfp4_experts(t, path):
+    """An MXFP4 expert tensor (gpt-oss) as mxfp4.py's e2m1 Packed [E, N, K]. A GGUF block is 17 bytes: the
+    E8M0 exponent, then 16 bytes whose low nibbles hold values 0-15 and high nibbles 16-31; Packed's
+    bytes hold values 2j (low) and 2j + 1 (high), as the published safetensors do."""
+    import quant_groups
+
+    E, N, K = (int(n) for n in reversed(t.shape))
+    data = np.asarray(t.data, dtype=np.uint8)
+    if K % 32 or data.size != E * N * K // 32 * 17:
+        raise CheckpointError(f"{path}: tensor {t.name!r} (MXFP4, shape {list(t.shape)}) holds {data.size:,} bytes, "
+                              f"expected {E * N * K // 32 * 17:,}: truncated or corrupt")
+    b = torch.from_numpy(data.copy()).reshape(E, N, K // 32, 17)
+    codes = torch.cat((b[..., 1:] & 15, b[..., 1:] >> 4), dim=-1)  # [E, N, K/32, 32] in value order
+    q = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(E, N, K // 2)
+    scales = torch.exp2(b[..., 0].float() - 127)  # [E, N, K/32]
+    return quant_groups.Packed("e2m1", {"q": q, "scales": scales}, (E, N, K), 32, "MXFP4")
 
 
 def _packed_rows(q, scales, offsets, kind, name, int4_rows: bool):

@@ -114,6 +114,7 @@ GGUF_NAMES = {
     "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.router": "ffn_gate_inp", "self_attn.sinks": "attn_sinks",  # gpt-oss
 }
 GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                     "post_feedforward_layernorm": "post_ffw_norm"}
@@ -141,14 +142,17 @@ def write_family_metadata(w, hf, arch):
     if experts:  # Mixtral (arch llama), qwen2moe, qwen3moe
         w.add_expert_count(experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        if hasattr(c, "moe_intermediate_size"):
-            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if hasattr(c, "moe_intermediate_size") or c.model_type == "gpt_oss":
+            w.add_expert_feed_forward_length(getattr(c, "moe_intermediate_size", c.intermediate_size))
         if getattr(c, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.rope_parameters.get("rope_type") == "yarn":  # Qwen2.5 / Qwen3 long-context files
         w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
         w.add_rope_scaling_factor(c.rope_parameters["factor"])
         w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+        if "beta_fast" in c.rope_parameters:
+            w.add_rope_scaling_yarn_beta_fast(c.rope_parameters["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(c.rope_parameters["beta_slow"])
     if arch == "phi3":
         rope = c.rope_parameters
         head_dim = c.hidden_size // c.num_attention_heads
@@ -166,6 +170,19 @@ def gguf_arrays(hf):
 
     for name, t in hf.state_dict().items():
         a = t.float().numpy()
+        if hf.config.model_type == "gpt_oss":  # x @ W, gate and up interleaved: as the others, [E, out, in]
+            stem, _, leaf = name.rpartition(".")
+            if leaf in ("gate_up_proj", "gate_up_proj_bias"):
+                suffix = "bias" if leaf.endswith("_bias") else "weight"
+                for part, cols in (("gate_proj", a[..., 0::2]), ("up_proj", a[..., 1::2])):
+                    yield f"{stem}.{part}.{suffix}", np.ascontiguousarray(cols if suffix == "bias" else cols.transpose(0, 2, 1))
+                continue
+            if leaf == "down_proj" and "experts" in stem:
+                yield f"{name}.weight", np.ascontiguousarray(a.transpose(0, 2, 1))
+                continue
+            if leaf in ("down_proj_bias", "sinks"):
+                yield (f"{stem}.down_proj.bias" if leaf == "down_proj_bias" else f"{name}.weight"), a
+                continue
         if name.endswith("mlp.experts.gate_up_proj"):
             gate, up = np.split(a, 2, axis=1)
             yield name.replace("gate_up_proj", "gate_proj.weight"), gate
@@ -216,6 +233,8 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
+        if arch == "gpt-oss":  # its pre-MLP norm is llama.cpp's post_attention_norm
+            gname = gname.replace(".ffn_norm.", ".post_attention_norm.")
         if arch.startswith("gemma") and gname.endswith("norm.weight"):
             a = a + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):

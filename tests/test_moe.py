@@ -345,3 +345,39 @@ def test_bad_gguf_experts_are_named(tmp_path):
     old = rewrite_gguf(path, tmp_path / "old.gguf", rename={"blk.0.ffn_gate_exps.weight": per_expert})
     with pytest.raises(CheckpointError, match="an older llama.cpp layout"):
         weights.load(old)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "MXFP4"])
+def test_gpt_oss_gguf_equals_its_hf_twin_and_gguf_dequantization(qtype, tmp_path):
+    """A gpt-oss GGUF as llama.cpp lays it out: attn_sinks, post_attention_norm, expert and router
+    biases, windows on every other layer, YaRN's beta keys (llama.cpp keeps the SwiGLU limit in its
+    code: 7, so the twin has 7). F32: the HF twin's logits, prefill then decode. MXFP4 experts: kept
+    at 4 bits, equal to gguf.quants' dequantization, the model to its dequantized twin."""
+    import gguf
+
+    from helpers import write_gguf
+
+    hf = hf_model("gpt_oss", swiglu_limit=7.0)
+    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", arch="gpt-oss", qtype=qtype)
+    model, info = weights.load(path, dtype=torch.float32)
+    twin, _ = weights.load(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    assert (model.config.moe, model.config.layer_types, model.config.attn_sinks) == \
+        (twin.config.moe, twin.config.layer_types, True)
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
+    cache = StaticKVCache.for_model(model, 1, 32)
+    with torch.no_grad():
+        ours = [model(x[:, :16], torch.arange(16)[None], cache)]
+        ours += [model(x[:, t:t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
+        ours = torch.cat(ours, 1)
+        if qtype == "F32":
+            torch.testing.assert_close(ours, hf(x).logits, atol=1e-4, rtol=0)
+            return
+        plain, _ = weights.load(path, dtype=torch.float32, dequantize=True)
+        torch.testing.assert_close(ours, plain(x, torch.arange(24)[None], NoCache()), atol=1e-4, rtol=0)
+    assert "MXFP4 -> e2m1 g32: experts.gate_proj, experts.up_proj, experts.down_proj" in info.own_bits
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    experts = model.layers[1].mlp.experts
+    for name, projection in (("gate_exps", "gate_proj"), ("up_exps", "up_proj"), ("down_exps", "down_proj")):
+        t = tensors[f"blk.1.ffn_{name}.weight"]
+        reference = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())  # [E, N, K]
+        assert torch.equal(experts.weights(projection, torch.arange(experts.n_experts), torch.float32), reference)

@@ -122,6 +122,37 @@ def test_tiktoken_ids_match_the_library(tiktoken_folder):
     assert any(len(ranks) > 256 and i >= 256 for i in tok.encode("the lazy", bos=False))  # merges are used
 
 
+def test_gguf_gpt_4o_pre_tokenizer_splits_as_tiktokens_o200k(monkeypatch):
+    """gpt-oss's GGUF files name their pre-tokenizer "gpt-4o": tiktoken's o200k pattern (read from
+    tiktoken itself, its vocabulary download skipped), the words split as its regex splits them."""
+    import regex
+    import tiktoken_ext.openai_public as openai_public
+
+    import gguf_tokenizer
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {})
+    pattern = openai_public.o200k_base()["pat_str"]
+    assert gguf_tokenizer.O200K_PATTERN == pattern
+    pre = gguf_tokenizer._pre_tokenizer("gpt-4o")
+    for text in TEXTS + ["HTTPServer's JSONParser isn't 12345 lines\r\n  path/to/file", "Überprüfung ÉTÉ été"]:
+        ours = [piece for piece, _ in pre.pre_tokenize_str(text)]
+        byte_level = {b: chr(c) for b, c in zip(range(256), _byte_chars())}
+        assert ours == ["".join(byte_level[b] for b in w.encode()) for w in regex.findall(pattern, text)]
+
+
+def _byte_chars():
+    """GPT-2's byte-to-character map (what the byte-level pre-tokenizer shows), in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(b)
+        else:
+            chars.append(256 + extra)
+            extra += 1
+    return chars
+
+
 # --- tokenizer.json (Hugging Face tokenizers) ----------------------------------------------------
 
 @pytest.fixture(scope="module")
