@@ -13,7 +13,7 @@ tokenizer.py wraps them in its Tokenizer.
 """
 from pathlib import Path
 
-from gguf_weights import field, read
+from gguf_config import field, read
 from runtime import TokenizerError
 
 # Pre-tokenizer regexes (split text into words before BPE), as the models were trained.

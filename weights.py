@@ -383,7 +383,7 @@ def _install(model, state, packed, quant, tied, dtype, device, own_bits):
 def settle():
     """After the weights and the tokenizer are loaded: drop the cached GGUF readers (their parsed
     metadata is over 100 MiB for a 50k vocabulary) and return freed memory to the OS."""
-    import gguf_weights
+    import gguf_config
 
-    gguf_weights.forget_readers()
+    gguf_config.forget_readers()
     release_memory()

@@ -56,7 +56,7 @@ def build(args, moe: bool):
     folder = tempfile.mkdtemp(prefix="moe-" if moe else "dense-")
     hf.save_pretrained(folder, safe_serialization=True)
     dtype = runtime.DTYPES[args.dtype]
-    model, _ = weights.load(folder, dtype=dtype)
+    model, _ = weights.load_for_inference(folder, dtype=dtype)  # as generate.py loads: q/k/v (and gate/up) fused
     return hf.to(dtype).eval(), model
 
 

@@ -116,10 +116,10 @@ def q4_1_blocks(tensor):
 def test_int4_group32_reproduces_the_embedded_q4_1_weights(embedded):
     import gguf
 
-    import gguf_weights
+    import gguf_config
 
     model, _ = embedded
-    reader = gguf_weights.read(weights.default_checkpoint())
+    reader = gguf_config.read(weights.default_checkpoint())
     tensors = {t.name: t for t in reader.tensors}
     # ffn_down and attn_v are stored as is (llama.cpp permutes only Q and K rows)
     for gguf_name, layer in [("blk.0.ffn_down.weight", model.layers[0].mlp.down_proj),
