@@ -17,10 +17,12 @@ renames or splits tensors whose layout differs from Llama's:
     qwen3_moe           experts, q/k norms
     gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks, biases on q/k/v/o,
                         sliding and full layers alternating, YaRN; gate_up_proj [E, dim, 2 ff] (gate and up
-                        columns interleaved) split here; MXFP4 expert blocks are hf_quant.py's
+                        columns interleaved) split here; MXFP4 expert blocks are mxfp4.py's
 
     python -c "import json, families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
+from pathlib import Path
+
 import torch
 
 from model import ModelConfig
@@ -207,9 +209,14 @@ def gpt_oss_experts(file, name, t):
         yield file, name, t
     elif name.endswith("gate_up_proj") or name.endswith("gate_up_proj_bias"):
         bias = name.endswith("_bias")
+        if t.dim() != (2 if bias else 3) or t.shape[-1] % 2:
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{'[E, 2 ff]' if bias else '[E, dim, 2 ff]'} (gate and up interleaved)")
         for part, cols in (("gate_proj", t[..., 0::2]), ("up_proj", t[..., 1::2])):
             yield file, name.replace("gate_up_proj", part), (cols if bias else cols.transpose(1, 2)).contiguous()
     elif name.endswith("down_proj"):
+        if t.dim() != 3:
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected [E, ff, dim]")
         yield file, name, t.transpose(1, 2).contiguous()
     else:
         yield file, name, t
@@ -241,9 +248,9 @@ def stacked_experts(config: ModelConfig, tensors):
             yield file, name.replace("gate_up_proj", "up_proj"), up.clone()
         else:
             yield file, name, t
-    for target, group in pending.items():
+    for target, group in pending.items():  # (named with the folder: a sharded one spreads experts over files)
         missing = sorted(set(range(config.moe.n_experts)) - set(group))
-        raise CheckpointError(f"{file}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}")
+        raise CheckpointError(f"{Path(file).parent}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}")
 
 
 def _stack(file, target, group: dict) -> torch.Tensor:

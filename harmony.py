@@ -70,9 +70,10 @@ class HarmonyStream:
     id), ("arguments", text), and ("reasoning", text). A body's text is passed on as it arrives;
     what may be the start of a marker (`<|...`) waits until it is one or is not."""
 
-    def __init__(self, calls: bool = True):
+    def __init__(self, calls: bool = True, parallel: bool = True):
         self.pending, self.in_body, self.kind, self.calls, self.any_marker = "", False, "content", 0, False
         self.want_calls = calls  # False: messages to functions are not shown (no tools were given)
+        self.parallel = parallel  # False: the first call only (parallel_tool_calls false)
 
     def feed(self, text: str) -> list:
         self.pending += text
@@ -102,7 +103,7 @@ class HarmonyStream:
             self.any_marker = True
             channel, recipient = header_of(self.pending[:at].rpartition(START)[2])
             self.kind = "arguments" if function_of(recipient) else {"analysis": "reasoning"}.get(channel, "content")
-            if self.kind == "arguments" and self.want_calls:
+            if self.kind == "arguments" and self.want_calls and (self.parallel or not self.calls):
                 self.calls += 1
                 parts.append(("call", None, function_of(recipient)))
             elif self.kind == "arguments" or channel not in ("analysis", "final", ""):

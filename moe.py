@@ -12,9 +12,11 @@ so); Qwen2-MoE adds a shared expert every token passes through, scaled by a sigm
 Per token only k experts' weights are read, so decode is bound by the *active* bytes, not the
 total (Qwen3-30B-A3B: 3B of 30B parameters per token). Two ways to run the chosen experts:
 
-- gather (under torch.compile, whose graphs cannot hold a host-side loop; its decode steps are
-  few tokens): index the stacked weights by the chosen ids, then one batched matmul (gpt-fast's
-  trick);
+- gather (under torch.compile, whose graphs cannot hold a host-side loop): index the stacked
+  weights by the chosen ids, then one batched matmul (gpt-fast's trick). It stands for T * k
+  copies of an expert's weights per projection; Inductor on CPU fuses the gather into the
+  multiply at batch 1 (RESULTS.md), but a large compiled batch may materialise them: measured on
+  CPU at batch 1 only;
 - grouped (eager, any number of tokens): sort the (token, expert) pairs by expert, one matmul per
   expert hit over its tokens, scatter-add back. On CPU it beats an eager gather even for one
   token (no copies). Never a pass of every token through every expert.
@@ -180,6 +182,17 @@ class Int8Experts(Experts):
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+def nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes -> [..., K] 4-bit codes: byte j holds code 2j (low nibble) and 2j + 1 (high)."""
+    return torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
+
+
+def e2m1_weights(q: torch.Tensor, scales: torch.Tensor, values=E2M1) -> torch.Tensor:
+    """MXFP4: codes q [..., K/2] (nibbles) and powers of two scales [..., K/32] -> float32 [..., K]."""
+    w = values.float()[nibbles(q).long()]  # [..., K]
+    return (w.unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].float()).flatten(-2)
+
+
 class GroupExperts(Experts):
     """Each projection in groups of G input channels, a scale and an offset per group, at 4 bits
     (two values a byte in row order: quantize.py's portable int4, GGUF's Q4_*), at 8 bits (GGUF's
@@ -187,8 +200,9 @@ class GroupExperts(Experts):
 
         w[e, n, k] = (q[e, n, k] - c) * scale[e, n, k // G] + offset[e, n, k // G]   c = 8 at 4 bits, else 0
 
-    e2m1 (MXFP4, gpt-oss): 4-bit floats (E2M1 below) times a power of two per group of 32, stored
-    here as that power. Only the experts a step uses are dequantized, in the activations' dtype."""
+    e2m1 (MXFP4, gpt-oss): 4-bit floats (E2M1 above) times a power of two per group of 32, stored
+    here as that power in float32 (float16 holds too few of them), the product made in float32.
+    Only the experts a step uses are dequantized, in the activations' dtype."""
 
     def __init__(self, experts: Experts, parts: dict, dtype):
         """experts: the float (or meta) module this stands for; parts: {projection: ("int4", q uint8
@@ -199,17 +213,21 @@ class GroupExperts(Experts):
         for name, (kind, q, *groups) in parts.items():
             self.kinds[name] = kind
             self.register_buffer(name, q.to(dtype) if kind == "float" else q.contiguous())
+            keep = torch.float32 if kind == "e2m1" else dtype
             for suffix, t in zip(("scales", "offsets"), (*groups, None, None)):
-                self.register_buffer(f"{name}_{suffix}", None if t is None else t.to(dtype))
+                self.register_buffer(f"{name}_{suffix}", None if t is None else t.to(keep))
+            if kind == "e2m1":  # the value of each code, on the weights' device (moved with the module)
+                self.register_buffer("e2m1_values", E2M1.to(q.device), persistent=False)
 
     def weights(self, name, ids, dtype):
         q, kind = getattr(self, name)[ids], self.kinds[name]  # [n, N, K] (or [n, N, K/2] at 4 bits)
         if kind == "float":
             return q.to(dtype)
-        if kind in ("int4", "e2m1"):  # two 4-bit codes a byte, the low one first
-            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
-            q = E2M1.to(dtype)[q.long()] if kind == "e2m1" else q.to(dtype) - 8
         scales, offsets = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_offsets")  # [n, N, K/G]
+        if kind == "e2m1":
+            return e2m1_weights(q, scales, self.e2m1_values).to(dtype)
+        if kind == "int4":
+            q = nibbles(q).to(dtype) - 8
         w = q.to(dtype).unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].to(dtype)  # [n, N, K/G, G]
         if offsets is not None:
             w = w + offsets[ids][..., None].to(dtype)

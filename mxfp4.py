@@ -21,7 +21,7 @@ dequantize=True each projection comes out in float32 instead, the same values.
 """
 import torch
 
-from moe import E2M1
+from moe import e2m1_weights
 from quant_groups import Packed
 from runtime import CheckpointError
 
@@ -69,6 +69,4 @@ def _convert(stem: str, pair: dict, source, dequantize: bool):
 
 def decode(p: Packed) -> torch.Tensor:
     """A Packed e2m1 projection [E, N, K] as float32: E2M1[code] * scale."""
-    q = p.tensors["q"]
-    codes = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2).long()  # [E, N, K]
-    return (E2M1[codes].unflatten(-1, (-1, 32)) * p.tensors["scales"][..., None]).flatten(-2)
+    return e2m1_weights(p.tensors["q"], p.tensors["scales"])

@@ -302,8 +302,8 @@ class Outputs:
         self.parallel, self.legacy = parallel, legacy  # several calls allowed; the legacy function_call form
         self.harmony = channels and chat  # gpt-oss's channels: final -> content, analysis -> reasoning_content
         self.num_choices = len(prompts) * n
-        self.streams = [harmony.HarmonyStream(bool(tools)) if self.harmony else CallStream(*tools, parallel) if tools
-                        else None for _ in range(self.num_choices)]
+        self.streams = [harmony.HarmonyStream(bool(tools), parallel) if self.harmony else CallStream(*tools, parallel)
+                        if tools else None for _ in range(self.num_choices)]
         self.calls_sent = [0] * self.num_choices
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.pieces = [[] for _ in range(self.num_choices)]  # each choice's text, in the pieces that arrived

@@ -191,14 +191,15 @@ class BlockAllocator:
             parent = h
         return blocks, hashes
 
-    def register(self, block: int, parent_hash, tokens) -> int:
-        """Name a block just filled with `tokens` (all block_size of them) in the prefix cache.
-        Returns its hash. It stays unnamed (freed, not cached, when released) if another block
-        holds the same prefix, or if no one holds the cached parent: the caller's parent is then
-        a copy, and a named child would keep that cached parent from ever being evicted."""
+    def register(self, block: int, parent_hash, tokens, parent_block=None) -> int:
+        """Name a block just filled with `tokens` (all block_size of them) in the prefix cache;
+        parent_block is the caller's block before it (None for its first). Returns its hash. It
+        stays unnamed (freed, not cached, when released) if another block holds the same prefix,
+        or if the cached parent is not the caller's own (the caller's is an unnamed copy): named
+        under a block its owner does not hold, it would keep that one from ever being evicted."""
         h = self.chain_hash(parent_hash, tokens)
         parent = self.cached.get(parent_hash) if parent_hash is not None else None
-        if not self.prefix_caching or h in self.cached or block in self.hash_of or parent and not self.ref[parent]:
+        if not self.prefix_caching or h in self.cached or block in self.hash_of or parent != parent_block:
             return h
         self.cached[h], self.hash_of[block], self.key[block] = block, h, (parent_hash, tuple(tokens))
         self.parent[block] = parent

@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError
 
 from engine_loop import events_of
 from openai_format import Body, ChatRequest, Outputs, Refused
-from tool_calls import tool_format
+from tool_calls import call_id, tool_format
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -249,7 +249,7 @@ class Events:
                                  logprobs=[])
             elif kind == "call":
                 yield from self.close()
-                yield from self._add(call_item(value[0], value[1], "", "in_progress"))
+                yield from self._add(call_item(value[0] or call_id(), value[1], "", "in_progress"))  # (harmony: no id)
             elif self.open is not None and self.open["type"] == "function_call":
                 self.open["arguments"] += value[0]
                 yield self.event("response.function_call_arguments.delta", **self._at(), delta=value[0])

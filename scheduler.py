@@ -224,7 +224,8 @@ class Scheduler:
             while len(seq.hashes) < seq.num_computed // bs:  # blocks that filled up: into the prefix cache
                 i = len(seq.hashes)
                 parent = seq.hashes[-1] if seq.hashes else None
-                seq.hashes.append(self.allocator.register(seq.blocks[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+                tokens, before = seq.tokens[i * bs:(i + 1) * bs], seq.blocks[i - 1] if i else None
+                seq.hashes.append(self.allocator.register(seq.blocks[i], parent, tokens, before))
             if self.window:
                 self._free_outside_window(seq)
         for seq, twins in plan.forks:

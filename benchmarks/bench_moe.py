@@ -53,10 +53,10 @@ def build(args, moe: bool):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn_like(p))
-    folder = tempfile.mkdtemp(prefix="moe-" if moe else "dense-")
-    hf.save_pretrained(folder, safe_serialization=True)
     dtype = runtime.DTYPES[args.dtype]
-    model, _ = weights.load_for_inference(folder, dtype=dtype)  # as generate.py loads: q/k/v (and gate/up) fused
+    with tempfile.TemporaryDirectory(prefix="moe-" if moe else "dense-") as folder:  # (GBs of float32: removed)
+        hf.save_pretrained(folder, safe_serialization=True)
+        model, _ = weights.load_for_inference(folder, dtype=dtype)  # as generate.py loads: q/k/v (and gate/up) fused
     return hf.to(dtype).eval(), model
 
 

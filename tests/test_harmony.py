@@ -125,3 +125,20 @@ def test_the_responses_api_answers_with_the_final_channel():
             out.add(0, 5, piece + "<|end|>", None, None)
         got = Responses.items(out, "completed")
         assert [(i["type"], i["content"][0]["text"] if i["type"] == "message" else i["name"]) for i in got] == items
+
+
+def test_streamed_calls_get_ids_and_only_the_first_without_parallel_tool_calls():
+    """A harmony call carries no id of its own: the Responses stream gives it one (the chat path
+    too); with parallel_tool_calls false only the first of two calls streams, as the whole reply
+    keeps only the first."""
+    from responses import Events
+
+    second = CALL.replace("functions.add", "functions.mul")
+    parts = harmony.HarmonyStream(True).feed(THINK + CALL + second)
+    assert [p[2] for p in parts if p[0] == "call"] == ["add", "mul"]
+    events = Events()
+    list(events.parts([p for p in parts if p[0] != "reasoning"]))
+    assert [(i["name"], bool(i["call_id"])) for i in events.items] == [("add", True), ("mul", True)]
+    alone = harmony.HarmonyStream(True, parallel=False).feed(THINK + CALL + second)
+    assert [p[2] for p in alone if p[0] == "call"] == ["add"]
+    assert "".join(p[1] for p in alone if p[0] == "arguments") == '{"a": 2, "b": 2}'

@@ -238,7 +238,7 @@ class Allocator:  # stands in for paged.BlockAllocator: plain counting, no prefi
             self.free.append(b)
     def lookup_prefix(self, tokens, n):
         return [], []
-    def register(self, block, parent, tokens):
+    def register(self, block, parent, tokens, parent_block=None):
         return hash((parent, tuple(tokens)))
     def num_used(self):
         return 7 - len(self.free)

@@ -100,6 +100,11 @@ def test_quantized_experts_paths_equal_their_dequantized_loop(mode, dtype):
 
     def dequantized(name, e):
         return q.weights(name, torch.tensor([e]), torch.float64)[0]
+    if mode == "int4":  # weights() against the layout written out by hand: byte j = values 2j (low), 2j + 1 (high)
+        packed, scales, offsets = q.gate_proj[1], q.gate_proj_scales[1].double(), q.gate_proj_offsets[1].double()
+        values = torch.stack([packed % 16, packed // 16], dim=-1).reshape(packed.shape[0], -1).double()
+        by_hand = ((values - 8).view(values.shape[0], -1, 32) * scales[..., None] + offsets[..., None]).flatten(1)
+        torch.testing.assert_close(dequantized("gate_proj", 1), by_hand, atol=1e-12, rtol=0)
     ref = loop_over_experts(q, x, idx, w, dequantized)
     tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16 activations: the product's own rounding
     torch.testing.assert_close(q.gathered(x, idx, w).double(), ref, atol=tol, rtol=0.02)
@@ -163,10 +168,12 @@ def test_engine_batches_equal_each_request_alone(arch, tmp_path):
 
 
 def test_active_bytes_count_only_the_chosen_experts(pair):
+    """By hand from the config: each sparse layer's E - k unchosen experts, 3 projections of ff x dim
+    float32 values (and gpt-oss's biases, ff + ff + dim of them), are not read."""
     _, _, model = pair
-    c = model.config
-    experts = sum(m.experts.expert_bytes() for m in model.modules() if hasattr(m, "experts"))
-    unused = experts * (c.moe.n_experts - c.moe.n_experts_per_tok) // c.moe.n_experts
+    c, m = model.config, model.config.moe
+    per_expert = 4 * (3 * m.intermediate_size * c.dim + m.expert_bias * (2 * m.intermediate_size + c.dim))
+    unused = (c.n_layers - len(m.dense_layers)) * (m.n_experts - m.n_experts_per_tok) * per_expert
     dense_read = model.weight_bytes() - model.embed_tokens.weight.numel() * 4 * (not c.tie_word_embeddings)
     assert model.bytes_read_per_token() == dense_read - unused
 
@@ -381,3 +388,15 @@ def test_gpt_oss_gguf_equals_its_hf_twin_and_gguf_dequantization(qtype, tmp_path
         t = tensors[f"blk.1.ffn_{name}.weight"]
         reference = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())  # [E, N, K]
         assert torch.equal(experts.weights(projection, torch.arange(experts.n_experts), torch.float32), reference)
+
+
+def test_a_misshapen_gpt_oss_gate_up_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = save_hf(hf_model("gpt_oss"), tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name][..., :-1].contiguous()  # an odd width: gate and up cannot interleave
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.gate_up_proj' has shape \(4, 64, 63\)"):
+        weights.load(folder)

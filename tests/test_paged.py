@@ -91,7 +91,7 @@ def test_leaf_first_lru_eviction():
         blocks, parent = [], None
         for toks in chain:
             b = a.allocate()
-            parent = a.register(b, parent, toks)
+            parent = a.register(b, parent, toks, blocks[-1] if blocks else None)
             blocks.append(b)
         for b in blocks:
             a.release(b)
@@ -113,25 +113,48 @@ def test_a_request_that_repeats_a_cached_one_can_use_every_available_block():
     blocks, parent = [], None
     for toks in chain:
         blocks.append(a.allocate())
-        parent = a.register(blocks[-1], parent, toks)
+        parent = a.register(blocks[-1], parent, toks, blocks[-2] if len(blocks) > 1 else None)
     for b in blocks:
         a.release(b)
     hit, hashes = a.lookup_prefix([t for toks in chain for t in toks], 2)
     for b in hit:
         a.share(b)
-    parent = hashes[-1]
+    parent, mine = hashes[-1], list(hit)
     for toks in chain[2:]:  # B decodes A's tokens again, a block at a time
-        parent = a.register(a.allocate(), parent, toks)
+        mine.append(a.allocate())
+        parent = a.register(mine[-1], parent, toks, mine[-2])
     assert a.num_available() == 2
     assert a.allocate_many(2) is not None
     check_allocator(a)
 
 
+def test_copies_of_a_prefix_another_request_holds_name_nothing_under_it():
+    """A and B prefill the same 3 blocks in one step: A's are named, B's stay unnamed copies. B's
+    fourth block must not be named under A's third, which B does not hold: once A finishes, A's
+    chain would be counted as available yet never evictable while B runs."""
+    a = BlockAllocator(num_blocks=8, block_size=2)
+    chain = [(1, 2), (3, 4), (5, 6)]
+    first, second = [], []
+    for owner in (first, second):
+        parent = None
+        for toks in chain:
+            owner.append(a.allocate())
+            parent = a.register(owner[-1], parent, toks, owner[-2] if len(owner) > 1 else None)
+    second.append(a.allocate())
+    a.register(second[-1], parent, (7, 8), second[-2])
+    for b in first:  # A finishes
+        a.release(b)
+    assert a.num_available() == 3 and not a.free
+    assert a.allocate_many(3) is not None
+    check_allocator(a)
+
+
 def test_lookup_reuses_longest_cached_prefix_only():
     a = BlockAllocator(num_blocks=8, block_size=2)
-    parent = None
+    parent, blocks = None, []
     for toks in [(1, 2), (3, 4)]:
-        parent = a.register(a.allocate(), parent, toks)
+        blocks.append(a.allocate())
+        parent = a.register(blocks[-1], parent, toks, blocks[-2] if len(blocks) > 1 else None)
     assert a.lookup_prefix([1, 2, 3, 4, 5], 2)[0] == [1, 2]
     assert a.lookup_prefix([1, 2, 3, 9, 5], 2)[0] == [1]  # diverges in the second block
     assert a.lookup_prefix([9, 2, 3, 4], 2)[0] == []  # same second block, different head: no hit
@@ -173,7 +196,7 @@ def test_allocator_invariants_under_random_use(ops):
                 blocks.append(b)
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), len(arg) // bs):  # register the full blocks just computed
-                parent = a.register(blocks[i], parent, arg[i * bs:(i + 1) * bs])
+                parent = a.register(blocks[i], parent, arg[i * bs:(i + 1) * bs], blocks[i - 1] if i else None)
             live.append(blocks)
         elif live and op == "free":
             for b in live.pop(arg % len(live)):
