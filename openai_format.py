@@ -213,12 +213,14 @@ def prompt_list(prompt) -> list:
     return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
-def encode(tokenizer, text: str, bos: bool = None) -> list:
+def encode(tokenizer, text: str, bos: bool = None, messages=None) -> list:
+    """The ids of a prompt, or of a rendered chat (messages: what it was rendered from; a special
+    token's literal in their content stays text: tokenizer.encode_rendered)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
         raise ValueError(f"the text is not valid Unicode ({e.reason} at character {e.start})") from None
-    return tokenizer.encode(text, bos=bos)
+    return tokenizer.encode(text, bos=bos) if messages is None else tokenizer.encode_rendered(text, messages)
 
 
 # -- log-probabilities -----------------------------------------------------------------------------

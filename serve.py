@@ -132,8 +132,9 @@ class Server:
     async def tokenize(self, body: TokenizeRequest):
         try:
             if body.messages is not None:
-                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, template_messages(body))
-                ids = await asyncio.to_thread(encode, self.tokenizer, text, False)
+                messages = template_messages(body)
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+                ids = await asyncio.to_thread(encode, self.tokenizer, text, False, messages)
             else:
                 bos = None if body.add_special_tokens else False
                 ids = await asyncio.to_thread(encode, self.tokenizer, body.prompt or "", bos)
@@ -170,7 +171,7 @@ class Server:
         except ValueError as e:
             raise Refused(e.args[0], e.args[1]) from None
         text = await self.render(messages, extra)
-        prompt, = await self.encode([text], "messages", bos=False)  # the template writes BOS where the model wants it
+        prompt, = await self.encode([text], "messages", bos=False, messages=messages)  # (the template writes BOS)
         return prompt, tools, tool_constraint
 
     def check(self, body, num_prompts: int, chat: bool):
@@ -191,11 +192,12 @@ class Server:
         if refused := refusal(body, chat):
             raise Refused(*refused)
 
-    async def encode(self, prompts, param: str, bos: bool = None) -> list:
-        """Texts -> token ids (ids pass through), off the event loop: /health answers while a long text encodes."""
+    async def encode(self, prompts, param: str, bos: bool = None, messages=None) -> list:
+        """Texts -> token ids (ids pass through), off the event loop: /health answers while a long text
+        encodes. A rendered chat comes with its messages (their special-token literals stay text)."""
         try:
-            return await asyncio.to_thread(lambda: [encode(self.tokenizer, p, bos) if isinstance(p, str) else p
-                                                    for p in prompts])
+            return await asyncio.to_thread(lambda: [encode(self.tokenizer, p, bos, messages) if isinstance(p, str)
+                                                    else p for p in prompts])
         except ValueError as e:
             raise Refused(f"{param}: {e}", param) from None
 

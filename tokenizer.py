@@ -8,8 +8,10 @@ One `Tokenizer` wraps whichever library the checkpoint's files call for:
   Qwen) is rebuilt as a `tokenizers` BPE; `llama` SentencePiece vocabularies (tokens and scores)
   as a byte-fallback BPE whose merges are ordered by score, as SentencePiece ranks them.
 
-Special tokens written in the text (`<|im_start|>`) become their single ids. BOS/EOS and the
-stop tokens come from the checkpoint's metadata (generation_config.json may list several). Chat
+Special tokens written in the text (`<|im_start|>`) become their single ids, except in a chat
+message's content, where they are text (encode_rendered: a user cannot write the template's
+control tokens). BOS/EOS and the stop tokens come from the checkpoint's metadata
+(generation_config.json may list several). Chat
 templates come from tokenizer_config.json, chat_template.jinja or the GGUF metadata, and are
 rendered by chat_template.py in a sandbox that also bounds what a template may build and how
 long it may run, since a template is code from the checkpoint.
@@ -65,7 +67,57 @@ class Tokenizer:
 
     def encode_chat(self, messages, add_generation_prompt=True) -> list:
         # The template writes BOS itself where the model wants it, so nothing is added here.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt), messages)
+
+    def encode_rendered(self, text: str, messages) -> list:
+        """A rendered chat's ids, without BOS. A special token's literal that a message's content
+        spells (a user typing `<|im_end|>`) is text, as HF's split_special_tokens would make it;
+        the template's own markup keeps its special ids. Content without such a literal (nearly
+        all) is encoded as encode(text) does."""
+        spans = self._spelled_specials(text, messages)
+        if not spans:
+            return self.encode(text, bos=False)
+        ids, start = [], 0
+        for m in self._special_pattern().finditer(text):
+            if any(a <= m.start() and m.end() <= b for a, b in spans):
+                continue  # a content's: stays in the text around it
+            ids += self.backend.encode_plain(text[start:m.start()]) + [self.special[m.group()]]
+            start = m.end()
+        return ids + self.backend.encode_plain(text[start:])
+
+    def _special_pattern(self):
+        if getattr(self, "_pattern", None) is None:  # longest first, so no literal is cut by a shorter one
+            self._pattern = re.compile("|".join(map(re.escape, sorted(self.special, key=len, reverse=True))))
+        return self._pattern
+
+    def _spelled_specials(self, text: str, messages) -> list:
+        """[(start, end)] in the rendered text of each message content that spells a special token."""
+        if not self.special:
+            return []
+        pattern, spans, at = self._special_pattern(), [], 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            parts = [content] if isinstance(content, str) else [
+                p.get("text") for p in (content if isinstance(content, list) else []) if isinstance(p, dict)]
+            parts = [p for p in parts if isinstance(p, str)]
+            for part in parts:
+                if not part or not pattern.search(part):
+                    continue
+                span = _locate(text, part, at) or _locate(text, part.strip(), at)  # (templates may strip it)
+                if span is None:  # the template changed it: where the literal now is cannot be told
+                    raise TokenizerError(f"a message's content spells the special token "
+                                         f"{pattern.search(part).group()!r}, and the chat template alters that "
+                                         "content, so it cannot be kept as text; remove the token from the message")
+                spans.append(span)
+                at = span[1]
+        return spans
+
+
+def _locate(text: str, part: str, at: int):
+    """(start, end) of `part` in text, searched from `at` on (then from the start), or None."""
+    i = text.find(part, at)
+    i = text.find(part) if i < 0 else i
+    return (i, i + len(part)) if i >= 0 else None
 
 
 class TextStream:
@@ -166,10 +218,22 @@ class HFBackend:
     def __init__(self, tok):
         self.tok = tok
 
-    def encode(self, text):
+    def encode(self, text, tok=None):
+        tok = tok or self.tok
         if len(text) > 10_000:  # encode_batch releases the GIL, so a server's other threads run meanwhile
-            return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return self.tok.encode(text, add_special_tokens=False).ids
+            return tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return tok.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text):
+        """Special tokens' literals as text: a copy of the tokenizer with encode_special_tokens set
+        (the flag is the tokenizer's own, so the shared one is never switched under other threads)."""
+        if getattr(self, "plain", None) is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self.plain = plain
+        return self.encode(text, self.plain) if text else []
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -184,6 +248,9 @@ class SentencePieceBackend:
         self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         self.special = special
         self.split = re.compile("(" + "|".join(map(re.escape, special)) + ")") if special else None
+
+    def encode_plain(self, text):
+        return self.sp.encode(text) if text else []
 
     def encode(self, text):
         if not self.split:
@@ -213,6 +280,9 @@ class TiktokenBackend:
 
     def encode(self, text):
         return self.enc.encode(text, allowed_special="all")
+
+    def encode_plain(self, text):
+        return self.enc.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids):
         return self.enc.decode(ids)
