@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -47,7 +46,7 @@ from responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server_limits import DrainingServer, Guard, Limits, add_limit_args
+from server_limits import DrainingServer, Guard, Limits, add_limit_args, server_config
 from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
@@ -423,8 +422,8 @@ def main(argv=None) -> int:
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
     app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
-    server = DrainingServer(config, app.state.engine_loop, args.shutdown_timeout)
+    server = DrainingServer(server_config(app, args.host, args.port, limits), app.state.engine_loop,
+                            args.shutdown_timeout)
     threading.Thread(target=server.announce, daemon=True).start()
     server.run()
     return 0

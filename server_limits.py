@@ -1,6 +1,8 @@
 """What one request may ask of serve.py, checked before any handler reads it: the API key, the
 body size, the server draining, and the limits each request is held to (`Limits`, one flag each);
-and how the server ends (`DrainingServer`: drain on the first signal, within a hard bound).
+how long a connection may keep the server waiting (`GuardedH11`: a request's headers and body
+within --header_timeout, a reply the client stops reading cut after --write_timeout); and how
+the server ends (`DrainingServer`: drain on the first signal, within a hard bound).
 
     python -c "import server_limits"     # library only; serve.py uses it
 
@@ -15,8 +17,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import h11
 import uvicorn
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from openai_format import error, unavailable
 from runtime import log
@@ -34,6 +38,8 @@ class Limits:
     max_stored_responses: int = 256  # Responses API replies kept for previous_response_id (0: none)
     max_logprob_entries: int = 2_000_000  # log-probabilities one response may hold (~100 MB of JSON)
     constraint_timeout: float = 10.0  # seconds a new constraint may take to compile (0: not tried first)
+    header_timeout: float = 10.0  # seconds a request's headers and body may take to arrive (slowloris)
+    write_timeout: float = 30.0  # seconds a reply may wait on a client that reads nothing, before it is cut
 
 
 def authorized(header: bytes, api_key: str) -> bool:
@@ -93,8 +99,63 @@ def add_limit_args(p: argparse.ArgumentParser):
     p.add_argument("--constraint_timeout", type=float, default=d.constraint_timeout,
                    help="seconds a new constraint may take to compile in the checking process; 0 compiles it "
                         "on the engine thread untried")
+    p.add_argument("--header_timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection may take to send a whole request (headers and body); then it is closed")
+    p.add_argument("--write_timeout", type=float, default=d.write_timeout,
+                   help="seconds a reply may wait on a client whose socket takes no more; then the connection "
+                        "is closed and its request aborted")
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 connection with the two deadlines it lacks. A connection that opens (or
+    has its last reply) must send a whole request within config.header_timeout: a client sending
+    headers a byte at a time (slowloris) held a socket forever, since any byte resets uvicorn's
+    keep-alive timer. A reply whose bytes the client stops taking (the socket's buffers full: the
+    transport calls pause_writing) for config.write_timeout is cut: the connection is aborted, and
+    the request behind it with it, so a stream that is not read cannot hold its slot."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout, self.write_timeout = config.header_timeout, config.write_timeout
+        self.replies, self.stalled = 0, None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.loop.call_later(self.header_timeout, self._request_due, self.replies)
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self.replies += 1
+        self.loop.call_later(self.header_timeout, self._request_due, self.replies)
+
+    def _request_due(self, replies: int):
+        """Still no whole request since the reply counted `replies` (or the connection): close."""
+        waiting = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        if replies == self.replies and waiting and not self.transport.is_closing():
+            self.transport.close()
+
+    def pause_writing(self):
+        super().pause_writing()
+        self.stalled = self.loop.call_later(self.write_timeout, self._cut)
+
+    def resume_writing(self):
+        super().resume_writing()
+        if self.stalled is not None:
+            self.stalled.cancel()
+            self.stalled = None
+
+    def _cut(self):
+        log(f"a client took no bytes for {self.write_timeout:g} s (--write_timeout): its connection is cut")
+        self.transport.abort()  # (close() would wait for the unread bytes to drain)
+
+
+def server_config(app, host: str, port: int, limits: Limits) -> uvicorn.Config:
+    """uvicorn's settings for serve.py: GuardedH11 with the limits' deadlines, idle keep-alive 5 s."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=GuardedH11, timeout_keep_alive=5)
+    config.header_timeout, config.write_timeout = limits.header_timeout, limits.write_timeout
+    return config
 
 
 class DrainingServer(uvicorn.Server):

@@ -46,9 +46,9 @@ def start_server(engine, tokenizer, limits=None):
     import uvicorn
 
     from serve import make_app
+    from server_limits import server_config
 
-    srv = uvicorn.Server(uvicorn.Config(make_app(engine, tokenizer, "soak", KEY, limits), host="127.0.0.1", port=0,
-                                        log_level="error"))
+    srv = uvicorn.Server(server_config(make_app(engine, tokenizer, "soak", KEY, limits), "127.0.0.1", 0, limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:

@@ -19,6 +19,7 @@ from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from engine import Engine
 from serve import Limits, make_app
+from server_limits import server_config
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -31,7 +32,7 @@ LIMITS = Limits(max_n=8, max_body_bytes=2**20, max_prompts=4, max_stop=4)
 def start_server(engine, tokenizer, limits=LIMITS, engine_thread=None):
     """serve.py's app on a free port in a thread; returns (url, app, stop())."""
     app = make_app(engine, tokenizer, "tiny", KEY, limits, engine_thread)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    srv = uvicorn.Server(server_config(app, "127.0.0.1", 0, limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

@@ -171,3 +171,61 @@ def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
     assert report["blocks_in_use"] == 0 and report["requests_left"] == 0
     assert report["server_errors"] == 0 and report["malformed_not_4xx"] == 0
     assert report["preemptions"] > 0
+
+
+def guarded_server(tiny, **limits):
+    _, model, tokenizer = tiny
+    engine = Engine.for_model(model, num_blocks=600, block_size=8, max_num_seqs=16, max_num_batched_tokens=256,
+                              stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    url, app, stop = start_server(engine, tokenizer, Limits(**limits))
+    host, port = url.removeprefix("http://").split(":")
+    return url, (host, int(port)), engine, app.state.engine_loop, stop
+
+
+def test_a_request_that_never_finishes_arriving_is_closed(tiny):
+    """Headers sent a line at a time and never ended (slowloris), or a body that stops short of its
+    Content-Length: the connection is closed --header_timeout after it opened; others are served."""
+    import socket
+
+    url, address, _, _, stop = guarded_server(tiny, header_timeout=1.0)
+    try:
+        short_body = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      "Content-Length: 100\r\n\r\n{\"pro").encode()
+        for partial in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", short_body):
+            with socket.create_connection(address, timeout=10) as s:
+                start = time.monotonic()
+                s.sendall(partial)
+                assert s.recv(1024) == b"", "the server answered a request that never arrived"
+                assert 0.9 < time.monotonic() - start < 5
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        stop()
+
+
+def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
+    """A client that asks for a long stream (8 samples, 20 alternatives a token) and reads nothing:
+    once the socket's buffers are full the reply waits; after --write_timeout the connection is cut
+    and the engine aborts the request, long before its 3,600 tokens. Others are still served."""
+    import socket
+
+    url, address, engine, loop, stop = guarded_server(tiny, write_timeout=1.0)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 8,
+                       "max_tokens": 450, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes little and then nothing
+        s.connect(address)
+        s.sendall(head + body)
+        deadline = time.monotonic() + 5
+        while not engine.requests:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+        wait_idle(engine, seconds=60)
+        assert loop.tokens_generated < 8 * 450
+        s.close()
+        r = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        stop()
