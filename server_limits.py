@@ -151,8 +151,10 @@ class GuardedH11(H11Protocol):
         self.transport.abort()  # (close() would wait for the unread bytes to drain)
 
 
-def server_config(app, host: str, port: int, limits: Limits) -> uvicorn.Config:
-    """uvicorn's settings for serve.py: GuardedH11 with the limits' deadlines, idle keep-alive 5 s."""
+def server_config(app, host: str, port: int, limits: Limits = None) -> uvicorn.Config:
+    """uvicorn's settings for serve.py: GuardedH11 with the limits' deadlines (None: Limits()), idle
+    keep-alive 5 s."""
+    limits = limits or Limits()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=GuardedH11, timeout_keep_alive=5)
     config.header_timeout, config.write_timeout = limits.header_timeout, limits.write_timeout
     return config
