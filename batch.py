@@ -26,8 +26,8 @@ import os
 import sys
 import time
 
-from engine import Finished, RequestParams, add_engine_args, check_engine_args, engine_options
-from runtime import log
+from engine import Finished, RequestParams
+from runtime import add_engine_args, check_engine_args, engine_options, log
 from tp_engine import load_engine  # engine.load_engine, or tensor-parallel under torchrun
 
 REQUEST_KEYS = ("id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",

@@ -1,4 +1,5 @@
-"""What every entry point shares: the model's steps, compiling them, devices, dtypes and memory.
+"""What every entry point shares: the model's steps, compiling them, devices, dtypes, memory, and the
+engine's flags (batch.py, serve.py).
 
     logits = prefill(model, cache, tokens[B, T])               # -> [B, V], the next token's logits
     logits = decode_one(model, cache, token[B, 1], pos[B, 1])  # -> [B, V], the step --compile compiles
@@ -256,3 +257,34 @@ def memory_plan(model, cache) -> str:
                           f"x {cache.batch_size})")
     per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
     return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
+
+
+# -- the engine's flags, which batch.py and serve.py share (engine.load_engine takes their values) ----
+def add_engine_args(p):
+    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--compile", nargs="?", const="jit", choices=("jit",), help="torch.compile decode steps (batch padded to a few sizes)")
+    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
+    p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
+    p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory)")
+    p.add_argument("--kv_cache_memory", type=parse_size, default=None, help="memory for the KV pool, e.g. 2GiB "
+                   "(default: 20%% of free memory, at most what max_num_seqs full contexts need)")
+    p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
+    p.add_argument("--max_num_batched_tokens", type=int, default=512, help="most tokens per step (the prefill chunk)")
+    p.add_argument("--no_prefix_caching", action="store_true", help="do not reuse the KV of shared prompt heads")
+    p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
+
+
+def check_engine_args(p, args):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+
+
+def engine_options(args) -> dict:
+    """The values of add_engine_args' flags, as load_engine's keywords."""
+    names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
+             "max_num_seqs", "max_num_batched_tokens", "schedule_policy")
+    return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}

@@ -7,7 +7,9 @@ Static batching runs a batch until its longest request finishes: the others idle
 requests wait. Here every `schedule()` returns a Plan for one step:
 
   1. each running sequence gets its next tokens: decodes 1 token each (first, so they never
-     stall), then unfinished prefills a chunk, all within `max_num_batched_tokens`;
+     stall), then unfinished prefills a chunk, all within `max_num_batched_tokens`; while other
+     requests have prompt tokens to compute, a request's prefills get at most an equal share of
+     the budget (the rest after admission), so one huge prompt, or many, cannot hold it;
   2. waiting sequences are admitted (in `fcfs` or `lpm` order) while blocks, `max_num_seqs` and
      the token budget allow, reusing the KV blocks of their longest cached prefix (paged.py); when
      every slot is taken, a request with nothing running takes slots from one holding more than
@@ -73,8 +75,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Plan:
-        plan = Plan()
-        self._admit(plan, budget=self._schedule_running(plan))
+        plan, prefilling = Plan(), {s.request for s in self.running if len(s.tokens) - s.num_computed > 1}
+        share = max(1, self.max_num_batched_tokens // max(1, len(prefilling | {s.request for s in self.waiting})))
+        quota = Counter(dict.fromkeys(prefilling, share))  # prompt tokens each may take before admission
+        self._top_up(plan, self._admit(plan, self._schedule_running(plan, quota)))
         if plan.runs:
             st = self.stats
             st["steps"] += 1
@@ -82,13 +86,15 @@ class Scheduler:
             st["peak_running"] = max(st["peak_running"], len(self.running))
         return plan
 
-    def _schedule_running(self, plan) -> int:
-        """Tokens for the running sequences, decodes first (oldest first); returns the budget left."""
+    def _schedule_running(self, plan, quota) -> int:
+        """Tokens for the running sequences, decodes first (oldest first), a prefill within its
+        request's quota of prompt tokens; returns the budget left."""
         budget, runs = self.max_num_batched_tokens, plan.runs
         for seq in sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1):
-            if seq not in self.running or budget == 0:
+            need = len(seq.tokens) - seq.num_computed
+            n = min(need, budget, quota[seq.request] if need > 1 else 1)
+            if seq not in self.running or n <= 0:
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted
                 if victim is seq and len(self.running) == 1:  # alone and still does not fit
@@ -101,10 +107,17 @@ class Scheduler:
                     break
             if seq in self.running:
                 runs[seq] = n
-                budget -= n
+                budget, quota[seq.request] = budget - n, quota[seq.request] - n
         return budget
 
-    def _admit(self, plan, budget: int):
+    def _top_up(self, plan, budget: int):
+        """The budget the quotas left unused goes to the prefills that want more, in order."""
+        for seq, n in plan.runs.items():
+            extra = min(len(seq.tokens) - seq.num_computed - n, budget)
+            if extra > 0 and self._ensure_blocks(seq, n + extra, plan):
+                plan.runs[seq], budget = n + extra, budget - extra
+
+    def _admit(self, plan, budget: int) -> int:
         bs, scores = self.block_size, self.scores
         while self.waiting and budget > 0:
             seq = self._next_waiting()
@@ -134,6 +147,7 @@ class Scheduler:
             self.stats["prompt_tokens"] += len(seq.tokens)
             self.stats["prompt_tokens_hit"] += seq.num_computed
             req.prompt_tokens_hit += seq.num_computed
+        return budget
 
     def _next_waiting(self):
         """The waiting sequence to admit next, or None (scoring's must_wait may hold some back)."""

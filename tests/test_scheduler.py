@@ -4,6 +4,7 @@ of what the slots hold. A sequence that reads back anything but its own tokens (
 wrongly, a copy missed, a preempted sequence's stale blocks, a prefix hit on the wrong blocks)
 fails at once; outputs must equal the function run alone."""
 import random
+from collections import Counter
 
 import pytest
 
@@ -191,6 +192,24 @@ def test_a_large_n_yields_a_slot_to_a_newcomer_but_never_below_the_fair_share():
     fair.step()
     assert fair.s.stats["preemptions"] == 0 and ninth.seqs[0] in fair.s.waiting
     fair.run()
+
+
+def test_prefill_tokens_are_shared_between_requests_and_the_budget_still_fills():
+    stand_in = StandIn(scheduler(2000, max_num_seqs=8, max_num_batched_tokens=64))
+    rng = random.Random(2)
+    huge = stand_in.add([rng.randrange(3, 250) for _ in range(1000)], 2)
+    stand_in.step()
+    small = stand_in.add([5, 6, 7, 8, 9], 3)
+    plan = stand_in.step()  # a newcomer's prompt goes in at once, beside the huge prefill
+    assert plan.runs[small.seqs[0]] == 5 and plan.runs[huge.seqs[0]] == 64 - 5
+    many = [stand_in.add([rng.randrange(3, 250) for _ in range(100)], 2) for _ in range(3)]
+    while huge.seqs[0].num_computed < 1000:
+        plan = stand_in.step()
+        assert sum(plan.runs.values()) == 64 or not stand_in.s.waiting  # quotas never leave the budget idle
+    assert all(r.seqs[0].num_computed >= 100 for r in many)  # not held until the huge prompt is done
+    stand_in.run()
+    for req in [huge, small] + many:
+        assert req.seqs[0].output == alone(req.prompt, req.params.max_new_tokens)
 
 
 def test_bad_settings_are_refused():
