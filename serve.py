@@ -46,7 +46,7 @@ from responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server_limits import DrainingServer, Guard, Limits, add_limit_args, server_config
+from server_limits import DrainingServer, Guard, Limits, TokenizerLanes, add_limit_args, server_config, text_size
 from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
@@ -95,6 +95,7 @@ class Server:
         self.loop = EngineLoop(engine, limits.max_waiting, thread)
         self.context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
         self.context_name = "--max_model_len" if self.context < engine.max_model_len else "the model's context"
+        self.lanes = TokenizerLanes()  # a request with long texts cannot take every tokenizing thread
         self.checker = None  # constraints tried in a child process first (constraint_check.py)
         if limits.constraint_timeout and getattr(tokenizer, "source", None):
             self.checker = ConstraintChecker(tokenizer.source, engine.model.config.vocab_size, engine.stop_ids,
@@ -132,15 +133,17 @@ class Server:
         try:
             if body.messages is not None:
                 messages = template_messages(body)
-                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
-                ids = await asyncio.to_thread(encode, self.tokenizer, text, False, messages)
+                size = text_size(messages)
+                text = await self.lanes.run(size, self.tokenizer.apply_chat_template, messages)
+                ids = await self.lanes.run(size, encode, self.tokenizer, text, False, messages)
             else:
                 bos = None if body.add_special_tokens else False
-                ids = await asyncio.to_thread(encode, self.tokenizer, body.prompt or "", bos)
+                ids = await self.lanes.run(text_size(body.prompt), encode, self.tokenizer, body.prompt or "", bos)
         except Exception as e:
             raise Refused(f"cannot tokenize: {e}", "messages" if body.messages is not None else "prompt") from None
         # the reply built off the event loop too: a 4 MB text's ids held /health for seconds
-        return await asyncio.to_thread(JSONResponse, {"count": len(ids), "max_model_len": self.context, "tokens": ids})
+        reply = {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+        return await self.lanes.run(len(ids), JSONResponse, reply)
 
     async def detokenize(self, body: DetokenizeRequest):
         vocab = self.engine.model.config.vocab_size
@@ -195,8 +198,8 @@ class Server:
         """Texts -> token ids (ids pass through), off the event loop: /health answers while a long text
         encodes. A rendered chat comes with its messages (their special-token literals stay text)."""
         try:
-            return await asyncio.to_thread(lambda: [encode(self.tokenizer, p, bos, messages) if isinstance(p, str)
-                                                    else p for p in prompts])
+            return await self.lanes.run(text_size(prompts), lambda: [
+                encode(self.tokenizer, p, bos, messages) if isinstance(p, str) else p for p in prompts])
         except ValueError as e:
             raise Refused(f"{param}: {e}", param) from None
 
@@ -227,7 +230,7 @@ class Server:
 
     async def render(self, messages, extra: dict) -> str:
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, **extra)
+            return await self.lanes.run(text_size(messages), self.tokenizer.apply_chat_template, messages, True, **extra)
         except Exception as e:  # a template that fails on these messages
             raise Refused(f"the chat template failed on these messages: {e}", "messages") from None
 
@@ -375,6 +378,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
     app = FastAPI(title="llm inference server", exception_handlers={
         RequestValidationError: bad_request, HTTPException: http_error, Refused: refused})
     app.state.engine_loop = server.loop
+    app.router.on_shutdown.append(server.lanes.close)
     if server.checker:
         app.router.on_shutdown.append(server.checker.close)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, engine_loop=server.loop)
@@ -392,7 +396,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
 
 
 def main(argv=None) -> int:
-    from engine import add_engine_args, check_engine_args, engine_options
+    from runtime import add_engine_args, check_engine_args, engine_options
     from tp_engine import ignore_signals_unless_rank_zero, load_engine  # tensor-parallel under torchrun
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -229,3 +229,48 @@ def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
         assert r.status_code == 200
     finally:
         stop()
+
+
+class SlowOnLongTexts:
+    """The tiny tokenizer, holding each text of LONG_TEXT characters or more until released (10 s)."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.release = tokenizer, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, bos=None):
+        if len(text) >= serve.TokenizerLanes.LONG_TEXT:
+            self.release.wait(10)
+            return [5] * 600  # past the context: refused once tokenized
+        return self.inner.encode(text, bos=bos)
+
+
+def test_long_prompts_being_tokenized_leave_threads_for_a_short_chat(tiny):
+    """Seven requests with long prompts tokenize one at a time in their own lane (asyncio's default
+    pool has 6 threads on 2 cores, which they filled); a short chat is answered while they are held."""
+    _, model, tokenizer = tiny
+    slow = SlowOnLongTexts(tokenizer)
+    engine = Engine.for_model(model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    url, _, stop = start_server(engine, slow)
+    long_prompt = "word " * (serve.TokenizerLanes.LONG_TEXT // 5 + 1)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as h:
+            longs = [asyncio.ensure_future(h.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}))
+                     for _ in range(7)]
+            await asyncio.sleep(0.3)
+            start = time.perf_counter()
+            short = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 2})
+            seconds = time.perf_counter() - start
+            slow.release.set()
+            return short, seconds, await asyncio.gather(*longs)
+
+    try:
+        short, seconds, longs = asyncio.run(run())
+    finally:
+        stop()
+    assert short.status_code == 200 and seconds < 5, f"the short chat took {seconds:.2f} s"
+    assert all(r.status_code == 400 and "context" in r.json()["error"]["message"] for r in longs)
