@@ -1,11 +1,14 @@
 """Structured output through serve.py and the real `openai` client: response_format (json_object,
 json_schema), `client.chat.completions.parse` with a pydantic model, vLLM's structured_outputs
 (regex, choice, grammar), streamed or not; 32 concurrent requests with different schemas beside
-unconstrained ones; bad constraints get 400 while the server keeps serving. The model is the
-tiny random one: it never writes valid JSON on its own."""
+unconstrained ones; a stream's pace beside a 5,000-value enum with n = 8 and a prompt scored with
+echo; bad constraints get 400 while the server keeps serving. The model is the tiny random one: it
+never writes valid JSON on its own."""
 import asyncio
 import json
 import re
+import statistics
+import time
 
 import httpx
 import jsonschema
@@ -84,6 +87,54 @@ def test_32_concurrent_schemas_beside_unconstrained_requests(server):
     for i, out in enumerate(results[:32]):
         jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS[i % len(SCHEMAS)])
     assert [r.choices[0].text for r in results[32:]] == [expected] * 4
+
+
+async def stream_times(h, tokens=300) -> list:
+    """The times (s) a greedy stream's chunks arrive."""
+    times, body = [], {"prompt": "Once upon a time", "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0}
+    async with h.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return times
+
+
+def test_a_stream_keeps_its_pace_beside_a_huge_enum_with_n_and_a_long_echo(server):
+    """Eight rows writing one of 5,000 long enum values (a mask each per step) and a 220-token
+    prompt scored with echo + logprobs share the steps with a stream: while they run, its mean gap
+    stays within 2x its gap beside eight unconstrained rows, and no gap reaches half a second (their
+    compile and scoring once stalled every stream for 10-43 s)."""
+    url, _, _, engine, _ = server
+    values = [f"v{i} " + "abc def " * 12 for i in range(5000)]
+    enum = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": values}}}
+
+    async def timed(request):
+        return await request, time.perf_counter()
+
+    async def beside(h, body, echo: bool):
+        sent = [asyncio.ensure_future(timed(h.post("/v1/chat/completions", json=body)))]
+        while not any(r.params.n == 8 for r in list(engine.requests.values())):  # compiled and admitted
+            await asyncio.sleep(0.005)
+        if echo:
+            sent.append(asyncio.ensure_future(timed(h.post("/v1/completions", json={
+                "prompt": "word " * 220, "max_tokens": 1, "echo": True, "logprobs": 5}))))
+        times = await stream_times(h)
+        replies = await asyncio.gather(*sent)
+        return [b - a for a, b in zip(times, times[1:]) if b <= replies[0][1]], replies
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as h:
+            plain = await beside(h, {"messages": USER, "n": 8, "max_tokens": 100, "ignore_eos": True}, echo=False)
+            return plain, await beside(h, {"messages": USER, "n": 8, "max_tokens": 200, "response_format": enum}, True)
+    (plain, _), (during, replies) = asyncio.run(main())
+    assert [r.status_code for r, _ in replies] == [200, 200]
+    assert all(json.loads(c["message"]["content"]) in values for c in replies[0][0].json()["choices"])
+    assert len(replies[1][0].json()["choices"][0]["logprobs"]["tokens"]) > 220
+    assert len(during) >= 20 and len(plain) >= 20, "the stream ended before the other rows"
+    print(f"beside plain rows {statistics.mean(plain) * 1e3:.2f} ms, beside the enum and echo "
+          f"{statistics.mean(during) * 1e3:.2f} ms over {len(during)} gaps, longest {max(during) * 1e3:.1f} ms")
+    assert statistics.mean(during) < 2 * statistics.mean(plain) and max(during) < 0.5, (plain, during)
 
 
 @pytest.mark.parametrize("extra", [
