@@ -98,6 +98,12 @@ def test_regexes_choices_json_objects_and_grammars(tiny):
     choices = ["yes", "no", "maybe so", "n/a \"quoted\""]
     for r in run(eng, ["Pick:"] * 3, [sampled(Constraint("choice", choices), s) for s in SEEDS]):
         assert r["text"] in choices
+    prefixes = ["a", "ab", "abc"]  # one a prefix of the next: each may end the output or go on
+    for r in run(eng, ["Pick:"] * 3, [sampled(Constraint("choice", prefixes), s) for s in SEEDS]):
+        assert r["text"] in prefixes
+    many = [f"c{i}" for i in range(100_000)]  # past llguidance's 2,000 parser alternatives: one terminal
+    for r in run(eng, ["Pick:"] * 3, [sampled(Constraint("choice", many), s) for s in SEEDS]):
+        assert r["text"] in set(many)
     for r in run(eng, ["Obj:"] * 3, [sampled(Constraint("json_object"), s) for s in SEEDS]):
         assert r["finish_reason"] != "stop" or isinstance(json.loads(r["text"]), dict)
     lark = 'start: "(" num (" + " num)* ")"\nnum: /[1-9]/'
