@@ -25,6 +25,7 @@ blocks. SIGTERM or SIGINT drain: new requests get 503, /health says "draining", 
 """
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -426,6 +427,7 @@ def main(argv=None) -> int:
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
     app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
+    gc.freeze()  # what loading made is kept: give_back_freed_memory's collections skip it (285 ms -> 0)
     server = DrainingServer(server_config(app, args.host, args.port, limits), app.state.engine_loop,
                             args.shutdown_timeout)
     threading.Thread(target=server.announce, daemon=True).start()

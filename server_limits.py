@@ -7,11 +7,15 @@ the server ends (`DrainingServer`: drain on the first signal, within a hard boun
     python -c "import server_limits"     # library only; serve.py uses it
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
-parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued.
+parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued; after a request or reply of
+256 KiB or more, the memory it freed is handed back to the system (give_back_freed_memory).
 """
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import functools
+import gc
 import hmac
 import os
 import signal
@@ -74,6 +78,18 @@ def text_size(value) -> int:
     return sum(map(text_size, value)) if isinstance(value, (list, tuple)) else 0
 
 
+LARGE_BYTES = 1 << 18  # a request body or reply this large: memory freed after it goes back to the system
+
+
+def give_back_freed_memory():
+    """glibc keeps what a large request freed in its arenas: twelve 0.9 MB requests (100,000 choices)
+    grew the server from 510 to 764 MiB resident; with this after each it stayed at 465. The trim
+    itself takes 0.2 ms; the collection is cheap only after serve.py's gc.freeze (else 285 ms here)."""
+    gc.collect()  # what it left in cycles: most of it
+    with contextlib.suppress(Exception):  # (not glibc: no malloc_trim)
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def authorized(header: bytes, api_key: str) -> bool:
     """'Authorization: Bearer KEY', the scheme name in any case (RFC 7235)."""
     scheme, _, token = header.decode("latin-1").strip().partition(" ")
@@ -111,7 +127,16 @@ class Guard:
                 raise HTTPException(413, too_large)
             return message
 
-        await self.app(scope, bounded_receive, send)
+        sent = 0
+
+        async def counted_send(message):
+            nonlocal sent
+            sent += len(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, bounded_receive, counted_send)
+        if max(received, sent) >= LARGE_BYTES:
+            give_back_freed_memory()  # here, not in a thread: a collection finalizes the loop's own objects
 
 
 def add_limit_args(p: argparse.ArgumentParser):
