@@ -107,7 +107,7 @@ class Scheduler:
                     break
             if seq in self.running:
                 runs[seq] = n
-                budget, quota[seq.request] = budget - n, quota[seq.request] - n
+                budget, quota[seq.request] = budget - n, quota[seq.request] - n * (need > 1)
         return budget
 
     def _top_up(self, plan, budget: int):

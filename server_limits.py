@@ -79,6 +79,7 @@ def text_size(value) -> int:
 
 
 LARGE_BYTES = 1 << 18  # a request body or reply this large: memory freed after it goes back to the system
+GIVE_BACK_DELAY_S = 0.5  # ... this long after it, once for all such requests in the meantime
 
 
 def give_back_freed_memory():
@@ -103,6 +104,7 @@ class Guard:
 
     def __init__(self, app, api_key, max_body_bytes, engine_loop):
         self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
+        self.giving_back = False  # a give_back_freed_memory is due
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -135,8 +137,13 @@ class Guard:
             await send(message)
 
         await self.app(scope, bounded_receive, counted_send)
-        if max(received, sent) >= LARGE_BYTES:
-            give_back_freed_memory()  # here, not in a thread: a collection finalizes the loop's own objects
+        if max(received, sent) >= LARGE_BYTES and not self.giving_back:  # one for a burst of them
+            self.giving_back = True
+            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back)
+
+    def _give_back(self):
+        self.giving_back = False
+        give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
 
 
 def add_limit_args(p: argparse.ArgumentParser):

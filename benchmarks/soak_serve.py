@@ -74,7 +74,6 @@ def start_server(engine, tokenizer, limits=None):
     from server_limits import server_config
 
     srv = uvicorn.Server(server_config(make_app(engine, tokenizer, "soak", KEY, limits), "127.0.0.1", 0, limits))
-    gc.freeze()  # as serve.py does once loaded
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -230,6 +229,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     engine, tokenizer = tiny_engine(args.num_blocks, args.max_num_seqs)
+    gc.collect()
+    gc.freeze()  # as serve.py does once loaded
     report = soak(engine, tokenizer, args.requests, args.rate, args.seed)
     print(json.dumps(report, indent=1))
     ok = not report["mismatches"] and not report["blocks_in_use"] and not report["requests_left"] and \

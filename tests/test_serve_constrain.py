@@ -114,7 +114,9 @@ def test_a_stream_keeps_its_pace_beside_a_huge_enum_with_n_and_a_long_echo(serve
 
     async def beside(h, body, echo: bool):
         sent = [asyncio.ensure_future(timed(h.post("/v1/chat/completions", json=body)))]
+        deadline = time.perf_counter() + 60
         while not any(r.params.n == 8 for r in list(engine.requests.values())):  # compiled and admitted
+            assert time.perf_counter() < deadline and not sent[0].done(), "the 8 rows never started"
             await asyncio.sleep(0.005)
         if echo:
             sent.append(asyncio.ensure_future(timed(h.post("/v1/completions", json={
