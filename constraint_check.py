@@ -46,7 +46,7 @@ def child(conn, tokenizer_source, vocab_size: int, stop_ids):
 def probe(matcher, vocab_size: int, stop_ids: set) -> str:
     """Walk PROBE_STEPS tokens into the constraint (the first allowed each time), computing each
     mask, where llguidance's run-time limits show ("Current row has 20001 items; max is 2000"
-    comes at the second token of a 20,000-way choice): "" or the error."""
+    comes at the second token of a grammar of 20,000 alternatives): "" or the error."""
     import torch
 
     for step in range(PROBE_STEPS):

@@ -179,6 +179,13 @@ def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(serve
     assert out.choices[0].text in ("red", "blue")  # the checker came back for the next one
 
 
+def parser_alternatives(n: int) -> str:
+    """A Lark grammar of n literal alternatives as parser rules (a choice compiles them as one
+    terminal): past 2,000 llguidance fails at the second token ("max is 2000" items in a row), and
+    100,000 take seconds to compile."""
+    return "start: " + " | ".join(json.dumps(f"option number {i}") for i in range(n))
+
+
 def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
     from constrain import Constraint
     from constraint_check import ConstraintChecker
@@ -187,7 +194,7 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
     checker = ConstraintChecker(tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=1.0)
     checker.check(Constraint("choice", ["yes", "no"]))
     with pytest.raises(ValueError, match="within 1 s"):
-        checker.check(Constraint("choice", [f"option number {i}" for i in range(100_000)]))
+        checker.check(Constraint("grammar", parser_alternatives(100_000)))
     looping = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     with pytest.raises(ValueError, match="no output|invalid constraint"):
         checker.check(Constraint("json_schema", looping))
@@ -197,8 +204,8 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
 
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
     """The engine thread gets a constrain.Compiled (compiled in a worker thread, llguidance
-    releasing the GIL), so it never compiles; 20,000 choices, which pass their first mask and fail
-    at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
+    releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass their first
+    mask and fail at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
     from constrain import Compiled
 
     url, _, _, engine, _ = server
@@ -211,8 +218,7 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
     out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=2,
                                          extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
     assert re.fullmatch("[a-c]{3}", out.choices[0].text) and seen == [Compiled]
-    choices = [f"option number {i}" for i in range(20_000)]
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "prompt": "x", "max_tokens": 4, "structured_outputs": {"choice": choices}})
+        "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": parser_alternatives(20_000)}})
     assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text[:300]
     assert "\n" not in r.json()["error"]["message"] and seen == [Compiled]  # one line; never queued
