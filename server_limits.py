@@ -7,8 +7,9 @@ the server ends (`DrainingServer`: drain on the first signal, within a hard boun
     python -c "import server_limits"     # library only; serve.py uses it
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
-parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued; after a request or reply of
-256 KiB or more, the memory it freed is handed back to the system (give_back_freed_memory).
+parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued. After a
+request or reply of 256 KiB or more, the memory it freed goes back to the system
+(give_back_freed_memory).
 """
 import argparse
 import asyncio
