@@ -10,8 +10,8 @@ requests: batch.py and engine_loop.py call only add_request, abort, step, has_un
             print(event)
 
 Each sequence samples with its own torch.Generator (seeded from the request's seed), and its
-penalties (sampling.py) count its own tokens, so its output does not depend on what it was
-batched with. A request with n > 1 prefills once; its samples fork when the prompt is computed.
+penalties (sampling.py) count its own tokens, so its sampling does not depend on what it was
+batched with; its logits can, in bf16, unless batch_invariant (batch_invariant.py). A request with n > 1 prefills once; its samples fork when the prompt is computed.
 Each token's text is decoded once, incrementally (tokenizer.TextStream, which finds stop strings
 too): the events carry the text a server streams. A fault while sampling one request ends that
 request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, then `positions`,
@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+import batch_invariant as invariant
 from cpu_kernels import gemm_padding
 from kv_cache import bucket
 from paged import BlockAllocator, PagedKVCache, plan_blocks
@@ -59,7 +60,7 @@ class Engine:
     scoring.PromptScores as its scores to score prompts); stop_ids: the model's end tokens;
     tokenizer: for text and stop strings; compile: decode-only steps (a graph per batch bucket)."""
 
-    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False):
+    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False):
         if (cache.num_blocks, cache.block_size) != (scheduler.allocator.num_blocks, scheduler.block_size):
             raise ValueError(f"the cache has {cache.num_blocks} blocks of {cache.block_size} tokens, the scheduler's "
                              f"allocator {scheduler.allocator.num_blocks} of {scheduler.block_size}")
@@ -68,11 +69,18 @@ class Engine:
         self.max_model_len = model.config.max_position_embeddings
         self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
+        self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
+        if batch_invariant:
+            if compile:
+                raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
+            invariant.enable()
+            cache.attention, cache.decode = invariant.attention, None
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                   max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
-                  stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None):
+                  stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
+                  batch_invariant: bool = False):
         """An engine with its own pool of num_blocks (paged.plan_blocks sizes it) and prompt scoring."""
         allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
@@ -80,7 +88,8 @@ class Engine:
         c = model.config  # a window on every layer: blocks behind it are freed as sequences grow
         window = c.sliding_window if all(c.window(i) for i in range(c.n_layers)) else 0
         scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, window)
-        return cls(model, PagedKVCache.for_model(model, num_blocks, block_size), scheduler, tokenizer, stop_ids, compile)
+        return cls(model, PagedKVCache.for_model(model, num_blocks, block_size), scheduler, tokenizer, stop_ids, compile,
+                   batch_invariant)
 
     # -- the request lifecycle -----------------------------------------------------------------
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
@@ -184,23 +193,26 @@ class Engine:
         index of each sequence's last token). Decodes (and one-token prefill tails) first."""
         ones = [s for s, n in plan.runs.items() if n == 1]
         chunks = [s for s, n in plan.runs.items() if n > 1]  # prefill chunks: a group each
-        tokens, pos, groups, ends = [], [], [], []
+        tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
+        # the blocks a row attends: its sequence's, or (batch_invariant) those its own position needs
+        need = (lambda s: s.num_computed // bs + 1) if self.batch_invariant else (lambda s: len(s.blocks))
         if compiled:  # one group, its rows padded to a bucket so that few graphs are compiled
             decode_groups = [ones]
         else:  # rows of similar context together, so each group's gather is close to its own length
-            ones.sort(key=lambda s: -len(s.blocks))
-            decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(len(s.blocks)))]
+            ones.sort(key=lambda s: -need(s))
+            decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))]
         for group in decode_groups:
-            width = bucket(max(len(s.blocks) for s in group))
+            width = bucket(max(need(s) for s in group))
             pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: position 0 of the null block
-            table = [s.blocks + [0] * (width - len(s.blocks)) for s in group] + [[0] * width] * pad
+            table = [s.blocks[:width] + [0] * (width - len(s.blocks)) for s in group] + [[0] * width] * pad
             ends += [len(tokens) + i for i in range(len(group))]
             tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
             pos += [s.num_computed for s in group] + [0] * pad
             groups.append((len(group) + pad, 1, torch.tensor(table, device=self.device)))
-        for s in chunks:
-            n, start, width = plan.runs[s], s.num_computed, bucket(len(s.blocks))
-            groups.append((1, n, torch.tensor([s.blocks + [0] * (width - len(s.blocks))], device=self.device)))
+        for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
+            n, start = plan.runs[s], s.num_computed
+            for m, width in invariant.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]:
+                groups.append((1, m, torch.tensor([s.blocks[:width] + [0] * (width - len(s.blocks))], device=self.device)))
             tokens += s.tokens[start:start + n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
@@ -295,7 +307,7 @@ class Engine:
 # -- loading one (its flags: runtime.add_engine_args) ---------------------------------------------
 def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
                 num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
-                schedule_policy="fcfs", prefix_caching=True, dequantize=False):
+                schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False):
     """(Engine, tokenizer, load info) for a checkpoint; logs the memory plan. Then, as generate.py,
     drops what only loading needed (weights.settle)."""
     import weights
@@ -309,5 +321,5 @@ def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, q
     plan += window_plan(model.config, block_size, PagedKVCache.bytes_per_block(model, block_size))
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer, compile)
+                              schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant)
     return engine, tokenizer, info

@@ -226,6 +226,7 @@ class PagedKVCache:
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
+        self.attention = attention  # what the gathered blocks go through (batch_invariant.py puts its own)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16):
@@ -293,7 +294,7 @@ class PagedKVCache:
         pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
         T, H, D = q.shape[1:]
-        if T == 1 and window and window // bs + 2 < table.shape[1]:  # decode past the window: its blocks only
+        if T == 1 and window and self.attention is attention and window // bs + 2 < table.shape[1]:  # decode past the window: its blocks only
             first = (pos - window + 1).clamp(min=0) // bs  # [R, 1]: the window's first block
             table = table.gather(1, (first + self.slots[:window // bs + 2]).clamp(max=table.shape[1] - 1))
             pos = pos - first * bs  # positions within the window's blocks (the mask is shift-invariant)
@@ -307,7 +308,7 @@ class PagedKVCache:
         k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
-        return attention(q, k_ctx, v_ctx, mask, softcap, sinks)
+        return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)
 
 
 def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,

@@ -275,16 +275,20 @@ def add_engine_args(p):
     p.add_argument("--max_num_batched_tokens", type=int, default=512, help="most tokens per step (the prefill chunk)")
     p.add_argument("--no_prefix_caching", action="store_true", help="do not reuse the KV of shared prompt heads")
     p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
+    p.add_argument("--batch_invariant", action="store_true", help="a request's tokens the same whatever runs beside it "
+                   "(batch_invariant.py; eager steps, slower prefill)")
 
 
 def check_engine_args(p, args):
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.batch_invariant and args.compile:
+        p.error("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
 
 
 def engine_options(args) -> dict:
     """The values of add_engine_args' flags, as load_engine's keywords."""
     names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
-             "max_num_seqs", "max_num_batched_tokens", "schedule_policy")
+             "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant")
     return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}

@@ -283,6 +283,8 @@ def load_engine(**options):
     check_same_options(options)
     if options.get("compile"):
         raise ValueError("--compile does not run tensor-parallel engine steps; leave it out under torchrun")
+    if options.get("batch_invariant"):
+        raise ValueError("--batch_invariant does not run tensor-parallel engine steps; leave it out under torchrun")
     device = pick_device(options.get("device"))
     device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
     model, info = weights.load_for_inference(options.get("checkpoint"), device, DTYPES[options.get("dtype", "bfloat16")],

@@ -19,7 +19,7 @@ FLOORS = {
     1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file",
         "harmony"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
-    3: ["families", "gguf_config", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
+    3: ["families", "gguf_config", "batch_invariant", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
     4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],

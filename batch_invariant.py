@@ -1,0 +1,87 @@
+"""Batch-invariant steps: a request's tokens are the same whatever it is batched with.
+
+Floating-point sums depend on their order, and an engine picks its kernels by the shape of the
+whole step. So in the default engine a greedy request can change its text when other requests
+run beside it, though each row's maths is the same. Two things did it (tests/test_batch_invariant.py,
+benchmarks/RESULTS.md "Batch-invariant greedy decoding"):
+
+  1. int4 layers on CPU switch from the int4 kernel to dequantize + GEMM at quantize.INT4_LARGE_M
+     rows: a decode row beside a 700-token prefill is computed by the other route.
+  2. attention reductions run over a width set by others: eager decode rows over their group's
+     gathered blocks by embedding_bag, prefill chunks by SDPA's flash kernel over the chunk's last
+     block, so where the scheduler cut a prompt (its share of the step's budget) changed its keys.
+
+Each kernel alone is row-invariant here: F.linear and batched matmuls give a row the same bits at
+any row count, and so does the int4 kernel (tests check it under each CPU capability). So the
+mode keeps every row's arithmetic a function of the row alone:
+
+  - linear layers take one route at every row count (the int4 kernel: `enable`);
+  - every query row, decode or prompt, attends with the same `attention`, over a width that
+    follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
+    decode rows by it and cuts prefill chunks where it changes (`pieces`).
+
+A token's K/V then has the same bits whether it was computed as a decode or inside any prefill
+chunk, so preemption and prefix-cache hits keep the invariance too. It costs prefill speed (the
+int4 kernel on many rows, attention without the flash kernel) and eager steps (no --compile).
+
+    .venv/bin/python serve.py --batch_invariant
+"""
+import sys
+
+import torch
+
+import quantize
+from kv_cache import bucket
+
+_SAVED = {}
+
+
+def enable():
+    """Route every int4 layer of this process through the int4 kernel, at any row count (a module
+    constant of quantize.py, so every model of the process: a server holds one)."""
+    for name in ("INT4_LARGE_M", "INT4_LARGE_M_FLOAT32"):
+        _SAVED.setdefault(name, getattr(quantize, name))
+        setattr(quantize, name, sys.maxsize)
+
+
+def disable():
+    """Undo `enable` (tests)."""
+    for name, value in _SAVED.items():
+        setattr(quantize, name, value)
+    _SAVED.clear()
+
+
+def pieces(start: int, n: int, block_size: int) -> list:
+    """A prefill chunk of positions start..start+n-1 cut where its queries' attend width changes
+    -> [(tokens, width in blocks)]: each query's width is bucket(p // block_size + 1)."""
+    out, p = [], start
+    while p < start + n:
+        width = bucket(p // block_size + 1)
+        end = min(start + n, width * block_size)  # the last position this width holds, plus one
+        out.append((end - p, width))
+        p = end
+    return out
+
+
+def attention(q, k, v, mask, softcap=0.0, sinks=None):
+    """softmax(q k^T / sqrt(D) + mask) v as two batched matmuls whose rows are (query, head in the
+    KV head's group): a row's bits do not depend on how many queries share the call. Softcap
+    (Gemma 2) and sinks (gpt-oss) as kv_cache.attention defines them.
+
+    q [R, T, H, D]; k, v [R, Hkv, L, D]; mask [R, 1, T, L] -> [R, T, H, D]"""
+    R, T, H, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(R, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, T * G, D)  # rows (t, g)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [R, Hkv, T*G, L]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D**-0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(R, Hkv, T, G, L).masked_fill(~mask[:, :, :, None], float("-inf"))
+    if sinks is not None:  # [H] -> one more column per row, dropped after the softmax
+        column = sinks.view(1, Hkv, 1, G, 1).expand(R, Hkv, T, G, 1).to(scores.dtype)
+        p = torch.softmax(torch.cat((scores, column), -1), dim=-1)[..., :L]
+    else:
+        p = torch.softmax(scores, dim=-1)
+    y = torch.matmul(p.reshape(R, Hkv, T * G, L).to(v.dtype), v)  # [R, Hkv, T*G, D]
+    return y.view(R, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(R, T, H, D)

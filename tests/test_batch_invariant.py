@@ -1,0 +1,164 @@
+"""batch_invariant.py: a greedy request's logits, bit for bit, and so its tokens do not depend on
+what runs beside it: alone, inside batches of every size 1-32, chunked by other budgets,
+preempted, or continued from its own output as a prompt."""
+import argparse
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batch_invariant
+import quant_groups
+import quantize
+import runtime
+from engine import Finished, RequestParams, load_engine
+from kv_cache import attention, bucket, visible
+
+WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()
+
+
+@pytest.fixture
+def invariant():  # the mode is process-wide (the int4 layers' route): undone after each test
+    batch_invariant.enable()
+    yield
+    batch_invariant.disable()
+
+
+@pytest.mark.parametrize("start, n, bs", [(0, 1, 16), (0, 700, 16), (5, 300, 16), (40, 3, 4), (127, 2, 16), (47, 1, 16)])
+def test_pieces_cut_a_chunk_where_the_width_changes(start, n, bs):
+    got = [w for m, w in batch_invariant.pieces(start, n, bs) for _ in range(m)]
+    assert got == [bucket(p // bs + 1) for p in range(start, start + n)]
+    widths = [w for _, w in batch_invariant.pieces(start, n, bs)]
+    assert all(a != b for a, b in zip(widths, widths[1:]))  # no cut where nothing changes
+
+
+def linear_layer(kind, K=256, N=192):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g) * 0.05
+    if kind == "bf16":
+        return torch.nn.Linear(K, N, bias=False).to(torch.bfloat16).requires_grad_(False)
+    if kind == "int8 groups":  # a GGUF Q8_0/Q4_1 layer at its own bits: two int4 halves for the kernel
+        q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+        layer = quant_groups.Int8GroupLinear(q, torch.rand(N, K // 32, generator=g) * 0.02, None, None, torch.bfloat16)
+        assert layer.pair is not None
+        return layer
+    return quantize.make_layer(quantize.portable_tensors(w, kind, 64), None, kind, 64, torch.bfloat16, "cpu")
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int8 groups"])
+def test_every_linear_route_gives_a_row_the_same_bits_at_any_row_count(kind, invariant):
+    layer = linear_layer(kind)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(0, 300, 37)])  # rows 0, 37, ... each on its own
+    with torch.no_grad():
+        for rows in (2, 3, 37, 127, 128, 129, 300):  # 128: where the default route switches to dequantize + GEMM
+            y = layer(x[:rows])
+            for j, i in enumerate(range(0, rows, 37)):
+                assert torch.equal(y[i], alone[j]), (kind, rows, i)
+
+
+def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
+    """q [1, T, H, D] at `positions`, K/V [1, Hkv, L, D] and each query's mask [1, 1, T, L]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, len(positions), H, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, visible(torch.arange(L), torch.tensor([positions]))
+
+
+@pytest.mark.isa
+def test_attention_gives_a_query_the_same_bits_alone_or_among_others():
+    """A query of a 100-token prefill chunk == the same query as a one-token row among 5 others."""
+    q, k, v, mask = paged_rows(list(range(60, 160)), 256)
+    chunk = batch_invariant.attention(q, k, v, mask)  # [1, 100, H, D]
+    for t in (0, 41, 99):
+        rows = [t, 3, 50, 77, 98, 12][:6]  # six decode rows, t first
+        y = batch_invariant.attention(q[0, rows][:, None], k.expand(6, -1, -1, -1), v.expand(6, -1, -1, -1),
+                                      mask[0, :, rows].transpose(0, 1)[:, :, None])
+        assert torch.equal(y[0, 0], chunk[0, t])
+
+
+@pytest.mark.parametrize("softcap, sinks", [(0.0, False), (30.0, False), (0.0, True)])
+def test_attention_equals_the_reference(softcap, sinks):
+    q, k, v, mask = paged_rows(list(range(20, 52)), 64, dtype=torch.float64)
+    s = torch.randn(9, dtype=torch.float64) if sinks else None
+    ref = attention(q, k, v, mask, softcap, s)  # with softcap or sinks its softmax runs in float32
+    tol = 1e-6 if softcap or sinks else 1e-10
+    torch.testing.assert_close(batch_invariant.attention(q, k, v, mask, softcap, s), ref, rtol=tol, atol=tol)
+    plain = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    if not softcap and not sinks:
+        torch.testing.assert_close(batch_invariant.attention(q, k, v, mask), plain, rtol=1e-10, atol=1e-10)
+
+
+class Probe:
+    """An engine on the embedded model (bf16 at the file's own bits, the server's default) that
+    keeps the logits of the request named "probe" at each of its steps."""
+
+    def __init__(self, **options):
+        self.engine, self.tokenizer, _ = load_engine(batch_invariant=True, **options)
+        self.logits, sample = [], self.engine._sample
+
+        def spy(plan, done, logits, events):
+            self.logits += [logits[i].clone() for i, s in enumerate(done) if s.request.id == "probe"]
+            return sample(plan, done, logits, events)
+        self.engine._sample = spy
+
+    def run(self, prompt, others=(), new=8):
+        """(the probe's logits [new, V], its tokens) with `others` (prompt, max_new_tokens) beside it."""
+        self.logits.clear()
+        self.engine.add_request(prompt, RequestParams(max_new_tokens=new, temperature=0, ignore_eos=True), "probe")
+        for j, (p, n) in enumerate(others):
+            self.engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0, ignore_eos=True), f"other{j}")
+        tokens = None
+        while self.engine.has_unfinished():
+            for e in self.engine.step():
+                if isinstance(e, Finished) and e.request_id == "probe":
+                    tokens = e.result["tokens"]
+        assert self.engine.scheduler.allocator.num_used() == 0
+        return torch.stack(self.logits), tokens
+
+
+def words(rng, n, tokenizer):
+    return tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(n)))
+
+
+def test_greedy_logits_alone_equal_inside_batches_of_every_size_1_to_32(invariant):
+    """The bug it fixes: without the mode, a 200-token prompt prefilled in the same steps (over 128
+    rows: the other int4 route) or a prompt cut into other chunks changed the probe's logits."""
+    probe = Probe(max_num_batched_tokens=256, num_blocks=400)
+    rng = random.Random(0)
+    prompt = words(rng, 40, probe.tokenizer)
+    ref, tokens = probe.run(prompt, new=4)
+    for size in range(1, 33):
+        others = [(words(rng, rng.randint(1, 8), probe.tokenizer), rng.randint(1, 4)) for _ in range(size - 1)]
+        if size % 4 == 2:  # a long prompt beside it: steps of more than 128 rows
+            others.append((words(rng, 200, probe.tokenizer), 2))
+        logits, got = probe.run(prompt, others, new=4)
+        assert torch.equal(logits, ref) and got == tokens, f"{len(others)} others"
+
+
+def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(invariant):
+    rng = random.Random(1)
+    alone = Probe(max_num_batched_tokens=512, num_blocks=40)
+    prompt = words(rng, 150, alone.tokenizer)
+    ref, tokens = alone.run(prompt, new=12)
+    tight = Probe(max_num_batched_tokens=48, max_num_seqs=8, num_blocks=40)  # 39 blocks of 16 tokens for 6 requests of ~170
+    others = [(words(rng, 150, tight.tokenizer), 16) for _ in range(5)]
+    logits, got = tight.run(prompt, others, new=12)
+    assert tight.engine.scheduler.stats["preemptions"] > 0
+    assert torch.equal(logits, ref) and got == tokens
+    # its first 5 tokens computed as prompt rows (one chunk) instead of decode rows: the same K/V bits
+    logits, got = alone.run(prompt + tokens[:5], new=7)
+    assert torch.equal(logits, ref[5:]) and got == tokens[5:]
+
+
+def test_the_flag_reaches_the_engine_and_refuses_compiled_steps(capsys):
+    p = argparse.ArgumentParser()
+    runtime.add_engine_args(p)
+    args = p.parse_args(["--batch_invariant"])
+    runtime.check_engine_args(p, args)
+    assert runtime.engine_options(args)["batch_invariant"] is True
+    with pytest.raises(SystemExit):
+        runtime.check_engine_args(p, p.parse_args(["--batch_invariant", "--compile"]))
+    assert "--batch_invariant runs eager steps" in capsys.readouterr().err
