@@ -15,7 +15,10 @@ pool is small, so sequences are preempted. Checked at the end: every completed g
 requests got 4xx, attacks 200 or 4xx (or 503 when the queue is full), nothing else got 5xx; 0 blocks in use and 0 requests in the engine; resident memory
 after the run against after warm-up (the first 10% of requests); p50/p99 time to first token of
 the streamed clients. The default model is a tiny random one in float64 (built here), so that
-batching cannot change a greedy token; the test suite runs a short version.
+batching cannot change a greedy token; the test suite runs a short version. `--embedded` runs
+the embedded model in bf16 instead, where batching can change one, unless `--batch_invariant`:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant --requests 400 --rate 4
 """
 import argparse
 import asyncio
@@ -220,6 +223,15 @@ def tiny_engine(num_blocks: int, max_num_seqs: int):
                   stop_ids=tokenizer.stop_ids, tokenizer=tokenizer), tokenizer
 
 
+def embedded_engine(num_blocks: int, max_num_seqs: int, batch_invariant: bool):
+    """The embedded model as serve.py runs it by default (bf16 at the file's own bits), blocks of 16."""
+    from engine import load_engine
+
+    engine, tokenizer, _ = load_engine(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                                       batch_invariant=batch_invariant)
+    return engine, tokenizer
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000)
@@ -227,8 +239,14 @@ def main(argv=None):
     p.add_argument("--num_blocks", type=int, default=60, help="a small pool, so that sequences are preempted")
     p.add_argument("--max_num_seqs", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--embedded", action="store_true", help="the embedded model in bf16 (greedy texts may then "
+                   "change with the batch) instead of the tiny float64 one")
+    p.add_argument("--batch_invariant", action="store_true", help="with --embedded: the engine's batch-invariant mode")
     args = p.parse_args(argv)
-    engine, tokenizer = tiny_engine(args.num_blocks, args.max_num_seqs)
+    if args.embedded:
+        engine, tokenizer = embedded_engine(args.num_blocks, args.max_num_seqs, args.batch_invariant)
+    else:
+        engine, tokenizer = tiny_engine(args.num_blocks, args.max_num_seqs)
     gc.collect()
     gc.freeze()  # as serve.py does once loaded
     report = soak(engine, tokenizer, args.requests, args.rate, args.seed)
