@@ -11,18 +11,24 @@ benchmarks/RESULTS.md "Batch-invariant greedy decoding"):
      gathered blocks by embedding_bag, prefill chunks by SDPA's flash kernel over the chunk's last
      block, so where the scheduler cut a prompt (its share of the step's budget) changed its keys.
 
-Each kernel alone is row-invariant here: F.linear and batched matmuls give a row the same bits at
-any row count, and so does the int4 kernel (tests check it under each CPU capability). So the
+Each kernel alone is row-invariant here from two rows up: F.linear, batched matmuls and the int4
+kernel give a row the same bits at any row count of 2 or more, but a one-row product takes
+another kernel (GEMV) whose sums differ (tests check both, under each CPU capability). So the
 mode keeps every row's arithmetic a function of the row alone:
 
-  - linear layers take one route at every row count (the int4 kernel: `enable`);
+  - int4 layers take one route at every row count (the int4 kernel), and no product has one row:
+    engine.py pads a step to two tokens and its kept rows to two, `attention` its query rows;
   - every query row, decode or prompt, attends with the same `attention`, over a width that
     follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
     decode rows by it and cuts prefill chunks where it changes (`pieces`).
 
 A token's K/V then has the same bits whether it was computed as a decode or inside any prefill
-chunk, so preemption and prefix-cache hits keep the invariance too. It costs prefill speed (the
-int4 kernel on many rows, attention without the flash kernel) and eager steps (no --compile).
+chunk, so preemption and prefix-cache hits keep the invariance too. Proven for CPU in bfloat16
+(`check` refuses the rest: float32's vector maths round an element by where it falls against a
+vector's tail; CUDA's GEMMs split by shape; an expert of a mixture may get one row). It costs
+speed (benchmarks/RESULTS.md, "Batch-invariant greedy decoding": the int4 kernel on many rows,
+attention by matmuls rather than the flash kernel or reading blocks in place), eager steps only,
+and on sliding-window layers decode rows read their whole context, not just the window's blocks.
 
     .venv/bin/python serve.py --batch_invariant
 """
@@ -36,16 +42,30 @@ from kv_cache import bucket
 _SAVED = {}
 
 
-def enable():
-    """Route every int4 layer of this process through the int4 kernel, at any row count (a module
-    constant of quantize.py, so every model of the process: a server holds one)."""
-    for name in ("INT4_LARGE_M", "INT4_LARGE_M_FLOAT32"):
-        _SAVED.setdefault(name, getattr(quantize, name))
-        setattr(quantize, name, sys.maxsize)
+def check(model):
+    """ValueError unless the mode is proven for this model where it runs (see above)."""
+    w, c = model.norm.weight, model.config
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or c.moe:
+        raise ValueError(f"--batch_invariant is proven on CPU in bfloat16 for dense models; this model runs on "
+                         f"{w.device.type} in {str(w.dtype).removeprefix('torch.')}" + (" with experts" if c.moe else ""))
+
+
+def enable(model, cache):
+    """The mode for `model` over its paged `cache`: every int4 layer of the process takes the int4
+    kernel at any row count (a constant of quantize.py, so every model of the process: a server
+    holds one), and the cache attends through `attention` (no one-token kernel, no window read)."""
+    check(model)
+    one_int4_route()
+    cache.attention, cache.decode = attention, None
+
+
+def one_int4_route():
+    _SAVED.setdefault("INT4_LARGE_M", quantize.INT4_LARGE_M)
+    quantize.INT4_LARGE_M = sys.maxsize
 
 
 def disable():
-    """Undo `enable` (tests)."""
+    """Undo `one_int4_route` (tests, benchmarks)."""
     for name, value in _SAVED.items():
         setattr(quantize, name, value)
     _SAVED.clear()
@@ -72,6 +92,8 @@ def attention(q, k, v, mask, softcap=0.0, sinks=None):
     R, T, H, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
+    if T * G == 1:  # one row per product (one query, no grouped heads): twice, one kept (GEMV, above)
+        return attention(torch.cat((q, q), 1), k, v, torch.cat((mask, mask), 2), softcap, sinks)[:, :1]
     qg = q.reshape(R, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, T * G, D)  # rows (t, g)
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [R, Hkv, T*G, L]
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D**-0.5

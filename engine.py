@@ -11,7 +11,8 @@ requests: batch.py and engine_loop.py call only add_request, abort, step, has_un
 
 Each sequence samples with its own torch.Generator (seeded from the request's seed), and its
 penalties (sampling.py) count its own tokens, so its sampling does not depend on what it was
-batched with; its logits can, in bf16, unless batch_invariant (batch_invariant.py). A request with n > 1 prefills once; its samples fork when the prompt is computed.
+batched with; its logits can (bf16), unless batch_invariant (batch_invariant.py). A request with
+n > 1 prefills once; its samples fork when the prompt is computed.
 Each token's text is decoded once, incrementally (tokenizer.TextStream, which finds stop strings
 too): the events carry the text a server streams. A fault while sampling one request ends that
 request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, then `positions`,
@@ -72,9 +73,9 @@ class Engine:
         self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
         if batch_invariant:
             if compile:
-                raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
-            invariant.enable()
-            cache.attention, cache.decode = invariant.attention, None
+                raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its "
+                                 "batch); leave out --compile")
+            invariant.enable(model, cache)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
@@ -219,6 +220,7 @@ class Engine:
         # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
         # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
         pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
+        pad = max(pad, 2 - len(tokens)) if self.batch_invariant else pad  # no one-row GEMM (batch_invariant.py)
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
@@ -238,7 +240,8 @@ class Engine:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in sampling]]
             else:
                 keep = [e for s, e in zip(order, ends) if s in sampling] + [e for _, e, _ in scored]
-                logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(keep, dtype=torch.long, device=self.device))
+                rows = keep * 2 if self.batch_invariant and len(keep) == 1 else keep  # the head: no one-row GEMM
+                logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(rows, dtype=torch.long, device=self.device))[:len(keep)]
         if scored:
             scores.score(scored, logits[len(done):])
         return done, logits[:len(done)]

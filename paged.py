@@ -294,7 +294,8 @@ class PagedKVCache:
         pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
         T, H, D = q.shape[1:]
-        if T == 1 and window and self.attention is attention and window // bs + 2 < table.shape[1]:  # decode past the window: its blocks only
+        # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than the prefill's)
+        if T == 1 and window and self.attention is attention and window // bs + 2 < table.shape[1]:
             first = (pos - window + 1).clamp(min=0) // bs  # [R, 1]: the window's first block
             table = table.gather(1, (first + self.slots[:window // bs + 2]).clamp(max=table.shape[1] - 1))
             pos = pos - first * bs  # positions within the window's blocks (the mask is shift-invariant)

@@ -6,7 +6,8 @@ model at its own bits (bf16, eager, the server's default), with the mode off and
 Prints, per mode: prefill tokens/s of one 1,000-token prompt; decode tokens/s of 1, 8 and 32
 requests (20-token prompts, 64 new tokens each, timed from the step after their first token); and
 how many of `--rounds` mixed batches changed a fixed greedy request's text from the text it has
-alone (batches of 1-32 random requests, a 700-token prompt in every other round).
+alone (batches of 1-32 random requests, a 700-token prompt in every other round). Each mode gets a
+fresh engine, so neither reads K/V the other computed from the prefix cache.
 """
 import argparse
 import os
@@ -19,20 +20,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import batch_invariant  # noqa: E402
 from bench_serving import corpus, window  # noqa: E402
-from cpu_kernels import PagedDecodeInPlace  # noqa: E402
 from engine import Finished, RequestParams, load_engine  # noqa: E402
-from kv_cache import attention  # noqa: E402
-
-
-def set_mode(engine, on: bool):
-    """The same engine with the mode on or off (what Engine(batch_invariant=...) sets at build)."""
-    engine.batch_invariant = on
-    if on:
-        batch_invariant.enable()
-        engine.cache.attention, engine.cache.decode = batch_invariant.attention, None
-    else:
-        batch_invariant.disable()
-        engine.cache.attention, engine.cache.decode = attention, PagedDecodeInPlace()
 
 
 def greedy(new):
@@ -78,19 +66,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=12, help="mixed batches for the invariance count")
     args = p.parse_args(argv)
-    engine, tokenizer, _ = load_engine(num_blocks=2000)
-    ids = corpus(tokenizer)
     print(f"{'mode':<16}{'prefill tok/s':>14}" + "".join(f"{f'decode B={b} tok/s':>20}" for b in (1, 8, 32))
           + f"{'texts changed':>16}")
     for on in (False, True):
-        set_mode(engine, on)
-        rng = random.Random(0)
+        engine, tokenizer, _ = load_engine(num_blocks=2000, batch_invariant=on)
+        ids, rng = corpus(tokenizer), random.Random(0)
         prefill_rate(engine, window(ids, 1000, rng))  # warm-up: oneDNN builds its kernels
         row = [prefill_rate(engine, window(ids, 1000, rng))]
         row += [decode_rate(engine, [window(ids, 20, rng) for _ in range(b)]) for b in (1, 8, 32)]
         changed = flips(engine, ids, args.rounds, rng)
         print(f"{'batch_invariant' if on else 'default':<16}{row[0]:>14.0f}" + "".join(f"{x:>20.1f}" for x in row[1:])
               + f"{f'{changed} of {args.rounds}':>16}")
+        del engine
+        batch_invariant.disable()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ string, booleans as token ids), each of which must get a 200 or a 4xx. The KV
 pool is small, so sequences are preempted. Checked at the end: every completed greedy request
 (n = 1, no stop string) has the text of the same request run alone on the engine; malformed
 requests got 4xx, attacks 200 or 4xx (or 503 when the queue is full), nothing else got 5xx; 0 blocks in use and 0 requests in the engine; resident memory
-after the run against after warm-up (the first 10% of requests); p50/p99 time to first token of
+after the run against after warm-up (the first 10% of requests) and halfway (what grows after
+it is not warm-up: a path first taken late); p50/p99 time to first token of
 the streamed clients. The default model is a tiny random one in float64 (built here), so that
 batching cannot change a greedy token; the test suite runs a short version. `--embedded` runs
 the embedded model in bf16 instead, where batching can change one, unless `--batch_invariant`:
@@ -171,6 +172,8 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
     def on_progress(sent):
         if sent == max(1, n_requests // 10) and "rss" not in warm:
             warm["rss"] = rss_bytes()
+        if sent == max(1, n_requests // 2) and "half" not in warm:  # growth from here on is not warm-up
+            warm["half"] = rss_bytes()
 
     start = time.perf_counter()
     try:
@@ -203,6 +206,7 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
             "attacks": {name: sorted({r["status"] for r in results if r.get("name") == name})
                         for name in sorted({r["name"] for r in results if r["kind"] == "attack"})},
             "preemptions": engine.scheduler.stats["preemptions"], "rss_warm_mib": round(warm.get("rss", 0) / 2**20, 1),
+            "rss_half_mib": round(warm.get("half", 0) / 2**20, 1),
             "rss_after_mib": round(rss_after / 2**20, 1), "peak_rss_mib": round(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "ttft_p50_s": round(percentile(ttft, 0.5), 4), "ttft_p99_s": round(percentile(ttft, 0.99), 4)}
@@ -243,6 +247,8 @@ def main(argv=None):
                    "change with the batch) instead of the tiny float64 one")
     p.add_argument("--batch_invariant", action="store_true", help="with --embedded: the engine's batch-invariant mode")
     args = p.parse_args(argv)
+    if args.batch_invariant and not args.embedded:
+        p.error("--batch_invariant is for --embedded (the tiny float64 model is invariant already)")
     if args.embedded:
         engine, tokenizer = embedded_engine(args.num_blocks, args.max_num_seqs, args.batch_invariant)
     else:

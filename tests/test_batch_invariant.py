@@ -9,18 +9,20 @@ import torch
 import torch.nn.functional as F
 
 import batch_invariant
+import helpers
 import quant_groups
 import quantize
 import runtime
-from engine import Finished, RequestParams, load_engine
+import weights
+from engine import Engine, Finished, RequestParams, load_engine
 from kv_cache import attention, bucket, visible
 
 WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()
 
 
 @pytest.fixture
-def invariant():  # the mode is process-wide (the int4 layers' route): undone after each test
-    batch_invariant.enable()
+def invariant():  # the int4 layers' route is process-wide: undone after each test
+    batch_invariant.one_int4_route()
     yield
     batch_invariant.disable()
 
@@ -33,7 +35,7 @@ def test_pieces_cut_a_chunk_where_the_width_changes(start, n, bs):
     assert all(a != b for a, b in zip(widths, widths[1:]))  # no cut where nothing changes
 
 
-def linear_layer(kind, K=256, N=192):
+def linear_layer(kind, K, N=192):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g) * 0.05
     if kind == "bf16":
@@ -47,16 +49,18 @@ def linear_layer(kind, K=256, N=192):
 
 
 @pytest.mark.isa
+@pytest.mark.parametrize("K", [256, 1536])  # 1536: SmolLM2's down_proj, where a one-row bf16 GEMM sums otherwise
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int8 groups"])
-def test_every_linear_route_gives_a_row_the_same_bits_at_any_row_count(kind, invariant):
-    layer = linear_layer(kind)
-    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(0, 300, 37)])  # rows 0, 37, ... each on its own
+def test_every_linear_route_gives_a_row_the_same_bits_at_any_row_count_from_two(kind, K, invariant):
+    """From two rows up (engine.py never runs one under the mode: a one-row product is a GEMV)."""
+    layer = linear_layer(kind, K)
+    x = torch.randn(301, K, generator=torch.Generator().manual_seed(1)).bfloat16()
     with torch.no_grad():
+        pairs = torch.cat([layer(x[i:i + 2])[:1] for i in range(0, 300, 37)])  # rows 0, 37, ... beside one other
         for rows in (2, 3, 37, 127, 128, 129, 300):  # 128: where the default route switches to dequantize + GEMM
             y = layer(x[:rows])
             for j, i in enumerate(range(0, rows, 37)):
-                assert torch.equal(y[i], alone[j]), (kind, rows, i)
+                assert torch.equal(y[i], pairs[j]), (kind, rows, i)
 
 
 def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
@@ -68,15 +72,17 @@ def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.isa
-def test_attention_gives_a_query_the_same_bits_alone_or_among_others():
-    """A query of a 100-token prefill chunk == the same query as a one-token row among 5 others."""
-    q, k, v, mask = paged_rows(list(range(60, 160)), 256)
+@pytest.mark.parametrize("H, Hkv, L", [(9, 3, 256), (4, 4, 2048)])  # grouped heads; one head per KV head, long
+def test_attention_gives_a_query_the_same_bits_alone_or_among_others(H, Hkv, L):
+    """A query of a 100-token prefill chunk == the same query as a one-token row, alone or among 5 others."""
+    q, k, v, mask = paged_rows(list(range(L - 160, L - 60)), L, H, Hkv)
     chunk = batch_invariant.attention(q, k, v, mask)  # [1, 100, H, D]
     for t in (0, 41, 99):
-        rows = [t, 3, 50, 77, 98, 12][:6]  # six decode rows, t first
-        y = batch_invariant.attention(q[0, rows][:, None], k.expand(6, -1, -1, -1), v.expand(6, -1, -1, -1),
-                                      mask[0, :, rows].transpose(0, 1)[:, :, None])
-        assert torch.equal(y[0, 0], chunk[0, t])
+        for rows in ([t], [t, 3, 50, 77, 98, 12]):  # decode rows, t first
+            R = len(rows)
+            y = batch_invariant.attention(q[0, rows][:, None], k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1),
+                                          mask[0, :, rows].transpose(0, 1)[:, :, None])
+            assert torch.equal(y[0, 0], chunk[0, t]), (t, R)
 
 
 @pytest.mark.parametrize("softcap, sinks", [(0.0, False), (30.0, False), (0.0, True)])
@@ -95,8 +101,8 @@ class Probe:
     """An engine on the embedded model (bf16 at the file's own bits, the server's default) that
     keeps the logits of the request named "probe" at each of its steps."""
 
-    def __init__(self, **options):
-        self.engine, self.tokenizer, _ = load_engine(batch_invariant=True, **options)
+    def __init__(self, batch_invariant=True, **options):
+        self.engine, self.tokenizer, _ = load_engine(batch_invariant=batch_invariant, **options)
         self.logits, sample = [], self.engine._sample
 
         def spy(plan, done, logits, events):
@@ -138,17 +144,20 @@ def test_greedy_logits_alone_equal_inside_batches_of_every_size_1_to_32(invarian
         assert torch.equal(logits, ref) and got == tokens, f"{len(others)} others"
 
 
-def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(invariant):
+@pytest.mark.parametrize("dequantize", [False, True])  # the file's own bits; dense bf16 (F.linear)
+def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(dequantize, invariant):
     rng = random.Random(1)
-    alone = Probe(max_num_batched_tokens=512, num_blocks=40)
+    alone = Probe(max_num_batched_tokens=512, num_blocks=40, dequantize=dequantize)
     prompt = words(rng, 150, alone.tokenizer)
-    ref, tokens = alone.run(prompt, new=12)
-    tight = Probe(max_num_batched_tokens=48, max_num_seqs=8, num_blocks=40)  # 39 blocks of 16 tokens for 6 requests of ~170
+    ref, tokens = alone.run(prompt, new=12)  # its decode steps have one row: padded to two
+    # 39 blocks of 16 tokens for 6 requests of ~170
+    tight = Probe(max_num_batched_tokens=48, max_num_seqs=8, num_blocks=40, dequantize=dequantize)
     others = [(words(rng, 150, tight.tokenizer), 16) for _ in range(5)]
     logits, got = tight.run(prompt, others, new=12)
     assert tight.engine.scheduler.stats["preemptions"] > 0
     assert torch.equal(logits, ref) and got == tokens
-    # its first 5 tokens computed as prompt rows (one chunk) instead of decode rows: the same K/V bits
+    # its first 5 tokens computed as prompt rows (positions 144-154 in one chunk: the cache holds only
+    # full blocks) instead of decode rows: the same K/V bits
     logits, got = alone.run(prompt + tokens[:5], new=7)
     assert torch.equal(logits, ref[5:]) and got == tokens[5:]
 
@@ -162,3 +171,21 @@ def test_the_flag_reaches_the_engine_and_refuses_compiled_steps(capsys):
     with pytest.raises(SystemExit):
         runtime.check_engine_args(p, p.parse_args(["--batch_invariant", "--compile"]))
     assert "--batch_invariant runs eager steps" in capsys.readouterr().err
+
+
+def test_without_the_mode_the_same_request_changes_beside_a_long_prompt():
+    """The scenario the tests above use does reach what the mode fixes: by default it changes bits."""
+    probe = Probe(batch_invariant=False, max_num_batched_tokens=256, num_blocks=100)
+    rng = random.Random(0)
+    prompt = words(rng, 40, probe.tokenizer)
+    ref, _ = probe.run(prompt, new=1)
+    logits, _ = probe.run(prompt, [(words(rng, 200, probe.tokenizer), 1)], new=1)
+    assert not torch.equal(logits, ref)
+
+
+def test_the_mode_refuses_what_it_does_not_prove(tmp_path):
+    folder = helpers.tiny_checkpoint(tmp_path)
+    model, _ = weights.load(folder, dtype=torch.float32)
+    with pytest.raises(ValueError, match="proven on CPU in bfloat16 for dense models; this model runs on cpu in float32"):
+        Engine.for_model(model, num_blocks=16, batch_invariant=True)
+    assert quantize.INT4_LARGE_M == 128  # refused before it changed anything
