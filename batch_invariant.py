@@ -2,22 +2,23 @@
 
 Floating-point sums depend on their order, and an engine picks its kernels by the shape of the
 whole step. So in the default engine a greedy request can change its text when other requests
-run beside it, though each row's maths is the same. Two things did it (tests/test_batch_invariant.py,
-benchmarks/RESULTS.md "Batch-invariant greedy decoding"):
+run beside it, though each row's maths is the same. Three things did it
+(tests/test_batch_invariant.py; benchmarks/RESULTS.md, "Batch-invariant greedy decoding"):
 
   1. int4 layers on CPU switch from the int4 kernel to dequantize + GEMM at quantize.INT4_LARGE_M
-     rows: a decode row beside a 700-token prefill is computed by the other route.
-  2. attention reductions run over a width set by others: eager decode rows over their group's
+     rows: a decode row beside a 700-token prefill is computed by the other route;
+  2. a one-row float product takes another kernel (GEMV) whose sums differ from a many-row one's;
+  3. attention reductions run over a width set by others: eager decode rows over their group's
      gathered blocks by embedding_bag, prefill chunks by SDPA's flash kernel over the chunk's last
      block, so where the scheduler cut a prompt (its share of the step's budget) changed its keys.
 
-Each kernel alone is row-invariant here from two rows up: F.linear, batched matmuls and the int4
-kernel give a row the same bits at any row count of 2 or more, but a one-row product takes
-another kernel (GEMV) whose sums differ (tests check both, under each CPU capability). So the
-mode keeps every row's arithmetic a function of the row alone:
+Each kernel alone is row-invariant here: the int8 and int4 kernels give a row the same bits at
+any row count, F.linear and batched matmuls at any of 2 or more (tests check both, under each CPU
+capability). So the mode keeps every row's arithmetic a function of the row alone:
 
-  - int4 layers take one route at every row count (the int4 kernel), and no product has one row:
-    engine.py pads a step to two tokens and its kept rows to two, `attention` its query rows;
+  - int4 layers take one route at every row count (the int4 kernel), and no float product has
+    one row: engine.py pads a step to two tokens and its kept rows to two where the model has a
+    float matrix (`min_rows`; the quantized kernels agree from one row), `attention` its rows;
   - every query row, decode or prompt, attends with the same `attention`, over a width that
     follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
     decode rows by it and cuts prefill chunks where it changes (`pieces`).
@@ -57,6 +58,15 @@ def enable(model, cache):
     check(model)
     one_int4_route()
     cache.attention, cache.decode = attention, None
+
+
+def min_rows(model) -> int:
+    """The fewest rows a product may have: 1 if every matrix runs on a quantized kernel, else 2."""
+    kernel = (quantize.Int4Linear, quantize.Int8Linear)
+    for m in model.modules():
+        if hasattr(m, "in_features") and not isinstance(m, kernel) and getattr(m, "pair", None) is None:
+            return 2  # a float matrix (nn.Linear, or int8 groups dequantized for F.linear)
+    return 1
 
 
 def one_int4_route():

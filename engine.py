@@ -71,6 +71,7 @@ class Engine:
         self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
         self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
+        self.min_rows = invariant.min_rows(model) if batch_invariant else 1  # 2: no one-row float GEMM (GEMV)
         if batch_invariant:
             if compile:
                 raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its "
@@ -220,7 +221,7 @@ class Engine:
         # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
         # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
         pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
-        pad = max(pad, 2 - len(tokens)) if self.batch_invariant else pad  # no one-row GEMM (batch_invariant.py)
+        pad = max(pad, self.min_rows - len(tokens))
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
@@ -240,7 +241,7 @@ class Engine:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in sampling]]
             else:
                 keep = [e for s, e in zip(order, ends) if s in sampling] + [e for _, e, _ in scored]
-                rows = keep * 2 if self.batch_invariant and len(keep) == 1 else keep  # the head: no one-row GEMM
+                rows = keep * self.min_rows if len(keep) == 1 else keep  # the head's rows, a one-row GEMM avoided
                 logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(rows, dtype=torch.long, device=self.device))[:len(keep)]
         if scored:
             scores.score(scored, logits[len(done):])
