@@ -47,7 +47,8 @@ from responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server_limits import DrainingServer, Guard, Limits, TokenizerLanes, add_limit_args, server_config, text_size
+from server_limits import (DrainingServer, Guard, Limits, TokenizerLanes, add_limit_args, fewer_malloc_arenas,
+                           server_config, text_size)
 from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
@@ -275,12 +276,13 @@ class Server:
 
     async def compiled(self, constraint, body, tool_constraint):
         """The constraint tried in the checker's process (where a crash or a stall harms no one),
-        then compiled here off the engine thread: constrain.Compiled; Refused naming the field."""
+        then compiled here on its own thread (TokenizerLanes.compile): constrain.Compiled; Refused
+        naming the field."""
         try:
             await asyncio.to_thread(self.checker.check, constraint)
             vocab, stops = self.engine.model.config.vocab_size, self.engine.stop_ids
-            return Compiled(constraint, await asyncio.to_thread(compile_constraint, constraint, self.tokenizer,
-                                                                 vocab, stops))
+            return Compiled(constraint, await self.lanes.compile(compile_constraint, constraint, self.tokenizer,
+                                                                vocab, stops))
         except ValueError as e:
             param = "tools" if tool_constraint else "response_format" if body.response_format else "structured_outputs"
             raise Refused(f"{param}: {e}", param) from None
@@ -419,6 +421,7 @@ def main(argv=None) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     ignore_signals_unless_rank_zero()
+    fewer_malloc_arenas()  # before the threads start
     thread = EngineThread()  # loads the model and then steps it (engine_loop.py says why)
     try:
         engine, tokenizer, info = thread.call(load_engine, **engine_options(args)).result()

@@ -8,8 +8,8 @@ the server ends (`DrainingServer`: drain on the first signal, within a hard boun
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
 parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued. After a
-request or reply of 256 KiB or more, the memory it freed goes back to the system
-(give_back_freed_memory).
+request or reply of 256 KiB or more, and whenever the server falls idle, the memory freed goes
+back to the system (give_back_freed_memory); threads share two malloc arenas (fewer_malloc_arenas).
 """
 import argparse
 import asyncio
@@ -59,6 +59,9 @@ class TokenizerLanes:
 
     def __init__(self, long_workers: int = 1):
         self.long = ThreadPoolExecutor(long_workers, thread_name_prefix="tokenize-long")
+        # constraints compile on one thread: llguidance's recursion through a deep schema leaves
+        # 4.6 MiB of stack resident on every thread it has run on (RESULTS.md 6b)
+        self.compiling = ThreadPoolExecutor(1, thread_name_prefix="constraint-compile")
 
     async def run(self, size: int, fn, *args, **kwargs):
         """fn(*args, **kwargs) in a thread; size: the characters of the texts it works on."""
@@ -66,8 +69,13 @@ class TokenizerLanes:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.long, functools.partial(fn, *args, **kwargs))
 
+    async def compile(self, fn, *args):
+        """fn(*args) on the constraint-compiling thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.compiling, functools.partial(fn, *args))
+
     def close(self):
         self.long.shutdown(wait=False, cancel_futures=True)
+        self.compiling.shutdown(wait=False, cancel_futures=True)
 
 
 def text_size(value) -> int:
@@ -92,6 +100,19 @@ def give_back_freed_memory():
         ctypes.CDLL(None).malloc_trim(0)
 
 
+M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def fewer_malloc_arenas(n: int = 2):
+    """glibc gives each thread that allocates an arena of its own (up to 8 per core), and each keeps
+    what was freed in it. In a 2,000-request soak of the server, idle after warm-up -> idle at the
+    end, that grew resident memory 494 -> 535 MiB (+8%); two arenas kept it at 492 -> 497 (+1%),
+    time to first token no worse (RESULTS.md 6b). Call before threads start; $MALLOC_ARENA_MAX wins."""
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        with contextlib.suppress(Exception):  # (not glibc)
+            ctypes.CDLL(None).mallopt(M_ARENA_MAX, n)
+
+
 def authorized(header: bytes, api_key: str) -> bool:
     """'Authorization: Bearer KEY', the scheme name in any case (RFC 7235)."""
     scheme, _, token = header.decode("latin-1").strip().partition(" ")
@@ -106,6 +127,7 @@ class Guard:
     def __init__(self, app, api_key, max_body_bytes, engine_loop):
         self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
         self.giving_back = False  # a give_back_freed_memory is due
+        self.active = 0  # requests being answered: at 0 (the server idle) freed memory goes back too
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -137,8 +159,12 @@ class Guard:
             sent += len(message.get("body", b""))
             await send(message)
 
-        await self.app(scope, bounded_receive, counted_send)
-        if max(received, sent) >= LARGE_BYTES and not self.giving_back:  # one for a burst of them
+        self.active += 1
+        try:
+            await self.app(scope, bounded_receive, counted_send)
+        finally:
+            self.active -= 1
+        if (max(received, sent) >= LARGE_BYTES or not self.active) and not self.giving_back:  # one per burst
             self.giving_back = True
             asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back)
 

@@ -12,11 +12,13 @@ prompt with 20 alternatives and n = 16, chat content spelling special tokens, a 
 string, booleans as token ids), each of which must get a 200 or a 4xx. The KV
 pool is small, so sequences are preempted. Checked at the end: every completed greedy request
 (n = 1, no stop string) has the text of the same request run alone on the engine; malformed
-requests got 4xx, attacks 200 or 4xx (or 503 when the queue is full), nothing else got 5xx; 0 blocks in use and 0 requests in the engine; resident memory
-after the run against after warm-up (the first 10% of requests) and halfway (what grows after
-it is not warm-up: a path first taken late); p50/p99 time to first token of
-the streamed clients. The default model is a tiny random one in float64 (built here), so that
-batching cannot change a greedy token; the test suite runs a short version. `--embedded` runs
+requests got 4xx, attacks 200 or 4xx (or 503 when the queue is full), nothing else got 5xx; 0
+blocks in use and 0 requests in the engine; resident memory after the run against after warm-up
+(the first 10% of requests) and halfway (what grows after it is not warm-up: a path first taken
+late), each read with no request in flight (arrivals wait for those sent to finish, and for the
+server to give freed memory back), so that it compares what stays, not what is in use; p50/p99
+time to first token of the streamed clients. The default model is a tiny random one in float64
+(built here), so that batching cannot change a greedy token; the test suite runs a short version. `--embedded` runs
 the embedded model in bf16 instead, where batching can change one, unless `--batch_invariant`:
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant --requests 400 --rate 4
@@ -38,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from batch import percentile  # noqa: E402
+from server_limits import GIVE_BACK_DELAY_S, fewer_malloc_arenas  # noqa: E402
 
 WORDS = "hello world the quick brown fox jumps over lazy dog".split()
 KEY = "soak"
@@ -138,7 +141,9 @@ async def one(client, http, req) -> dict:
     return out
 
 
-async def run_load(url, requests, rate: float, seed: int, on_progress=None):
+async def run_load(url, requests, rate: float, seed: int, pause_at=(), on_idle=None):
+    """The requests at random gaps; after the i-th for each i in pause_at, everything sent so far is
+    let finish and on_idle(i) called once the server has had time to give freed memory back."""
     import httpx
     import openai
 
@@ -146,10 +151,12 @@ async def run_load(url, requests, rate: float, seed: int, on_progress=None):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
         tasks = []
-        for req in requests:
+        for i, req in enumerate(requests, 1):
             tasks.append(asyncio.ensure_future(one(client, http, req)))
-            if on_progress:
-                on_progress(len(tasks))
+            if i in pause_at:
+                await asyncio.gather(*tasks)
+                await asyncio.sleep(GIVE_BACK_DELAY_S + 1)
+                on_idle(i)
             await asyncio.sleep(rng.expovariate(rate))
         return await asyncio.gather(*tasks)
 
@@ -167,22 +174,18 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
     rng = random.Random(seed)
     requests = [make_request(rng, i) for i in range(n_requests)]
     url, stop = start_server(engine, tokenizer, limits)
-    warm = {}
-
-    def on_progress(sent):
-        if sent == max(1, n_requests // 10) and "rss" not in warm:
-            warm["rss"] = rss_bytes()
-        if sent == max(1, n_requests // 2) and "half" not in warm:  # growth from here on is not warm-up
-            warm["half"] = rss_bytes()
+    warm, half = max(1, n_requests // 10), max(1, n_requests // 2)
+    idle = {}  # requests sent -> resident memory with none in flight
 
     start = time.perf_counter()
     try:
-        results = asyncio.run(run_load(url, requests, rate, seed, on_progress))
+        results = asyncio.run(run_load(url, requests, rate, seed, {warm, half}, lambda i: idle.setdefault(i, rss_bytes())))
         deadline = time.time() + 30
         while (engine.requests or engine.scheduler.allocator.num_used()) and time.time() < deadline:
             time.sleep(0.05)
         elapsed = time.perf_counter() - start
         blocks, left = engine.scheduler.allocator.num_used(), len(engine.requests)
+        time.sleep(GIVE_BACK_DELAY_S + 1)
         rss_after = rss_bytes()
     finally:
         stop()
@@ -205,8 +208,8 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
             "malformed_not_4xx": sum(1 for r in results if r["kind"] == "malformed" and not 400 <= r["status"] < 500),
             "attacks": {name: sorted({r["status"] for r in results if r.get("name") == name})
                         for name in sorted({r["name"] for r in results if r["kind"] == "attack"})},
-            "preemptions": engine.scheduler.stats["preemptions"], "rss_warm_mib": round(warm.get("rss", 0) / 2**20, 1),
-            "rss_half_mib": round(warm.get("half", 0) / 2**20, 1),
+            "preemptions": engine.scheduler.stats["preemptions"], "rss_warm_mib": round(idle.get(warm, 0) / 2**20, 1),
+            "rss_half_mib": round(idle.get(half, 0) / 2**20, 1),
             "rss_after_mib": round(rss_after / 2**20, 1), "peak_rss_mib": round(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "ttft_p50_s": round(percentile(ttft, 0.5), 4), "ttft_p99_s": round(percentile(ttft, 0.99), 4)}
@@ -247,6 +250,7 @@ def main(argv=None):
                    "change with the batch) instead of the tiny float64 one")
     p.add_argument("--batch_invariant", action="store_true", help="with --embedded: the engine's batch-invariant mode")
     args = p.parse_args(argv)
+    fewer_malloc_arenas()  # as serve.py does
     if args.batch_invariant and not args.embedded:
         p.error("--batch_invariant is for --embedded (the tiny float64 model is invariant already)")
     if args.embedded:

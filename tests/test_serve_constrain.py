@@ -9,6 +9,7 @@ import json
 import re
 import statistics
 import time
+from multiprocessing.pool import ThreadPool
 
 import httpx
 import jsonschema
@@ -203,18 +204,26 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
 
 
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
-    """The engine thread gets a constrain.Compiled (compiled in a worker thread, llguidance
+    """The engine thread gets a constrain.Compiled (compiled on one thread of its own, llguidance
     releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass their first
     mask and fail at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
+    import threading
+
+    import serve
     from constrain import Compiled
 
     url, _, _, engine, _ = server
-    seen, add = [], engine.add_request
+    seen, add, threads, compile_constraint = [], engine.add_request, set(), serve.compile_constraint
 
     def recorded(prompt, params=None, request_id=None):
         seen.append(type(params.constraint))
         return add(prompt, params, request_id)
+
+    def compiled_where(*args):  # a deep schema leaves megabytes of stack on each thread it ran on
+        threads.add(threading.current_thread().name)
+        return compile_constraint(*args)
     monkeypatch.setattr(engine, "add_request", recorded)
+    monkeypatch.setattr(serve, "compile_constraint", compiled_where)
     out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=2,
                                          extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
     assert re.fullmatch("[a-c]{3}", out.choices[0].text) and seen == [Compiled]
@@ -222,3 +231,7 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
         "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": parser_alternatives(20_000)}})
     assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text[:300]
     assert "\n" not in r.json()["error"]["message"] and seen == [Compiled]  # one line; never queued
+    with ThreadPool(4) as pool:  # concurrent compiles: still the one thread
+        pool.map(lambda i: client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={
+            "structured_outputs": {"regex": f"[a-c]{{{i + 1}}}"}}), range(8))
+    assert threads == {"constraint-compile_0"}, threads

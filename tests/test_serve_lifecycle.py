@@ -276,9 +276,10 @@ def test_long_prompts_being_tokenized_leave_threads_for_a_short_chat(tiny):
     assert all(r.status_code == 400 and "context" in r.json()["error"]["message"] for r in longs)
 
 
-def test_memory_a_large_request_freed_is_given_back(tiny, monkeypatch):
-    """After a request body or reply of LARGE_BYTES or more the server collects and trims the heap,
-    once for a burst of them (glibc kept 0.9 MB requests' memory: the soak grew 84% without this)."""
+def test_memory_freed_is_given_back_once_per_burst(tiny, monkeypatch):
+    """When the server falls idle, and after a request body or reply of LARGE_BYTES or more, it
+    collects and trims the heap, once for a burst (glibc kept 0.9 MB requests' memory: the soak
+    grew 84% without this)."""
     import server_limits
 
     calls = []
@@ -290,11 +291,47 @@ def test_memory_a_large_request_freed_is_given_back(tiny, monkeypatch):
     try:
         small = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2})
         time.sleep(wait)
-        assert small.status_code == 200 and calls == []
+        assert small.status_code == 200 and calls == [1]  # idle
         big = {"prompt": "hi", "max_tokens": 2, "stop": ["x" * server_limits.LARGE_BYTES]}
         for _ in range(3):  # a burst: given back once
             assert httpx.post(url + "/v1/completions", headers=AUTH, json=big).status_code == 200
         time.sleep(wait)
-        assert calls == [1]
+        assert calls == [1, 1]
     finally:
         stop()
+
+
+def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
+    """Guard alone, around requests held open: a small one ending while another runs gives nothing
+    back; a large one does; the last one ending (the server idle) does."""
+    import types
+
+    import server_limits
+
+    calls = []
+    monkeypatch.setattr(server_limits, "give_back_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(server_limits, "GIVE_BACK_DELAY_S", 0.01)
+
+    async def run():
+        done = {name: asyncio.Event() for name in ("a", "b", "c")}
+
+        async def app(scope, receive, send):
+            await done[scope["path"][1:]].wait()
+            await send({"type": "http.response.body", "body": b"x" * (server_limits.LARGE_BYTES if
+                                                                       scope["path"] == "/b" else 1)})
+
+        guard = server_limits.Guard(app, None, 1 << 20, types.SimpleNamespace(draining=False))
+
+        async def sent(message):
+            pass
+        scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"0")]}
+        tasks = {n: asyncio.ensure_future(guard({**scope, "path": "/" + n}, None, sent)) for n in done}
+        await asyncio.sleep(0.1)  # all three running
+        seen = []
+        for name in ("a", "b", "c"):  # a: small, others running; b: large; c: the last
+            done[name].set()
+            await tasks[name]
+            await asyncio.sleep(0.1)
+            seen.append(len(calls))
+        return seen
+    assert asyncio.run(run()) == [0, 1, 2]
