@@ -128,6 +128,7 @@ class Guard:
         self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
         self.giving_back = False  # a give_back_freed_memory is due
         self.active = 0  # requests being answered: at 0 (the server idle) freed memory goes back too
+        self.large_freed = False  # a request or reply of LARGE_BYTES ended since the last give-back
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -164,13 +165,16 @@ class Guard:
             await self.app(scope, bounded_receive, counted_send)
         finally:
             self.active -= 1
-        if (max(received, sent) >= LARGE_BYTES or not self.active) and not self.giving_back:  # one per burst
+        self.large_freed |= max(received, sent) >= LARGE_BYTES
+        if (self.large_freed or not self.active) and not self.giving_back:  # one per burst
             self.giving_back = True
             asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back)
 
     def _give_back(self):
         self.giving_back = False
-        give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
+        if self.large_freed or not self.active:  # idle: only if still so (a collection can stall a stream)
+            self.large_freed = False
+            give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
 
 
 def add_limit_args(p: argparse.ArgumentParser):
