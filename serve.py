@@ -276,7 +276,7 @@ class Server:
 
     async def compiled(self, constraint, body, tool_constraint):
         """The constraint tried in the checker's process (where a crash or a stall harms no one),
-        then compiled here on its own thread (TokenizerLanes.compile): constrain.Compiled; Refused
+        then compiled here on a thread of its lane (TokenizerLanes.compile): constrain.Compiled; Refused
         naming the field."""
         try:
             await asyncio.to_thread(self.checker.check, constraint)

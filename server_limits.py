@@ -8,8 +8,9 @@ the server ends (`DrainingServer`: drain on the first signal, within a hard boun
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
 parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued. After a
-request or reply of 256 KiB or more, and whenever the server falls idle, the memory freed goes
-back to the system (give_back_freed_memory); threads share two malloc arenas (fewer_malloc_arenas).
+request or reply of 256 KiB or more, and when the server falls idle and no request starts within
+half a second, the memory freed goes back to the system (give_back_freed_memory); threads share
+two malloc arenas (fewer_malloc_arenas).
 """
 import argparse
 import asyncio
@@ -59,9 +60,10 @@ class TokenizerLanes:
 
     def __init__(self, long_workers: int = 1):
         self.long = ThreadPoolExecutor(long_workers, thread_name_prefix="tokenize-long")
-        # constraints compile on one thread: llguidance's recursion through a deep schema leaves
-        # 4.6 MiB of stack resident on every thread it has run on (RESULTS.md 6b)
-        self.compiling = ThreadPoolExecutor(1, thread_name_prefix="constraint-compile")
+        # constraints compile on two threads of their own: llguidance's recursion through a deep
+        # schema leaves 4.6 MiB of stack resident on every thread it has run on (RESULTS.md 6b), and
+        # two keep one slow schema (up to --constraint_timeout to compile) from holding up the rest
+        self.compiling = ThreadPoolExecutor(2, thread_name_prefix="constraint-compile")
 
     async def run(self, size: int, fn, *args, **kwargs):
         """fn(*args, **kwargs) in a thread; size: the characters of the texts it works on."""
@@ -70,7 +72,7 @@ class TokenizerLanes:
         return await asyncio.get_running_loop().run_in_executor(self.long, functools.partial(fn, *args, **kwargs))
 
     async def compile(self, fn, *args):
-        """fn(*args) on the constraint-compiling thread."""
+        """fn(*args) on a constraint-compiling thread."""
         return await asyncio.get_running_loop().run_in_executor(self.compiling, functools.partial(fn, *args))
 
     def close(self):
@@ -88,7 +90,7 @@ def text_size(value) -> int:
 
 
 LARGE_BYTES = 1 << 18  # a request body or reply this large: memory freed after it goes back to the system
-GIVE_BACK_DELAY_S = 0.5  # ... this long after it, once for all such requests in the meantime
+GIVE_BACK_DELAY_S = 0.5  # ... this long after it, or after the server fell idle and stayed so, once per burst
 
 
 def give_back_freed_memory():
@@ -127,7 +129,7 @@ class Guard:
     def __init__(self, app, api_key, max_body_bytes, engine_loop):
         self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
         self.giving_back = False  # a give_back_freed_memory is due
-        self.active = 0  # requests being answered: at 0 (the server idle) freed memory goes back too
+        self.active = self.started = 0  # requests being answered, and begun: idle, freed memory goes back too
         self.large_freed = False  # a request or reply of LARGE_BYTES ended since the last give-back
 
     async def __call__(self, scope, receive, send):
@@ -160,21 +162,26 @@ class Guard:
             sent += len(message.get("body", b""))
             await send(message)
 
-        self.active += 1
+        self.active, self.started = self.active + 1, self.started + 1
         try:
             await self.app(scope, bounded_receive, counted_send)
         finally:
             self.active -= 1
-        self.large_freed |= max(received, sent) >= LARGE_BYTES
-        if (self.large_freed or not self.active) and not self.giving_back:  # one per burst
-            self.giving_back = True
-            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back)
+            self.large_freed |= max(received, sent) >= LARGE_BYTES
+            if (self.large_freed or not self.active) and not self.giving_back:  # one per burst
+                self.giving_back = True
+                asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back, self.started)
 
-    def _give_back(self):
+    def _give_back(self, started: int):
+        """After a large request; or idle, if no request has started since (a collection on the
+        loop would stall the streams of one that had)."""
         self.giving_back = False
-        if self.large_freed or not self.active:  # idle: only if still so (a collection can stall a stream)
+        if self.large_freed or (not self.active and self.started == started):
             self.large_freed = False
             give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
+        elif not self.active:  # idle again after requests that came and went: wait for calm once more
+            self.giving_back = True
+            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back, self.started)
 
 
 def add_limit_args(p: argparse.ArgumentParser):

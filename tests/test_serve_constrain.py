@@ -204,7 +204,7 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
 
 
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
-    """The engine thread gets a constrain.Compiled (compiled on one thread of its own, llguidance
+    """The engine thread gets a constrain.Compiled (compiled on the two threads kept for it, llguidance
     releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass their first
     mask and fail at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
     import threading
@@ -231,7 +231,7 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
         "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": parser_alternatives(20_000)}})
     assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text[:300]
     assert "\n" not in r.json()["error"]["message"] and seen == [Compiled]  # one line; never queued
-    with ThreadPool(4) as pool:  # concurrent compiles: still the one thread
+    with ThreadPool(4) as pool:  # concurrent compiles: still the lane's two threads
         pool.map(lambda i: client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={
             "structured_outputs": {"regex": f"[a-c]{{{i + 1}}}"}}), range(8))
-    assert threads == {"constraint-compile_0"}, threads
+    assert threads <= {"constraint-compile_0", "constraint-compile_1"}, threads
