@@ -169,8 +169,11 @@ class Guard:
             self.active -= 1
             self.large_freed |= max(received, sent) >= LARGE_BYTES
             if (self.large_freed or not self.active) and not self.giving_back:  # one per burst
-                self.giving_back = True
-                asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back, self.started)
+                self._give_back_later()
+
+    def _give_back_later(self):
+        self.giving_back = True
+        asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back, self.started)
 
     def _give_back(self, started: int):
         """After a large request; or idle, if no request has started since (a collection on the
@@ -180,8 +183,7 @@ class Guard:
             self.large_freed = False
             give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
         elif not self.active:  # idle again after requests that came and went: wait for calm once more
-            self.giving_back = True
-            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY_S, self._give_back, self.started)
+            self._give_back_later()
 
 
 def add_limit_args(p: argparse.ArgumentParser):

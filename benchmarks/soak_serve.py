@@ -18,8 +18,9 @@ blocks in use and 0 requests in the engine; resident memory after the run agains
 late), each read with no request in flight (arrivals wait for those sent to finish, and for the
 server to give freed memory back), so that it compares what stays, not what is in use; p50/p99
 time to first token of the streamed clients. The default model is a tiny random one in float64
-(built here), so that batching cannot change a greedy token; the test suite runs a short version. `--embedded` runs
-the embedded model in bf16 instead, where batching can change one, unless `--batch_invariant`:
+(built here), so that batching cannot change a greedy token; the test suite runs a short
+version. `--embedded` runs the embedded model in bf16 instead, where batching can change one,
+unless `--batch_invariant`:
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant --requests 400 --rate 4
 """
@@ -179,7 +180,8 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
 
     start = time.perf_counter()
     try:
-        results = asyncio.run(run_load(url, requests, rate, seed, {warm, half}, lambda i: idle.setdefault(i, rss_bytes())))
+        results = asyncio.run(run_load(url, requests, rate, seed, {warm, half},
+                                       lambda i: idle.setdefault(i, rss_bytes())))
         deadline = time.time() + 30
         while (engine.requests or engine.scheduler.allocator.num_used()) and time.time() < deadline:
             time.sleep(0.05)
