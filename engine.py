@@ -27,13 +27,13 @@ import torch
 import batch_invariant as invariant
 from cpu_kernels import gemm_padding
 from kv_cache import bucket
-from paged import BlockAllocator, PagedKVCache, plan_blocks
-from runtime import DTYPES, compile_decode, log, pick_device, weights_line
+from kv_plan import pools
+from runtime import compile_decode
 from sampling import parse_logit_bias, sample, token_logprobs
 from scheduler import Scheduler, blocks_for
 from scoring import PromptScores
 from sequence import Request, RequestParams  # noqa: F401 (RequestParams: the engine's API)
-from tokenizer import TextStream, load_tokenizer
+from tokenizer import TextStream
 
 
 class Token(NamedTuple):
@@ -62,9 +62,10 @@ class Engine:
     tokenizer: for text and stop strings; compile: decode-only steps (a graph per batch bucket)."""
 
     def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False):
-        if (cache.num_blocks, cache.block_size) != (scheduler.allocator.num_blocks, scheduler.block_size):
-            raise ValueError(f"the cache has {cache.num_blocks} blocks of {cache.block_size} tokens, the scheduler's "
-                             f"allocator {scheduler.allocator.num_blocks} of {scheduler.block_size}")
+        mine, theirs = [cache.num_blocks] + [cache.window_blocks] * bool(cache.window_blocks), [a.num_blocks for a in scheduler.pools]
+        if (mine, cache.block_size) != (theirs, scheduler.block_size):
+            raise ValueError(f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the scheduler's "
+                             f"allocators {theirs} of {scheduler.block_size}")
         self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
@@ -82,16 +83,14 @@ class Engine:
     def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                   max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
                   stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
-                  batch_invariant: bool = False):
-        """An engine with its own pool of num_blocks (paged.plan_blocks sizes it) and prompt scoring."""
-        allocator = BlockAllocator(num_blocks, block_size, prefix_caching and not reserve_tokens)
+                  batch_invariant: bool = False, window_blocks: int = None):
+        """An engine with its own KV pools (kv_plan.pools; kv_plan.plan_blocks sizes them) and prompt scoring."""
+        allocator, windows, cache = pools(model, num_blocks, block_size, prefix_caching and not reserve_tokens,
+                                          window_blocks, max_num_seqs, max_num_batched_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
         scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0)
-        c = model.config  # a window on every layer: blocks behind it are freed as sequences grow
-        window = c.sliding_window if all(c.window(i) for i in range(c.n_layers)) else 0
-        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, window)
-        return cls(model, PagedKVCache.for_model(model, num_blocks, block_size), scheduler, tokenizer, stop_ids, compile,
-                   batch_invariant)
+        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, windows)
+        return cls(model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant)
 
     # -- the request lifecycle -----------------------------------------------------------------
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
@@ -106,7 +105,7 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
                              "which leaves no room to generate")
-        usable = s.allocator.num_blocks - 1
+        usable = s.allocator.num_blocks - 1  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
         if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
             raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
                              f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory")
@@ -158,8 +157,8 @@ class Engine:
     def metrics(self) -> dict:
         """A snapshot (plain numbers, safe to read from another thread)."""
         s = self.scheduler
-        return {**s.stats, "requests": len(self.requests), "kv_blocks_total": s.allocator.num_blocks - 1,
-                "running": len({q.request.id for q in s.running}), "kv_blocks_used": s.allocator.num_used(),
+        return {**s.stats, "requests": len(self.requests), "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
+                "running": len({q.request.id for q in s.running}), "kv_blocks_used": s.blocks_used(),
                 "waiting": len({q.request.id for q in s.waiting})}
 
     def run_batch(self, prompts, params) -> list:
@@ -176,8 +175,8 @@ class Engine:
         then a Finished for each request now over, which the engine then forgets."""
         plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
-        for src, dst in plan.copies:  # copy-on-write, before the forward writes
-            self.cache.copy_block(src, dst)
+        for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
+            self.cache.copy_block(src, dst, pool)
         if plan.runs:
             done, logits = self._forward(plan)
             self.scheduler.update(plan, self._sample(plan, done, logits, events))
@@ -206,15 +205,14 @@ class Engine:
         for group in decode_groups:
             width = bucket(max(need(s) for s in group))
             pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: position 0 of the null block
-            table = [s.blocks[:width] + [0] * (width - len(s.blocks)) for s in group] + [[0] * width] * pad
             ends += [len(tokens) + i for i in range(len(group))]
             tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
             pos += [s.num_computed for s in group] + [0] * pad
-            groups.append((len(group) + pad, 1, torch.tensor(table, device=self.device)))
+            groups.append((len(group) + pad, 1, self._table(group, width, pad)))
         for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
             n, start = plan.runs[s], s.num_computed
             for m, width in invariant.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]:
-                groups.append((1, m, torch.tensor([s.blocks[:width] + [0] * (width - len(s.blocks))], device=self.device)))
+                groups.append((1, m, self._table([s], width)))
             tokens += s.tokens[start:start + n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
@@ -226,6 +224,12 @@ class Engine:
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
         return ones + chunks, tokens, pos, groups, ends
+
+    def _table(self, seqs, width: int, pad: int = 0):
+        """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R, width]."""
+        tables = [[t[:width] + [0] * (width - len(t)) for t in ts] + [[0] * width] * pad
+                  for ts in ([s.blocks for s in seqs], [s.window_blocks for s in seqs])[:len(self.scheduler.pools)]]
+        return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
 
     def _forward(self, plan):
         """The step's one forward -> (sequences that sample now, their logits [len(done), V])."""
@@ -306,24 +310,3 @@ class Engine:
         for seq in req.seqs:
             if not seq.finish_reason:
                 self.scheduler.finish(seq, "error")
-
-
-# -- loading one (its flags: runtime.add_engine_args) ---------------------------------------------
-def load_engine(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
-                num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
-                schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False):
-    """(Engine, tokenizer, load info) for a checkpoint; logs the memory plan. Then, as generate.py,
-    drops what only loading needed (weights.settle)."""
-    import weights
-    from families import window_plan
-
-    model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
-    tokenizer = load_tokenizer(info.source)
-    weights.settle()
-    num_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
-                                   max_tokens=max_num_seqs * model.config.max_position_embeddings)
-    plan += window_plan(model.config, block_size, PagedKVCache.bytes_per_block(model, block_size))
-    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
-    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant)
-    return engine, tokenizer, info

@@ -293,17 +293,3 @@ def check_rope_scaling(scaling: dict, rotary_dim: int, source):
                 and all(isinstance(x, (int, float)) and x > 0 for x in value)):
             raise CheckpointError(f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
                                   f"numbers (one per rotated pair), got {str(value)[:80]}")
-
-
-def window_plan(config: ModelConfig, block_size: int, bytes_per_block: int) -> str:
-    """The memory plan's line on sliding windows: what they save in the paged cache, or ''."""
-    windows = [config.window(i) for i in range(config.n_layers)]
-    n, w = sum(1 for x in windows if x), config.sliding_window
-    if not n:
-        return ""
-    if n == config.n_layers:
-        most = w // block_size + 2
-        return (f"\nsliding window of {w} tokens on every layer: a sequence holds at most {most} blocks "
-                f"({most * bytes_per_block / 2**20:.1f} MiB) however long it grows; older blocks are freed")
-    return (f"\nsliding window of {w} tokens on {n} of {config.n_layers} layers: those attend to at most {w} keys, "
-            f"but blocks are kept whole for the {config.n_layers - n} layers that see the whole context")

@@ -55,8 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import PagedDecodeInPlace
-from kv_cache import attention, bucket, kv_bytes_per_token, visible
-from runtime import available_memory
+from kv_cache import attention, bucket, visible
 from scheduler import blocks_for
 
 NULL_BLOCK = 0
@@ -73,12 +72,17 @@ class BlockAllocator:
       free        ref 0, not cached            in `free`
       cached      ref 0, cached (has a hash)   evictable once it has no cached children
       in use      ref > 0 (cached or not)      owned by ref sequences
+
+    window: the layers' sliding window, or 0. Their sequences release their oldest blocks first
+    (scheduler.py): a cached block is evictable even with cached children, and a hit needs only
+    the blocks its next token sees.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, window: int = 0):
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.window = window
         self.ref = [0] * num_blocks
         self.free = deque(range(1, num_blocks))  # block 0 is the null block
         self.cached = {}  # hash -> block
@@ -175,21 +179,26 @@ class BlockAllocator:
 
     def lookup_prefix(self, tokens, max_blocks: int):
         """The cached blocks holding the longest cached prefix of `tokens`, up to max_blocks
-        blocks, with their hashes. Takes no reference."""
-        blocks, hashes, parent = [], [], None
-        bs = self.block_size
-        if not self.prefix_caching:
-            return blocks, hashes
-        for i in range(max_blocks):
+        blocks, with their hashes. Takes no reference. With a window, a prefix of h blocks needs
+        only those from (h * block_size - window) // block_size on (what positions h * bs - 1 and
+        h * bs see); the entries before them are 0, the null block."""
+        blocks, hashes, parent, bs = [], [], None, self.block_size
+        start = best = 0  # start: where the run of hits ending here starts; best: the longest hit so far
+        for i in range(max_blocks if self.prefix_caching else 0):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, chunk)
             block = self.cached.get(h)
             if block is None or self.key[block] != (parent, chunk):
-                break
+                if not self.window:
+                    break
+                block, start = 0, i + 1
+            elif start <= max(0, ((i + 1) * bs - self.window) // bs):
+                best = i + 1
             blocks.append(block)
             hashes.append(h)
             parent = h
-        return blocks, hashes
+        first = max(0, (best * bs - self.window) // bs) if self.window else 0
+        return [0] * first + blocks[first:best], hashes[:best]
 
     def register(self, block: int, parent_hash, tokens, parent_block=None) -> int:
         """Name a block just filled with `tokens` (all block_size of them) in the prefix cache;
@@ -199,6 +208,8 @@ class BlockAllocator:
         under a block its owner does not hold, it would keep that one from ever being evicted."""
         h = self.chain_hash(parent_hash, tokens)
         parent = self.cached.get(parent_hash) if parent_hash is not None else None
+        if self.window:  # no parents tracked: the blocks behind a window are released, and evicted, first
+            parent = parent_block = None
         if not self.prefix_caching or h in self.cached or block in self.hash_of or parent != parent_block:
             return h
         self.cached[h], self.hash_of[block], self.key[block] = block, h, (parent_hash, tuple(tokens))
@@ -213,15 +224,21 @@ class PagedKVCache:
     """K/V pools of blocks per layer, attended through block tables (see the module docstring).
 
     A plain object (not an nn.Module), like StaticKVCache, so compiled steps take its tensors as
-    inputs."""
+    inputs.
+
+    Hybrid models (Gemma 2/3; vLLM's hybrid allocator): with window_blocks, the window_layers get
+    a pool of that many blocks, with ids of their own, and a group's table is [2, R, W]: [0] for
+    the full layers, [1] for the windowed ones, whose blocks behind the window are freed."""
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None,
-                 decode=None):
+                 decode=None, window_layers=(), window_blocks=0):
+        self.pool_of = [int(bool(window_blocks) and i in window_layers) for i in range(n_layers)]  # layer -> 0 or 1
+        sizes = (num_blocks, window_blocks)
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
         # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (PagedDecodeInPlace)
-        self.k = [torch.zeros(num_blocks, n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(num_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = [torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for p in self.pool_of]
+        self.v = [torch.zeros(sizes[p], block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for p in self.pool_of]
+        self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
         self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
@@ -229,10 +246,12 @@ class PagedKVCache:
         self.attention = attention  # what the gathered blocks go through (batch_invariant.py puts its own)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16):
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, window_blocks: int = 0):  # (a hybrid's)
         a, w = model.config, model.norm.weight
         decode = PagedDecodeInPlace() if w.device.type == "cpu" else None  # the reference elsewhere
-        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, decode)
+        windowed = [i for i in range(a.n_layers) if a.window(i)]
+        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, decode,
+                   windowed, window_blocks if 0 < len(windowed) < a.n_layers else 0)
 
     @classmethod
     def for_batch(cls, model, batch_size: int, max_seq_len: int, block_size: int = 16):
@@ -243,11 +262,6 @@ class PagedKVCache:
         cache.block_tables = 1 + torch.arange(batch_size * width, device=cache.slots.device).view(batch_size, width)
         cache.batch_size, cache.max_seq_len = batch_size, width * block_size
         return cache
-
-    @staticmethod
-    def bytes_per_block(model, block_size: int) -> int:
-        c = model.config
-        return block_size * kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.norm.weight.dtype)
 
     def tensors(self) -> list:
         return self.k + self.v
@@ -264,10 +278,10 @@ class PagedKVCache:
         finally:
             self.groups = None
 
-    def copy_block(self, src: int, dst: int):
-        """Copy-on-write: dst gets src's K/V in every layer."""
-        for pool in self.tensors():
-            pool[dst] = pool[src]
+    def copy_block(self, src: int, dst: int, pool: int = 0):
+        """Copy-on-write: dst gets src's K/V in every layer of that pool (1: a hybrid's windowed layers)."""
+        for layer in (i for i, p in enumerate(self.pool_of) if p == pool):
+            self.k[layer][dst], self.v[layer][dst] = self.k[layer][src], self.v[layer][src]
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
@@ -290,6 +304,7 @@ class PagedKVCache:
     def _attend_group(self, layer, q, k, v, pos, table, window, softcap, sinks):
         # q [R, T, H, D]; k, v [R, T, Hkv, D]; pos [R, T]; table [R, W] -> [R, T, H, D]
         pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
+        table = table[self.pool_of[layer]] if table.dim() == 3 else table  # a hybrid's two tables
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
         pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
@@ -306,30 +321,7 @@ class PagedKVCache:
             return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
         # F.embedding is the gather, several times faster than pool[table] on CPU.
-        k_ctx = F.embedding(table, pool_k.view(self.num_blocks, -1)).view(R, W, Hkv, D, bs)
+        k_ctx = F.embedding(table, pool_k.view(len(pool_k), -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
-        v_ctx = F.embedding(table, pool_v.view(self.num_blocks, -1)).view(R, L, Hkv, D).transpose(1, 2)
+        v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)
         return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)
-
-
-def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,
-                memory_fraction: float = 0.2, max_tokens: int = None):
-    """How many blocks to allocate, and the line serving engines log about it.
-
-    num_blocks wins; else memory_bytes; else memory_fraction of the memory free now, capped at
-    what max_tokens (e.g. max_num_seqs * context) could ever use."""
-    per_block = PagedKVCache.bytes_per_block(model, block_size)
-    device = model.norm.weight.device
-    if num_blocks is None:
-        budget = memory_bytes if memory_bytes is not None else int(available_memory(str(device)) * memory_fraction)
-        num_blocks = budget // per_block
-        if memory_bytes is None and max_tokens:
-            num_blocks = min(num_blocks, 1 + blocks_for(max_tokens, block_size))
-    if num_blocks < 2:
-        raise ValueError(f"the KV memory given holds {num_blocks} blocks of {per_block} bytes; at least 2 are needed")
-    a = model.config
-    line = (f"KV cache: {per_block} bytes per block (2 * {a.n_layers} layers * {block_size} tokens * {a.n_kv_heads} "
-            f"kv heads * {a.head_dim} dims * {model.norm.weight.element_size()} bytes) | {num_blocks} blocks = "
-            f"{num_blocks * per_block / 2**20:.1f} MiB | {(num_blocks - 1) * block_size} tokens "
-            f"(block 0 is the null block)")
-    return num_blocks, line

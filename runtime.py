@@ -259,7 +259,7 @@ def memory_plan(model, cache) -> str:
     return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
 
 
-# -- the engine's flags, which batch.py and serve.py share (engine.load_engine takes their values) ----
+# -- the engine's flags, which batch.py and serve.py share (tp_engine.load_engine takes their values) ----
 def add_engine_args(p):
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

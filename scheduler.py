@@ -21,10 +21,11 @@ preempted: its blocks are released (full ones stay in the prefix cache) and it w
 front of the queue to be recomputed, prompt and generated tokens together.
 
 After the forward, `update(plan, results)` appends each sampled token, names the blocks that
-filled up in the prefix cache, and frees the blocks of the sequences that finished. When every
-layer attends through a sliding `window`, it also frees each block whose positions no later query
-can see (all below num_computed - window + 1): its table entry becomes the null block 0, and a
-sequence holds at most window / block_size + 2 blocks however long it grows.
+filled up in the prefix cache, and frees the blocks of the sequences that finished, and in a pool
+of windowed layers (an allocator with a `window`) each block no later query sees (positions below
+num_computed - window + 1; its entry becomes the null block 0), so that a sequence holds at most
+window / block_size + 2 of them. A hybrid model (Gemma 2/3) has a pool per layer kind: `allocator`
+(seq.blocks) for the full layers, `window_allocator` (seq.window_blocks) for the windowed ones.
 
     scheduler = Scheduler(paged.BlockAllocator(num_blocks=64, block_size=16), max_num_seqs=8)
     scheduler.add(seq)                       # a sequence.Sequence (or anything with its fields)
@@ -42,7 +43,7 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 @dataclass
 class Plan:
     runs: dict = field(default_factory=dict)  # sequence -> tokens to compute this step (decodes first)
-    copies: list = field(default_factory=list)  # (source block, destination block): copy before the forward
+    copies: list = field(default_factory=list)  # (source block, destination block, pool): copy before the forward
     ended: list = field(default_factory=list)  # sequences finished at "length": alone, they still do not fit
     forks: list = field(default_factory=list)  # (sequence, its new twins): the engine forks n samples here
 
@@ -52,11 +53,11 @@ class Scheduler:
 
     policy: "fcfs" or "lpm"; reserve_tokens: every sequence reserves this many tokens at admission,
     as a static cache would (benchmarks); scores: None, or prompt scoring's hooks (scoring.py):
-    `reusable_tokens(request, hashes)` and `must_wait(request, running)`; window: the sliding window
-    of every layer, or 0 (some layer sees the whole context: every block is kept)."""
+    `reusable_tokens(request, hashes)` and `must_wait(request, running)`; window_allocator: the
+    windowed layers' pool of a hybrid model, or None."""
 
     def __init__(self, allocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "fcfs", reserve_tokens: int = None, scores=None, window: int = 0):
+                 policy: str = "fcfs", reserve_tokens: int = None, scores=None, window_allocator=None):
         if policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule policy must be fcfs or lpm, got {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
@@ -64,7 +65,8 @@ class Scheduler:
                              f"({max_num_seqs}): every running sequence needs a token per step")
         self.allocator, self.block_size, self.policy = allocator, allocator.block_size, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.reserve_tokens, self.scores, self.window = reserve_tokens, scores, window
+        self.reserve_tokens, self.scores, self.window_allocator = reserve_tokens, scores, window_allocator
+        self.pools = [allocator] + ([window_allocator] if window_allocator else [])  # pool k: table k of a sequence
         self.waiting, self.running = deque(), []
         self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
 
@@ -82,7 +84,7 @@ class Scheduler:
         if plan.runs:
             st = self.stats
             st["steps"] += 1
-            st["peak_blocks"] = max(st["peak_blocks"], self.allocator.num_used())
+            st["peak_blocks"] = max(st["peak_blocks"], self.blocks_used())
             st["peak_running"] = max(st["peak_running"], len(self.running))
         return plan
 
@@ -130,12 +132,7 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += sum(plan.runs.pop(s, 0) for s in freed)
-            hit, hashes = self.allocator.lookup_prefix(seq.tokens, (len(seq.tokens) - 1) // bs)
-            reused = scores.reusable_tokens(req, hashes) if scores else len(hit) * bs
-            hit, hashes = hit[:blocks_for(reused, bs)], hashes[:reused // bs]
-            for b in hit:
-                self.allocator.share(b)
-            seq.blocks, seq.hashes, seq.num_computed = hit, hashes, reused
+            self._share_prefix(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._ensure_blocks(seq, max(n, (self.reserve_tokens or 0) - seq.num_computed), plan):
                 self._release(seq)
@@ -148,6 +145,29 @@ class Scheduler:
             self.stats["prompt_tokens_hit"] += seq.num_computed
             req.prompt_tokens_hit += seq.num_computed
         return budget
+
+    def _share_prefix(self, seq):
+        """Give seq the blocks of its longest prefix cached in every pool (a reference each)."""
+        bs, most, hits = self.block_size, (len(seq.tokens) - 1) // self.block_size, []
+        for allocator in self.pools:  # each lookup within the last: the hit every pool holds
+            blocks, hashes = allocator.lookup_prefix(seq.tokens, most)
+            hits, most = hits + [blocks], len(blocks)
+        reused = self.scores.reusable_tokens(seq.request, hashes) if self.scores else most * bs
+        tables = [blocks[:blocks_for(reused, bs)] for blocks in hits]
+        # prompt scoring can cut a hit below the blocks a window kept: then it is recomputed whole
+        if any(a.window and not all(t[max(0, reused - a.window + 1) // bs:]) for a, t in zip(self.pools, tables)):
+            reused, tables = 0, [[] for _ in tables]
+        for allocator, table in zip(self.pools, tables):
+            for b in filter(None, table):
+                allocator.share(b)
+        seq.blocks, seq.window_blocks = tables + [[]] * (2 - len(tables))
+        seq.hashes, seq.num_computed = hashes[:reused // bs], reused
+
+    def blocks_used(self) -> int:
+        return sum(a.num_used() for a in self.pools)
+
+    def _tables(self, seq):  # (allocator, seq's block table in it) per pool
+        return list(zip(self.pools, (seq.blocks, seq.window_blocks) if self.window_allocator else (seq.blocks,)))
 
     def _next_waiting(self):
         """The waiting sequence to admit next, or None (scoring's must_wait may hold some back)."""
@@ -183,25 +203,33 @@ class Scheduler:
         return victims
 
     def _ensure_blocks(self, seq, n: int, plan) -> bool:
-        """Blocks for seq's next n tokens, the block written first made private (copy-on-write)."""
-        alloc = self.allocator
-        first = seq.num_computed // self.block_size
-        cow = first < len(seq.blocks) and alloc.ref[seq.blocks[first]] > 1
-        got = alloc.allocate_many(max(0, blocks_for(seq.num_computed + n, self.block_size) - len(seq.blocks)) + cow)
-        if got is None:
-            return False
-        if cow:
-            private = got.pop(0)
-            plan.copies.append((seq.blocks[first], private))
-            alloc.release(seq.blocks[first])
-            seq.blocks[first] = private
-        seq.blocks += got
+        """Blocks for seq's next n tokens in every pool, the block written first made private
+        (copy-on-write); all or none."""
+        first, end, got = seq.num_computed // self.block_size, blocks_for(seq.num_computed + n, self.block_size), []
+        for alloc, table in self._tables(seq):
+            cow = first < len(table) and alloc.ref[table[first]] > 1
+            got.append((cow, alloc.allocate_many(max(0, end - len(table)) + cow)))
+            if got[-1][1] is None:
+                for (a, _), (_, blocks) in zip(self._tables(seq), got[:-1]):
+                    for b in blocks:
+                        a.release(b)
+                return False
+        for pool, ((alloc, table), (cow, blocks)) in enumerate(zip(self._tables(seq), got)):
+            if cow:
+                private = blocks.pop(0)
+                plan.copies.append((table[first], private, pool))
+                alloc.release(table[first])
+                table[first] = private
+            table += blocks
         return True
 
-    def _release(self, seq):
-        for b in filter(None, seq.blocks):  # (0: a block freed outside the window)
-            self.allocator.release(b)
-        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+    def _release(self, seq, forget: bool = True):
+        for alloc, table in self._tables(seq):
+            for b in filter(None, table):  # (0: a block freed outside the window)
+                alloc.release(b)
+        seq.blocks, seq.window_blocks = [], []
+        if forget:
+            seq.hashes, seq.num_computed = [], 0
 
     def _preempt(self, seq):
         self.running.remove(seq)
@@ -216,17 +244,15 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        for b in filter(None, seq.blocks):
-            self.allocator.release(b)
-        seq.blocks = []  # its hashes stay: they name what it computed (prompt scoring remembers by them)
+        self._release(seq, forget=False)  # its hashes stay: they name what it computed (prompt scoring remembers by them)
 
-    def _free_outside_window(self, seq):
-        """Release the blocks before the window of seq's next query (a full one stays in the prefix
-        cache until evicted), newest first, stopping at the first one already freed."""
-        i = min((seq.num_computed - self.window + 1) // self.block_size, len(seq.blocks)) - 1
-        while i >= 0 and seq.blocks[i]:
-            self.allocator.release(seq.blocks[i])
-            seq.blocks[i], i = 0, i - 1
+    def _free_outside_window(self, seq, alloc, table):
+        """Release the blocks before the window of seq's next query (full ones stay cached until
+        evicted), newest first, stopping at the first one already freed."""
+        i = min((seq.num_computed - alloc.window + 1) // self.block_size, len(table)) - 1
+        while i >= 0 and table[i]:
+            alloc.release(table[i])
+            table[i], i = 0, i - 1
 
     def update(self, plan, results):
         """After the step's forward: plan's tokens are computed; results [(seq, token or None,
@@ -237,16 +263,20 @@ class Scheduler:
             seq.num_computed += n
             while len(seq.hashes) < seq.num_computed // bs:  # blocks that filled up: into the prefix cache
                 i = len(seq.hashes)
-                parent = seq.hashes[-1] if seq.hashes else None
-                tokens, before = seq.tokens[i * bs:(i + 1) * bs], seq.blocks[i - 1] if i else None
-                seq.hashes.append(self.allocator.register(seq.blocks[i], parent, tokens, before))
-            if self.window:
-                self._free_outside_window(seq)
+                parent, tokens = seq.hashes[-1] if seq.hashes else None, seq.tokens[i * bs:(i + 1) * bs]
+                for alloc, table in self._tables(seq):
+                    h = alloc.register(table[i], parent, tokens, table[i - 1] if i else None)
+                seq.hashes.append(h)
+            for alloc, table in self._tables(seq):
+                if alloc.window:
+                    self._free_outside_window(seq, alloc, table)
         for seq, twins in plan.forks:
             for k, twin in enumerate(t for t in twins if not t.finish_reason):
-                twin.num_computed, twin.blocks, twin.hashes = seq.num_computed, list(seq.blocks), list(seq.hashes)
-                for b in filter(None, twin.blocks):
-                    self.allocator.share(b)
+                twin.num_computed, twin.hashes = seq.num_computed, list(seq.hashes)
+                twin.blocks, twin.window_blocks = list(seq.blocks), list(seq.window_blocks)
+                for alloc, table in self._tables(twin):
+                    for b in filter(None, table):
+                        alloc.share(b)
                 self.running.insert(self.running.index(seq) + 1 + k, twin)
         for seq, token, reason in results:
             if token is not None:

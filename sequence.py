@@ -72,6 +72,7 @@ class Sequence:
         self.tokens = list(request.prompt)
         self.num_computed = 0
         self.blocks, self.hashes = [], []  # block table; chained hashes of its full blocks
+        self.window_blocks = []  # a hybrid model's windowed layers' block table (scheduler.py)
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
         self.finish_reason, self.token_times = None, []
         self.stream = stream  # tokenizer.TextStream: its text, decoded once per token (None: no tokenizer)

@@ -11,7 +11,7 @@ the same on every rank and only rank 0 needs to know which are free. Each step r
 what the forward needs as two int64 tensors, a fixed header and a payload:
 
     header   [kind, tokens N, kept rows K, copies C, groups G, payload length]
-    payload  tokens [N] | positions [N] | keep [K] | copies [2C] | (rows, T, width) [3G] | tables
+    payload  tokens [N] | positions [N] | keep [K] | copies [3C] | (rows, T, width, tables) [4G] | tables
 
 and every rank runs the same forward on its shard (the copy-on-write copies first). The output
 head is replicated, so every rank computes the full logits and nothing comes back: rank 0 samples.
@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 import tp
-from engine import Engine, load_engine as load_one_process
-from paged import plan_blocks
-from runtime import DTYPES, human, log, pick_device
+from engine import Engine
+from kv_plan import plan_blocks
+from runtime import DTYPES, human, log, pick_device, weights_line
+from tokenizer import load_tokenizer
 
 STEP, KEEPALIVE, STOP = 0, 1, 2
 KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
@@ -52,7 +53,8 @@ def pack(copies, groups, tokens, pos, keep):
     """A step as (header [6], payload [L]) int64 tensors on the tokens' device."""
     device = tokens.device
     long = dict(dtype=torch.long, device=device)
-    meta = torch.tensor([(rows, T, table.shape[1]) for rows, T, table in groups], **long).view(-1)
+    meta = torch.tensor([(rows, T, table.shape[-1], table.numel() // (rows * table.shape[-1])) for rows, T, table in groups],
+                        **long).view(-1)  # (a hybrid's table is two: [2, rows, width])
     parts = [tokens.view(-1), pos.view(-1), keep.view(-1), torch.tensor(copies, **long).view(-1), meta]
     payload = torch.cat(parts + [table.reshape(-1) for _, _, table in groups])
     header = torch.tensor([STEP, tokens.numel(), keep.numel(), len(copies), len(groups), payload.numel()], **long)
@@ -62,13 +64,14 @@ def pack(copies, groups, tokens, pos, keep):
 def unpack(header, payload):
     """(copies, groups, tokens [1, N], positions [1, N], keep) from pack's tensors."""
     _, n, k, c, g, length = header.tolist()
-    sizes = [n, n, k, 2 * c, 3 * g]
+    sizes = [n, n, k, 3 * c, 4 * g]
     tokens, pos, keep, copies, meta, tables = payload.split(sizes + [length - sum(sizes)])
     groups, at = [], 0
-    for rows, T, width in meta.view(g, 3).tolist():
-        groups.append((rows, T, tables[at:at + rows * width].view(rows, width)))
-        at += rows * width
-    return [tuple(p) for p in copies.view(c, 2).tolist()], groups, tokens.view(1, n), pos.view(1, n), keep
+    for rows, T, width, count in meta.view(g, 4).tolist():
+        shape = (count, rows, width) if count > 1 else (rows, width)
+        groups.append((rows, T, tables[at:at + count * rows * width].view(shape)))
+        at += count * rows * width
+    return [tuple(p) for p in copies.view(c, 3).tolist()], groups, tokens.view(1, n), pos.view(1, n), keep
 
 
 class Link:
@@ -172,9 +175,9 @@ class LeaderCache:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def copy_block(self, src: int, dst: int):
-        self.inner.copy_block(src, dst)
-        self.copies.append((src, dst))
+    def copy_block(self, src: int, dst: int, pool: int = 0):
+        self.inner.copy_block(src, dst, pool)
+        self.copies.append((src, dst, pool))
 
     @contextlib.contextmanager
     def step_groups(self, groups):
@@ -223,8 +226,8 @@ def follow(model, cache, link: Link):
                 return
             if kind == STEP:
                 copies, groups, tokens, pos, keep = step
-                for src, dst in copies:
-                    cache.copy_block(src, dst)
+                for src, dst, pool in copies:
+                    cache.copy_block(src, dst, pool)
                 with torch.no_grad(), cache.step_groups(groups):  # (no rows kept: rank 0 samples)
                     model(tokens, pos, cache, keep=keep[:0])
         except Exception as e:
@@ -247,16 +250,17 @@ def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None
     """The engine on rank 0 of a parallelized model (tp.parallelize); on the other ranks, follow
     rank 0's steps and then end the process with exit code 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
-                             max_tokens=max_num_seqs * model.config.max_position_embeddings)
+    sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    mine, _, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
+                                max_tokens=max_num_seqs * model.config.max_position_embeddings, **sizes)
     agreed = torch.tensor([mine], device=model.norm.weight.device)  # (NCCL reduces device tensors only)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
     num_blocks = int(agreed.item())
-    _, plan = plan_blocks(model, block_size, num_blocks)
+    _, window_blocks, plan = plan_blocks(model, block_size, num_blocks, **sizes)
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer)
+                              schedule_policy, tokenizer.stop_ids, tokenizer, window_blocks=window_blocks)
     link = Link(engine.device, peers)
     if rank != 0:
         follow(model, engine.cache, link)
@@ -271,13 +275,33 @@ def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None
     return engine
 
 
+def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
+                     num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
+                     schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False):
+    """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
+    runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
+    needed (weights.settle)."""
+    import weights
+
+    model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
+    tokenizer = load_tokenizer(info.source)
+    weights.settle()
+    num_blocks, window_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
+                                                  max_tokens=max_num_seqs * model.config.max_position_embeddings,
+                                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
+    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
+                              schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant,
+                              window_blocks=window_blocks)
+    return engine, tokenizer, info
+
+
 def load_engine(**options):
-    """engine.load_engine, and under torchrun with several processes the tensor-parallel engine:
+    """load_one_process, and under torchrun with several processes the tensor-parallel engine:
     (Engine, tokenizer, load info) on rank 0; the other ranks serve rank 0 and exit 0 inside."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return load_one_process(**options)
     import weights
-    from tokenizer import load_tokenizer
 
     rank, world = tp.init(TIMEOUT_S)
     check_same_options(options)

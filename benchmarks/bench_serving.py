@@ -37,6 +37,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 import generate  # noqa: E402
 import hf_folder  # noqa: E402
+import kv_plan  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
 from batch import percentile  # noqa: E402
@@ -86,7 +87,7 @@ def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
             "max_gap_late": max(late_gaps) if late else None,
             "late_ttft": late.seqs[0].token_times[0] - late.arrival if late else None,
             "peak_running": st["peak_running"], "preemptions": st["preemptions"], "steps": st["steps"],
-            "peak_kv": st["peak_blocks"] * PagedKVCache.bytes_per_block(model, engine.block_size),
+            "peak_kv": st["peak_blocks"] * kv_plan.bytes_per_block(model, engine.block_size),
             "hit": st["prompt_tokens_hit"] / max(1, st["prompt_tokens"])}
 
 

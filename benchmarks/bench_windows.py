@@ -1,11 +1,13 @@
 """Sliding windows: decode cost at 1x and 4x the window, next to HF transformers in the same run.
 
     .venv/bin/python benchmarks/bench_windows.py [--window 1024] [--multiples 1 4] [--layers 12]
-                                                 [--dtype bfloat16] [--skip_compile] [--skip_hf]
+                                                 [--dtype bfloat16] [--skip_compile] [--skip_hf] [--hybrid 6]
 
 A Mistral of SmolLM2-135M's proportions (dim 576, 9 heads, 3 KV heads, head_dim 64, FFN 1536,
 vocabulary 49152; `--layers` of them) with random weights and a sliding window of `--window`
-on every layer. For each multiple m a prompt of m * window random tokens is prefilled (untimed),
+on every layer; or, with `--hybrid N`, a Gemma 3 text model of the same proportions whose every
+N-th layer sees the whole context (Gemma 3's pattern is 6: five windowed layers to one full).
+For each multiple m a prompt of m * window random tokens is prefilled (untimed),
 then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
 
 - ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step):
@@ -13,10 +15,12 @@ then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
   slots, a step reads them all), so its cost should follow the window, not the context; "masked"
   is kv_cache.py, its slow twin, which keeps every position and masks the old ones;
 - ours, paged cache through the engine (batch.py's path): blocks behind the window are freed, and
-  the step reads only the window's blocks; the most blocks the sequence held is printed against
-  the bound window / block_size + 2;
-- HF transformers eager on the same weights (MistralForCausalLM, its DynamicCache keeping the
-  window), decoded by a plain loop of forwards.
+  the step reads only the window's blocks; the most blocks the sequence held in the windowed
+  layers is printed against the bound window / block_size + 2. A hybrid model runs it twice:
+  with the windowed layers' own pool (kv_plan.py), and with one pool keeping every block
+  (`window_blocks=0`, as before that pool existed), each with its KV pools' bytes;
+- HF transformers eager on the same weights (MistralForCausalLM or Gemma3ForCausalLM, its
+  DynamicCache keeping the window), decoded by a plain loop of forwards.
 
 Each configuration is warmed up, then `--rounds` interleaved rounds run (every other one in reverse
 order), each row keeping its median.
@@ -44,14 +48,17 @@ from sampling import SamplingParams  # noqa: E402
 
 def build(args):
     """(HF model, our model) on the same random weights."""
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
-                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, sliding_window=args.window,
-                           max_position_embeddings=max(args.multiples) * args.window + 2 * args.new_tokens,
-                           rope_theta=100000.0, tie_word_embeddings=True)
+    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, sliding_window=args.window,
+                 max_position_embeddings=max(args.multiples) * args.window + 2 * args.new_tokens, tie_word_embeddings=True)
     torch.manual_seed(0)
-    hf = MistralForCausalLM(config)
+    if args.hybrid:
+        types = ["full_attention" if (i + 1) % args.hybrid == 0 else "sliding_attention" for i in range(args.layers)]
+        hf = Gemma3ForCausalLM(Gemma3TextConfig(**shape, layer_types=types))
+    else:
+        hf = MistralForCausalLM(MistralConfig(**shape, rope_theta=100000.0))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn_like(p))
@@ -78,11 +85,13 @@ def static_run(model, prompt, n, decode_fn, kind, kv_bytes):
     return run
 
 
-def engine_run(model, prompt, n, block_size, held):
-    """() -> decode tokens/s of one request through the engine; held[0]: the most blocks it held."""
+def engine_run(model, prompt, n, block_size, held, kv_bytes, window_blocks=None):
+    """() -> decode tokens/s of one request through the engine; held[0]: the most blocks it held in
+    its windowed layers (every layer's table, but a hybrid's windowed one)."""
     def run():
         engine = Engine.for_model(model, num_blocks=len(prompt) // block_size + 64, block_size=block_size,
-                                  max_num_seqs=1, max_num_batched_tokens=512)
+                                  max_num_seqs=1, max_num_batched_tokens=512, window_blocks=window_blocks)
+        kv_bytes[f"paged, {engine.cache.num_blocks} + {engine.cache.window_blocks} blocks", len(prompt)] = engine.cache.nbytes()
         engine.add_request(prompt, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
         steps, start = 0, None
         while engine.has_unfinished():
@@ -92,7 +101,7 @@ def engine_run(model, prompt, n, block_size, held):
             engine.step()
             steps += decoding
             for s in engine.scheduler.running:
-                held[0] = max(held[0], sum(1 for b in s.blocks if b))
+                held[0] = max(held[0], sum(1 for b in (s.window_blocks if engine.cache.window_blocks else s.blocks) if b))
         return (steps - 1) / (time.perf_counter() - start)
     return run
 
@@ -122,10 +131,12 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=sorted(runtime.DTYPES))
     p.add_argument("--skip_compile", action="store_true")
     p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--hybrid", type=int, default=0, help="every N-th layer full (Gemma 3: 6); 0: all windowed")
     args = p.parse_args()
     hf, model = build(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
-          f"{args.dtype}, {args.layers} layers, window {args.window}, contexts "
+          f"{args.dtype}, {args.layers} layers ({f'every {args.hybrid}th full' if args.hybrid else 'all windowed'}), "
+          f"window {args.window}, contexts "
           f"{[m * args.window for m in args.multiples]}, {args.new_tokens} new tokens", flush=True)
     compiled = None if args.skip_compile else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
     rng = torch.Generator().manual_seed(1)
@@ -138,8 +149,11 @@ def main():
             if compiled:
                 rows.append((f"ours static {name} compiled", m, static_run(model, prompt, args.new_tokens,
                                                                            compiled, kind, kv_bytes)))
-        held[m] = [0]
-        rows.append(("ours paged engine", m, engine_run(model, prompt, args.new_tokens, args.block_size, held[m])))
+        for label, window_blocks in ((("ours paged engine", None),) + ((("ours paged engine, one pool", 0),)
+                                                                       if args.hybrid else ())):
+            held[label, m] = [0]
+            rows.append((label, m, engine_run(model, prompt, args.new_tokens, args.block_size, held[label, m], kv_bytes,
+                                              window_blocks)))
         if not args.skip_hf:
             rows.append(("HF transformers eager", m, hf_run(hf, prompt, args.new_tokens)))
     start = time.perf_counter()
@@ -156,9 +170,9 @@ def main():
     print("|---|---|---|---|---|")
     for label, m, _ in rows:
         ratio = median[(label, m)] / median[(label, base)]
-        blocks = str(held[m][0]) if "paged" in label else ""
+        blocks = str(held[label, m][0]) if "paged" in label else ""
         print(f"| {label} | {m * args.window} ({m}x) | {median[(label, m)]:.1f} | {ratio:.2f} | {blocks} |")
-    print("\nstatic KV cache bytes: " + ", ".join(f"{name} at {n} tokens {b / 2**20:.1f} MiB"
+    print("\nKV cache bytes: " + ", ".join(f"{name} at {n} tokens {b / 2**20:.1f} MiB"
                                               for (name, n), b in sorted(kv_bytes.items())))
 
 

@@ -78,7 +78,7 @@ def main():
                    help="140: the context stays within one attend-width bucket (12 blocks of 16) while timed")
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch size")
     p.add_argument("--compile", action="store_true", help="the engine's compiled decode steps (one graph per batch bucket)")
-    p.add_argument("--no_fuse", action="store_true", help="keep q/k/v and gate/up separate (engine.load_engine fuses them)")
+    p.add_argument("--no_fuse", action="store_true", help="keep q/k/v and gate/up separate (load_engine fuses them)")
     p.add_argument("--kept", action="store_true", help="the embedded GGUF at its own bits (as serve.py loads it), "
                    "not dequantized")
     args = p.parse_args()

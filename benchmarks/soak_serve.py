@@ -234,7 +234,7 @@ def tiny_engine(num_blocks: int, max_num_seqs: int):
 
 def embedded_engine(num_blocks: int, max_num_seqs: int, batch_invariant: bool):
     """The embedded model as serve.py runs it by default (bf16 at the file's own bits), blocks of 16."""
-    from engine import load_engine
+    from tp_engine import load_engine
 
     engine, tokenizer, _ = load_engine(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                                        batch_invariant=batch_invariant)

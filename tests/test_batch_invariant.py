@@ -14,7 +14,8 @@ import quant_groups
 import quantize
 import runtime
 import weights
-from engine import Engine, Finished, RequestParams, load_engine
+from engine import Engine, Finished, RequestParams
+from tp_engine import load_engine
 from kv_cache import attention, bucket, visible
 
 WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()

@@ -188,7 +188,7 @@ def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
     params = dict(max_new_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     copies = []
-    engine.cache.copy_block = lambda src, dst, f=engine.cache.copy_block: (copies.append((src, dst)), f(src, dst))
+    engine.cache.copy_block = lambda src, dst, pool, f=engine.cache.copy_block: (copies.append((src, dst)), f(src, dst, pool))
     rid = engine.add_request(prompt, RequestParams(n=3, **params))
     engine.step()  # prefill, fork, first token of each sample
     blocks = [s.blocks for s in engine.requests[rid].seqs]

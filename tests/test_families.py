@@ -129,46 +129,68 @@ def test_paged_cache_equals_static_on_windowed_models(arch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def windowed64(tmp_path_factory):
-    """Mistral with a window of 8 on every layer, in float64 (exact comparisons)."""
-    hf = hf_model("mistral_window")
-    model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp("window")), dtype=torch.float64)
-    return model
+def float64_models(tmp_path_factory):
+    """arch -> our model of the tiny HF config, in float64 (exact comparisons), loaded once."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = weights.load(save_hf(hf_model(arch), tmp_path_factory.mktemp(arch)), dtype=torch.float64)[0]
+        return cache[arch]
+    return get
 
 
-def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(windowed64):
-    """window 8, blocks of 4: each sequence holds at most 8 / 4 + 2 blocks however long it runs,
-    its tokens equal a static cache's, and a later request sharing its prompt still hits the cache."""
-    model, bs = windowed64, 4
-    engine = Engine.for_model(model, num_blocks=40, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16)
-    prompt = [5 + i % 200 for i in range(10)]
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma3"])
+def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_models):
+    """window 8, blocks of 4: a sequence holds at most 8 / 4 + 2 blocks of its windowed layers
+    however long it runs (Mistral: every layer; Gemma 3: its windowed layer's own pool, while the
+    full layer keeps all 11), its tokens equal a static cache's, and a later request sharing its
+    prompt still hits the cache. A windowed pool of just those 4 blocks (and the null one) runs
+    it too: the blocks freed behind the window are taken again, though cached."""
+    model, bs, hybrid = float64_models(arch), 4, arch == "gemma3"
+    prompts = [[5 + i % 200 for i in range(10)], [5 + i % 200 for i in range(9)] + [77]]
     params = RequestParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)  # 42 tokens: > 4 windows
-    most, results = 0, {}
-    for later in (prompt, prompt[:9] + [77]):  # the second after the first, whose prompt blocks are cached
-        engine.add_request(later, params, request_id=len(results))
-        while engine.has_unfinished():
-            for event in engine.step():
-                if hasattr(event, "result"):
-                    results[event.request_id] = event.result
-            for seq in engine.scheduler.running:
-                most = max(most, sum(1 for b in seq.blocks if b))
-    first, second = 0, 1
-    assert most <= 8 // bs + 2, f"a sequence held {most} blocks"
-    assert results[first]["tokens"] == alone(model, prompt, 32)
-    assert results[second]["tokens"] == alone(model, prompt[:9] + [77], 32)
-    assert engine.scheduler.stats["prompt_tokens_hit"] > 0
-    check_allocator(engine.scheduler.allocator)
-    assert engine.scheduler.allocator.num_used() == 0
+    expected = [alone(model, p, 32) for p in prompts]
+    for pools in (dict(num_blocks=40), dict(num_blocks=40, window_blocks=5) if hybrid else dict(num_blocks=5)):
+        engine = Engine.for_model(model, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16, **pools)
+        most, full, results = 0, 0, {}
+        for k, prompt in enumerate(prompts):  # the second after the first, whose prompt blocks are cached
+            engine.add_request(prompt, params, request_id=k)
+            while engine.has_unfinished():
+                results.update((e.request_id, e.result) for e in engine.step() if hasattr(e, "result"))
+                for seq in engine.scheduler.running:
+                    most = max(most, sum(1 for b in (seq.window_blocks if hybrid else seq.blocks) if b))
+                    full = max(full, len(seq.blocks) if hybrid else 0)
+        assert most <= 8 // bs + 2, f"a sequence held {most} blocks of its windowed layers ({pools})"
+        assert full == (10 if hybrid else 0), full  # the full layer keeps all: 10 blocks at 40 tokens, last seen running
+        assert [results[k]["tokens"] for k in range(2)] == expected, pools
+        for allocator in engine.scheduler.pools:
+            check_allocator(allocator)
+            assert allocator.num_used() == 0
+        if pools["num_blocks"] == 40 and "window_blocks" not in pools:
+            assert engine.scheduler.stats["prompt_tokens_hit"] == 8
+    assert [k.shape[0] for k in engine.cache.k] == ([5, 40] if hybrid else [5, 5])  # Gemma 3: layer 0 windowed
 
 
-def test_mixed_layers_keep_every_block(tmp_path):
-    """Gemma's full layers see the whole context: nothing is freed, and the tokens are still exact."""
-    model, _ = weights.load(save_hf(hf_model("gemma3"), tmp_path / "g"), dtype=torch.float64)
-    engine = Engine.for_model(model, num_blocks=40, block_size=4)
-    assert engine.scheduler.window == 0
+def test_a_hybrid_model_keeps_a_pool_per_layer_kind(float64_models):
+    """Gemma 3's windowed layers get their own pool (as large as they can use, at most the full
+    layers'); with window_blocks=0 they share the full layers' blocks and keep them all. Each
+    equals the static cache, eager and with compiled decode steps, n = 2 samples forking included."""
+    model = float64_models("gemma3")
     prompt = list(range(5, 25))
-    out = engine.run_batch([prompt], RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
-    assert out[0]["tokens"] == alone(model, prompt, 20)
+    params = RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    ref = alone(model, prompt, 20)
+    for window_blocks, pools in ((None, 2), (0, 1)):
+        engine = Engine.for_model(model, num_blocks=40, block_size=4, window_blocks=window_blocks)
+        assert len(engine.scheduler.pools) == pools and engine.cache.window_blocks == (40 if pools == 2 else 0)
+        out = engine.run_batch([prompt, prompt], [params, RequestParams(max_new_tokens=20, temperature=0.0,
+                                                                         ignore_eos=True, n=2)])
+        assert out[0]["tokens"] == ref and out[1]["tokens"] == [ref, ref]
+        assert engine.scheduler.blocks_used() == 0
+    # compiled: decodes at 17-20, past the window, all 6 blocks wide (one graph); window_blocks reads 8 // 4 + 2
+    compiled = Engine.for_model(model, num_blocks=40, block_size=4, compile=True)
+    short = RequestParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert compiled.run_batch([prompt[:17]], short)[0]["tokens"] == alone(model, prompt[:17], 4)
 
 
 @pytest.mark.parametrize("arch, gguf_arch", [("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3_longrope", "phi3"),
@@ -335,13 +357,30 @@ def test_a_window_larger_than_the_context_is_no_window(tmp_path):
     assert wide.config.window(0) == 4096 > wide.config.max_position_embeddings
 
 
-def test_the_memory_plan_says_what_windows_save():
-    from families import window_plan
+def test_the_memory_plan_gives_a_hybrid_windowed_pool_only_what_it_can_use(float64_models):
+    """Gemma 3's layer 0 (window 8) and layer 1 (full), blocks of 4: the windowed pool grows with
+    the full one up to what 2 sequences' windows and an 8-token chunk can hold, 1 + 2 * (8 / 4 + 3)
+    + 2 = 13 blocks; the rest of the budget is the full layers'."""
+    import kv_plan
 
-    line = window_plan(config_of("mistral_window"), 4, 1024)
+    model = float64_models("gemma3")
+    c, sizes = model.config, dict(max_num_seqs=2, max_num_batched_tokens=8)
+    per_layer = 2 * 4 * c.n_kv_heads * c.head_dim * 8  # one layer's block: K and V, 4 tokens, float64
+    assert kv_plan.window_pool_cap(c, 4, **sizes) == 13
+    num_blocks, window_blocks, lines = kv_plan.plan_blocks(model, 4, memory_bytes=100 * per_layer, **sizes)
+    assert (num_blocks, window_blocks) == (87, 13) and "their own pool of 13 blocks" in lines
+    assert kv_plan.plan_blocks(model, 4, memory_bytes=20 * per_layer, **sizes)[:2] == (10, 10)
+    assert kv_plan.plan_blocks(model, 4, num_blocks=7, **sizes)[:2] == (7, 7)
+
+
+def test_the_memory_plan_says_what_windows_save():
+    from kv_plan import window_lines
+
+    line = window_lines(config_of("mistral_window"), 4, 100, 0, 1024)
     assert "every layer: a sequence holds at most 4 blocks (0.0 MiB)" in line
-    assert "on 1 of 2 layers" in window_plan(config_of("gemma3"), 4, 1024) and "kept whole" in window_plan(config_of("gemma3"), 4, 1024)
-    assert window_plan(config_of("qwen2_yarn"), 4, 1024) == ""
+    line = window_lines(config_of("gemma3"), 4, 100, 40, 2**20)
+    assert "on 1 of 2 layers: their own pool of 40 blocks" in line and "would take 60.0 MiB more" in line
+    assert window_lines(config_of("qwen2_yarn"), 4, 100, 0, 1024) == ""
 
 
 GEMMA_SHAPED_TEMPLATE = (  # Gemma's turn format: "model" for the assistant, a system turn folded into the first user turn

@@ -20,7 +20,7 @@ FLOORS = {
         "harmony"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["families", "gguf_config", "batch_invariant", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
-    4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity"],
+    4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity", "kv_plan"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
     7: ["engine", "generate", "constraint_check"],
@@ -222,7 +222,7 @@ class Req:  # stands in for sequence.Sequence and Request: their fields, hashabl
         self.__dict__.update(fields)
 
 class Allocator:  # stands in for paged.BlockAllocator: plain counting, no prefix cache
-    block_size, num_blocks = 4, 8
+    block_size, num_blocks, window = 4, 8, 0
     def __init__(self):
         self.ref, self.free = [0] * 8, list(range(1, 8))
     def allocate_many(self, n):

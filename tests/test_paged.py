@@ -9,7 +9,8 @@ import runtime
 import weights
 from helpers import check_allocator, tiny_checkpoint
 from kv_cache import StaticKVCache
-from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, bucket, plan_blocks
+from kv_plan import plan_blocks
+from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, bucket
 from sampling import SamplingParams
 
 
@@ -149,6 +150,32 @@ def test_copies_of_a_prefix_another_request_holds_name_nothing_under_it():
     check_allocator(a)
 
 
+def test_a_windowed_pool_evicts_behind_the_window_and_hits_on_the_window_alone():
+    """window 8, blocks of 4: a sequence frees its oldest blocks first, so they are evicted first
+    though their children are cached; a cached prefix of 6 blocks whose first ones are gone is
+    still a hit of 24 tokens, taking only the blocks the next token sees ((24 - 8) // 4 = 4 on; 0
+    before); a missing block inside that window leaves no hit."""
+    a = BlockAllocator(num_blocks=8, block_size=4, window=8)
+    tokens, chain, parent = list(range(30)), [], None
+    for i in range(6):
+        chain.append(a.allocate())
+        parent = a.register(chain[-1], parent, tokens[4 * i:4 * i + 4], chain[-2] if i else None)
+    for b in chain:  # the sequence ends: all 6 cached, unused
+        a.release(b)
+    assert a.num_available() == 7
+    assert a.allocate_many(4) is not None  # the free block, then the 3 oldest though they have cached children
+    check_allocator(a)
+    hit, hashes = a.lookup_prefix(tokens, 7)
+    assert hit == [0, 0, 0, 0] + chain[4:6] and len(hashes) == 6
+    assert a.lookup_prefix(tokens, 5) == ([0, 0, 0] + chain[3:5], hashes[:5])  # 20 tokens: blocks 3 and 4
+    for b in (chain[3], chain[5]):  # used again: chain[4] is now the least recently used
+        a.share(b)
+        a.release(b)
+    assert a.allocate() == chain[4]
+    assert a.lookup_prefix(tokens, 7) == ([], [])
+    check_allocator(a)
+
+
 def test_lookup_reuses_longest_cached_prefix_only():
     a = BlockAllocator(num_blocks=8, block_size=2)
     parent, blocks = None, []
@@ -223,8 +250,8 @@ def test_memory_plan_arithmetic(tiny64):
     """bytes per block = 2 * layers * block_size * kv_heads * head_dim * bytes; the pool fits the budget."""
     a = tiny64.config
     per_block = 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 8
-    n, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5)
-    assert n == 100 and f"{per_block} bytes per block" in line and f"{99 * 16} tokens" in line
+    n, window_blocks, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5)
+    assert n == 100 and window_blocks == 0 and f"{per_block} bytes per block" in line and f"{99 * 16} tokens" in line
     assert plan_blocks(tiny64, 16, num_blocks=7)[0] == 7
     assert plan_blocks(tiny64, 16, max_tokens=40)[0] == 1 + 3  # capped at what 40 tokens can use
     with pytest.raises(ValueError, match="at least 2"):

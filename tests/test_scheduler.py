@@ -1,8 +1,9 @@
 """scheduler.py without a model: a stand-in runs each plan by writing every computed token id into
-its KV slot (block, offset), copying blocks first as the plan says, and "samples" a fixed function
-of what the slots hold. A sequence that reads back anything but its own tokens (a block shared
-wrongly, a copy missed, a preempted sequence's stale blocks, a prefix hit on the wrong blocks)
-fails at once; outputs must equal the function run alone."""
+its KV slot (pool, block, offset), copying blocks first as the plan says, and "samples" a fixed
+function of what the slots hold. A sequence that reads back anything but its own tokens where its
+queries look (a block shared wrongly, a copy missed, a preempted sequence's stale blocks, a prefix
+hit on the wrong blocks, a windowed block freed too soon) fails at once; outputs must equal the
+function run alone."""
 import random
 from collections import Counter
 
@@ -31,6 +32,7 @@ class StandIn:
 
     def __init__(self, scheduler, copies: bool = True):
         self.s, self.kv, self.copies, self.requests, self.computed = scheduler, {}, copies, {}, 0
+        self.most_windowed = 0
 
     def add(self, prompt, n_new: int, n: int = 1):
         req = Request(len(self.requests), prompt, RequestParams(max_new_tokens=n_new, n=n, seed=0), "cpu")
@@ -40,17 +42,21 @@ class StandIn:
 
     def step(self):
         plan, bs, results = self.s.schedule(), self.s.block_size, []
-        for src, dst in plan.copies if self.copies else ():
-            self.kv[dst] = dict(self.kv.get(src, {}))
+        for src, dst, pool in plan.copies if self.copies else ():
+            self.kv[pool, dst] = dict(self.kv.get((pool, src), {}))
         for seq, n in plan.runs.items():  # every token's K/V written first, as each layer does
-            for p in range(seq.num_computed, seq.num_computed + n):
-                self.kv.setdefault(seq.blocks[p // bs], {})[p % bs] = seq.tokens[p]
+            for pool, (_, table) in enumerate(self.s._tables(seq)):
+                for p in range(seq.num_computed, seq.num_computed + n):
+                    assert table[p // bs], "a token is written to the null block"
+                    self.kv.setdefault((pool, table[p // bs]), {})[p % bs] = seq.tokens[p]
             self.computed += n
-        for seq, n in plan.runs.items():
+        for seq, n in plan.runs.items():  # what the step's queries see: all, or their windows
+            for pool, (allocator, table) in enumerate(self.s._tables(seq)):
+                low, end = max(0, seq.num_computed - allocator.window + 1) if allocator.window else 0, seq.num_computed + n
+                seen = [self.kv.get((pool, table[p // bs]), {}).get(p % bs) for p in range(low, end)]
+                assert seen == seq.tokens[low:end], f"request {seq.request.id} sample {seq.index} reads back other tokens"
             if seq.num_computed + n < len(seq.tokens):
                 continue
-            seen = [self.kv.get(seq.blocks[p // bs], {}).get(p % bs) for p in range(len(seq.tokens))]
-            assert seen == seq.tokens, f"request {seq.request.id} sample {seq.index} reads back other tokens"
             samples = [seq]
             if seq.request.needs_fork:  # as the engine forks: at the prompt's end, from its row
                 twins = [seq.fork(k) for k in range(1, seq.request.params.n)]
@@ -61,17 +67,23 @@ class StandIn:
                 done = len(s.output) + 1 >= s.request.params.max_new_tokens
                 results.append((s, next_token(s.tokens, s.index), "length" if done else None))
         self.s.update(plan, results)
-        check_allocator(self.s.allocator)
+        for allocator in self.s.pools:
+            check_allocator(allocator)
+        held = [sum(map(bool, t)) for s in self.s.running for a, t in self.s._tables(s) if a.window]
+        self.most_windowed = max([self.most_windowed, *held])  # blocks a sequence holds in a windowed pool
         return plan
 
     def run(self):
         while self.s.has_unfinished():
             self.step()
-        assert self.s.allocator.num_used() == 0, "blocks leaked"
+        assert self.s.blocks_used() == 0, "blocks leaked"
 
 
-def scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=512, **kw):
-    return Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, **kw)
+def scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=512, window=0, window_blocks=0, **kw):
+    """window: every layer's (one pool); with window_blocks, a hybrid's windowed layers' (two pools)."""
+    windows = BlockAllocator(window_blocks, block_size, window=window) if window_blocks else None
+    return Scheduler(BlockAllocator(num_blocks, block_size, window=0 if windows else window), max_num_seqs,
+                     max_num_batched_tokens, window_allocator=windows, **kw)
 
 
 def random_workload(count: int, seed: int):
@@ -99,6 +111,24 @@ def test_every_sequence_reads_back_exactly_its_own_tokens(num_blocks, max_batche
         assert stats["steps"] > sum(map(len, prompts)) / max_batched
 
 
+@pytest.mark.parametrize("num_blocks, window_blocks, max_batched", [
+    (400, 0, 512), (12, 0, 12), (400, 400, 512), (400, 12, 12), (30, 20, 8)])
+def test_windowed_pools_free_what_no_query_sees_and_keep_what_they_do(num_blocks, window_blocks, max_batched):
+    """Window 8, blocks of 4, on every layer (one pool) or on a hybrid's windowed layers (a pool of
+    their own): every query reads back its window's tokens, n = 2 samples and prefix hits
+    included, roomy and tight (preemptions); a sequence never holds more windowed blocks than its
+    window and its chunk span, (8 + chunk) / 4 + 2, however long it grows."""
+    prompts, news = random_workload(12, seed=1)
+    stand_in = StandIn(scheduler(num_blocks, max_num_batched_tokens=max_batched, window=8, window_blocks=window_blocks))
+    reqs = [stand_in.add(p, n, n=1 + (k == 3)) for k, (p, n) in enumerate(zip(prompts, news))]
+    stand_in.run()
+    for req, prompt, n in zip(reqs, prompts, news):
+        assert [s.output for s in req.seqs] == [alone(prompt, n, k) for k in range(req.params.n)]
+    assert 0 < stand_in.most_windowed <= (8 + min(max_batched, 64)) // 4 + 2
+    stats = stand_in.s.stats
+    assert stats["preemptions"] > 0 if max_batched < 100 else stats["prompt_tokens_hit"] > 0
+
+
 def test_n_samples_fork_share_the_prompt_and_copy_only_the_block_they_write():
     """n = 3 of a 10-token prompt (block size 4): the prompt's blocks shared three ways, the half-
     full third block copied by two samples; each sample equals its own run alone."""
@@ -110,7 +140,7 @@ def test_n_samples_fork_share_the_prompt_and_copy_only_the_block_they_write():
     assert stand_in.s.allocator.ref[blocks[0][0]] == 3
     third = blocks[0][2]
     copies = stand_in.step().copies
-    assert len(copies) == 2 and {src for src, _ in copies} == {third}
+    assert len(copies) == 2 and {src for src, _, _ in copies} == {third}
     stand_in.run()
     assert [s.output for s in req.seqs] == [alone(range(30, 40), 12, k) for k in range(3)]
 

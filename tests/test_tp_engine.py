@@ -53,6 +53,18 @@ def test_engine_on_two_ranks_equals_one_process(gqa, tmp_path):
     assert got["results"] == {str(k): [list(map(list, v[0])), v[1]] for k, v in alone.items()}
 
 
+def test_a_step_crosses_the_broadcast_whole_hybrid_tables_and_pools_included():
+    """pack/unpack: a decode group's [R, W] table and a hybrid's [2, R, W] (full and windowed
+    layers' blocks), and copy-on-write copies naming their pool, arrive as sent."""
+    groups = [(2, 1, torch.tensor([[1, 2, 0], [3, 4, 5]])), (1, 5, torch.tensor([[[6, 7]], [[0, 8]]])),
+              (3, 1, torch.zeros(3, 1, dtype=torch.long))]
+    tokens, pos, keep = torch.arange(10)[None], torch.arange(10, 20)[None], torch.tensor([1, 6])
+    copies, got, *rest = tp_engine.unpack(*tp_engine.pack([(3, 9, 0), (8, 2, 1)], groups, tokens, pos, keep))
+    assert copies == [(3, 9, 0), (8, 2, 1)]
+    assert [(r, t, table.tolist()) for r, t, table in got] == [(r, t, table.tolist()) for r, t, table in groups]
+    assert all(torch.equal(a, b) for a, b in zip(rest, (tokens, pos, keep)))
+
+
 def test_ranks_with_different_engine_flags_stop_naming_them(gqa, tmp_path):
     errors = spawn_engine(gqa, tmp_path, [ENGINE, {**ENGINE, "max_num_seqs": 4}], timeout_s=60)
     assert len(errors) == 2 and all("max_num_seqs: [8, 4]" in e for e in errors), errors
