@@ -123,10 +123,11 @@ class PagedDecodeInPlace:
     scores. Output: V's rows are one token's one head, weighted by the softmax. Each byte of the
     pool is read once (the G query heads sharing a KV head read it from cache); the gather-then-SDPA
     reference writes a copy and reads it twice (benchmarks/RESULTS.md, "Decode rows reading the
-    paged blocks in place"). One per cache: it keeps the indices of the last block table it read."""
+    paged blocks in place"). One per cache: it keeps the indices of the last block table it read
+    (of each of a hybrid's two, views of one [2, R, W] tensor)."""
 
     def __init__(self):
-        self._bag_cache = (None, None, None)  # (block table, its version, its rows) last read
+        self._bag_cache = (None, None, {})  # (the table last read, or what it views; its version; {view: rows})
 
     def __call__(self, q, pool_k, pool_v, table, mask):
         """q [R, 1, H, D]; pool_k [N, Hkv, D, bs]; pool_v [N, bs, Hkv, D]; table [R, W];
@@ -145,11 +146,14 @@ class PagedDecodeInPlace:
     def _bag_indices(self, table, H, Hkv, D, bs):
         """The rows __call__ sums, from a block table [R, W]: K's [R * H * W, D] (query head h of
         row r, block w: the D rows of its KV head's transposed block) and V's [R * H, L] (the L
-        tokens' rows of its KV head). Every layer reads the same table, so eager steps build them
-        once per table (and again if it is changed in place)."""
-        cached_table, version, rows = self._bag_cache
-        if not torch.compiler.is_compiling() and cached_table is table and version == table._version:
-            return rows
+        tokens' rows of its KV head). Every layer reads the same table (or one of a hybrid's two),
+        so eager steps build them once per table (and again if it is changed in place)."""
+        compiling = torch.compiler.is_compiling()  # (a compiled step builds them in its graph)
+        if not compiling:
+            base, (cached_base, version, entries) = table if table._base is None else table._base, self._bag_cache
+            key, same = (table.storage_offset(), tuple(table.shape), tuple(table.stride())), cached_base is base
+            if same and version == base._version and key in entries:
+                return entries[key]
         R, W = table.shape
         G = H // Hkv
         kv_head = torch.arange(H, device=table.device) // G  # [H]
@@ -158,8 +162,9 @@ class PagedDecodeInPlace:
         slot = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).view(R, 1, W * bs)
         v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
         out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
-        if not torch.compiler.is_compiling():
-            self._bag_cache = (table, table._version, out)
+        if not compiling:
+            kept = entries if same and version == base._version else {}  # (an edit in place: the others are stale)
+            self._bag_cache = (base, base._version, kept | {key: out})
         return out
 
 

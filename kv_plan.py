@@ -47,6 +47,10 @@ def pools(model, num_blocks: int, block_size: int, prefix_caching: bool = True, 
     if window_blocks is None:
         window_blocks = min(num_blocks, window_pool_cap(c, block_size, max_num_seqs, max_num_batched_tokens))
     window_blocks = window_blocks if is_hybrid(c) else 0
+    least = min(num_blocks, window_pool_cap(c, block_size, 1, max_num_batched_tokens))  # one sequence's window and chunk
+    if 0 < window_blocks < least:
+        raise ValueError(f"a windowed layers' pool of {window_blocks} blocks cannot hold one sequence's window of "
+                         f"{c.sliding_window} tokens and a {max_num_batched_tokens}-token chunk: give at least {least}")
     # a window on every layer, or a hybrid's windowed pool: blocks behind the window are freed as sequences grow
     window = c.sliding_window if len(windowed_layers(c)) == c.n_layers else 0
     allocator = BlockAllocator(num_blocks, block_size, prefix_caching, window)

@@ -40,12 +40,12 @@ writing a copy of every block and reading it twice. Either way a step's attentio
 rows x W blocks.
 
 Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
-so equal hashes mean equal whole prefixes. A new request reuses every cached block of its longest
+so equal hashes mean equal whole prefixes. A new request reuses the cached blocks of its longest
 cached prefix and computes only the rest. Blocks that no sequence references stay cached until
 space is needed, then are evicted least recently used first, and only leaves: a block whose
-children are cached is never evicted before them (as in SGLang's radix tree). Shared blocks are
-never written: a sequence that must write into a block others reference copies it first
-(copy-on-write), which is how `n > 1` samples of one prompt share it and fork where they diverge.
+children are cached is never evicted before them (SGLang's radix tree; windowed layers' pools evict
+any: BlockAllocator's window). Shared blocks are never written: a sequence that must write into a
+block others reference copies it first (copy-on-write): `n > 1` samples share a prompt and fork.
 """
 import contextlib
 import heapq
@@ -239,7 +239,7 @@ class PagedKVCache:
         self.k = [torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for p in self.pool_of]
         self.v = [torch.zeros(sizes[p], block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for p in self.pool_of]
         self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
-        self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W]), ...]
+        self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W] or [2, rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y

@@ -15,7 +15,7 @@ requests wait. Here every `schedule()` returns a Plan for one step:
      every slot is taken, a request with nothing running takes slots from one holding more than
      its fair share (max_num_seqs / requests present), so a large n does not starve the others;
   3. a sequence about to write into a block it shares (a forked sample, a prefix hit's last
-     block) gets a private copy: the plan lists (source, destination) blocks to copy first.
+     block) gets a private copy: the plan lists (source, destination, pool) blocks to copy first.
 If a running sequence needs a block and none is free, the most recently admitted sequence is
 preempted: its blocks are released (full ones stay in the prefix cache) and it waits at the
 front of the queue to be recomputed, prompt and generated tokens together.
@@ -49,7 +49,7 @@ class Plan:
 
 
 class Scheduler:
-    """The waiting and running queues over one BlockAllocator (see the module docstring).
+    """The waiting and running queues over its BlockAllocators (see the module docstring).
 
     policy: "fcfs" or "lpm"; reserve_tokens: every sequence reserves this many tokens at admission,
     as a static cache would (benchmarks); scores: None, or prompt scoring's hooks (scoring.py):
@@ -134,7 +134,7 @@ class Scheduler:
                 budget += sum(plan.runs.pop(s, 0) for s in freed)
             self._share_prefix(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if not self._ensure_blocks(seq, max(n, (self.reserve_tokens or 0) - seq.num_computed), plan):
+            if not self._ensure_blocks(seq, n, plan, (self.reserve_tokens or 0) - seq.num_computed):
                 self._release(seq)
                 break
             self.waiting.remove(seq)
@@ -157,9 +157,8 @@ class Scheduler:
         # prompt scoring can cut a hit below the blocks a window kept: then it is recomputed whole
         if any(a.window and not all(t[max(0, reused - a.window + 1) // bs:]) for a, t in zip(self.pools, tables)):
             reused, tables = 0, [[] for _ in tables]
-        for allocator, table in zip(self.pools, tables):
-            for b in filter(None, table):
-                allocator.share(b)
+        for allocator, b in [(a, b) for a, t in zip(self.pools, tables) for b in t if b]:
+            allocator.share(b)
         seq.blocks, seq.window_blocks = tables + [[]] * (2 - len(tables))
         seq.hashes, seq.num_computed = hashes[:reused // bs], reused
 
@@ -202,19 +201,22 @@ class Scheduler:
             self._preempt(victim)
         return victims
 
-    def _ensure_blocks(self, seq, n: int, plan) -> bool:
-        """Blocks for seq's next n tokens in every pool, the block written first made private
-        (copy-on-write); all or none."""
-        first, end, got = seq.num_computed // self.block_size, blocks_for(seq.num_computed + n, self.block_size), []
-        for alloc, table in self._tables(seq):
-            cow = first < len(table) and alloc.ref[table[first]] > 1
-            got.append((cow, alloc.allocate_many(max(0, end - len(table)) + cow)))
-            if got[-1][1] is None:
-                for (a, _), (_, blocks) in zip(self._tables(seq), got[:-1]):
-                    for b in blocks:
-                        a.release(b)
-                return False
-        for pool, ((alloc, table), (cow, blocks)) in enumerate(zip(self._tables(seq), got)):
+    def _ensure_blocks(self, seq, n: int, plan, reserve: int = 0) -> bool:
+        """Blocks for seq's next n tokens (in pool 0 at least `reserve`) in every pool, the block
+        written first made private (copy-on-write); all or none."""
+        tables, first, bs = self._tables(seq), seq.num_computed // self.block_size, self.block_size
+        cows = [first < len(t) and a.ref[t[first]] > 1 for a, t in tables]
+        needs = [max(0, blocks_for(seq.num_computed + max(n, reserve * (k == 0)), bs) - len(t)) + cows[k]
+                 for k, (_, t) in enumerate(tables)]
+        if any(need > a.num_available() for (a, _), need in zip(tables, needs)):  # so that no pool evicts for nothing
+            return False
+        got = [a.allocate_many(need) for (a, _), need in zip(tables, needs)]
+        if None in got:  # (num_available counts cached blocks that leaf-first eviction cannot reach yet)
+            for (a, _), blocks in zip(tables, got):
+                for b in blocks or ():
+                    a.release(b)
+            return False
+        for pool, ((alloc, table), cow, blocks) in enumerate(zip(tables, cows, got)):
             if cow:
                 private = blocks.pop(0)
                 plan.copies.append((table[first], private, pool))
@@ -224,9 +226,8 @@ class Scheduler:
         return True
 
     def _release(self, seq, forget: bool = True):
-        for alloc, table in self._tables(seq):
-            for b in filter(None, table):  # (0: a block freed outside the window)
-                alloc.release(b)
+        for alloc, b in [(a, b) for a, t in self._tables(seq) for b in t if b]:  # (0: freed behind the window)
+            alloc.release(b)
         seq.blocks, seq.window_blocks = [], []
         if forget:
             seq.hashes, seq.num_computed = [], 0
@@ -274,9 +275,8 @@ class Scheduler:
             for k, twin in enumerate(t for t in twins if not t.finish_reason):
                 twin.num_computed, twin.hashes = seq.num_computed, list(seq.hashes)
                 twin.blocks, twin.window_blocks = list(seq.blocks), list(seq.window_blocks)
-                for alloc, table in self._tables(twin):
-                    for b in filter(None, table):
-                        alloc.share(b)
+                for alloc, b in [(a, b) for a, t in self._tables(twin) for b in t if b]:
+                    alloc.share(b)
                 self.running.insert(self.running.index(seq) + 1 + k, twin)
         for seq, token, reason in results:
             if token is not None:

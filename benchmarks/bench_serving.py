@@ -87,7 +87,7 @@ def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
             "max_gap_late": max(late_gaps) if late else None,
             "late_ttft": late.seqs[0].token_times[0] - late.arrival if late else None,
             "peak_running": st["peak_running"], "preemptions": st["preemptions"], "steps": st["steps"],
-            "peak_kv": st["peak_blocks"] * kv_plan.bytes_per_block(model, engine.block_size),
+            "peak_kv": st["peak_blocks"] * kv_plan.bytes_per_block(model, engine.block_size),  # (one pool: not a hybrid)
             "hit": st["prompt_tokens_hit"] / max(1, st["prompt_tokens"])}
 
 
@@ -234,15 +234,17 @@ def soak(model, ids, count=500):
             aborted += 1
         finished += sum(isinstance(e, Finished) for e in engine.step())
         if engine.scheduler.stats["steps"] % 25 == 0:
-            check_allocator(engine.scheduler.allocator)
-    check_allocator(engine.scheduler.allocator)
+            for allocator in engine.scheduler.pools:
+                check_allocator(allocator)
+    for allocator in engine.scheduler.pools:
+        check_allocator(allocator)
     elapsed = time.perf_counter() - start
     print(f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), random arrivals, "
           f"{aborted} aborted, 199 blocks for up to 32 sequences\n")
     print(f"{finished} finished in {elapsed:.1f} s, {engine.scheduler.stats['steps']} steps, {engine.scheduler.stats['preemptions']} preemptions, "
           f"prefix-cache hit rate {engine.scheduler.stats['prompt_tokens_hit'] / max(1, engine.scheduler.stats['prompt_tokens']):.0%}, "
-          f"blocks in use at the end: {engine.scheduler.allocator.num_used()} (invariants checked every 25 steps)")
-    assert engine.scheduler.allocator.num_used() == 0 and finished == count
+          f"blocks in use at the end: {engine.scheduler.blocks_used()} (invariants checked every 25 steps)")
+    assert engine.scheduler.blocks_used() == 0 and finished == count
 
 
 def main():

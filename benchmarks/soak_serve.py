@@ -183,10 +183,10 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
         results = asyncio.run(run_load(url, requests, rate, seed, {warm, half},
                                        lambda i: idle.setdefault(i, rss_bytes())))
         deadline = time.time() + 30
-        while (engine.requests or engine.scheduler.allocator.num_used()) and time.time() < deadline:
+        while (engine.requests or engine.scheduler.blocks_used()) and time.time() < deadline:
             time.sleep(0.05)
         elapsed = time.perf_counter() - start
-        blocks, left = engine.scheduler.allocator.num_used(), len(engine.requests)
+        blocks, left = engine.scheduler.blocks_used(), len(engine.requests)
         time.sleep(GIVE_BACK_DELAY_S + 1)
         rss_after = rss_bytes()
     finally:

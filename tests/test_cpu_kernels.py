@@ -184,6 +184,32 @@ def test_paged_decode_in_place_equals_the_cache_reference(dtype):
     assert all(torch.equal(a, b) for a, b in zip(ref.tensors(), fast.tensors()))
 
 
+@pytest.mark.isa
+def test_paged_decode_in_place_reads_a_hybrids_two_tables_and_follows_their_edits():
+    """A hybrid cache (layers 0 and 2 windowed, in a pool of their own): each layer reads its
+    pool's half of the [2, R, W] table; the kernel keeps both halves' indices (views of one
+    tensor) for the step, and builds them again when the table is edited in place."""
+    g = torch.Generator().manual_seed(0)
+    R, H, Hkv, D, bs, layers, dtype = 3, 4, 2, 8, 4, 3, torch.float32
+    ref, fast = (PagedKVCache(layers, 1 + R * 4, bs, Hkv, D, dtype, decode=d, window_layers=(0, 2), window_blocks=1 + R * 3)
+                 for d in (None, cpu_kernels.PagedDecodeInPlace()))
+    for a, b in zip(ref.tensors(), fast.tensors()):
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(a)
+    table = torch.stack([(1 + torch.randperm(R * 4, generator=g)).view(R, 4),
+                         (1 + torch.randperm(R * 3, generator=g)).view(R, 3).repeat(1, 2)[:, :4]])  # [2, R, 4]
+    for step in range(3):
+        if step == 2:  # edited in place: the windowed layers' rows swap
+            table[1] = table[1].flip(0).clone()
+        pos = torch.tensor([[2], [7], [13]]) + step
+        ref.groups = fast.groups = [(R, 1, table)]
+        for layer in range(layers):
+            q, k, v = (torch.randn(R, 1, n, D, generator=g) for n in (H, Hkv, Hkv))
+            torch.testing.assert_close(fast.attend(layer, q, k, v, pos), ref.attend(layer, q, k, v, pos), atol=1e-5, rtol=1e-5)
+        assert fast.decode._bag_cache[0] is table and len(fast.decode._bag_cache[2]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(ref.tensors(), fast.tensors()))
+
+
 # ---- GEMM row padding ------------------------------------------------------------------------
 
 

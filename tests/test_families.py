@@ -145,14 +145,15 @@ def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_
     """window 8, blocks of 4: a sequence holds at most 8 / 4 + 2 blocks of its windowed layers
     however long it runs (Mistral: every layer; Gemma 3: its windowed layer's own pool, while the
     full layer keeps all 11), its tokens equal a static cache's, and a later request sharing its
-    prompt still hits the cache. A windowed pool of just those 4 blocks (and the null one) runs
-    it too: the blocks freed behind the window are taken again, though cached."""
+    prompt still hits the cache. Tight windowed pools run it too (Mistral: those 4 blocks and the
+    null one; Gemma 3: 7, the least kv_plan allows for a window and a 4-token chunk): the blocks
+    freed behind the window are taken again, though cached."""
     model, bs, hybrid = float64_models(arch), 4, arch == "gemma3"
     prompts = [[5 + i % 200 for i in range(10)], [5 + i % 200 for i in range(9)] + [77]]
     params = RequestParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)  # 42 tokens: > 4 windows
     expected = [alone(model, p, 32) for p in prompts]
-    for pools in (dict(num_blocks=40), dict(num_blocks=40, window_blocks=5) if hybrid else dict(num_blocks=5)):
-        engine = Engine.for_model(model, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16, **pools)
+    for pools in (dict(num_blocks=40), dict(num_blocks=40, window_blocks=7) if hybrid else dict(num_blocks=5)):
+        engine = Engine.for_model(model, block_size=bs, max_num_seqs=4, max_num_batched_tokens=4, **pools)
         most, full, results = 0, 0, {}
         for k, prompt in enumerate(prompts):  # the second after the first, whose prompt blocks are cached
             engine.add_request(prompt, params, request_id=k)
@@ -169,7 +170,10 @@ def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_
             assert allocator.num_used() == 0
         if pools["num_blocks"] == 40 and "window_blocks" not in pools:
             assert engine.scheduler.stats["prompt_tokens_hit"] == 8
-    assert [k.shape[0] for k in engine.cache.k] == ([5, 40] if hybrid else [5, 5])  # Gemma 3: layer 0 windowed
+    assert [k.shape[0] for k in engine.cache.k] == ([7, 40] if hybrid else [5, 5])  # Gemma 3: layer 0 windowed
+    if hybrid:  # a windowed pool too small for one window and chunk is refused, saying what would do
+        with pytest.raises(ValueError, match="cannot hold one sequence's window of 8 tokens and a 4-token chunk: give at least 7"):
+            Engine.for_model(model, num_blocks=40, block_size=bs, max_num_seqs=4, max_num_batched_tokens=4, window_blocks=6)
 
 
 def test_a_hybrid_model_keeps_a_pool_per_layer_kind(float64_models):

@@ -242,6 +242,8 @@ class Allocator:  # stands in for paged.BlockAllocator: plain counting, no prefi
         return hash((parent, tuple(tokens)))
     def num_used(self):
         return 7 - len(self.free)
+    def num_available(self):
+        return len(self.free)
 
 from scheduler import Scheduler
 scheduler = Scheduler(Allocator(), max_num_seqs=2, max_num_batched_tokens=8)
