@@ -268,7 +268,8 @@ def add_engine_args(p):
     p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
     p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory)")
+    p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory; "
+                   "a hybrid model's full layers' pool: kv_plan.py sizes its windowed layers' own)")
     p.add_argument("--kv_cache_memory", type=parse_size, default=None, help="memory for the KV pool, e.g. 2GiB "
                    "(default: 20%% of free memory, at most what max_num_seqs full contexts need)")
     p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
