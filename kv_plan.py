@@ -46,16 +46,17 @@ def pools(model, num_blocks: int, block_size: int, prefix_caching: bool = True, 
     c = model.config
     if window_blocks is None:
         window_blocks = min(num_blocks, window_pool_cap(c, block_size, max_num_seqs, max_num_batched_tokens))
-    window_blocks = window_blocks if is_hybrid(c) else 0
     least = min(num_blocks, window_pool_cap(c, block_size, 1, max_num_batched_tokens))  # one sequence's window and chunk
-    if 0 < window_blocks < least:
+    if is_hybrid(c) and 0 < window_blocks < least:
         raise ValueError(f"a windowed layers' pool of {window_blocks} blocks cannot hold one sequence's window of "
                          f"{c.sliding_window} tokens and a {max_num_batched_tokens}-token chunk: give at least {least}")
+    cache = PagedKVCache.for_model(model, num_blocks, block_size, window_blocks)  # (its window_blocks: 0 unless hybrid)
     # a window on every layer, or a hybrid's windowed pool: blocks behind the window are freed as sequences grow
     window = c.sliding_window if len(windowed_layers(c)) == c.n_layers else 0
     allocator = BlockAllocator(num_blocks, block_size, prefix_caching, window)
-    windows = BlockAllocator(window_blocks, block_size, prefix_caching, c.sliding_window) if window_blocks else None
-    return allocator, windows, PagedKVCache.for_model(model, num_blocks, block_size, window_blocks)
+    n = cache.window_blocks
+    windows = BlockAllocator(n, block_size, prefix_caching, c.sliding_window) if n else None
+    return allocator, windows, cache
 
 
 def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,
@@ -68,7 +69,8 @@ def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: in
     what max_tokens (e.g. max_num_seqs * context) could ever use."""
     c, windowed = model.config, windowed_layers(model.config)
     hybrid = is_hybrid(c)
-    full_bytes = bytes_per_block(model, block_size, c.n_layers - len(windowed) if hybrid else None)
+    n_full = c.n_layers - len(windowed) if hybrid else c.n_layers  # the layers of the pool every sequence keeps whole
+    full_bytes = bytes_per_block(model, block_size, n_full)
     window_bytes = bytes_per_block(model, block_size, len(windowed)) if hybrid else 0
     cap = window_pool_cap(c, block_size, max_num_seqs, max_num_batched_tokens) if hybrid else 0
     if num_blocks is None:
@@ -83,7 +85,6 @@ def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: in
         raise ValueError(f"the KV memory given holds {num_blocks} blocks of {full_bytes + window_bytes} bytes; "
                          "at least 2 are needed")
     window_blocks = min(num_blocks, cap)
-    n_full = c.n_layers - len(windowed) if hybrid else c.n_layers
     lines = (f"KV cache: {full_bytes} bytes per block (2 * {n_full} {'full ' * hybrid}layers * {block_size} tokens * "
              f"{c.n_kv_heads} kv heads * {c.head_dim} dims * {model.norm.weight.element_size()} bytes) | {num_blocks} "
              f"blocks = {num_blocks * full_bytes / 2**20:.1f} MiB | {(num_blocks - 1) * block_size} tokens "
