@@ -78,7 +78,8 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
             "tpot_mean_s": sum(tpot) / max(1, len(tpot)), "tpot_p90_s": percentile(tpot, 0.9),
             "peak_kv_blocks": st["peak_blocks"], "kv_blocks": st["kv_blocks_total"],
             "prefix_hit_rate": st["prompt_tokens_hit"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0,
-            "preemptions": st["preemptions"], "peak_running": st["peak_running"]}
+            "preemptions": st["preemptions"], "peak_running": st["peak_running"],
+            "draft_tokens": st["draft_tokens"], "draft_tokens_accepted": st["draft_tokens_accepted"]}
 
 
 def summary_line(s: dict) -> str:
@@ -87,7 +88,9 @@ def summary_line(s: dict) -> str:
             f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 {1e3 * s['ttft_p90_s']:.0f} ms | "
             f"time per output token mean {1e3 * s['tpot_mean_s']:.1f} ms, p90 {1e3 * s['tpot_p90_s']:.1f} ms | "
             f"peak KV blocks {s['peak_kv_blocks']} of {s['kv_blocks']} | prefix-cache hit rate "
-            f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running {s['peak_running']}")
+            f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running {s['peak_running']}"
+            + (f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
+               f"({100 * s['draft_tokens_accepted'] / s['draft_tokens']:.1f}%)" if s["draft_tokens"] else ""))
 
 
 def parse_args(argv):

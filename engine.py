@@ -29,10 +29,10 @@ from cpu_kernels import gemm_padding
 from kv_cache import bucket
 from kv_plan import pools
 from runtime import compile_decode
-from sampling import parse_logit_bias, sample, token_logprobs
-from scheduler import Scheduler, blocks_for
+from sampling import sample, token_logprobs
+from scheduler import Scheduler
 from scoring import PromptScores
-from sequence import Request, RequestParams  # noqa: F401 (RequestParams: the engine's API)
+from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
 from tokenizer import TextStream
 
 
@@ -57,11 +57,11 @@ def flat_forward(model, cache, tokens, input_pos, keep=None):
 
 
 class Engine:
-    """model, cache (paged.PagedKVCache), scheduler (over an allocator of the cache's blocks; with
-    scoring.PromptScores as its scores to score prompts); stop_ids: the model's end tokens;
-    tokenizer: for text and stop strings; compile: decode-only steps (a graph per batch bucket)."""
+    """model, cache (paged.PagedKVCache), scheduler (over the cache's blocks; scoring.PromptScores to score
+    prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: decode-only steps."""
 
-    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False):
+    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False,
+                 speculate=None):
         mine, theirs = [cache.num_blocks] + [cache.window_blocks] * bool(cache.window_blocks), [a.num_blocks for a in scheduler.pools]
         if (mine, cache.block_size) != (theirs, scheduler.block_size):
             raise ValueError(f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the scheduler's "
@@ -70,6 +70,7 @@ class Engine:
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
+        self.speculate, self.drafted = speculate, dict(draft_tokens=0, draft_tokens_accepted=0)  # prompt_lookup.py
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
         self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
         self.min_rows = invariant.min_rows(model) if batch_invariant else 1  # 2: no one-row float GEMM (GEMV)
@@ -83,38 +84,21 @@ class Engine:
     def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                   max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
                   stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
-                  batch_invariant: bool = False, window_blocks: int = None):
-        """An engine with its own KV pools (kv_plan.pools; kv_plan.plan_blocks sizes them) and prompt scoring."""
+                  batch_invariant: bool = False, window_blocks: int = None, speculate=None):
+        """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
+        (prompt_lookup.PromptLookup) whose drafts each step verifies, or None."""
         allocator, windows, cache = pools(model, num_blocks, block_size, prefix_caching and not reserve_tokens,
                                           window_blocks, max_num_seqs, max_num_batched_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
         scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0)
         scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, windows)
-        return cls(model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant)
+        return cls(model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate)
 
     # -- the request lifecycle -----------------------------------------------------------------
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
         """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
-        params, s, vocab = params or RequestParams(), self.scheduler, self.model.config.vocab_size
-        params.check()
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}, "
-                             "which leaves no room to generate")
-        usable = s.allocator.num_blocks - 1  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
-        if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
-            raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
-                             f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory")
-        if params.n > s.max_num_seqs:
-            raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {s.max_num_seqs}")
-        if (params.stop or params.constraint is not None) and self.tokenizer is None:
-            raise ValueError("stop strings and constraints need the engine's tokenizer")
-        if params.prompt_logprobs is not None and s.scores is None:
-            raise ValueError("this engine's scheduler scores no prompts (give it scoring.PromptScores)")
+        params = params or RequestParams()
+        check_request(prompt, params, self.model.config.vocab_size, self.max_model_len, self.scheduler, self.tokenizer)
         if request_id is None:
             request_id, self.next_id = self.next_id, self.next_id + 1
         if request_id in self.requests:
@@ -123,10 +107,10 @@ class Engine:
         req.seqs[0].stream = self._stream(params)
         if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
             from constrain import compile_constraint
-            req.seqs[0].matcher = compile_constraint(params.constraint, self.tokenizer, vocab,
+            req.seqs[0].matcher = compile_constraint(params.constraint, self.tokenizer, self.model.config.vocab_size,
                                                      self.stop_ids | set(params.stop_token_ids))
         self.requests[request_id] = req
-        s.add(req.seqs[0])
+        self.scheduler.add(req.seqs[0])
         return request_id
 
     def _stream(self, params):
@@ -137,8 +121,8 @@ class Engine:
         return Token(seq.request.id, seq.index, None, seq.stream and seq.stream.finish(reason), reason, None)
 
     def abort(self, request_id, error: str = None):
-        """End a request now (with `error`: as failed); its blocks are free at once. Its samples'
-        "abort" events and its Finished come with the next step. Aborting it again does nothing."""
+        """End a request now (`error`: as failed), its blocks free at once; its "abort" events and
+        Finished come with the next step. Aborting it again does nothing."""
         if request_id not in self.requests:
             raise ValueError(f"no request {request_id!r} here: never added, or already returned as Finished")
         req = self.requests[request_id]
@@ -157,13 +141,12 @@ class Engine:
     def metrics(self) -> dict:
         """A snapshot (plain numbers, safe to read from another thread)."""
         s = self.scheduler
-        return {**s.stats, "requests": len(self.requests), "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
+        return {**s.stats, **self.drafted, "requests": len(self.requests), "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
                 "running": len({q.request.id for q in s.running}), "kv_blocks_used": s.blocks_used(),
                 "waiting": len({q.request.id for q in s.waiting})}
 
     def run_batch(self, prompts, params) -> list:
-        """Offline: every prompt (a list of ids) with its params (one, or one per prompt) -> its
-        Request.result(), in order."""
+        """Offline: every prompt (ids) with its params (one, or one per prompt) -> its result, in order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids, results = [self.add_request(p, q) for p, q in zip(prompts, params)], {}
         while self.has_unfinished():
@@ -171,8 +154,9 @@ class Engine:
         return [results[i] for i in ids]
 
     def step(self) -> list:
-        """One iteration: a Token for each new token (and each sample that ended without one),
-        then a Finished for each request now over, which the engine then forgets."""
+        """One iteration: a Token per new token (or sample ended without one), then a Finished per request over."""
+        if self.speculate:  # drafts for the sequences that decode, verified by this step's forward
+            self.speculate.propose(self.scheduler.running, self.max_model_len)
         plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
@@ -190,10 +174,11 @@ class Engine:
 
     # -- running a step ------------------------------------------------------------------------
     def _layout(self, plan, compiled: bool):
-        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
-        index of each sequence's last token). Decodes (and one-token prefill tails) first."""
+        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat index of
+        each sequence's last token). Decodes (and 1-token tails), drafted rows, then prefill chunks."""
         ones = [s for s, n in plan.runs.items() if n == 1]
-        chunks = [s for s, n in plan.runs.items() if n > 1]  # prefill chunks: a group each
+        drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
+        chunks = [s for s, n in plan.runs.items() if n > 1 and (self.batch_invariant or s not in plan.drafts)]
         tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
         # the blocks a row attends: its sequence's, or (batch_invariant) those its own position needs
         need = (lambda s: s.num_computed // bs + 1) if self.batch_invariant else (lambda s: len(s.blocks))
@@ -209,11 +194,18 @@ class Engine:
             tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
             pos += [s.num_computed for s in group] + [0] * pad
             groups.append((len(group) + pad, 1, self._table(group, width, pad)))
+        for group in (list(g) for _, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])):
+            n = plan.runs[group[0]]  # each row: [its last token, its drafts]
+            for s in group:
+                tokens += [s.tokens[-1]] + plan.drafts[s]
+                pos += range(s.num_computed, s.num_computed + n)
+                ends.append(len(tokens) - 1)
+            groups.append((len(group), n, self._table(group, bucket(max(len(s.blocks) for s in group)))))
         for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
             n, start = plan.runs[s], s.num_computed
             for m, width in invariant.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]:
                 groups.append((1, m, self._table([s], width)))
-            tokens += s.tokens[start:start + n]
+            tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
         # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
@@ -223,7 +215,7 @@ class Engine:
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
-        return ones + chunks, tokens, pos, groups, ends
+        return ones + drafted + chunks, tokens, pos, groups, ends
 
     def _table(self, seqs, width: int, pad: int = 0):
         """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R, width]."""
@@ -232,30 +224,31 @@ class Engine:
         return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
 
     def _forward(self, plan):
-        """The step's one forward -> (sequences that sample now, their logits [len(done), V])."""
-        scores = self.scheduler.scores
+        """The step's one forward -> (sequences that sample now, their logits [1 + drafts each, V])."""
+        scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
         compiled = self.decode_fn is not None and all(n == 1 and not s.request.scoring for s, n in plan.runs.items())
         order, tokens, pos, groups, ends = self._layout(plan, compiled)
-        done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens)]  # these sample a token
+        done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)]  # these sample
         sampling = set(done)
+        sampled = [i for s, e in zip(order, ends) if s in sampling for i in range(e - drafts(s), e + 1)]
         scored = scores.positions(order, ends, plan.runs) if scores else []  # (request, flat index, token)
         tokens, pos = torch.tensor([tokens], device=self.device), torch.tensor([pos], device=self.device)
         with torch.no_grad(), self.cache.step_groups(groups):
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in sampling]]
             else:
-                keep = [e for s, e in zip(order, ends) if s in sampling] + [e for _, e, _ in scored]
+                keep = sampled + [e for _, e, _ in scored]
                 rows = keep * self.min_rows if len(keep) == 1 else keep  # the head's rows, a one-row GEMM avoided
                 logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(rows, dtype=torch.long, device=self.device))[:len(keep)]
         if scored:
-            scores.score(scored, logits[len(done):])
-        return done, logits[:len(done)]
+            scores.score(scored, logits[len(sampled):])
+        return done, logits[:len(sampled)]
 
     def _sample(self, plan, done, logits, events) -> list:
-        """The next token of each sequence in `done` (a request's n samples fork at its first):
-        [(sequence, token, finish reason or None)] for the scheduler; appends the Token events."""
-        now, rows, results = time.perf_counter(), [], []
-        for i, seq in enumerate(done):
+        """The next token(s) of each sequence in `done` (n samples fork at the first): [(sequence, token,
+        finish reason or None)] for the scheduler (plan.runs: a drafted one's kept); appends the events."""
+        now, rows, results, i = time.perf_counter(), [], [], 0
+        for seq in done:
             rows.append((seq, i))
             req = seq.request
             if req.needs_fork:  # the prompt is in the cache: its other samples start here
@@ -263,6 +256,7 @@ class Engine:
                 req.seqs, req.needs_fork = req.seqs + twins, False
                 plan.forks.append((seq, twins))
                 rows += [(twin, i) for twin in twins]
+            i += 1 + len(plan.drafts.get(seq, ()))
         greedy = logits.argmax(-1).tolist() if len(done) else []
         for seq, i in rows:
             req = seq.request
@@ -272,28 +266,44 @@ class Engine:
                 results.append((seq, None, "length"))
                 events.append(self._ended(seq, "length"))
                 continue
+            draft = plan.drafts.get(seq, [])
             try:  # a fault here (sampling, a constraint, detokenizing) ends this request only
-                token, text, reason = self._next_token(seq, logits[i], greedy[i], now)
+                new = self._verify(seq, logits[i:i + 1 + len(draft)], greedy[i:i + 1 + len(draft)], draft, now)
             except Exception as e:
                 self._fail(req, e)
                 continue
-            results.append((seq, token, reason))
-            events.append(Token(req.id, seq.index, token, text, reason, seq.logprobs[-1] if seq.logprobs else None))
+            results += [(seq, token, reason) for token, _, reason in new]
+            events += [Token(req.id, seq.index, *t, lp) for t, lp in zip(new, seq.logprobs[-len(new):] or [None] * len(new))]
+            if draft:  # its K/V is valid up to the last token it kept
+                plan.runs[seq] = len(new)
+                self.drafted["draft_tokens"] += len(draft)
+                self.drafted["draft_tokens_accepted"] += sum(t == d for (t, _, _), d in zip(new, draft))
         return results
 
-    def _next_token(self, seq, row, greedy: int, now: float):
-        """seq's next token from its logits row [V] -> (token, the text it makes final, why seq ends or None)."""
+    def _verify(self, seq, rows, greedy: list, draft: list, now: float) -> list:
+        """seq's tokens from its rows [1 + len(draft), V], each sampled as plain decoding would, while
+        they equal the draft's -> [(token, text, reason)]: speculative.py's rule for a one-hot draft."""
+        new = []
+        for j in range(len(draft) + 1):
+            token, text, reason = self._next_token(seq, rows[j], greedy[j], now, [t for t, _, _ in new])
+            new.append((token, text, reason))
+            if reason or j == len(draft) or token != draft[j]:
+                return new
+
+    def _next_token(self, seq, row, greedy: int, now: float, new=()):
+        """seq's next token from its row [V], after `new` this step -> (token, text made final, reason or None)."""
         req, p = seq.request, seq.request.params
         if req.sampling.temperature == 0 and seq.matcher is None and not req.sampling.adjusts_logits:
             token = greedy
         else:  # the constraint's mask, bias and penalties make new tensors: `row` stays raw
             allowed = row if seq.matcher is None else seq.matcher.mask_logits(row)
-            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output]))
+            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output + list(new)]))
         if p.logprobs is not None:  # the model's own distribution: before any of that
             seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
         seq.token_times.append(now)
         reason = "stop" if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos) else None
-        if not reason and (len(seq.tokens) - len(req.prompt) + 1 >= p.max_new_tokens or len(seq.tokens) + 1 >= self.max_model_len):
+        length = len(seq.tokens) + len(new) + 1
+        if not reason and (length - len(req.prompt) >= p.max_new_tokens or length >= self.max_model_len):
             reason = "length"
         text = seq.stream.add(token, reason) if seq.stream else None
         reason = "stop" if seq.stream and seq.stream.stop_string else reason  # a stop string wins over "length"

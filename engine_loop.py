@@ -227,6 +227,8 @@ class EngineLoop:
             "# TYPE llm_prefix_cache_hit_rate gauge", f"llm_prefix_cache_hit_rate {hit:.6f}",
             "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {m['preemptions']}",
             "# TYPE llm_generation_tokens_total counter", f"llm_generation_tokens_total {self.tokens_generated}",
+            "# TYPE llm_draft_tokens_total counter", f"llm_draft_tokens_total {m['draft_tokens']}",
+            "# TYPE llm_draft_tokens_accepted_total counter", f"llm_draft_tokens_accepted_total {m['draft_tokens_accepted']}",
             "# TYPE llm_requests_finished_total counter", f"llm_requests_finished_total {self.requests_done}",
             "# TYPE llm_time_to_first_token_seconds histogram",
         ]

@@ -41,7 +41,8 @@ from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled
                      cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
-from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate
+from prompt_lookup import PromptLookupDrafter
+from speculative import ModelDrafter, draft_forward, speculative_generate
 from tokenizer import Printer, load_tokenizer
 
 

@@ -278,12 +278,19 @@ def add_engine_args(p):
     p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
     p.add_argument("--batch_invariant", action="store_true", help="a request's tokens the same whatever runs beside it "
                    "(batch_invariant.py; eager steps, slower prefill)")
+    p.add_argument("--speculate", default=None, choices=("prompt_lookup",), help="draft tokens by prompt lookup and verify "
+                   "them in each step (prompt_lookup.py): exact, faster where outputs quote their prompts")
+    p.add_argument("--speculate_k", type=int, default=4, help="most tokens drafted per sequence and step (1..16)")
+    p.add_argument("--prompt_lookup_min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    p.add_argument("--prompt_lookup_max", type=int, default=3, help="longest n-gram prompt lookup matches")
 
 
 def check_engine_args(p, args):
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.speculate and not 1 <= args.speculate_k <= 16:
+        p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
     if args.batch_invariant and args.compile:
         p.error("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
 
@@ -291,5 +298,6 @@ def check_engine_args(p, args):
 def engine_options(args) -> dict:
     """The values of add_engine_args' flags, as load_engine's keywords."""
     names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
-             "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant")
+             "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant", "speculate", "speculate_k",
+             "prompt_lookup_min", "prompt_lookup_max")
     return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}

@@ -46,6 +46,7 @@ class Plan:
     copies: list = field(default_factory=list)  # (source block, destination block, pool): copy before the forward
     ended: list = field(default_factory=list)  # sequences finished at "length": alone, they still do not fit
     forks: list = field(default_factory=list)  # (sequence, its new twins): the engine forks n samples here
+    drafts: dict = field(default_factory=dict)  # decoding sequence -> its draft tokens computed after its last one
 
 
 class Scheduler:
@@ -81,6 +82,7 @@ class Scheduler:
         share = max(1, self.max_num_batched_tokens // max(1, len(prefilling | {s.request for s in self.waiting})))
         quota = Counter(dict.fromkeys(prefilling, share))  # prompt tokens each may take before admission
         self._top_up(plan, self._admit(plan, self._schedule_running(plan, quota)))
+        plan.drafts = {s: d for s, d in plan.drafts.items() if s in plan.runs}  # (not the preempted)
         if plan.runs:
             st = self.stats
             st["steps"] += 1
@@ -91,12 +93,14 @@ class Scheduler:
     def _schedule_running(self, plan, quota) -> int:
         """Tokens for the running sequences, decodes first (oldest first), a prefill within its
         request's quota of prompt tokens; returns the budget left."""
-        budget, runs = self.max_num_batched_tokens, plan.runs
+        budget, runs, spare = self.max_num_batched_tokens, plan.runs, self.max_num_batched_tokens - len(self.running)
         for seq in sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1):
             need = len(seq.tokens) - seq.num_computed
             n = min(need, budget, quota[seq.request] if need > 1 else 1)
             if seq not in self.running or n <= 0:
                 continue
+            draft = seq.draft[:max(0, spare)] if need == 1 else []  # spare: beyond a token per sequence
+            draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted
                 if victim is seq and len(self.running) == 1:  # alone and still does not fit
@@ -108,8 +112,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                runs[seq] = n
-                budget, quota[seq.request] = budget - n, quota[seq.request] - n * (need > 1)
+                runs[seq], spare = n + len(draft), spare - len(draft)
+                plan.drafts.update({seq: draft} if draft else {})
+                budget, quota[seq.request] = budget - n - len(draft), quota[seq.request] - n * (need > 1)
         return budget
 
     def _top_up(self, plan, budget: int):
@@ -256,11 +261,16 @@ class Scheduler:
             table[i], i = 0, i - 1
 
     def update(self, plan, results):
-        """After the step's forward: plan's tokens are computed; results [(seq, token or None,
-        finish reason or None)] append the sampled tokens and end the finished sequences. A
-        forked sample starts from its sibling's state, sharing every block (copy-on-write)."""
+        """After the step's forward: plan's tokens are computed (a drafted one's: those it kept);
+        results [(seq, token or None, finish reason or None)] append the sampled tokens and end the
+        finished sequences. A forked sample starts from its sibling's state, sharing every block."""
         bs = self.block_size
+        for seq, token, _ in results:
+            if token is not None:
+                seq.tokens.append(token)
         for seq, n in plan.runs.items():
+            if seq.finish_reason:  # a fault ended it during the step: its blocks are gone
+                continue
             seq.num_computed += n
             while len(seq.hashes) < seq.num_computed // bs:  # blocks that filled up: into the prefix cache
                 i = len(seq.hashes)
@@ -271,6 +281,8 @@ class Scheduler:
             for alloc, table in self._tables(seq):
                 if alloc.window:
                     self._free_outside_window(seq, alloc, table)
+                while seq in plan.drafts and len(table) > blocks_for(seq.num_computed + 1, bs):
+                    alloc.release(table.pop())  # taken for drafts it did not keep: free at once
         for seq, twins in plan.forks:
             for k, twin in enumerate(t for t in twins if not t.finish_reason):
                 twin.num_computed, twin.hashes = seq.num_computed, list(seq.hashes)
@@ -278,8 +290,6 @@ class Scheduler:
                 for alloc, b in [(a, b) for a, t in self._tables(twin) for b in t if b]:
                     alloc.share(b)
                 self.running.insert(self.running.index(seq) + 1 + k, twin)
-        for seq, token, reason in results:
-            if token is not None:
-                seq.tokens.append(token)
+        for seq, _, reason in results:
             if reason and not seq.finish_reason:
                 self.finish(seq, reason)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sampling import MAX_LOGPROBS, check_sampling, parse_logit_bias, SamplingParams
+from scheduler import blocks_for
 
 
 @dataclass
@@ -63,6 +64,30 @@ class RequestParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
 
 
+def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int, s, tokenizer):
+    """ValueError naming what is wrong with a request for an engine (s: its scheduler.Scheduler), before
+    anything is queued."""
+    params.check()
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
+                         "which leaves no room to generate")
+    usable = s.allocator.num_blocks - 1  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
+    if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
+        raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
+                         f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory")
+    if params.n > s.max_num_seqs:
+        raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {s.max_num_seqs}")
+    if (params.stop or params.constraint is not None) and tokenizer is None:
+        raise ValueError("stop strings and constraints need the engine's tokenizer")
+    if params.prompt_logprobs is not None and s.scores is None:
+        raise ValueError("this engine's scheduler scores no prompts (give it scoring.PromptScores)")
+
+
 class Sequence:
     """One sample being generated: its tokens (prompt + output), its block table, and how many of
     its tokens have their K/V in the cache (`num_computed`)."""
@@ -78,6 +103,8 @@ class Sequence:
         self.stream = stream  # tokenizer.TextStream: its text, decoded once per token (None: no tokenizer)
         self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
+        self.draft = []  # tokens proposed to follow it, verified in the next step (prompt_lookup.py)
+        self.ngrams = None  # prompt_lookup.NgramIndex of its tokens, once it speculates
 
     def fork(self, index: int, stream=None):
         """Sample `index` of the same request, from this one's tokens (its prompt just computed;

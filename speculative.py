@@ -96,26 +96,6 @@ def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
     return model.head(x[:, -1:])
 
 
-class PromptLookupDrafter:
-    """Drafts by copying: find the longest n-gram (n <= max_ngram) ending the sequence that also
-    occurs earlier, and propose the tokens that followed it there. Deterministic: q is one-hot."""
-
-    def __init__(self, max_ngram, vocab_size):
-        self.max_ngram, self.vocab_size = max_ngram, vocab_size
-
-    def propose(self, tokens, k, generator=None):
-        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start:start + n] == tail:
-                    drafts = tokens[start + n:start + n + k]
-                    return drafts, torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float()
-        return [], None
-
-    def rollback(self, confirmed):
-        pass
-
-
 def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params: SamplingParams, k=4,
                          generator=None, stop_ids=(), ignore_eos=False, on_token=None, verify_fns=None):
     """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import tp
 from engine import Engine
 from kv_plan import plan_blocks
+from prompt_lookup import PromptLookup
 from runtime import DTYPES, human, log, pick_device, weights_line
 from tokenizer import load_tokenizer
 
@@ -277,12 +278,14 @@ def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None
 
 def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
                      num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
-                     schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False):
+                     schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False,
+                     speculate=None, speculate_k=4, prompt_lookup_min=1, prompt_lookup_max=3):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
     needed (weights.settle)."""
     import weights
 
+    proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if speculate == "prompt_lookup" else None
     model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
     tokenizer = load_tokenizer(info.source)
     weights.settle()
@@ -292,7 +295,7 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
                               schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant,
-                              window_blocks=window_blocks)
+                              window_blocks=window_blocks, speculate=proposer)
     return engine, tokenizer, info
 
 
@@ -307,6 +310,8 @@ def load_engine(**options):
     check_same_options(options)
     if options.get("compile"):
         raise ValueError("--compile does not run tensor-parallel engine steps; leave it out under torchrun")
+    if options.get("speculate"):
+        raise ValueError("--speculate does not run tensor-parallel engine steps yet; leave it out under torchrun")
     if options.get("batch_invariant"):
         raise ValueError("--batch_invariant does not run tensor-parallel engine steps; leave it out under torchrun")
     device = pick_device(options.get("device"))

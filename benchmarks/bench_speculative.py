@@ -31,7 +31,8 @@ import runtime  # noqa: E402
 import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from speculative import ModelDrafter, PromptLookupDrafter, draft_forward, speculative_generate  # noqa: E402
+from prompt_lookup import PromptLookupDrafter  # noqa: E402
+from speculative import ModelDrafter, draft_forward, speculative_generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 CODE = ("def add(a, b):\n    result = a + b\n    return result\n\n\ndef sub(a, b):\n    result = a - b\n"

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # own floor, and nothing in a circle). Floor 1 needs only torch and the standard library (scheduler
 # not even torch; constrain's llguidance and gguf_file's gguf are imported where they are used).
 FLOORS = {
-    1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file",
+    1: ["runtime", "cpu_kernels", "rope", "moe", "sampling", "tp", "int4_layout", "scheduler", "constrain", "gguf_file", "prompt_lookup",
         "harmony"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["families", "gguf_config", "batch_invariant", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
@@ -247,7 +247,7 @@ class Allocator:  # stands in for paged.BlockAllocator: plain counting, no prefi
 
 from scheduler import Scheduler
 scheduler = Scheduler(Allocator(), max_num_seqs=2, max_num_batched_tokens=8)
-seqs = [Req(request=Req(params=Req(n=1), needs_fork=False, prompt_tokens_hit=0), tokens=[1, 2, 3], num_computed=0,
+seqs = [Req(request=Req(params=Req(n=1), needs_fork=False, prompt_tokens_hit=0), tokens=[1, 2, 3], num_computed=0, draft=[],
             blocks=[], hashes=[], finish_reason=None) for _ in range(2)]
 for s in seqs:
     scheduler.add(s)

@@ -382,3 +382,24 @@ def test_a_fault_in_one_request_ends_only_that_request(server, monkeypatch):
     assert results["bad"].status_code == 500 and "exploded" in results["bad"].json()["error"]["message"]
     assert good.json()["choices"][0]["text"] == alone_text(model, tokenizer, tokenizer.encode("the lazy"), 20)
     wait_idle(engine)
+
+
+def test_speculation_streams_the_plain_text_through_the_openai_client(tiny):
+    """serve.py over an engine that drafts by prompt lookup: streamed and whole, the greedy text is
+    generate.py's, and /metrics counts the drafts and those kept."""
+    from prompt_lookup import PromptLookup
+
+    _, model, tokenizer = tiny
+    engine = Engine.for_model(model, num_blocks=200, block_size=8, max_num_seqs=8, stop_ids=tokenizer.stop_ids,
+                              tokenizer=tokenizer, speculate=PromptLookup(k=4))
+    url, _, stop = start_server(engine, tokenizer)
+    try:
+        c, prompt = client(url), "the quick brown fox jumps over the lazy dog, the quick brown fox"
+        expected = alone_text(model, tokenizer, tokenizer.encode(prompt), 24)
+        chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
+        assert c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text == expected
+        metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if not line.startswith("#"))
+        assert 0 < int(metrics["llm_draft_tokens_accepted_total"]) <= int(metrics["llm_draft_tokens_total"]), metrics
+    finally:
+        stop()

@@ -9,7 +9,8 @@ import weights
 from helpers import hf_model, save_hf
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from speculative import ModelDrafter, PromptLookupDrafter, accept, speculative_generate
+from prompt_lookup import PromptLookupDrafter
+from speculative import ModelDrafter, accept, speculative_generate
 
 GREEDY = SamplingParams(0.0)
 PROMPT = [5, 9, 11, 3, 5, 9, 11, 3, 5, 9]  # repetitive, so prompt lookup finds matches

@@ -1,0 +1,192 @@
+"""Speculation inside continuous batching (prompt_lookup.py drafts, engine.py verifies them in the
+step's one forward): greedy, every request's tokens equal the plain engine's (float64: a mismatch
+is a bug, never a near-tie) with mixed lengths, n = 2, preemption, prefix hits, stop strings and a
+JSON-schema constraint; sampling, the speculative engine's token distribution equals the plain
+one's (a chi-square test, with temperature, top-k and a repetition penalty); blocks hold only
+kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected drafts are free
+at the end of the step."""
+import json
+import random
+from collections import Counter
+
+import jsonschema
+import pytest
+import torch
+
+import weights
+from constrain import Constraint
+from engine import Engine, Finished, RequestParams
+from helpers import check_allocator, tiny_checkpoint
+from prompt_lookup import PromptLookup, find_draft
+from scheduler import blocks_for
+from tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("spec-tiny"), max_position_embeddings=1024)
+    model, info = weights.load(folder, dtype=torch.float64)
+    return model, load_tokenizer(info.source)
+
+
+class Oracle:
+    """Drafts the test controls: the plain engine's next tokens for the request, each replaced by
+    a wrong one with probability `wrong` (so drafts are kept whole, in part and not at all)."""
+
+    def __init__(self, plain: dict, k: int, wrong: float, seed: int = 0):
+        self.plain, self.k, self.wrong, self.rng, self.rejected = plain, k, wrong, random.Random(seed), []
+
+    def propose(self, seqs, max_model_len):
+        for s in seqs:
+            s.draft = []
+            if len(s.tokens) - s.num_computed == 1:
+                truth = self.plain[tuple(s.request.prompt)][len(s.output):][:self.k]
+                s.draft = [t if self.rng.random() > self.wrong else 3 + (t + 1) % 250 for t in truth]
+                if s.draft != truth:
+                    self.rejected.append(s.tokens + s.draft)  # a sequence that must never be hit as cached
+
+
+def workload(seed=0):
+    """Prompts that repeat themselves (so prompt lookup finds matches), of mixed lengths, two of
+    them sharing request 0's head (prefix hits), one asking for n = 2."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(10):
+        pattern = [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]
+        prompts.append((pattern * 12)[:rng.randint(3, 70)])
+    prompts += [prompts[0][:20] + [7, 7, 7], prompts[0][:24] + [9]]
+    params = [RequestParams(max_new_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    params[3].n = 2
+    return prompts, params
+
+
+def run(model, prompts, params, speculate=None, num_blocks=300, max_num_seqs=8, tokenizer=None):
+    """Each request's result, after stepping an engine to the end while checking, after every step,
+    that no sequence keeps blocks past its next token and that the pools stay consistent."""
+    engine = Engine.for_model(model, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=64, speculate=speculate, tokenizer=tokenizer,
+                              stop_ids=tokenizer.stop_ids if tokenizer else ())
+    ids, results = [engine.add_request(p, q) for p, q in zip(prompts, params)], {}
+    while engine.has_unfinished():
+        results.update((e.request_id, e.result) for e in engine.step() if isinstance(e, Finished))
+        for s in engine.scheduler.running:
+            assert len(s.blocks) <= blocks_for(s.num_computed + 1, 4), "blocks of rejected drafts were kept"
+        check_allocator(engine.scheduler.allocator)
+    assert engine.metrics()["kv_blocks_used"] == 0
+    return [results[i] for i in ids], engine.metrics()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    prompts, params = workload()
+    results, _ = run(tiny[0], prompts, params)
+    return {tuple(p): r["tokens"][0] if q.n > 1 else r["tokens"] for p, q, r in zip(prompts, params, results)}
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "oracle"])
+@pytest.mark.parametrize("num_blocks", [300, 26], ids=["roomy", "tight"])
+def test_greedy_tokens_equal_the_plain_engine(tiny, plain, proposer, num_blocks):
+    prompts, params = workload()
+    speculate = PromptLookup(k=4, min_n=1, max_n=3) if proposer == "lookup" else Oracle(plain, 5, wrong=0.3)
+    results, m = run(tiny[0], prompts, params, speculate, num_blocks)
+    for p, q, r in zip(prompts, params, results):
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+    assert 0 < m["draft_tokens_accepted"] < m["draft_tokens"], m
+    assert m["prompt_tokens_hit"] > 0, m
+    if num_blocks == 26:
+        assert m["preemptions"] > 0, m
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(tiny, plain):
+    """Requests whose prompts are a rejected draft's sequence, run after the drafting ones in the
+    same engine, get the plain engine's tokens: a cached block never holds a rejected token."""
+    model = tiny[0]
+    prompts, params = workload()
+    oracle = Oracle(plain, 6, wrong=0.5, seed=1)
+    engine = Engine.for_model(model, num_blocks=400, block_size=4, max_num_batched_tokens=64, speculate=oracle)
+    engine.run_batch(prompts, params)
+    assert len(oracle.rejected) > 5
+    probes = [list(t) for t in {tuple(t) for t in oracle.rejected}][:12]
+    oracle.plain = {tuple(p): [] for p in probes}  # (the probes draft nothing)
+    news = [RequestParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)] * len(probes)
+    hits_before = engine.metrics()["prompt_tokens_hit"]
+    got = [r["tokens"] for r in engine.run_batch(probes, news)]
+    assert engine.metrics()["prompt_tokens_hit"] > hits_before  # they did share cached blocks
+    alone, _ = run(model, probes, news)
+    assert got == [r["tokens"] for r in alone]
+
+
+def test_stop_strings_and_a_json_constraint_cut_where_plain_decoding_does(tiny):
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}}, "required": ["a"],
+              "additionalProperties": False}
+    head = tok.encode("the quick brown fox jumps over the lazy dog, the quick brown fox jumps")
+    free = run(model, [head], [RequestParams(max_new_tokens=40, temperature=0.0)], tokenizer=tok)[0][0]
+    stop = free["text"][6:9]
+    prompts = [head, head[:9], tok.encode('{"a": "fox"} {"a": "dog"} {"a": "')]
+    params = [RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop]),
+              RequestParams(max_new_tokens=30, temperature=0.0, n=2),
+              RequestParams(max_new_tokens=60, temperature=0.0, constraint=Constraint("json_schema", schema))]
+    want, _ = run(model, prompts, params, tokenizer=tok)
+    got, m = run(model, prompts, params, PromptLookup(k=5), tokenizer=tok)
+    untimed = lambda results: [{k: v for k, v in r.items() if k != "time_to_first_token_s"} for r in results]
+    assert untimed(got) == untimed(want)
+    assert got[0]["finish_reason"] == "stop" and stop not in got[0]["text"]
+    jsonschema.validate(json.loads(got[2]["text"]), schema)
+    assert m["draft_tokens_accepted"] > 0, m
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """Two equal-sized samples over the same categories: the p-value of their being one distribution."""
+    cells = [(a[c], b[c]) for c in set(a) | set(b)]
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0)))
+
+
+class Uniform:
+    """Drafts of random tokens among `pool` (independent of the target's sampling)."""
+
+    def __init__(self, pool, k, seed=0):
+        self.pool, self.k, self.rng = pool, k, random.Random(seed)
+
+    def propose(self, seqs, max_model_len):
+        for s in seqs:
+            s.draft = [self.rng.choice(self.pool) for _ in range(self.k)] if len(s.tokens) - s.num_computed == 1 else []
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "uniform"])
+def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
+    """The first three output tokens, sampled (temperature 0.9, top-k 3, repetition penalty 1.3)
+    1,200 times by each engine: their joint distributions agree (chi-square, p > 0.001)."""
+    model = tiny[0]
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]
+    count = 1200
+
+    def outputs(speculate, seed0):
+        params = [RequestParams(max_new_tokens=3, temperature=0.9, top_k=3, repetition_penalty=1.3, seed=seed0 + i,
+                                ignore_eos=True) for i in range(count)]
+        engine = Engine.for_model(model, num_blocks=600, block_size=4, max_num_seqs=64, speculate=speculate)
+        results = engine.run_batch([prompt] * count, params)
+        return Counter(tuple(r["tokens"]) for r in results), engine.metrics()
+
+    want, _ = outputs(None, 0)
+    pool = sorted({t for seq in want for t in seq})
+    speculate = PromptLookup(k=3, max_rows=64) if proposer == "lookup" else Uniform(pool, 3)
+    got, m = outputs(speculate, 10_000)
+    assert m["draft_tokens_accepted"] > 0.1 * m["draft_tokens"] > 0, m
+    p = chi_square_p(want, got)
+    assert p > 1e-3, (p, want.most_common(8), got.most_common(8))
+
+
+def test_find_draft_takes_the_longest_match_and_its_latest_occurrence():
+    tokens = [1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3, 7, 4, 2, 3]
+    assert find_draft(tokens, 2, 1, 3) == [7, 4]  # "2 3": its latest occurrence
+    assert find_draft([1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3], 2, 1, 3) == [9, 5]  # "1 2 3" beats the later "2 3"
+    assert find_draft([5, 6, 7], 3, 1, 3) == [] and find_draft([5, 6, 5], 3, 2, 3) == []
+    assert find_draft([4, 4, 4, 4], 5, 1, 2) == [4]  # what follows, however little
+
+
+@pytest.mark.parametrize("k", [0, 17, "4"])
+def test_speculate_k_outside_1_to_16_is_refused(k):
+    with pytest.raises(ValueError, match="1..16"):
+        PromptLookup(k=k)
