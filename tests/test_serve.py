@@ -386,7 +386,7 @@ def test_a_fault_in_one_request_ends_only_that_request(server, monkeypatch):
 
 def test_speculation_streams_the_plain_text_through_the_openai_client(tiny):
     """serve.py over an engine that drafts by prompt lookup: streamed and whole, the greedy text is
-    generate.py's."""
+    generate.py's, and /metrics counts the drafts and those kept."""
     from prompt_lookup import PromptLookup
 
     _, model, tokenizer = tiny
@@ -399,5 +399,8 @@ def test_speculation_streams_the_plain_text_through_the_openai_client(tiny):
         chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
         assert c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text == expected
+        text = httpx.get(url + "/metrics", headers=AUTH).text
+        metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        assert int(metrics["llm_draft_tokens_accepted_total"]) <= int(metrics["llm_draft_tokens_total"]) > 0, metrics
     finally:
         stop()
