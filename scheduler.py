@@ -99,7 +99,7 @@ class Scheduler:
             n = min(need, budget, quota[seq.request] if need > 1 else 1)
             if seq not in self.running or n <= 0:
                 continue
-            draft = seq.draft[:max(0, spare)] if need == 1 else []  # spare: beyond a token per sequence
+            draft = seq.draft[:max(0, spare)] if need == 1 and not seq.request.needs_fork else []  # (a forking prompt's twins copy its state)
             draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted

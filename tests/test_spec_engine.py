@@ -7,6 +7,7 @@ kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected
 at the end of the step."""
 import json
 import random
+from collections import Counter
 
 import jsonschema
 import pytest
@@ -96,6 +97,25 @@ def test_greedy_tokens_equal_the_plain_engine(tiny, plain, proposer, num_blocks)
         assert m["preemptions"] > 0, m
 
 
+def test_rejected_drafts_never_reach_the_prefix_cache(tiny, plain):
+    """Requests whose prompts are a rejected draft's sequence, run after the drafting ones in the
+    same engine, get the plain engine's tokens: a cached block never holds a rejected token."""
+    model = tiny[0]
+    prompts, params = workload()
+    oracle = Oracle(plain, 6, wrong=0.5, seed=1)
+    engine = Engine.for_model(model, num_blocks=400, block_size=4, max_num_batched_tokens=64, speculate=oracle)
+    engine.run_batch(prompts, params)
+    assert len(oracle.rejected) > 5
+    probes = [list(t) for t in {tuple(t) for t in oracle.rejected}][:12]
+    oracle.plain = {tuple(p): [] for p in probes}  # (the probes draft nothing)
+    news = [RequestParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)] * len(probes)
+    hits_before = engine.metrics()["prompt_tokens_hit"]
+    got = [r["tokens"] for r in engine.run_batch(probes, news)]
+    assert engine.metrics()["prompt_tokens_hit"] > hits_before  # they did share cached blocks
+    alone, _ = run(model, probes, news)
+    assert got == [r["tokens"] for r in alone]
+
+
 def test_stop_strings_and_a_json_constraint_cut_where_plain_decoding_does(tiny):
     model, tok = tiny
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}}, "required": ["a"],
@@ -128,3 +148,51 @@ def test_find_draft_takes_the_longest_match_and_its_latest_occurrence():
 def test_speculate_k_outside_1_to_16_is_refused(k):
     with pytest.raises(ValueError, match="1..16"):
         PromptLookup(k=k)
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """Two equal-sized samples over the same categories: the p-value of their being one distribution."""
+    cells = [(a[c], b[c]) for c in set(a) | set(b)]
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0)))
+
+
+class Resampler:
+    """A draft model's stand-in: drafts drawn from the plain engine's own outputs (`want`, those
+    that begin with the sequence's output so far), with a random stream of its own."""
+
+    def __init__(self, want: Counter, k: int, seed=0):
+        self.outputs, self.k, self.rng = list(want.elements()), k, random.Random(seed)
+
+    def propose(self, seqs, max_model_len):
+        for s in seqs:
+            out, s.draft = s.output, []
+            fits = [t for t in self.outputs if list(t[:len(out)]) == out] if len(s.tokens) - s.num_computed == 1 else []
+            s.draft = list(self.rng.choice(fits)[len(out):][:self.k]) if fits else []
+
+
+# The tiny model continues this prompt's run of 231s about half the time, so prompt lookup's drafts
+# are kept in part (found by appending the plain engine's likeliest 3 tokens to [11, 12, 13, ...] six times).
+QUOTING = [11, 12, 13, 11, 12, 13, 11, 12, 2, 131, 182, 224, 155, 27, 40, 134, 57, 27, 188, 85, 126, 202, 253,
+           231, 231, 231]
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "resampler"])
+def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
+    """The first three output tokens, sampled (temperature 0.9, top-k 3, repetition penalty 1.3)
+    1,000 times by each engine: their joint distributions agree (chi-square, p > 0.001)."""
+    model, count = tiny[0], 1000
+
+    def outputs(speculate, seed0):
+        params = [RequestParams(max_new_tokens=3, temperature=0.9, top_k=3, repetition_penalty=1.3, seed=seed0 + i,
+                                ignore_eos=True) for i in range(count)]
+        engine = Engine.for_model(model, num_blocks=800, block_size=4, max_num_seqs=64, speculate=speculate)
+        results = engine.run_batch([QUOTING] * count, params)
+        return Counter(tuple(r["tokens"]) for r in results), engine.metrics()
+
+    want, _ = outputs(None, 0)
+    speculate = PromptLookup(k=3, max_rows=64) if proposer == "lookup" else Resampler(want, 3)
+    got, m = outputs(speculate, 10_000)
+    assert 0.1 * m["draft_tokens"] < m["draft_tokens_accepted"] < m["draft_tokens"], m
+    p = chi_square_p(want, got)
+    assert p > 1e-3, (p, want.most_common(8), got.most_common(8))
