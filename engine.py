@@ -58,7 +58,7 @@ def flat_forward(model, cache, tokens, input_pos, keep=None):
 
 class Engine:
     """model, cache (paged.PagedKVCache), scheduler (over the cache's blocks; scoring.PromptScores to score
-    prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: decode-only steps."""
+    prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: steps that only decode or verify drafts."""
 
     def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False,
                  speculate=None):
@@ -86,7 +86,7 @@ class Engine:
                   stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
                   batch_invariant: bool = False, window_blocks: int = None, speculate=None):
         """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
-        (prompt_lookup.PromptLookup) whose drafts each step verifies, or None."""
+        (prompt_lookup.PromptLookup: `propose(seqs, max_model_len)` sets seq.draft, at most `k` tokens) or None."""
         allocator, windows, cache = pools(model, num_blocks, block_size, prefix_caching and not reserve_tokens,
                                           window_blocks, max_num_seqs, max_num_batched_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
@@ -182,25 +182,22 @@ class Engine:
         tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
         # the blocks a row attends: its sequence's, or (batch_invariant) those its own position needs
         need = (lambda s: s.num_computed // bs + 1) if self.batch_invariant else (lambda s: len(s.blocks))
-        if compiled:  # one group, its rows padded to a bucket so that few graphs are compiled
-            decode_groups = [ones]
-        else:  # rows of similar context together, so each group's gather is close to its own length
+        if compiled:  # one group, its rows padded to a bucket (and each to 1 + k tokens when any drafts): few graphs
+            rects = [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
+        else:  # rows of similar context together, so each group's gather is close to its own length; drafted by length
             ones.sort(key=lambda s: -need(s))
-            decode_groups = [list(g) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))]
-        for group in decode_groups:
-            width = bucket(max(need(s) for s in group))
-            pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: position 0 of the null block
-            ends += [len(tokens) + i for i in range(len(group))]
-            tokens += [s.tokens[s.num_computed] for s in group] + [0] * pad
-            pos += [s.num_computed for s in group] + [0] * pad
-            groups.append((len(group) + pad, 1, self._table(group, width, pad)))
-        for group in (list(g) for _, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])):
-            n = plan.runs[group[0]]  # each row: [its last token, its drafts]
+            rects = [(list(g), 1) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))]
+            rects += [(list(g), n) for n, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])]
+        for group, n in rects:  # a row: [its next token, its drafts, padding whose K/V no query sees yet]
+            width = bucket(max(max(need(s), (s.num_computed + n - 1) // bs + 1) for s in group))
+            pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: the null block's first slots
             for s in group:
-                tokens += [s.tokens[-1]] + plan.drafts[s]
+                d = plan.drafts.get(s, [])
+                tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
                 pos += range(s.num_computed, s.num_computed + n)
-                ends.append(len(tokens) - 1)
-            groups.append((len(group), n, self._table(group, bucket(max(len(s.blocks) for s in group)))))
+                ends.append(len(tokens) - n + len(d))
+            tokens, pos = tokens + [0] * pad * n, pos + [*range(n)] * pad
+            groups.append((len(group) + pad, n, self._table(group, width, pad)))
         for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
             n, start = plan.runs[s], s.num_computed
             for m, width in invariant.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]:
@@ -215,7 +212,7 @@ class Engine:
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
-        return ones + drafted + chunks, tokens, pos, groups, ends
+        return [s for group, _ in rects for s in group] + chunks, tokens, pos, groups, ends
 
     def _table(self, seqs, width: int, pad: int = 0):
         """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R, width]."""
@@ -226,7 +223,7 @@ class Engine:
     def _forward(self, plan):
         """The step's one forward -> (sequences that sample now, their logits [1 + drafts each, V])."""
         scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
-        compiled = self.decode_fn is not None and all(n == 1 and not s.request.scoring for s, n in plan.runs.items())
+        compiled = self.decode_fn is not None and all((n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items())
         order, tokens, pos, groups, ends = self._layout(plan, compiled)
         done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)]  # these sample
         sampling = set(done)
@@ -235,7 +232,7 @@ class Engine:
         tokens, pos = torch.tensor([tokens], device=self.device), torch.tensor([pos], device=self.device)
         with torch.no_grad(), self.cache.step_groups(groups):
             if compiled:
-                logits = self.decode_fn(self.model, self.cache, tokens, pos)[[i for i, s in enumerate(order) if s in sampling]]
+                logits = self.decode_fn(self.model, self.cache, tokens, pos)[sampled]
             else:
                 keep = sampled + [e for _, e, _ in scored]
                 rows = keep * self.min_rows if len(keep) == 1 else keep  # the head's rows, a one-row GEMM avoided

@@ -290,7 +290,7 @@ class PagedKVCache:
         if len(groups) == 1:  # the common case: no slicing of the flat token axis
             rows, t, table = groups[0]
             return self._attend_group(layer, q.view(rows, t, H, D), k.view(rows, t, -1, D), v.view(rows, t, -1, D),
-                                      input_pos.view(rows, t), table, window, softcap, sinks).view(B, T, H, D)
+                                      input_pos.view(rows, t), table, window, softcap, sinks).reshape(B, T, H, D)
         q, k, v, pos = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D), input_pos.reshape(-1)
         out, start = [], 0
         for rows, t, table in groups:

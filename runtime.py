@@ -278,8 +278,11 @@ def add_engine_args(p):
     p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
     p.add_argument("--batch_invariant", action="store_true", help="a request's tokens the same whatever runs beside it "
                    "(batch_invariant.py; eager steps, slower prefill)")
-    p.add_argument("--speculate", default=None, choices=("prompt_lookup",), help="draft tokens by prompt lookup and verify "
-                   "them in each step (prompt_lookup.py): exact, faster where outputs quote their prompts")
+    p.add_argument("--speculate", default=None, choices=("prompt_lookup", "draft"), help="draft tokens by prompt lookup "
+                   "(prompt_lookup.py: faster where outputs quote their prompts) or a draft model (draft_model.py) and "
+                   "verify them in each step: the output is exactly the target's")
+    p.add_argument("--draft_checkpoint", default=None, help="--speculate draft: the draft model (HF folder, .gguf file "
+                   "or Hub id) with the target's tokenizer, loaded at --dtype")
     p.add_argument("--speculate_k", type=int, default=4, help="most tokens drafted per sequence and step (1..16)")
     p.add_argument("--prompt_lookup_min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     p.add_argument("--prompt_lookup_max", type=int, default=3, help="longest n-gram prompt lookup matches")
@@ -291,6 +294,8 @@ def check_engine_args(p, args):
             p.error(f"--{name} must be >= 1")
     if args.speculate and not 1 <= args.speculate_k <= 16:
         p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
+    if (args.speculate == "draft") != bool(args.draft_checkpoint):
+        p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
     if args.batch_invariant and args.compile:
         p.error("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
 
@@ -299,5 +304,5 @@ def engine_options(args) -> dict:
     """The values of add_engine_args' flags, as load_engine's keywords."""
     names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
              "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant", "speculate", "speculate_k",
-             "prompt_lookup_min", "prompt_lookup_max")
+             "prompt_lookup_min", "prompt_lookup_max", "draft_checkpoint")
     return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}

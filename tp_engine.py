@@ -39,6 +39,7 @@ import torch.distributed as dist
 import tp
 from engine import Engine
 from kv_plan import plan_blocks
+from draft_model import DraftModel
 from prompt_lookup import PromptLookup
 from runtime import DTYPES, human, log, pick_device, weights_line
 from tokenizer import load_tokenizer
@@ -279,7 +280,7 @@ def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None
 def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
                      num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
                      schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False,
-                     speculate=None, speculate_k=4, prompt_lookup_min=1, prompt_lookup_max=3):
+                     speculate=None, speculate_k=4, prompt_lookup_min=1, prompt_lookup_max=3, draft_checkpoint=None):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
     needed (weights.settle)."""
@@ -293,6 +294,11 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
                                                   max_tokens=max_num_seqs * model.config.max_position_embeddings,
                                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
+    if speculate == "draft":
+        draft, draft_info = weights.load_for_inference(draft_checkpoint, model.norm.weight.device, DTYPES[dtype], quantize,
+                                                       dequantize=dequantize, log=log)
+        proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
+        log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
                               schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant,
                               window_blocks=window_blocks, speculate=proposer)

@@ -20,7 +20,7 @@ FLOORS = {
         "harmony"],
     2: ["kv_cache", "model", "sequence", "scoring", "quantize", "tool_calls", "chat_template"],
     3: ["families", "gguf_config", "batch_invariant", "paged", "speculative", "quant_groups", "kv_int8", "kv_window", "quant_files", "openai_format"],
-    4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity", "kv_plan"],
+    4: ["fuse_layers", "gguf_weights", "server_limits", "hf_quant", "mxfp4", "perplexity", "kv_plan", "draft_model"],
     5: ["weights", "gguf_tokenizer"],
     6: ["tokenizer", "aot", "hf_folder"],
     7: ["engine", "generate", "constraint_check"],

@@ -5,6 +5,7 @@ JSON-schema constraint; sampling, the speculative engine's token distribution eq
 one's (a chi-square test, with temperature, top-k and a repetition penalty); blocks hold only
 kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected drafts are free
 at the end of the step."""
+import copy
 import json
 import random
 from collections import Counter
@@ -15,6 +16,7 @@ import torch
 
 import weights
 from constrain import Constraint
+from draft_model import DraftModel
 from engine import Engine, Finished, RequestParams
 from helpers import check_allocator, tiny_checkpoint
 from prompt_lookup import PromptLookup, find_draft
@@ -76,6 +78,28 @@ def run(model, prompts, params, speculate=None, num_blocks=300, max_num_seqs=8, 
     return [results[i] for i in ids], engine.metrics()
 
 
+def noisy_copy(model, scale: float, seed: int = 0):
+    """A draft for `model`: its copy with every weight moved by noise (so it agrees with it often, not always)."""
+    draft, g = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def draft(tiny):
+    return noisy_copy(tiny[0], 0.01)
+
+
+def proposer(name, plain, draft, model, num_blocks):
+    if name == "lookup":
+        return PromptLookup(k=4, min_n=1, max_n=3)
+    if name == "oracle":
+        return Oracle(plain, 5, wrong=0.3)
+    return DraftModel(draft, model, k=4, num_blocks=num_blocks, block_size=4)
+
+
 @pytest.fixture(scope="module")
 def plain(tiny):
     prompts, params = workload()
@@ -83,11 +107,11 @@ def plain(tiny):
     return {tuple(p): r["tokens"][0] if q.n > 1 else r["tokens"] for p, q, r in zip(prompts, params, results)}
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "oracle"])
+@pytest.mark.parametrize("name", ["lookup", "oracle", "draft"])
 @pytest.mark.parametrize("num_blocks", [300, 26], ids=["roomy", "tight"])
-def test_greedy_tokens_equal_the_plain_engine(tiny, plain, proposer, num_blocks):
+def test_greedy_tokens_equal_the_plain_engine(tiny, plain, draft, name, num_blocks):
     prompts, params = workload()
-    speculate = PromptLookup(k=4, min_n=1, max_n=3) if proposer == "lookup" else Oracle(plain, 5, wrong=0.3)
+    speculate = proposer(name, plain, draft, tiny[0], num_blocks)
     results, m = run(tiny[0], prompts, params, speculate, num_blocks)
     for p, q, r in zip(prompts, params, results):
         assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
@@ -177,8 +201,8 @@ QUOTING = [11, 12, 13, 11, 12, 13, 11, 12, 2, 131, 182, 224, 155, 27, 40, 134, 5
            231, 231, 231]
 
 
-@pytest.mark.parametrize("proposer", ["lookup", "resampler"])
-def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
+@pytest.mark.parametrize("proposer", ["lookup", "draft", "resampler"])
+def test_sampled_tokens_have_the_plain_distribution(tiny, draft, proposer):
     """The first three output tokens, sampled (temperature 0.9, top-k 3, repetition penalty 1.3)
     1,000 times by each engine: their joint distributions agree (chi-square, p > 0.001)."""
     model, count = tiny[0], 1000
@@ -191,8 +215,79 @@ def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
         return Counter(tuple(r["tokens"]) for r in results), engine.metrics()
 
     want, _ = outputs(None, 0)
-    speculate = PromptLookup(k=3, max_rows=64) if proposer == "lookup" else Resampler(want, 3)
+    speculate = {"lookup": lambda: PromptLookup(k=3, max_rows=64), "resampler": lambda: Resampler(want, 3),
+                 "draft": lambda: DraftModel(draft, model, k=3, num_blocks=800, block_size=4, max_rows=64)}[proposer]()
     got, m = outputs(speculate, 10_000)
     assert 0.1 * m["draft_tokens"] < m["draft_tokens_accepted"] < m["draft_tokens"], m
     p = chi_square_p(want, got)
     assert p > 1e-3, (p, want.most_common(8), got.most_common(8))
+
+
+def test_compiled_verify_steps_equal_eager_within_few_graphs(tiny):
+    """--compile: steps whose rows all decode or verify drafts run compiled, each row padded to
+    1 + k tokens and the rows to a bucket: the plain eager engine's tokens, from a bounded set of graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rng, model = random.Random(3), tiny[0]
+    prompts = [[rng.randrange(3, 250) for _ in range(12)] for _ in range(3)]
+    params = [RequestParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)] * 3
+    want = Engine.for_model(model, num_blocks=30, block_size=16).run_batch(prompts, params)
+    oracle = Oracle({tuple(p): r["tokens"] for p, r in zip(prompts, want)}, 3, wrong=0.3)
+    engine = Engine.for_model(model, num_blocks=30, block_size=16, compile=True, speculate=oracle)
+    shapes, decode_fn = [], engine.decode_fn
+    engine.decode_fn = lambda *a: shapes.append([g[:2] for g in engine.cache.groups]) or decode_fn(*a)
+    got = engine.run_batch(prompts, params)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    assert any(n == 4 for step in shapes for _, n in step), shapes  # verify steps ran compiled, 1 + k wide
+    assert 0 < engine.metrics()["draft_tokens_accepted"] < engine.metrics()["draft_tokens"]
+    assert counters["stats"]["unique_graphs"] <= 2 * 3 * 2, shapes  # {1, 1 + k} tokens x rows 1..3 x widths 1, 2
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
+    other, _ = weights.load(tiny_checkpoint(tmp_path, vocab_size=400), dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"400 tokens and the target's {tiny[0].config.vocab_size}"):
+        DraftModel(other, tiny[0])
+
+
+def test_a_draft_model_failing_mid_run_ends_speculation_not_the_requests(tiny, plain, draft):
+    """Its ninth forward raises: one warning, no more drafts, and every request's plain tokens."""
+    prompts, params = workload()
+    drafter, calls = DraftModel(draft, tiny[0], k=4, num_blocks=300, block_size=4), []
+    forward = drafter._forward
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 9:  # (the third step that drafts: 4 forwards each)
+            raise RuntimeError("out of memory (a test's)")
+        return forward(*args)
+
+    drafter._forward = failing
+    with pytest.warns(UserWarning, match="draft model failed .*out of memory.*speculation is off"):
+        results, m = run(tiny[0], prompts, params, drafter)
+    for p, q, r in zip(prompts, params, results):
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+    assert len(calls) == 9 and m["draft_tokens"] > 0 and not drafter.blocks
+
+
+def test_batch_py_speculates_with_a_draft_checkpoint_and_refuses_another_vocabulary(tmp_path, capsys):
+    """batch.py --speculate draft: the same lines as without (its own checkpoint as the draft); a
+    draft whose vocabulary differs is refused before any request runs, naming both sizes."""
+    import batch
+
+    target, other = tiny_checkpoint(tmp_path / "t"), tiny_checkpoint(tmp_path / "o", vocab_size=400)
+    lines = [{"id": i, "prompt": "the quick brown fox jumps over the lazy dog " * (i + 1), "max_new_tokens": 12,
+              "temperature": 0} for i in range(3)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    base = ["--requests", str(path), "--checkpoint", str(target), "--dtype", "float32", "--num_blocks", "64"]
+    outputs = []
+    for extra in ([], ["--speculate", "draft", "--draft_checkpoint", str(target), "--speculate_k", "3"]):
+        assert batch.main(base + extra) == 0
+        outputs.append(sorted(capsys.readouterr().out.splitlines()))
+    clean = lambda out: [{k: v for k, v in json.loads(o).items() if k not in ("time_to_first_token_s",)} for o in out]
+    assert clean(outputs[1]) == clean(outputs[0])
+    assert batch.main(base + ["--speculate", "draft", "--draft_checkpoint", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "400 tokens" in err and "target's" in err, err

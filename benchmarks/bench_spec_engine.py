@@ -1,0 +1,169 @@
+"""Speculation inside continuous batching (prompt lookup, engine.py) against the same engine
+without it, and HF transformers' own prompt lookup at batch 1, in one process.
+
+    .venv/bin/python benchmarks/bench_spec_engine.py [--dtype bfloat16] [--compile] [--k 4]
+        [--concurrency 1 2 4 8 16 32] [--max_rows 64]          # ~10 min eager on 2 cores
+
+Workloads (greedy, 128 new tokens each, EOS ignored; the embedded SmolLM2-135M):
+  quoting    prompts that contain most of their answer: a passage of data/declaration.txt (60-200
+             words) followed by "The passage again, word for word:" and its first words; every
+             fourth one a code file to repeat with a name changed
+  free text  windows of the same text (32-256 tokens) to continue
+For each concurrency c, c requests are added at once and stepped to the end, speculation off and
+on, rounds interleaved (median of 3 below 8 requests, 1 above). The table gives output tokens/s
+over the run, the speed-up, the acceptance rate (kept / drafted), the mean tokens a drafted row
+gained per step, the speed-up those predict from one step's measured cost (a step of c rows each
+verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
+tokens equal the run without speculation. --max_rows sets PromptLookup's cut-off (speculation off
+for a step with more decoding rows); 64 keeps it on everywhere, to find where it stops paying.
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import fuse_layers  # noqa: E402
+import hf_folder  # noqa: E402
+import runtime  # noqa: E402
+import weights  # noqa: E402
+from bench_speculative import CODE  # noqa: E402
+from bench_serving import corpus, window  # noqa: E402
+from engine import Engine, Finished, RequestParams  # noqa: E402
+from prompt_lookup import PromptLookup  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+
+NEW = 128
+
+
+def quoting(tok, words, count, rng):
+    """Prompts whose answer is mostly in them: a passage to repeat word for word, or a code file."""
+    prompts = []
+    for i in range(count):
+        if i % 4 == 3:
+            text = CODE + "# The same three functions again, with `result` renamed to `out`:\ndef add(a, b):\n"
+        else:
+            start, n = rng.randrange(len(words) - 200), rng.randint(60, 200)
+            passage = " ".join(words[start:start + n])
+            text = f"Passage:\n{passage}\n\nThe passage again, word for word:\n{' '.join(words[start:start + 4])}"
+        prompts.append(tok.encode(text))
+    return prompts
+
+
+def free_text(ids, count, rng):
+    return [window(ids, rng.randint(32, 256), rng) for _ in range(count)]
+
+
+class Rejected:
+    """k drafts per decoding row that are never kept (token 0): one verification step's cost."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def propose(self, seqs, max_model_len):
+        for s in seqs:
+            s.draft = [0] * self.k if len(s.tokens) - s.num_computed == 1 else []
+
+
+def run(model, prompts, speculate, compile):
+    """-> (seconds, outputs, engine metrics, seconds per decode step)."""
+    engine = Engine.for_model(model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile)
+    params = RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    ids, done, decode_s, decode_steps = [engine.add_request(p, params) for p in prompts], {}, 0.0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        prefilling = any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting
+        t = time.perf_counter()
+        done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
+        if not prefilling:
+            decode_s, decode_steps = decode_s + time.perf_counter() - t, decode_steps + 1
+    return time.perf_counter() - start, [done[i].seqs[0].output for i in ids], engine.metrics(), decode_s / max(decode_steps, 1)
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def measure(model, prompts, k, max_rows, compile):
+    """Off and on, rounds interleaved -> a table row's numbers."""
+    rounds = 3 if len(prompts) < 8 else 1
+    off, on = [], []
+    for _ in range(rounds):
+        off.append(run(model, prompts, None, compile))
+        on.append(run(model, prompts, PromptLookup(k=k, max_rows=max_rows), compile))
+    off_s, on_s = median([r[0] for r in off]), median([r[0] for r in on])
+    m = on[0][2]
+    alpha = m["draft_tokens_accepted"] / max(m["draft_tokens"], 1)
+    cost = run(model, prompts, Rejected(k), compile)[3] / median([r[3] for r in off])  # c: a verify step / a plain one
+    rows_drafted = max(m["draft_tokens"] / k, 1)  # about: rows that drafted, times steps (k each, fewer near the end)
+    gain = 1 + m["draft_tokens_accepted"] / rows_drafted  # tokens per drafted row-step
+    equal = sum(a == b for a, b in zip(off[0][1], on[0][1]))
+    return off_s, on_s, alpha, gain, gain / cost, cost, equal
+
+
+def hf_batch1(hf_model, prompt, k):
+    """HF generate at batch 1, greedy, plain and with its prompt lookup -> (tokens/s, tokens/s)."""
+    out = []
+    for lookup in (None, k):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            with torch.no_grad():
+                hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                  pad_token_id=0, prompt_lookup_num_tokens=lookup)
+            times.append(time.perf_counter() - start)
+        out.append(NEW / median(times))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=list(runtime.DTYPES))
+    p.add_argument("--compile", action="store_true", help="compiled decode-only steps (drafted steps run eager)")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--max_rows", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"])
+    p.add_argument("--no_hf", action="store_true")
+    args = p.parse_args()
+
+    model, info = weights.load(None, dtype=runtime.DTYPES[args.dtype], dequantize=True)
+    tok = load_tokenizer(info.source)
+    with open(os.path.join(os.path.dirname(HERE), "data", "declaration.txt")) as f:
+        words = f.read().split()
+    ids, rng = corpus(tok), random.Random(0)
+    work = {"quoting": quoting(tok, words, max(args.concurrency), rng), "free": free_text(ids, max(args.concurrency), rng)}
+    if not args.no_hf:
+        import tempfile
+
+        from transformers import AutoModelForCausalLM
+
+        folder = hf_folder.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
+        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=runtime.DTYPES[args.dtype]).eval()
+        plain, lookup = hf_batch1(hf_model, work["quoting"][0], args.k)
+        print(f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, {lookup:.1f} tok/s "
+              f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)")
+        del hf_model
+    fuse_layers.fuse_projections(model)
+    run(model, work["quoting"][:2], PromptLookup(k=args.k), args.compile)  # warm-up (and compile)
+    print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+          f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
+          f"max_rows={args.max_rows}")
+    print("\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
+          "| predicted | verify cost c | equal to off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.workloads:
+        for c in args.concurrency:
+            off_s, on_s, alpha, gain, pred, cost, equal = measure(model, work[name][:c], args.k, args.max_rows, args.compile)
+            print(f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
+                  f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
