@@ -11,9 +11,12 @@ The draft keeps its own paged KV pool (paged.PagedKVCache, its own block ids and
 prefix cache), a block table per sequence and the tokens whose K/V it holds. Before each engine
 step, one flat forward catches every drafting row up (the tokens it has not seen: the prompt at
 first, then the last step's kept tokens) and gives each its first guess; k - 1 one-token steps of
-every row give the rest. Guesses are the draft's argmax: a function of the sequence alone, never
-of the target's random stream, which is what keeps sampling exact. K/V written for a guess the
-target rejected is stale and is simply recomputed next time (the tokens held are compared).
+every row give the rest. A greedy request's guesses are the draft's argmax; a sampled request's are
+drawn (with the proposer's own generator) from the draft's distribution q at the request's
+temperature and top-k/p, and q goes with them: the engine keeps a guess d with probability
+min(1, p(d)/q(d)) and else draws from max(p - q, 0) (sampling.sample), so every token is
+distributed exactly as the target's p. K/V written for a guess the target rejected is stale and
+is recomputed next time (the tokens held are compared).
 
 A sequence that leaves the running set frees its draft blocks. With more than `max_rows`
 decoding rows, or no free draft blocks for a row, that row (or step) drafts nothing. A draft that
@@ -24,11 +27,13 @@ import warnings
 import torch
 
 from paged import BlockAllocator, PagedKVCache
+from sampling import probabilities
 from scheduler import blocks_for
 
 
 class DraftModel:
-    def __init__(self, draft, target, k: int = 4, num_blocks: int = 512, block_size: int = 16, max_rows: int = 16):
+    def __init__(self, draft, target, k: int = 4, num_blocks: int = 512, block_size: int = 16, max_rows: int = 16,
+                 seed: int = 0):
         if not (isinstance(k, int) and 1 <= k <= 16):
             raise ValueError(f"--speculate_k must be an integer in 1..16, got {k!r}")
         mine, theirs = draft.config.vocab_size, target.config.vocab_size
@@ -39,11 +44,12 @@ class DraftModel:
         self.cache = PagedKVCache.for_model(draft, num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=False)
         self.blocks, self.held = {}, {}  # sequence -> its draft block ids; the tokens whose K/V they hold
+        self.generator = torch.Generator(device=draft.norm.weight.device).manual_seed(seed)  # its own: never the target's
 
     def propose(self, seqs, max_model_len: int):
         """Set seq.draft for each of `seqs` (the scheduler's running sequences)."""
         for s in seqs:
-            s.draft = []
+            s.draft, s.draft_probs = [], None
         running = set(seqs)
         for gone in [s for s in self.blocks if s not in running]:  # finished or preempted
             self._forget(gone)
@@ -55,32 +61,47 @@ class DraftModel:
             return
         try:
             with torch.no_grad():
-                guesses = self._guess(rows, limit)
+                guesses, probs = self._guess(rows, limit)
         except Exception as e:  # noqa: BLE001 (any fault of the draft ends speculation, never a request)
             self.failed = f"{type(e).__name__}: {e}"
             warnings.warn(f"the draft model failed ({self.failed}); speculation is off from here on")
             for s in list(self.blocks):
                 self._forget(s)
             return
-        for s, g in zip(rows, guesses):
-            s.draft = g[:room[s]]
+        for s, g, q in zip(rows, guesses, probs):
+            s.draft, s.draft_probs = g[:room[s]], q if q is None else q[:room[s]]
             self.held[s] = (len(s.tokens), g[:min(self.k - 1, room[s])])  # K/V written for its tokens, then these
 
-    def _guess(self, rows, limit: int) -> list:
-        """k guesses per row: a catch-up forward (each row its unseen tokens), then k - 1 one-token steps."""
+    def _guess(self, rows, limit: int):
+        """k guesses per row: a catch-up forward (each row its unseen tokens), then k - 1 one-token
+        steps -> ([R, k] tokens, per row the [k, V] distributions they were drawn from, or None: argmax)."""
         starts = [self._valid(s) for s in rows]
         tokens = [t for s, a in zip(rows, starts) for t in s.tokens[a:]]
         pos = [p for s, a in zip(rows, starts) for p in range(a, len(s.tokens))]
         width = max(len(self.blocks[s]) for s in rows)
         groups = [(1, len(s.tokens) - a, self._table([s], width)) for s, a in zip(rows, starts)]
         ends = torch.tensor([len(s.tokens) - a for s, a in zip(rows, starts)]).cumsum(0) - 1
-        last = self._forward(tokens, pos, groups, ends).argmax(-1)  # [R]
-        guesses, table = [last], self._table(rows, width)
+        last, qs = self._draw(rows, self._forward(tokens, pos, groups, ends))  # [R], R x ([V] or None)
+        guesses, probs, table = [last], [qs], self._table(rows, width)
         for j in range(1, self.k):
             pos = [min(len(s.tokens) + j, limit) - 1 for s in rows]  # (past its room: never kept)
-            last = self._forward(last.tolist(), pos, [(len(rows), 1, table)], torch.arange(len(rows))).argmax(-1)
+            last, qs = self._draw(rows, self._forward(last.tolist(), pos, [(len(rows), 1, table)], torch.arange(len(rows))))
             guesses.append(last)
-        return torch.stack(guesses, 1).tolist()  # [R, k]
+            probs.append(qs)
+        probs = [None if q[0] is None else torch.stack(q) for q in zip(*probs)]
+        return torch.stack(guesses, 1).tolist(), probs
+
+    def _draw(self, rows, logits):
+        """Each row's guess from its logits [R, V]: the argmax for a greedy request, else a draw from
+        the draft's distribution at the request's temperature, top-k, top-p and min-p (kept, for the rule)."""
+        tokens, qs = logits.argmax(-1), []
+        for i, s in enumerate(rows):
+            t = s.request.sampling
+            q = None if t.temperature == 0 else probabilities(logits[i], t.temperature, t.top_k, t.top_p, t.min_p)
+            if q is not None:
+                tokens[i] = torch.multinomial(q, 1, generator=self.generator)[0]
+            qs.append(q)
+        return tokens, qs
 
     def _forward(self, tokens, pos, groups, keep):
         device = self.cache.slots.device

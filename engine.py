@@ -29,9 +29,9 @@ from cpu_kernels import gemm_padding
 from kv_cache import bucket
 from kv_plan import pools
 from runtime import compile_decode
-from sampling import sample, token_logprobs
+from sampling import sample
 from scheduler import Scheduler
-from scoring import PromptScores
+from scoring import PromptScores, token_logprobs
 from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
 from tokenizer import TextStream
 
@@ -42,7 +42,7 @@ class Token(NamedTuple):
     token: int  # None when a sample ends without one ("abort"; "length" after scoring the prompt)
     text: str  # the text this token makes final (TextStream; None when the engine has no tokenizer)
     finish_reason: str  # None while the sample goes on
-    logprob: tuple  # its entry (sampling.token_logprobs) when logprobs were asked for, else None
+    logprob: tuple  # its entry (scoring.token_logprobs) when logprobs were asked for, else None
 
 
 class Finished(NamedTuple):
@@ -155,7 +155,7 @@ class Engine:
 
     def step(self) -> list:
         """One iteration: a Token per new token (or sample ended without one), then a Finished per request over."""
-        if self.speculate:  # drafts for the sequences that decode, verified by this step's forward
+        if self.speculate and self.scheduler.draft_budget() > 0:  # drafts for the sequences that decode, verified by this step's forward
             self.speculate.propose(self.scheduler.running, self.max_model_len)
         plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
@@ -278,23 +278,26 @@ class Engine:
         return results
 
     def _verify(self, seq, rows, greedy: list, draft: list, now: float) -> list:
-        """seq's tokens from its rows [1 + len(draft), V], each sampled as plain decoding would, while
-        they equal the draft's -> [(token, text, reason)]: speculative.py's rule for a one-hot draft."""
-        new = []
+        """seq's tokens from its rows [1 + len(draft), V], each sampled as plain decoding would (given
+        seq.draft_probs, the distributions the drafts were drawn from: by sampling.sample's rule for
+        them), while they equal the draft's -> [(token, text, reason)]."""
+        new, q = [], seq.draft_probs
         for j in range(len(draft) + 1):
-            token, text, reason = self._next_token(seq, rows[j], greedy[j], now, [t for t, _, _ in new])
+            drafted = (q[j], draft[j]) if q is not None and j < len(draft) else ()
+            token, text, reason = self._next_token(seq, rows[j], greedy[j], now, [t for t, _, _ in new], drafted)
             new.append((token, text, reason))
             if reason or j == len(draft) or token != draft[j]:
                 return new
 
-    def _next_token(self, seq, row, greedy: int, now: float, new=()):
-        """seq's next token from its row [V], after `new` this step -> (token, text made final, reason or None)."""
+    def _next_token(self, seq, row, greedy: int, now: float, new=(), drafted=()):
+        """seq's next token from its row [V], after `new` this step (drafted: (q, token) to keep or
+        replace) -> (token, text made final, reason or None)."""
         req, p = seq.request, seq.request.params
         if req.sampling.temperature == 0 and seq.matcher is None and not req.sampling.adjusts_logits:
             token = greedy
         else:  # the constraint's mask, bias and penalties make new tensors: `row` stays raw
             allowed = row if seq.matcher is None else seq.matcher.mask_logits(row)
-            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output + list(new)]))
+            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output + list(new)], *drafted))
         if p.logprobs is not None:  # the model's own distribution: before any of that
             seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
         seq.token_times.append(now)

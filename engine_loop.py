@@ -7,7 +7,7 @@ event a caller receives is one of:
 
     (choice index, token id, text, finish_reason or None, logprob)   a new token, the text it
                                                  makes final (engine.Token); logprob is its entry
-                                                 (sampling.token_logprobs) when asked for, else None
+                                                 (scoring.token_logprobs) when asked for, else None
     (choice index, None, text, reason, None)     a sample ended without a token ("abort", or
                                                  "length" when max_new_tokens = 0 scored the prompt)
     Over(first choice index, error, prompt_logprobs, cached_tokens)   one request (one prompt) is

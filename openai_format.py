@@ -4,7 +4,7 @@ log-probabilities in both shapes (completions' legacy arrays, chat's list of tok
     python -c "import openai_format"     # library only; serve.py is the server
 
 Log-probabilities are the model's own: log_softmax of the raw logits, before temperature,
-penalties and top-k/top-p (sampling.token_logprobs), as HF transformers computes them. A token's
+penalties and top-k/top-p (scoring.token_logprobs), as HF transformers computes them. A token's
 text is what it adds in context (the text of the few tokens before it with and without it), so a
 SentencePiece token keeps its leading space and the texts of an output's tokens join to its text.
 

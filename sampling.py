@@ -22,8 +22,8 @@ computed for them.
 Each row of a batch is sampled independently; a `torch.Generator` seeded once makes a whole run
 reproducible. speculative.py reuses `probabilities` (step 4) for its accept/reject rule.
 
-Log-probabilities reported to users (`token_logprobs`) are the model's own: log_softmax of the
-raw logits, before bias, penalties, temperature and filtering, as HF transformers computes them.
+Log-probabilities reported to users (scoring.token_logprobs) are the model's own: log_softmax of
+the raw logits, before bias, penalties, temperature and filtering, as HF transformers computes them.
 """
 import math
 from dataclasses import dataclass, field
@@ -175,26 +175,21 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int = None, t
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator = None,
-           prompt_tokens=None, output_tokens=None) -> torch.Tensor:
+           prompt_tokens=None, output_tokens=None, draft_q=None, draft: int = None) -> torch.Tensor:
     """logits [B, V] -> next tokens [B]. prompt_tokens, output_tokens: the history the penalties
-    need (see apply_penalties); unused when they are off."""
+    need (see apply_penalties); unused when they are off. draft (B = 1): a token drawn from
+    draft_q [V], kept with probability min(1, p/q) and else replaced by a draw from max(p - q, 0)
+    (speculative sampling): the token is distributed as p, these probs, either way."""
     if params.adjusts_logits:
         logits = apply_penalties(logits, params, prompt_tokens, output_tokens)
     if params.temperature == 0:
         return logits.argmax(-1)
     probs = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    if draft_q is not None:
+        if float(torch.rand((), generator=generator)) * draft_q[draft] < probs[0, draft]:
+            return torch.tensor([draft])
+        probs = (probs - draft_q).clamp(min=0)  # (its sum is > 0: a rejection needs q(d) > p(d))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's limit)
-
-
-def token_logprobs(logits: torch.Tensor, tokens, top: list) -> list:
-    """logits [R, V], tokens [R] ids, top [R] counts -> per row (log-probability of its token,
-    [(id, log-probability)] of the top[r] most likely tokens, most likely first)."""
-    logp = logits.float().log_softmax(-1)  # [R, V]
-    chosen = logp.gather(-1, torch.as_tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
-    k = max(top, default=0)
-    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [R, k]
-    values, ids = values.tolist(), ids.tolist()
-    return [(c, list(zip(i[:n], v[:n]))) for c, i, v, n in zip(chosen, ids, values, top)]

@@ -90,16 +90,19 @@ class Scheduler:
             st["peak_running"] = max(st["peak_running"], len(self.running))
         return plan
 
+    def draft_budget(self) -> int:  # drafts take only what decodes and prompts (running or waiting) leave
+        return self.max_num_batched_tokens - sum(len(s.tokens) - s.num_computed for s in self.running) - sum(len(s.tokens) for s in self.waiting)
+
     def _schedule_running(self, plan, quota) -> int:
         """Tokens for the running sequences, decodes first (oldest first), a prefill within its
         request's quota of prompt tokens; returns the budget left."""
-        budget, runs, spare = self.max_num_batched_tokens, plan.runs, self.max_num_batched_tokens - len(self.running)
+        budget, runs, spare = self.max_num_batched_tokens, plan.runs, self.draft_budget()
         for seq in sorted(self.running, key=lambda s: len(s.tokens) - s.num_computed > 1):
             need = len(seq.tokens) - seq.num_computed
             n = min(need, budget, quota[seq.request] if need > 1 else 1)
             if seq not in self.running or n <= 0:
                 continue
-            draft = seq.draft[:max(0, spare)] if need == 1 and not seq.request.needs_fork else []  # (a forking prompt's twins copy its state)
+            draft = seq.draft[:max(0, spare)] if need == 1 and not seq.request.needs_fork else []  # (twins copy a forking prompt's state)
             draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted

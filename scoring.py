@@ -19,14 +19,26 @@ Answers sent together would each compute the question side by side, so the sched
 a prompt to score while another running request is scoring the same first block (must_wait).
 The engine (engine.py) calls the rest: positions and score around the forward, remember after.
 
-Scores are the model's own log-softmax (sampling.token_logprobs), turned into float32 [rows,
-vocab] LOGPROB_ROWS positions at a time, so a long prompt never holds [prompt_len, vocab].
+Scores are the model's own log-softmax (token_logprobs, which the engine also uses for sampled
+tokens), turned into float32 [rows, vocab] LOGPROB_ROWS positions at a time, so a long prompt
+never holds [prompt_len, vocab].
 """
 from collections import OrderedDict
 
-from sampling import token_logprobs
+import torch
 
 LOGPROB_ROWS = 64  # prompt positions turned into log-probabilities at a time: float32 [64, vocab]
+
+
+def token_logprobs(logits: torch.Tensor, tokens, top: list) -> list:
+    """logits [R, V], tokens [R] ids, top [R] counts -> per row (log-probability of its token,
+    [(id, log-probability)] of the top[r] most likely tokens, most likely first)."""
+    logp = logits.float().log_softmax(-1)  # [R, V]
+    chosen = logp.gather(-1, torch.as_tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [R, k]
+    values, ids = values.tolist(), ids.tolist()
+    return [(c, list(zip(i[:n], v[:n]))) for c, i, v, n in zip(chosen, ids, values, top)]
 
 
 class PromptScores:

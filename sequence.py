@@ -104,6 +104,7 @@ class Sequence:
         self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
         self.draft = []  # tokens proposed to follow it, verified in the next step (prompt_lookup.py)
+        self.draft_probs = None  # [len(draft), V]: what each was drawn from (draft_model.py), or None: chosen
         self.ngrams = None  # prompt_lookup.NgramIndex of its tokens, once it speculates
 
     def fork(self, index: int, stream=None):

@@ -39,30 +39,34 @@ async def load(url, prompts, clients: int, max_tokens: int) -> dict:
     import openai
 
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    todo, ttfts, tokens = list(prompts), [], 0
+    todo, ttfts, tpots, tokens = list(prompts), [], [], 0
 
     async def worker():
         nonlocal tokens
         while todo:
             prompt = todo.pop()
             sent = time.perf_counter()
-            first = None
+            first, n, chunks = None, 0, 0
             stream = await c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                 stream=True, stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True})
             async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].text:
-                    first = time.perf_counter() - sent
+                if chunk.choices and chunk.choices[0].text:
+                    first, chunks = first or time.perf_counter() - sent, chunks + 1
                 if chunk.usage:
-                    tokens += chunk.usage.completion_tokens
+                    n = chunk.usage.completion_tokens
+            n = n or chunks  # (a server that sends no usage: a token per chunk)
+            tokens += n
             ttfts.append(first)
+            tpots.append((time.perf_counter() - sent - first) / max(n - 1, 1))  # time per output token after the first
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
     elapsed = time.perf_counter() - start
     await c.close()
-    return {"clients": clients, "rps": len(prompts) / elapsed, "tps": tokens / elapsed,
-            "ttft50": percentile(ttfts, 0.5), "ttft90": percentile(ttfts, 0.9), "elapsed": elapsed}
+    return {"clients": clients, "requests": len(prompts), "rps": len(prompts) / elapsed, "tps": tokens / elapsed,
+            "ttft50": percentile(ttfts, 0.5), "ttft90": percentile(ttfts, 0.9), "tpot50": percentile(tpots, 0.5),
+            "elapsed": elapsed}
 
 
 def offline(prompts, max_tokens: int, max_num_seqs: int) -> float:

@@ -10,7 +10,7 @@ Workloads (greedy, 128 new tokens each, EOS ignored; the embedded SmolLM2-135M):
              fourth one a code file to repeat with a name changed
   free text  windows of the same text (32-256 tokens) to continue
 For each concurrency c, c requests are added at once and stepped to the end, speculation off and
-on, rounds interleaved (median of 3 below 8 requests, 1 above). The table gives output tokens/s
+on, rounds interleaved (the median of --rounds). The table gives output tokens/s
 over the run, the speed-up, the acceptance rate (kept / drafted), the mean tokens a drafted row
 gained per step, the speed-up those predict from one step's measured cost (a step of c rows each
 verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
@@ -71,6 +71,17 @@ class Rejected:
             s.draft = [0] * self.k if len(s.tokens) - s.num_computed == 1 else []
 
 
+class Counted:
+    """A proposer, counting the rows that drafted (each: a row-step that verified drafts)."""
+
+    def __init__(self, proposer):
+        self.proposer, self.k, self.rows = proposer, proposer.k, 0
+
+    def propose(self, seqs, max_model_len):
+        self.proposer.propose(seqs, max_model_len)
+        self.rows += sum(1 for s in seqs if s.draft)
+
+
 def run(model, prompts, speculate, compile):
     """-> (seconds, outputs, engine metrics, seconds per decode step)."""
     engine = Engine.for_model(model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile)
@@ -90,19 +101,20 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(model, prompts, k, max_rows, compile):
+def measure(model, prompts, k, max_rows, min_n, compile, rounds):
     """Off and on, rounds interleaved -> a table row's numbers."""
-    rounds = 3 if len(prompts) < 8 else 1
     off, on = [], []
+    counted = Counted(PromptLookup(k=k, min_n=min_n, max_n=max(3, min_n), max_rows=max_rows))  # (stateless)
+    if compile:  # every graph these runs need, compiled before any is timed
+        [run(model, prompts, p, compile) for p in (None, Rejected(k), PromptLookup(k=k, min_n=min_n, max_rows=max_rows))]
     for _ in range(rounds):
         off.append(run(model, prompts, None, compile))
-        on.append(run(model, prompts, PromptLookup(k=k, max_rows=max_rows), compile))
+        on.append(run(model, prompts, counted, compile))
     off_s, on_s = median([r[0] for r in off]), median([r[0] for r in on])
-    m = on[0][2]
-    alpha = m["draft_tokens_accepted"] / max(m["draft_tokens"], 1)
+    kept, drafted = (sum(r[2][key] for r in on) for key in ("draft_tokens_accepted", "draft_tokens"))
+    alpha = kept / max(drafted, 1)
     cost = run(model, prompts, Rejected(k), compile)[3] / median([r[3] for r in off])  # c: a verify step / a plain one
-    rows_drafted = max(m["draft_tokens"] / k, 1)  # about: rows that drafted, times steps (k each, fewer near the end)
-    gain = 1 + m["draft_tokens_accepted"] / rows_drafted  # tokens per drafted row-step
+    gain = 1 + kept / max(counted.rows, 1)  # tokens per drafted row-step
     equal = sum(a == b for a, b in zip(off[0][1], on[0][1]))
     return off_s, on_s, alpha, gain, gain / cost, cost, equal
 
@@ -128,6 +140,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="compiled decode-only steps (drafted steps run eager)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max_rows", type=int, default=64)
+    p.add_argument("--prompt_lookup_min", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved (the median is shown)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"])
     p.add_argument("--no_hf", action="store_true")
@@ -151,16 +165,17 @@ def main():
               f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)")
         del hf_model
     fuse_layers.fuse_projections(model)
-    run(model, work["quoting"][:2], PromptLookup(k=args.k), args.compile)  # warm-up (and compile)
+    run(model, work["quoting"][:2], PromptLookup(k=args.k), False)  # warm-up
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
           f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
-          f"max_rows={args.max_rows}")
+          f"max_rows={args.max_rows} | prompt_lookup_min={args.prompt_lookup_min}")
     print("\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
           "| predicted | verify cost c | equal to off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.workloads:
         for c in args.concurrency:
-            off_s, on_s, alpha, gain, pred, cost, equal = measure(model, work[name][:c], args.k, args.max_rows, args.compile)
+            off_s, on_s, alpha, gain, pred, cost, equal = measure(model, work[name][:c], args.k, args.max_rows,
+                                                                 args.prompt_lookup_min, args.compile, args.rounds)
             print(f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
                   f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |", flush=True)
 

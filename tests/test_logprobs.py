@@ -10,7 +10,7 @@ import torch
 import weights
 from helpers import run_to_end, tiny_checkpoint
 from kv_cache import NoCache
-from sampling import token_logprobs
+from scoring import token_logprobs
 from engine import Engine, RequestParams
 
 

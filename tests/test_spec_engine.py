@@ -202,7 +202,7 @@ QUOTING = [11, 12, 13, 11, 12, 13, 11, 12, 2, 131, 182, 224, 155, 27, 40, 134, 5
 
 
 @pytest.mark.parametrize("proposer", ["lookup", "draft", "resampler"])
-def test_sampled_tokens_have_the_plain_distribution(tiny, draft, proposer):
+def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
     """The first three output tokens, sampled (temperature 0.9, top-k 3, repetition penalty 1.3)
     1,000 times by each engine: their joint distributions agree (chi-square, p > 0.001)."""
     model, count = tiny[0], 1000
@@ -211,12 +211,14 @@ def test_sampled_tokens_have_the_plain_distribution(tiny, draft, proposer):
         params = [RequestParams(max_new_tokens=3, temperature=0.9, top_k=3, repetition_penalty=1.3, seed=seed0 + i,
                                 ignore_eos=True) for i in range(count)]
         engine = Engine.for_model(model, num_blocks=800, block_size=4, max_num_seqs=64, speculate=speculate)
-        results = engine.run_batch([QUOTING] * count, params)
+        # in waves of 64, each run to the end: drafts take only the budget prompts leave, so none wait
+        results = [r for i in range(0, count, 64) for r in engine.run_batch([QUOTING] * len(params[i:i + 64]), params[i:i + 64])]
         return Counter(tuple(r["tokens"]) for r in results), engine.metrics()
 
     want, _ = outputs(None, 0)
     speculate = {"lookup": lambda: PromptLookup(k=3, max_rows=64), "resampler": lambda: Resampler(want, 3),
-                 "draft": lambda: DraftModel(draft, model, k=3, num_blocks=800, block_size=4, max_rows=64)}[proposer]()
+                 "draft": lambda: DraftModel(noisy_copy(model, 0.02), model, k=3, num_blocks=800, block_size=4,
+                                             max_rows=64)}[proposer]()  # (often rejected: the residual draws count)
     got, m = outputs(speculate, 10_000)
     assert 0.1 * m["draft_tokens"] < m["draft_tokens_accepted"] < m["draft_tokens"], m
     p = chi_square_p(want, got)
