@@ -86,7 +86,8 @@ class Engine:
                   stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
                   batch_invariant: bool = False, window_blocks: int = None, speculate=None):
         """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
-        (prompt_lookup.PromptLookup: `propose(seqs, max_model_len)` sets seq.draft, at most `k` tokens) or None."""
+        (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets each
+        seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
         allocator, windows, cache = pools(model, num_blocks, block_size, prefix_caching and not reserve_tokens,
                                           window_blocks, max_num_seqs, max_num_batched_tokens)
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
