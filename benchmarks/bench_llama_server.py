@@ -87,11 +87,14 @@ def start(name, binary, gguf, slots, serve_flags):
     port = free_port()
     if name == "llama-server":
         cmd = [binary, "-m", gguf, "-t", "2", "-tb", "2", "-np", str(slots), "-c", str(1024 * slots), "--port", str(port),
-               "--host", "127.0.0.1", "--no-webui"]
+               "--host", "127.0.0.1", "--no-webui",
+               "--threads-http", str(slots + 4)]  # a thread per streaming client (its default follows the cores)
     else:
         cmd = [sys.executable, os.path.join(ROOT, "serve.py"), "--checkpoint", gguf, "--port", str(port),
                "--max_num_seqs", str(slots), *serve_flags.split()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc.log = log.name  # its output, shown if a run fails
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url)
     return proc, url
@@ -129,6 +132,9 @@ def main():
             for clients in args.clients:
                 share = texts[:max(clients, args.requests if clients > 1 else args.requests // 4)]
                 rows.append((name, asyncio.run(load(url, share, clients, args.max_tokens))))
+        except Exception:
+            print(f"{name} failed; the end of its log ({proc.log}):\n" + open(proc.log).read()[-3000:], file=sys.stderr)
+            raise
         finally:
             proc.terminate()
             proc.wait()

@@ -38,7 +38,8 @@ def start_server(max_num_seqs: int):
 async def load(url, prompts, clients: int, max_tokens: int) -> dict:
     import openai
 
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    # retries: a kept-alive connection the server closed as a request went out fails before any work
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2)
     todo, ttfts, tpots, tokens = list(prompts), [], [], 0
 
     async def worker():
