@@ -41,6 +41,7 @@ class DraftModel:
             raise ValueError(f"the draft model's vocabulary has {mine} tokens and the target's {theirs}: a draft "
                              f"model must share the target's tokenizer")
         self.model, self.k, self.max_rows, self.failed = draft, k, max_rows, None
+        self.catch_up = 512  # most tokens per row in one catch-up forward (as the engine chunks a prefill)
         self.cache = PagedKVCache.for_model(draft, num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=False)
         self.blocks, self.held = {}, {}  # sequence -> its draft block ids; the tokens whose K/V they hold
@@ -75,10 +76,15 @@ class DraftModel:
     def _guess(self, rows, limit: int):
         """k guesses per row: a catch-up forward (each row its unseen tokens), then k - 1 one-token
         steps -> ([R, k] tokens, per row the [k, V] distributions they were drawn from, or None: argmax)."""
-        starts = [self._valid(s) for s in rows]
+        starts, width = [self._valid(s) for s in rows], max(len(self.blocks[s]) for s in rows)
+        while any(len(s.tokens) - a > self.catch_up for s, a in zip(rows, starts)):  # a long prompt in pieces
+            part = [(s, a) for s, a in zip(rows, starts) if len(s.tokens) - a > self.catch_up]
+            self._forward([t for s, a in part for t in s.tokens[a:a + self.catch_up]],
+                          [p for _, a in part for p in range(a, a + self.catch_up)],
+                          [(1, self.catch_up, self._table([s], width)) for s, _ in part], torch.tensor([0]))
+            starts = [a + self.catch_up * (len(s.tokens) - a > self.catch_up) for s, a in zip(rows, starts)]
         tokens = [t for s, a in zip(rows, starts) for t in s.tokens[a:]]
         pos = [p for s, a in zip(rows, starts) for p in range(a, len(s.tokens))]
-        width = max(len(self.blocks[s]) for s in rows)
         groups = [(1, len(s.tokens) - a, self._table([s], width)) for s, a in zip(rows, starts)]
         ends = torch.tensor([len(s.tokens) - a for s, a in zip(rows, starts)]).cumsum(0) - 1
         last, qs = self._draw(rows, self._forward(tokens, pos, groups, ends))  # [R], R x ([V] or None)

@@ -247,6 +247,19 @@ def test_compiled_verify_steps_equal_eager_within_few_graphs(tiny):
     assert counters["stats"]["unique_graphs"] <= 2 * 3 * 2, shapes  # {1, 1 + k} tokens x rows 1..3 x widths 1, 2
 
 
+def test_a_draft_model_catches_up_a_long_prompt_in_pieces(tiny, plain, draft):
+    """With pieces of 8 tokens (512 by default) the prompts of up to 70 tokens take several
+    catch-up forwards: the tokens are still the plain engine's, and drafts are kept."""
+    prompts, params = workload()
+    drafter = DraftModel(draft, tiny[0], k=4, num_blocks=300, block_size=4)
+    drafter.catch_up, sizes, forward = 8, [], drafter._forward
+    drafter._forward = lambda tokens, *a: sizes.append(len(tokens)) or forward(tokens, *a)
+    results, m = run(tiny[0], prompts, params, drafter)
+    for p, q, r in zip(prompts, params, results):
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+    assert m["draft_tokens_accepted"] > 0 and 8 in sizes
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
     other, _ = weights.load(tiny_checkpoint(tmp_path, vocab_size=400), dtype=torch.float64)
     with pytest.raises(ValueError, match=f"400 tokens and the target's {tiny[0].config.vocab_size}"):
