@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from paged import BlockAllocator, PagedKVCache
+from prompt_lookup import check_k
 from sampling import probabilities
 from scheduler import blocks_for
 
@@ -34,8 +35,7 @@ from scheduler import blocks_for
 class DraftModel:
     def __init__(self, draft, target, k: int = 4, num_blocks: int = 512, block_size: int = 16, max_rows: int = 16,
                  seed: int = 0):
-        if not (isinstance(k, int) and 1 <= k <= 16):
-            raise ValueError(f"--speculate_k must be an integer in 1..16, got {k!r}")
+        check_k(k)
         mine, theirs = draft.config.vocab_size, target.config.vocab_size
         if mine != theirs:
             raise ValueError(f"the draft model's vocabulary has {mine} tokens and the target's {theirs}: a draft "

@@ -49,6 +49,12 @@ def find_draft(tokens, k: int, min_n: int, max_n: int, index: NgramIndex = None)
     return [] if best is None else tokens[best + min_n:best + min_n + k]
 
 
+def check_k(k):
+    """--speculate_k, for every proposer: drafts per sequence and step."""
+    if not (isinstance(k, int) and 1 <= k <= 16):
+        raise ValueError(f"--speculate_k must be an integer in 1..16, got {k!r}")
+
+
 class PromptLookup:
     """The engine's proposer: before each step, a draft of up to k tokens for every running
     sequence that decodes. Off for a step with more than `max_rows` decoding sequences: a large
@@ -56,8 +62,7 @@ class PromptLookup:
     (benchmarks/RESULTS.md, "Speculation in the engine")."""
 
     def __init__(self, k: int = 4, min_n: int = 1, max_n: int = 3, max_rows: int = 16):
-        if not (isinstance(k, int) and 1 <= k <= 16):
-            raise ValueError(f"--speculate_k must be an integer in 1..16, got {k!r}")
+        check_k(k)
         if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
             raise ValueError(f"prompt lookup needs 1 <= --prompt_lookup_min <= --prompt_lookup_max, got {min_n} and {max_n}")
         self.k, self.min_n, self.max_n, self.max_rows = k, min_n, max_n, max_rows

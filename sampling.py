@@ -179,7 +179,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits [B, V] -> next tokens [B]. prompt_tokens, output_tokens: the history the penalties
     need (see apply_penalties); unused when they are off. draft (B = 1): a token drawn from
     draft_q [V], kept with probability min(1, p/q) and else replaced by a draw from max(p - q, 0)
-    (speculative sampling): the token is distributed as p, these probs, either way."""
+    (speculative sampling; speculative.accept applies it to a whole round, where p cannot change
+    between positions): the token is distributed as p, these probs, either way."""
     if params.adjusts_logits:
         logits = apply_penalties(logits, params, prompt_tokens, output_tokens)
     if params.temperature == 0:
