@@ -283,7 +283,7 @@ def test_a_draft_model_failing_mid_run_ends_speculation_not_the_requests(tiny, p
         results, m = run(tiny[0], prompts, params, drafter)
     for p, q, r in zip(prompts, params, results):
         assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
-    assert len(calls) == 9 and m["draft_tokens"] > 0 and not drafter.blocks
+    assert len(calls) == 9 and m["draft_tokens"] > 0 and not drafter.held
 
 
 def test_batch_py_speculates_with_a_draft_checkpoint_and_refuses_another_vocabulary(tmp_path, capsys):
@@ -306,3 +306,53 @@ def test_batch_py_speculates_with_a_draft_checkpoint_and_refuses_another_vocabul
     assert batch.main(base + ["--speculate", "draft", "--draft_checkpoint", str(other)]) == 2
     err = capsys.readouterr().err
     assert "400 tokens" in err and "target's" in err, err
+
+
+class Recorded(DraftModel):
+    """A DraftModel noting every draft it makes, by request, sample and length, and where each
+    sequence's first catch-up began; `fresh`: one that recomputes all of its K/V every step, each
+    row in 32 blocks of its own (none of the target's ids)."""
+
+    def __init__(self, draft, target, fresh=False, num_blocks=300, **kw):
+        super().__init__(draft, target, num_blocks=32 * 17 if fresh else num_blocks, **kw)
+        self.fresh, self.drafts, self.first = fresh, {}, {}
+
+    def _valid(self, s):
+        start = 0 if self.fresh else super()._valid(s)
+        self.first.setdefault(s, start)
+        return start
+
+    def _ids(self, s, row):
+        return [1 + 32 * row + j for j in range(blocks_for(len(s.tokens) + self.k - 1, 4))] if self.fresh else super()._ids(s, row)
+
+    def propose(self, seqs, max_model_len):
+        super().propose(seqs, max_model_len)
+        self.drafts.update(((s.request.id, s.index, len(s.tokens)), s.draft) for s in seqs if s.draft)
+
+
+@pytest.mark.parametrize("num_blocks", [300, 26], ids=["roomy", "tight"])
+def test_a_draft_model_keeps_its_kv_in_the_target_blocks_and_trusts_only_what_it_wrote(tiny, draft, num_blocks):
+    """The draft's K/V sits in the target's blocks: kept from step to step and found again through
+    the target's prefix cache (a request sharing request 0's head starts its catch-up past it), and
+    never trusted in a block the target has given to other tokens (the tight pool preempts and
+    evicts) or shares (three sampled twins fork mid-block). Every draft equals the one a draft
+    recomputing all its K/V at every step makes."""
+    prompts, params = workload()
+    prompts[10] = prompts[0][:40] + [7, 7, 7]
+    twins = RequestParams(max_new_tokens=30, temperature=1.0, n=3, seed=5, ignore_eos=True)
+    waves = [(prompts[:10], params[:10]), (prompts[10:], params[10:]), ([prompts[3]], [twins])]  # 45 tokens: mid-block
+    runs = []
+    for fresh in (True, False):
+        drafter = Recorded(draft, tiny[0], k=4, num_blocks=num_blocks, block_size=4, fresh=fresh)
+        engine = Engine.for_model(tiny[0], num_blocks=num_blocks, block_size=4, max_num_seqs=8,
+                                  max_num_batched_tokens=64, speculate=drafter)
+        for wave in waves:  # each after the one before has finished (request 0 is cached)
+            ids = [engine.add_request(p, q) for p, q in zip(*wave)]
+            while engine.has_unfinished():
+                engine.step()
+            if len(wave[0]) == 2 and num_blocks == 300:
+                assert drafter.first[next(s for s in drafter.first if s.request.id == ids[0])] >= 40 or fresh
+        runs.append(drafter)
+    fresh, kept = runs
+    assert len(kept.drafts) > 50 and kept.drafts == fresh.drafts
+    assert engine.metrics()["preemptions" if num_blocks == 26 else "prompt_tokens_hit"] > 0
