@@ -16,6 +16,8 @@ gained per step, the speed-up those predict from one step's measured cost (a ste
 verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
 tokens equal the run without speculation. --max_rows sets PromptLookup's cut-off (speculation off
 for a step with more decoding rows); 64 keeps it on everywhere, to find where it stops paying.
+--profile instead times a plain step and a verify step (every row k drafts) of c quoting requests
+and prints torch.profiler's top ops of each: where a verify step's cost goes.
 """
 import argparse
 import os
@@ -119,6 +121,27 @@ def measure(model, prompts, k, max_rows, min_n, compile, rounds):
     return off_s, on_s, alpha, gain, gain / cost, cost, equal
 
 
+def profile_steps(model, prompts, k, compile):
+    """A plain and a verify step of `prompts` decoding together: median ms of 10, then the top ops of 5."""
+    for speculate in (None, Rejected(k)):
+        engine = Engine.for_model(model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile)
+        for p in prompts:
+            engine.add_request(p, RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+        while any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        times = []
+        for _ in range(13):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                engine.step()
+        print(f"\n{'verify' if speculate else 'plain'} step, {len(prompts)} rows: {1e3 * median(times[3:]):.1f} ms "
+              f"(median of 10); torch.profiler over 5 steps:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
+
+
 def hf_batch1(hf_model, prompt, k):
     """HF generate at batch 1, greedy, plain and with its prompt lookup -> (tokens/s, tokens/s)."""
     out = []
@@ -145,6 +168,7 @@ def main():
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"])
     p.add_argument("--no_hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="only profile a plain and a verify step at each concurrency")
     args = p.parse_args()
 
     model, info = weights.load(None, dtype=runtime.DTYPES[args.dtype], dequantize=True)
@@ -165,6 +189,12 @@ def main():
               f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)")
         del hf_model
     fuse_layers.fuse_projections(model)
+    if args.profile:
+        for c in args.concurrency:
+            if args.compile:  # its graphs, before any step is timed
+                [run(model, work["quoting"][:c], p, True) for p in (None, Rejected(args.k))]
+            profile_steps(model, work["quoting"][:c], args.k, args.compile)
+        return
     run(model, work["quoting"][:2], PromptLookup(k=args.k), False)  # warm-up
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
           f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
