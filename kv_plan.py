@@ -61,24 +61,26 @@ def pools(model, num_blocks: int, block_size: int, prefix_caching: bool = True, 
 
 def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: int = None,
                 memory_fraction: float = 0.2, max_tokens: int = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 512):
+                max_num_batched_tokens: int = 512, draft=None):
     """(num_blocks, window_blocks, the lines serving engines log): blocks of the pool every layer
     uses (a hybrid's full layers), and of a hybrid's windowed layers (else 0).
 
     num_blocks wins; else memory_bytes; else memory_fraction of the memory free now, capped at
-    what max_tokens (e.g. max_num_seqs * context) could ever use."""
+    what max_tokens (e.g. max_num_seqs * context) could ever use. draft: a draft model whose own
+    pool has a block for each of these (draft_model.py), so the memory holds both."""
     c, windowed = model.config, windowed_layers(model.config)
     hybrid = is_hybrid(c)
     n_full = c.n_layers - len(windowed) if hybrid else c.n_layers  # the layers of the pool every sequence keeps whole
     full_bytes = bytes_per_block(model, block_size, n_full)
     window_bytes = bytes_per_block(model, block_size, len(windowed)) if hybrid else 0
     cap = window_pool_cap(c, block_size, max_num_seqs, max_num_batched_tokens) if hybrid else 0
+    extra = bytes_per_block(draft, block_size) if draft is not None else 0
     if num_blocks is None:
         device = model.norm.weight.device
         budget = memory_bytes if memory_bytes is not None else int(available_memory(str(device)) * memory_fraction)
-        num_blocks = budget // (full_bytes + window_bytes)  # the windowed pool as large as the full one ...
+        num_blocks = budget // (full_bytes + window_bytes + extra)  # the windowed pool as large as the full one ...
         if num_blocks > cap:  # ... up to its cap; the rest of the budget is the full pool's
-            num_blocks = (budget - cap * window_bytes) // full_bytes
+            num_blocks = (budget - cap * window_bytes) // (full_bytes + extra)
         if memory_bytes is None and max_tokens:
             num_blocks = min(num_blocks, 1 + blocks_for(max_tokens, block_size))
     if num_blocks < 2:
@@ -88,7 +90,8 @@ def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: in
     lines = (f"KV cache: {full_bytes} bytes per block (2 * {n_full} {'full ' * hybrid}layers * {block_size} tokens * "
              f"{c.n_kv_heads} kv heads * {c.head_dim} dims * {model.norm.weight.element_size()} bytes) | {num_blocks} "
              f"blocks = {num_blocks * full_bytes / 2**20:.1f} MiB | {(num_blocks - 1) * block_size} tokens "
-             f"(block 0 is the null block)")
+             f"(block 0 is the null block)") + (f" | the draft model's pool: {extra} bytes per block, "
+                                                 f"{num_blocks * extra / 2**20:.1f} MiB" if extra else "")
     return num_blocks, window_blocks, lines + window_lines(c, block_size, num_blocks, window_blocks, window_bytes or full_bytes)
 
 

@@ -289,14 +289,17 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
     proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if speculate == "prompt_lookup" else None
     model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
     tokenizer = load_tokenizer(info.source)
+    draft = None
+    if speculate == "draft":  # before the plan: its pool takes a share of the KV memory
+        draft, draft_info = weights.load_for_inference(draft_checkpoint, model.norm.weight.device, DTYPES[dtype], quantize,
+                                                       dequantize=dequantize, log=log)
     weights.settle()
     num_blocks, window_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
                                                   max_tokens=max_num_seqs * model.config.max_position_embeddings,
-                                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                                  draft=draft)
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
-    if speculate == "draft":
-        draft, draft_info = weights.load_for_inference(draft_checkpoint, model.norm.weight.device, DTYPES[dtype], quantize,
-                                                       dequantize=dequantize, log=log)
+    if draft is not None:
         proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
         log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}; its KV "
             f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)")

@@ -254,5 +254,7 @@ def test_memory_plan_arithmetic(tiny64):
     assert n == 100 and window_blocks == 0 and f"{per_block} bytes per block" in line and f"{99 * 16} tokens" in line
     assert plan_blocks(tiny64, 16, num_blocks=7)[0] == 7
     assert plan_blocks(tiny64, 16, max_tokens=40)[0] == 1 + 3  # capped at what 40 tokens can use
+    n, _, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5, draft=tiny64)  # a draft's pool beside it
+    assert n == 50 and f"the draft model's pool: {per_block} bytes per block" in line
     with pytest.raises(ValueError, match="at least 2"):
         plan_blocks(tiny64, 16, memory_bytes=per_block)
