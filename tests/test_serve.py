@@ -306,7 +306,9 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_large_body_is_refus
         slowest = max(slowest, time.perf_counter() - start)
         time.sleep(0.01)
     assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
-    assert slowest < max(0.1, alone / 2), f"/health took {slowest:.2f} s while a prompt was tokenized ({alone:.2f} s)"
+    # on the loop /health would wait the whole tokenization (>= alone); off it, the thread's GIL share
+    # still slows it on 2 busy cores (0.6 x alone seen once), so the bound sits between the two
+    assert slowest < max(0.1, 0.8 * alone), f"/health took {slowest:.2f} s while a prompt was tokenized ({alone:.2f} s)"
     r = post(url, {"prompt": "x" * LIMITS.max_body_bytes, "max_tokens": 1})
     assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
 
