@@ -16,6 +16,8 @@ gained per step, the speed-up those predict from one step's measured cost (a ste
 verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
 tokens equal the run without speculation. --max_rows sets PromptLookup's cut-off (speculation off
 for a step with more decoding rows); 64 keeps it on everywhere, to find where it stops paying.
+--draft int8|int4 speculates with a draft model instead (draft_model.py): a quantized copy of the
+target (group 64, head quantized), as a smaller checkpoint with the same vocabulary would be.
 --profile instead times a plain step and a verify step (every row k drafts) of c quoting requests
 and prints torch.profiler's top ops of each: where a verify step's cost goes.
 """
@@ -33,11 +35,13 @@ sys.path.insert(0, HERE)
 
 import fuse_layers  # noqa: E402
 import hf_folder  # noqa: E402
+import quantize  # noqa: E402
 import runtime  # noqa: E402
 import weights  # noqa: E402
 from bench_speculative import CODE  # noqa: E402
 from bench_serving import corpus, window  # noqa: E402
 from engine import Engine, Finished, RequestParams  # noqa: E402
+from draft_model import DraftModel  # noqa: E402
 from prompt_lookup import PromptLookup  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -103,14 +107,24 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def measure(model, prompts, k, max_rows, min_n, compile, rounds):
+def quantized_copy(mode):
+    """A draft model: the embedded model again, quantized (int8 or int4, group 64, head too)."""
+    draft, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
+    quantize.quantize_model(draft, mode, 64, head=True)
+    return draft
+
+
+def measure(model, prompts, k, max_rows, min_n, compile, rounds, draft=None):
     """Off and on, rounds interleaved -> a table row's numbers."""
     off, on = [], []
-    counted = Counted(PromptLookup(k=k, min_n=min_n, max_n=max(3, min_n), max_rows=max_rows))  # (stateless)
+    proposer = (lambda: DraftModel(draft, model, k, 4000, 16, max_rows)) if draft else (
+        lambda: PromptLookup(k=k, min_n=min_n, max_n=max(3, min_n), max_rows=max_rows))
+    counted = Counted(proposer())
     if compile:  # every graph these runs need, compiled before any is timed
-        [run(model, prompts, p, compile) for p in (None, Rejected(k), PromptLookup(k=k, min_n=min_n, max_rows=max_rows))]
+        [run(model, prompts, p, compile) for p in (None, Rejected(k), proposer())]
     for _ in range(rounds):
         off.append(run(model, prompts, None, compile))
+        counted.proposer = proposer() if draft else counted.proposer  # (a draft's pool: one engine's block ids)
         on.append(run(model, prompts, counted, compile))
     off_s, on_s = median([r[0] for r in off]), median([r[0] for r in on])
     kept, drafted = (sum(r[2][key] for r in on) for key in ("draft_tokens_accepted", "draft_tokens"))
@@ -168,6 +182,7 @@ def main():
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"])
     p.add_argument("--no_hf", action="store_true")
+    p.add_argument("--draft", choices=["int8", "int4"], default=None, help="a quantized copy as the draft model, not prompt lookup")
     p.add_argument("--profile", action="store_true", help="only profile a plain and a verify step at each concurrency")
     args = p.parse_args()
 
@@ -198,14 +213,17 @@ def main():
     run(model, work["quoting"][:2], PromptLookup(k=args.k), False)  # warm-up
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
           f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
-          f"max_rows={args.max_rows} | prompt_lookup_min={args.prompt_lookup_min}")
+          f"max_rows={args.max_rows} | " + (f"draft model: an {args.draft} copy" if args.draft
+                                              else f"prompt_lookup_min={args.prompt_lookup_min}"))
     print("\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
           "| predicted | verify cost c | equal to off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    draft = quantized_copy(args.draft) if args.draft else None
     for name in args.workloads:
         for c in args.concurrency:
-            off_s, on_s, alpha, gain, pred, cost, equal = measure(model, work[name][:c], args.k, args.max_rows,
-                                                                 args.prompt_lookup_min, args.compile, args.rounds)
+            off_s, on_s, alpha, gain, pred, cost, equal = measure(
+                model, work[name][:c], args.k, args.max_rows, args.prompt_lookup_min, args.compile, args.rounds,
+                draft)
             print(f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
                   f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |", flush=True)
 
