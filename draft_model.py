@@ -142,10 +142,11 @@ class DraftModel:
         bs, (n, guesses, ids) = self.cache.block_size, self.held.get(s, (0, [], []))
         kept = next((i for i, (g, t) in enumerate(zip(guesses, s.tokens[n:])) if g != t), min(len(guesses), len(s.tokens) - n))
         same = next((i for i, (a, b) in enumerate(zip(ids, s.blocks)) if a != b), min(len(ids), len(s.blocks)))
-        keys, full = self._keys(s), 0
+        held, keys = min(n + kept, same * bs), self._keys(s)
+        full = held // bs  # whole blocks it holds; then those filled for the same tokens (a prefix hit)
         while full < len(keys) and self.filled.get(s.blocks[full]) == keys[full]:
             full += 1
-        return min(max(min(n + kept, same * bs), full * bs), len(s.tokens) - 1)
+        return min(max(held, full * bs), len(s.tokens) - 1)
 
     def _keys(self, s) -> list:
         """The chain key of each of s's full blocks: a key names every token up to the block's end."""

@@ -301,7 +301,7 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
     log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
     if draft is not None:
         proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
-        log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}; its KV "
+        log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}its KV "
             f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
                               schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant,

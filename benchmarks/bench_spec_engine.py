@@ -124,7 +124,7 @@ def measure(model, prompts, k, max_rows, min_n, compile, rounds, draft=None):
         [run(model, prompts, p, compile) for p in (None, Rejected(k), proposer())]
     for _ in range(rounds):
         off.append(run(model, prompts, None, compile))
-        counted.proposer = proposer() if draft else counted.proposer  # (a draft's pool: one engine's block ids)
+        counted.proposer = proposer()  # a fresh one per engine (a draft's pool follows one engine's block ids)
         on.append(run(model, prompts, counted, compile))
     off_s, on_s = median([r[0] for r in off]), median([r[0] for r in on])
     kept, drafted = (sum(r[2][key] for r in on) for key in ("draft_tokens_accepted", "draft_tokens"))
