@@ -175,9 +175,9 @@ class Int4Linear(nn.Module):
                 warn_once(f"int4: the CPU kernel's packed layout under {torch.backends.cpu.get_cpu_capability()} is not one this "
                           "file knows; each layer keeps a second, portable copy of its values for prefill")
                 self.portable_weight = portable["weight"].contiguous()
-        else:  # tinygemm wants bf16 and 2 values per byte, high nibble first
-            dtype = torch.bfloat16
-            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        else:  # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k tiles
+            dtype, tiles = torch.bfloat16, max(t for t in (2, 4, 8) if K % (16 * t) == 0)  # SmolLM2's 576: 4
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles)
         self.register_buffer("weight", packed)
         sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(0, 1)  # [K/G, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())

@@ -120,6 +120,16 @@ def compiled_message(seconds: float, model, device) -> str:
     return f"compiled in {seconds:.1f} s" + (f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else "")
 
 
+def static_cache(cache):
+    """Mark the cache's tensors as living at fixed addresses: a CUDA Graph may then write them in place.
+    Unmarked, Inductor sees a mutated graph input and skips CUDA Graphs for the whole step."""
+    for value in vars(cache).values():
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                torch._dynamo.mark_static_address(t)
+    return cache
+
+
 def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     """The decode step compiled once. On CUDA: CUDA Graphs ("reduce-overhead") remove per-kernel
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
@@ -132,7 +142,8 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     # per cache shape: more than dynamo's default of 8 per function, past which it runs eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if str(device).startswith("cuda"):
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        step = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        return lambda model, cache, *args: step(model, static_cache(cache), *args)
     configure_inductor_cpu()
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
     return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)

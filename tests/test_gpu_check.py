@@ -16,7 +16,8 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path):
     assert checks["compiled_equals_eager"] is True
     assert checks["int8_kernel_ok"] is True and checks["int4_kernel_ok"] is True
     assert checks["paged_equals_static"] is True
-    assert report["sections_done"] == ["bandwidth", "correctness", "decode", "engine"]
+    assert report["sections_done"] == ["bandwidth", "correctness", "decode", "engine"] and "errors" not in report
+    assert not [r for r in report["decode"] if "skipped" in r]
     timed = [r for r in report["decode"] if "tokens_per_s" in r]
     assert {(r["weights"], r["mode"]) for r in timed} >= {("bf16", "eager"), ("bf16", "compiled"), ("int8", "compiled"),
                                                           ("int4", "compiled")}
