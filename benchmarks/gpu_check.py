@@ -151,6 +151,7 @@ def check_correctness(device, tiny, report):
         graphs = compiled(device, graphs=True)
         report["cuda_graphs_equal_no_graphs"] = decode_tokens(model, graphs, device, 24) == eager
         report["cuda_graph_launches_in_5_steps"] = graph_launches(model, graphs, device)
+        report["cuda_graphs_replayed"] = report["cuda_graph_launches_in_5_steps"] > 0  # 0: Inductor skipped them
     else:
         report["cuda_graphs_equal_no_graphs"] = "n/a (no CUDA)"
     xb = torch.randn(3, args.dim, device=device, dtype=torch.bfloat16)
