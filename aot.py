@@ -45,8 +45,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from cpu_kernels import FUSED_DECODE_MAX_SLOTS
+from paged import PagedKVCache
 from runtime import DTYPES, cpu_capability, decode_one, log
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -56,10 +58,13 @@ MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
 PARTS = {"short": ((2, FUSED_DECODE_MAX_SLOTS), 128, 256),
          "long": ((FUSED_DECODE_MAX_SLOTS + 1, MAX_SLOTS), FUSED_DECODE_MAX_SLOTS + 64, FUSED_DECODE_MAX_SLOTS + 128),
          "any": ((2, MAX_SLOTS), 128, 256)}
+MAX_ROWS, MAX_WIDTH, MAX_BLOCKS = 64, 1 << 16, 1 << 24  # a paged package's dynamic sizes: rows, table width, pool
 
 
 def parts_for(cache) -> list:
     """The packages a cache needs (header): the int8 cache one, a static cache one or two."""
+    if isinstance(cache, PagedKVCache):
+        return ["paged"]
     if hasattr(cache, "k_scale"):
         return ["any"]
     return ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
@@ -72,6 +77,20 @@ class AotError(ValueError):
 def cache_root() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("LLM_AOT_CACHE") or os.path.join(base, "llm-aot")
+
+
+def choose(args, device: str):
+    """generate.py's --compile resolved: auto -> "auto" (the package, eager if it cannot be built or
+    loaded) where nothing in the flags or the device rules a package out, else None (eager, without
+    a word: those runs were never compiled by default); off -> None; aot and jit as given."""
+    if args.compile == "auto":
+        try:
+            check_usable(args, device)
+        except AotError:
+            return None
+    elif args.compile == "aot":
+        check_usable(args, device)
+    return None if args.compile == "off" else args.compile
 
 
 def check_usable(args, device: str):
@@ -99,6 +118,7 @@ class Step(torch.nn.Module):
         self.model, self.kind, self.decode = model, type(cache), cache.decode
         self.fields = [f for f in CACHE_FIELDS if hasattr(cache, f)]
         self.register_buffer("rows", torch.arange(cache.batch_size))
+        self.signature = f"batch {cache.batch_size}"
 
     def forward(self, token, pos, slots, *tensors):
         cache, n = self.kind.__new__(self.kind), len(tensors) // len(self.fields)
@@ -108,6 +128,30 @@ class Step(torch.nn.Module):
         cache.rows, cache.slots, cache.attend_len = self.rows, slots, slots.shape[0]  # all that attend reads
         cache.decode = self.decode
         return decode_one(self.model, cache, token, pos)
+
+
+class PagedStep(torch.nn.Module):
+    """The engine's decode-only step (engine.flat_forward, its one-token rows padded to a bucket in
+    one group) over a paged cache given as tensors, rows, table width and pool size left dynamic:
+
+        logits [R, V] = step(tokens [1, R], pos [1, R], table [R, W], *cache.tensors())   # pools [N, ...]
+
+    `cache` gives the block size and the decode kernel; its tensors are swapped for the inputs."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.kind, self.cache = model, type(cache), cache
+        self.signature = f"block_size {cache.block_size}"
+
+    def forward(self, tokens, pos, table, *pools):
+        c, n = self.cache, len(pools) // 2
+        saved = c.k, c.v, c.slots, c.groups
+        c.k, c.v, c.groups = list(pools[:n]), list(pools[n:]), [(table.shape[0], 1, table)]
+        c.slots = torch.arange(table.shape[1] * c.block_size, device=table.device)  # the slots one row's blocks hold
+        try:
+            return self.model(tokens, pos, c)[0]
+        finally:
+            c.k, c.v, c.slots, c.groups = saved
 
 
 def named_tensors(module) -> dict:
@@ -125,7 +169,7 @@ def named_tensors(module) -> dict:
 def package_key(step) -> str:
     """The hash that names a folder of packages (header: what the compiled code depends on)."""
     settings = (int, float, str, bool, tuple, torch.dtype, type(None))
-    parts = [torch.__version__, cpu_capability(), str(torch.get_num_threads()), step.kind.__name__, str(len(step.rows)),
+    parts = [torch.__version__, cpu_capability(), str(torch.get_num_threads()), step.kind.__name__, step.signature,
              repr(step.model.config)]
     for name, m in step.named_modules(remove_duplicate=False):
         plain = sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
@@ -185,24 +229,60 @@ class AotDecode:
                        f"this step was loaded for a shorter cache")
 
 
-def decode_step(model, cache, load: dict) -> AotDecode:
+class AotPaged(AotDecode):
+    """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1, R],
+    pos [1, R]) -> logits [R, V] inside cache.step_groups; a step of another layout (drafts) or of more
+    than MAX_ROWS rows runs eager: the layers' kernels change at row counts (quantize.INT4_LARGE_M), and
+    export refuses a size range a branch splits (RESULTS.md, "Compiled by default")."""
+
+    def __call__(self, model, cache, tokens, pos):
+        if model is not self.step.model or cache is not self.step.cache:
+            raise AotError("this compiled step was loaded for another model or cache")
+        if len(cache.groups) != 1 or cache.groups[0][1] != 1 or tokens.shape[1] > MAX_ROWS:
+            return model(tokens, pos, cache)[0]
+        table, R = cache.groups[0][2], tokens.shape[1]
+        if R == 1 or table.shape[1] == 1:  # export specializes sizes 0 and 1: at least 2 rows of 2 blocks, padded with
+            tokens, pos = F.pad(tokens, (0, 1)), F.pad(pos, (0, 1))  # the null block (never visible: after pos)
+            table = F.pad(table, (0, 1, 0, 1))
+        inputs = [tokens.contiguous(), pos.contiguous(), table.contiguous(), *cache.tensors()]
+        return self.loaders["paged"].run(inputs)[0][:R]
+
+
+def decode_step(model, cache, load: dict, fallback: bool = False):
     """The decode step for `model` and caches like `cache` (any length), compiled ahead of time
     once per key by a child process, then loaded. load: how the child builds the same model,
-    weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name."""
+    weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name.
+    fallback: where it cannot be built or loaded, say why in one line and return eager decode_one."""
+    try:
+        return package_step(model, cache, load)
+    except AotError as e:
+        if not fallback:
+            raise
+        log(f"decoding eager: {str(e).splitlines()[0]} (--compile off skips the attempt)")
+        return decode_one
+
+
+def package_step(model, cache, load: dict) -> AotDecode:
     import fcntl
 
-    if cache.max_seq_len > MAX_SLOTS:
+    paged = isinstance(cache, PagedKVCache)
+    if paged and any(layer.self_attn.window for layer in model.layers):
+        raise AotError("the paged package does not export sliding-window layers; use --compile")
+    if not paged and cache.max_seq_len > MAX_SLOTS:
         raise AotError(f"--compile aot serves caches of up to {MAX_SLOTS} slots, not {cache.max_seq_len}")
     windows = sorted({layer.self_attn.window for layer in model.layers} - {0})
-    if windows and max(windows) < cache.max_seq_len:  # the step picks its window path by attend length
+    if windows and not paged and max(windows) < cache.max_seq_len:  # the step picks its window path by attend length
         raise AotError(f"--compile aot does not export sliding-window layers (window {windows[-1]}, a cache of "
                        f"{cache.max_seq_len} slots); use --compile")
-    step = Step(model, cache)
+    step, kind = (PagedStep, AotPaged) if paged else (Step, AotDecode)
+    step = step(model, cache)
     folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, ".lock"), "w")
     except OSError as e:
+        if all(os.path.exists(os.path.join(folder, p + ".pt2")) for p in parts):  # built, in a read-only folder
+            return kind(folder, step, parts)
         raise AotError(f"cannot write the package folder {folder} ({e.strerror}); set LLM_AOT_CACHE to a writable folder") from e
     start = time.perf_counter()
     with lock:
@@ -214,14 +294,15 @@ def decode_step(model, cache, load: dict) -> AotDecode:
             build_in_child(folder, todo, load, cache)
             log(f"compiled in {time.perf_counter() - start:.1f} s")
             start = time.perf_counter()
-    aot = AotDecode(folder, step, parts)
+    aot = kind(folder, step, parts)
     log(f"ahead-of-time decode step loaded in {time.perf_counter() - start:.2f} s from {folder}")
     return aot
 
 
 def build_in_child(folder: str, parts: list, load: dict, cache):
-    spec = {"folder": folder, "key": os.path.basename(folder), "parts": parts, "load": load,
-            "batch_size": cache.batch_size, "int8_cache": hasattr(cache, "k_scale"), "threads": torch.get_num_threads()}
+    spec = {"folder": folder, "key": os.path.basename(folder), "parts": parts, "load": load, "threads": torch.get_num_threads(),
+            "batch_size": getattr(cache, "batch_size", 1), "int8_cache": hasattr(cache, "k_scale"), "block_size": cache.block_size
+            if isinstance(cache, PagedKVCache) else None}
     log_path = os.path.join(folder, "build.log")
     with open(log_path, "w") as out:
         code = subprocess.call([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
@@ -234,8 +315,8 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
                "and the compiler's working memory")
     elif "CppCompileError" in tail or "compiler" in tail.lower():
         why = "a C++ compile failed: Inductor needs a working C++ compiler (g++ or clang, $CXX); run without --compile aot"
-    else:
-        why = f"exit {code}"
+    else:  # the last line that says something (Python's exception line)
+        why = f"exit {code}: " + next((line.strip()[:300] for line in reversed(tail.splitlines()) if line.strip()), "")
     raise AotError(f"compiling the decode step ahead of time failed ({why}); the end of {log_path}:\n{tail}")
 
 
@@ -254,7 +335,10 @@ def build(spec: dict):
     load = dict(spec["load"])
     model, _ = weights.load_for_inference(device="cpu", dtype=DTYPES[load.pop("dtype")], log=log, **load)
     kind = Int8KVCache if spec["int8_cache"] else StaticKVCache
-    step = Step(model, kind.for_model(model, spec["batch_size"], 2))
+    if spec["block_size"]:
+        step = PagedStep(model, PagedKVCache.for_model(model, 64, spec["block_size"]))
+    else:
+        step = Step(model, kind.for_model(model, spec["batch_size"], 2))
     torch.set_num_threads(spec["threads"])  # Inductor builds its loops for this many threads
     if package_key(step) != spec["key"]:
         raise SystemExit("error: the model built for compiling differs from the one the caller loaded")
@@ -270,18 +354,13 @@ def build(spec: dict):
         return new
 
     GraphLowering.allocate_non_dup_const_name = record
-    B, n = spec["batch_size"], len(step.fields) * model.config.n_layers
     for part in spec["parts"]:
-        (low, high), attend, slots = PARTS[part]
-        example = kind.for_model(model, B, slots)
-        inputs = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long), torch.arange(attend),
-                  *example.tensors())
-        L, S = torch.export.Dim("attend", min=low, max=high), torch.export.Dim("slots", min=low, max=MAX_SLOTS)
+        inputs, dynamic = example(part, step, kind, spec["batch_size"])
         start, made = time.perf_counter(), {}
         tmp = os.path.join(spec["folder"], f".{part}.{os.getpid()}")
         try:
             with torch.no_grad():
-                program = torch.export.export(step, inputs, dynamic_shapes=(None, None, {0: L}, ({2: S},) * n))
+                program = torch.export.export(step, inputs, dynamic_shapes=dynamic)
                 torch._inductor.aoti_compile_and_package(program, package_path=tmp + ".pt2")
             save_file(made, tmp + ".safetensors")
             wanted = torch._C._aoti.AOTIModelPackageLoader(tmp + ".pt2", "model", False, 1, -1).get_constant_fqns()
@@ -293,7 +372,22 @@ def build(spec: dict):
         finally:
             for leftover in glob.glob(tmp + ".*"):
                 os.remove(leftover)
-        log(f"{part}: attend lengths {low}-{high} compiled in {time.perf_counter() - start:.1f} s")
+        log(f"{part}: compiled in {time.perf_counter() - start:.1f} s")
+
+
+def example(part, step, kind, B):
+    """A package's example inputs and their dynamic sizes (header)."""
+    n_layers = step.model.config.n_layers
+    if part == "paged":  # 4 rows of 3 blocks; rows, width and pool size dynamic
+        R, W = torch.export.Dim("rows", min=2, max=MAX_ROWS), torch.export.Dim("width", min=2, max=MAX_WIDTH)
+        N, rows = torch.export.Dim("blocks", min=2, max=MAX_BLOCKS), torch.zeros(1, 4, dtype=torch.long)
+        inputs = (rows, rows.clone(), torch.ones(4, 3, dtype=torch.long), *step.cache.tensors())  # (never aliased)
+        return inputs, ({1: R}, {1: R}, {0: R, 1: W}, ({0: N},) * (2 * n_layers))
+    (low, high), attend, slots = PARTS[part]
+    cache, token = kind.for_model(step.model, B, slots), torch.zeros(B, 1, dtype=torch.long)
+    L, S = torch.export.Dim("attend", min=low, max=high), torch.export.Dim("slots", min=low, max=MAX_SLOTS)
+    inputs = (token, token.clone(), torch.arange(attend), *cache.tensors())  # token and pos: never one tensor (aliased inputs)
+    return inputs, (None, None, {0: L}, ({2: S},) * (len(step.fields) * n_layers))
 
 
 if __name__ == "__main__":  # the child process decode_step starts

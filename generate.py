@@ -11,13 +11,13 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 
     bandwidth = bytes of weights read per step * tokens/s   (KV cache reads reported apart)
 
-`--compile` compiles the decode step once per attend length (fullgraph, static shapes: positions
-are tensors, so advancing them never recompiles; a static cache attends over the positions in
-use rounded up to a bucket, kv_cache.py, a few graphs per run); on CUDA each also replays as a
-CUDA Graph (mode "reduce-overhead"). Compile time is reported separately and never counted in
-tokens/s; `--interactive --compile` compiles the lengths a turn can reach before the turn.
-`--compile aot` (CPU) runs the step as an AOTInductor package instead (aot.py): compiled once per
-model shape by a child process and cached on disk, so the compiler never sits in this process.
+By default (`--compile auto`) a CPU run decodes with an AOTInductor package (aot.py): compiled
+once per model shape, torch version, CPU and source by a child process, cached on disk, loaded in
+a fraction of a second later, with no compiler in this process; where none can serve (CUDA,
+speculation, torchrun, a failed build) it decodes eager, and says why if a build failed.
+`--compile off` is eager. `--compile` (jit) compiles the step in process once per attend length
+(fullgraph, static shapes, a few graphs per run; on CUDA each replays as a CUDA Graph); compile
+time is reported apart and never counted in tokens/s.
 `--json` prints one JSON object per sample instead of text, for scripts and tests.
 `--interactive` is a chat that prefills only each turn's new tokens; `--draft_checkpoint`,
 `--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
@@ -26,6 +26,7 @@ line on top of the library (runtime.py holds the prefill and decode steps and co
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -130,9 +131,9 @@ def parse_args(argv):
     p.add_argument("--batch_size", type=int, default=1, help="samples of the prompt decoded together")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--compile", nargs="?", const="jit", choices=("jit", "aot"),
-                   help="compile the decode step: torch.compile (CUDA Graphs on GPU), or aot: ahead of time into a "
-                        "package cached on disk, run without the compiler in the process (CPU; aot.py)")
+    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=os.environ.get("LLM_COMPILE", "auto"),
+                   help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; off: eager; jit (plain "
+                        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (aot.py)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
@@ -215,8 +216,7 @@ def run(args) -> int:
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
         raise ValueError("the prompt is empty; give some text with --prompt")
-    if args.compile == "aot":
-        aot.check_usable(args, device)
+    args.compile = aot.choose(args, device)  # auto: "auto" where a package can serve, else None (eager)
     rank, world = tp.init()  # (0, 1) unless started by torchrun with several processes
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
@@ -245,7 +245,7 @@ def run(args) -> int:
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
-        if args.compile != "aot":  # aot.py says what it did
+        if args.compile == "jit":  # aot.py says what it did
             log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
@@ -419,8 +419,8 @@ def load_flags(args) -> dict:
 
 def decode_step(args, model, cache, device):
     """The decode step --compile chose: decode_one, torch.compile'd (jit) or ahead of time (aot)."""
-    if args.compile == "aot":  # the child builds the model from the same flags
-        return aot.decode_step(model, cache, {**load_flags(args), "dtype": args.dtype})
+    if args.compile in ("aot", "auto"):  # the child builds the model from the same flags; auto: eager if it fails
+        return aot.decode_step(model, cache, {**load_flags(args), "dtype": args.dtype}, fallback=args.compile == "auto")
     return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
 
 

@@ -44,7 +44,7 @@ def cpu_int4_rows(packed: torch.Tensor, N: int, K: int, rows: torch.Tensor, bloc
     """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
     those rows' bytes (an embedding lookup into a tied head kept packed)."""
     flat, full = packed.reshape(-1), N // block * block
-    got, high = torch.zeros(len(rows), K, dtype=torch.uint8, device=packed.device), rows < 0  # [T, K], [T]
+    got, high = torch.zeros(rows.shape[0], K, dtype=torch.uint8, device=packed.device), rows < 0  # [T, K], [T] (a size export keeps symbolic)
     if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
         r = rows.clamp(max=full - 1)
         col, high = (r % block % (block // 2), r % block >= block // 2) if pairing == "halves" else (r % block // 2, r % 2 == 1)

@@ -16,6 +16,7 @@ This file imports only torch, so any other file of the project can use it.
 """
 import argparse
 import contextlib
+import os
 import resource
 import sys
 
@@ -275,7 +276,10 @@ def add_engine_args(p):
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--compile", nargs="?", const="jit", choices=("jit",), help="torch.compile decode steps (batch padded to a few sizes)")
+    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=os.environ.get("LLM_COMPILE", "auto"),
+                   help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
+                        "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
+                        "on disk (CPU; aot.py), or an error saying why not")
     p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
     p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
@@ -307,7 +311,7 @@ def check_engine_args(p, args):
         p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
     if (args.speculate == "draft") != bool(args.draft_checkpoint):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
-    if args.batch_invariant and args.compile:
+    if args.batch_invariant and args.compile in ("jit", "aot"):
         p.error("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
 
 
@@ -316,4 +320,4 @@ def engine_options(args) -> dict:
     names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
              "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant", "speculate", "speculate_k",
              "prompt_lookup_min", "prompt_lookup_max", "draft_checkpoint")
-    return {**{n: getattr(args, n) for n in names}, "compile": args.compile == "jit", "prefix_caching": not args.no_prefix_caching}
+    return {**{n: getattr(args, n) for n in names}, "compile": args.compile, "prefix_caching": not args.no_prefix_caching}

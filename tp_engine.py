@@ -304,9 +304,28 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
         log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}its KV "
             f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)")
     engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer, compile, batch_invariant=batch_invariant,
-                              window_blocks=window_blocks, speculate=proposer)
+                              schedule_policy, tokenizer.stop_ids, tokenizer, compile in ("jit", True),
+                              batch_invariant=batch_invariant, window_blocks=window_blocks, speculate=proposer)
+    if compile in ("auto", "aot"):
+        refusal = ((speculate and "speculative steps compile with --compile") or (batch_invariant and "--batch_invariant "
+                   "runs eager steps") or (engine.device.type != "cpu" and "it runs on CPU; use --compile"))
+        engine.decode_fn = aot_step(engine, dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype),
+                                    compile, refusal)
     return engine, tokenizer, info
+
+
+def aot_step(engine, load: dict, compile: str, refusal):
+    """--compile auto|aot: the engine's decode-only steps as aot.py's paged package (built once, in a
+    child process, cached on disk); None (eager) where it cannot serve: quietly for what the flags rule
+    out, with the reason in one line for a failed build. --compile aot raises instead."""
+    import aot
+
+    if refusal:
+        if compile == "aot":
+            raise ValueError(f"--compile aot: {refusal}")
+        return None
+    step = aot.decode_step(engine.model, engine.cache, load, fallback=compile == "auto")
+    return step if isinstance(step, aot.AotDecode) else None
 
 
 def load_engine(**options):
@@ -318,7 +337,7 @@ def load_engine(**options):
 
     rank, world = tp.init(TIMEOUT_S)
     check_same_options(options)
-    if options.get("compile"):
+    if options.get("compile") in ("jit", "aot", True):
         raise ValueError("--compile does not run tensor-parallel engine steps; leave it out under torchrun")
     if options.get("speculate"):
         raise ValueError("--speculate does not run tensor-parallel engine steps yet; leave it out under torchrun")

@@ -92,7 +92,7 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
     eager, _, _ = run()
     first, imported, err = run("--compile", "aot")
     assert first == eager and "compiling the decode step ahead of time" in err and imported == []
-    again, imported, err = run("--compile", "aot")
+    again, imported, err = run("--compile", "auto")  # the default finds the same package
     assert again == eager and "compiling" not in err and "loaded in" in err and imported == []
     folder = next(p for p in tmp_path.iterdir() if (p / "any.pt2").exists())  # the int8 cache: one package
     own = json.loads(subprocess.run([sys.executable, "-c", "import sys, json; from safetensors.torch import load_file; "
@@ -117,6 +117,46 @@ def test_failed_compile_is_reported_with_its_log(tiny, tmp_path, monkeypatch):
     assert not [p for p in tmp_path.rglob(".short.*")]  # the half-built files are gone
 
 
+def test_default_falls_back_to_eager_with_the_reason_in_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """--compile auto (generate.py's default): a cache folder that cannot be made, or a build that
+    fails, decodes eager after one line saying why; a read-only folder holding the packages loads them."""
+    model, spec = load(tiny, quantize="int4")
+    cache = StaticKVCache.for_model(model, 2, 1152)  # the packages test_package_equals_eager built
+    (tmp_path / "a-file").write_text("")
+    built = os.environ["LLM_AOT_CACHE"]  # conftest's folder
+    monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path / "a-file" / "aot"))
+    assert aot.decode_step(model, cache, spec, fallback=True) is runtime.decode_one
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")]
+    assert len(said) == 1 and "cannot write the package folder" in said[0] and "LLM_AOT_CACHE" in said[0]
+
+    monkeypatch.setenv("LLM_AOT_CACHE", built)
+    aot.decode_step(model, cache, spec)  # the packages are there (built now if this test runs alone)
+    real_open = open
+    monkeypatch.setattr(aot, "open", lambda path, *a: (_ for _ in ()).throw(PermissionError(13, "read-only"))
+                        if path.endswith(".lock") else real_open(path, *a), raising=False)
+    assert isinstance(aot.decode_step(model, cache, spec, fallback=True), aot.AotDecode)
+    monkeypatch.delattr(aot, "open")
+
+    monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path / "aot"))
+    monkeypatch.setenv("CXX", "/bin/false")  # Inductor's C++ compiler: the build fails
+    capsys.readouterr()
+    assert aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True) is runtime.decode_one
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")]
+    assert len(said) == 1 and "failed (a C++ compile failed" in said[0]
+
+
+def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monkeypatch):
+    monkeypatch.delenv("LLM_COMPILE")
+    assert generate.parse_args([]).compile == "auto"
+    assert aot.choose(generate.parse_args([]), "cpu") == "auto"
+    assert aot.choose(generate.parse_args(["--compile", "off"]), "cpu") is None
+    assert aot.choose(generate.parse_args(["--compile"]), "cpu") == "jit"
+    for flags, device in (([], "cuda"), (["--cache", "paged"], "cpu"), (["--prompt_lookup", "2"], "cpu")):
+        assert aot.choose(generate.parse_args(flags), device) is None  # eager, as before, without a word
+    with pytest.raises(aot.AotError, match="static KV cache"):
+        aot.choose(generate.parse_args(["--compile", "aot", "--cache", "paged"]), "cpu")
+
+
 def test_aot_refusals(monkeypatch):
     args = generate.parse_args(["--compile", "aot"])
     with pytest.raises(aot.AotError, match="pass --device cpu"):
@@ -133,3 +173,35 @@ def test_aot_refusals(monkeypatch):
 def test_cli_refusal_is_a_clear_error(tiny, capsys):
     assert generate.main(["--checkpoint", str(tiny), "--compile", "aot", "--cache", "paged", "--max_new_tokens", "4"]) == 2
     assert "static KV cache" in capsys.readouterr().err
+
+
+@pytest.mark.isa  # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
+    """batch.py and serve.py's default (--compile auto): the engine's decode-only steps through one
+    paged package (rows, table width and pool size dynamic) give the eager engine's greedy tokens,
+    over batches of 1 to 8 rows, widths growing with the context, preemption and prefix hits."""
+    import random
+
+    import tp_engine
+    from sequence import RequestParams
+
+    rng = random.Random(3)
+    head = [rng.randrange(3, 200) for _ in range(9)]
+    prompts = [(head if i % 3 == 0 else []) + [rng.randrange(3, 200) for _ in range(rng.randint(2, 40))] for i in range(14)]
+    params = [RequestParams(max_new_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    flags = dict(checkpoint=str(tiny), dtype="float32", block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
+    eager, _, _ = tp_engine.load_one_process(compile="off", **flags)
+    assert eager.decode_fn is None
+    engine, _, _ = tp_engine.load_one_process(compile="aot", **flags)
+    assert isinstance(engine.decode_fn, aot.AotPaged)
+    rows, package = [], engine.decode_fn
+
+    def counted(model, cache, tokens, pos):
+        rows.append((tokens.shape[1], cache.groups[0][2].shape[1]))  # (rows, table width) of this compiled step
+        return package(model, cache, tokens, pos)
+
+    engine.decode_fn = counted
+    ours, theirs = engine.run_batch(prompts, params), eager.run_batch(prompts, params)
+    assert [o["tokens"] for o in ours] == [o["tokens"] for o in theirs]
+    assert 1 in {r for r, _ in rows} and len({r for r, _ in rows}) >= 4 and len({w for _, w in rows}) >= 3
+    assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["prompt_tokens_hit"] > 0
