@@ -13,7 +13,7 @@ the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. Co
   timing, the "loaded ... in X s" line; llama.cpp: the Llama() constructor);
 - peak RSS: the child's maximum resident set (os.wait4), and for ours the same less a bare
   `python -c "import torch"` (measured in the same run), the figure the goal compares.
-Ours runs eager (the README's command), --compile and --compile aot (bf16 activations all). The
+Ours runs eager (--compile off), --compile and --compile aot (generate.py's default) (bf16 activations all). The
 aot package is compiled by the first round's run (in a child process of generate.py, into a fresh
 cache folder): that run's peak RSS and compile time are printed below the table; the table's
 figures are the best rounds (with --rounds 2 or more, a round whose package was already compiled,
@@ -90,7 +90,7 @@ def run_rss(cmd, env=None) -> tuple:
 def ours(path, new, compile_, aot_cache) -> dict:
     """compile_: None (eager), "jit" (--compile) or "aot" (--compile aot, packages in aot_cache)."""
     cmd = [sys.executable, "generate.py", "--checkpoint", str(path), "--prompt", PROMPT, "--max_new_tokens", str(new),
-           "--temperature", "0", "--ignore_eos", "--json"] + (["--compile", compile_] if compile_ else [])
+           "--temperature", "0", "--ignore_eos", "--json", "--compile", compile_ or "off"]
     out, err, rss = run_rss(cmd, {"LLM_AOT_CACHE": str(aot_cache)})
     stats = json.loads(out.strip().splitlines()[-1])["stats"]
     load = float(re.search(r"loaded .* in ([0-9.]+) s", err).group(1))

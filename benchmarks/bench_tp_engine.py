@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "The quick brown fox"
 
 def run(launcher, args, requests_path):
     start = time.perf_counter()
-    out = subprocess.run(launcher + ["batch.py", "--requests", requests_path, *args], cwd=ROOT, capture_output=True,
+    out = subprocess.run(launcher + ["batch.py", "--requests", requests_path, "--compile", "off", *args], cwd=ROOT, capture_output=True,
                          text=True)
     wall = time.perf_counter() - start
     if out.returncode:
