@@ -1,6 +1,11 @@
 """Ahead-of-time compiled decode: the step as an AOTInductor package, run without the compiler.
 
-    python generate.py --compile aot --prompt "Once upon a time"    # CPU, static KV cache
+    python generate.py --prompt "Once upon a time"     # CPU: the default (--compile auto), static KV cache
+    python batch.py --requests requests.jsonl          # the engine's decode-only steps, paged cache (PagedStep)
+
+--compile auto (generate.py, batch.py, serve.py) uses a package where one can serve and falls back
+to eager with the reason in one line (a failed build is remembered in its folder, failed.txt, so
+later runs do not build again); --compile aot asks for it and fails instead; --compile off is eager.
 
 Why: `--compile` (torch.compile) keeps dynamo, sympy and Inductor in the process, about 150-220
 MiB resident on CPU whatever the model: more than the embedded model's 4-bit weights
@@ -36,6 +41,7 @@ child holds its own copy of the weights (it loads the checkpoint as the caller d
 compiler's working memory, next to the caller's copy: the first run's memory peak is about twice
 the weights plus what `--compile` needs; every later run adds nothing to eager's.
 """
+import contextlib
 import glob
 import hashlib
 import json
@@ -254,7 +260,7 @@ def decode_step(model, cache, load: dict, fallback: bool = False):
     weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name.
     fallback: where it cannot be built or loaded, say why in one line and return eager decode_one."""
     try:
-        return package_step(model, cache, load)
+        return package_step(model, cache, load, retry=not fallback)
     except AotError as e:
         if not fallback:
             raise
@@ -262,7 +268,7 @@ def decode_step(model, cache, load: dict, fallback: bool = False):
         return decode_one
 
 
-def package_step(model, cache, load: dict) -> AotDecode:
+def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
     import fcntl
 
     paged = isinstance(cache, PagedKVCache)
@@ -289,14 +295,32 @@ def package_step(model, cache, load: dict) -> AotDecode:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a process compiling the same key: wait for it, then use its packages
         todo = [p for p in parts if not os.path.exists(os.path.join(folder, p + ".pt2"))]
         if todo:
-            log(f"compiling the decode step ahead of time (package{'s' * (len(todo) > 1)} {', '.join(todo)}) into "
-                f"{folder}; once per model shape, cache and torch version, in a child process")
-            build_in_child(folder, todo, load, cache)
+            build_once(folder, todo, load, cache, retry)
             log(f"compiled in {time.perf_counter() - start:.1f} s")
             start = time.perf_counter()
     aot = kind(folder, step, parts)
     log(f"ahead-of-time decode step loaded in {time.perf_counter() - start:.2f} s from {folder}")
     return aot
+
+
+def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
+    """build_in_child, a failure remembered in the folder (failed.txt): without retry (--compile auto)
+    the next run does not build again, so a machine without a C++ compiler does not pay for a failed
+    build every run; --compile aot (retry) builds again."""
+    failed = os.path.join(folder, "failed.txt")
+    if not retry and os.path.exists(failed):
+        with open(failed) as f:
+            raise AotError(f"the last build into {folder} failed: {f.read().strip()}; delete that folder to build again")
+    log(f"compiling the decode step ahead of time (package{'s' * (len(parts) > 1)} {', '.join(parts)}) into "
+        f"{folder}; once per model shape, cache and torch version, in a child process")
+    try:
+        build_in_child(folder, parts, load, cache)
+    except AotError as e:
+        with contextlib.suppress(OSError), open(failed, "w") as f:
+            f.write(str(e).splitlines()[0].removesuffix(":").replace("; the end of", "; see"))
+        raise
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(failed)
 
 
 def build_in_child(folder: str, parts: list, load: dict, cache):

@@ -143,6 +143,10 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(tiny, tmp_path,
     assert aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True) is runtime.decode_one
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")]
     assert len(said) == 1 and "failed (a C++ compile failed" in said[0]
+    # the failure is remembered: the next default run does not build again, and says how to retry
+    assert aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True) is runtime.decode_one
+    err = capsys.readouterr().err
+    assert "ahead of time (package" not in err and "the last build into" in err and "delete that folder to build again" in err
 
 
 def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monkeypatch):
