@@ -33,9 +33,10 @@ slower on dense bf16, float32 and --quantize int8 (benchmarks/RESULTS.md, "--com
 Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
 hash of torch's version, the CPU (flags, ATen's instruction set, the thread count Inductor's loops
 are built for), the model's structure (every module's class and settings, every tensor's name,
-shape and dtype), the cache's class, the batch size and this folder's source (any edit compiles
-anew; old folders stay, a few MiB each). A new key compiles once (SmolLM2-135M: 40-45 s on 2
-cores, a second package as long again); later runs load the package in a fraction of a second.
+shape and dtype), the cache's class, the batch size (the paged package: the block size) and this
+folder's source (any edit compiles anew; old folders stay, a few MiB each). A new key compiles
+once (SmolLM2-135M: 40-55 s on 2 cores, a second package as long again, the paged one 90-120 s);
+later runs load the package in a fraction of a second.
 Processes needing the same key wait for the one compiling it (a lock file). While compiling, the
 child holds its own copy of the weights (it loads the checkpoint as the caller did) and the
 compiler's working memory, next to the caller's copy: the first run's memory peak is about twice
@@ -78,6 +79,10 @@ def parts_for(cache) -> list:
 
 class AotError(ValueError):
     """The ahead-of-time step cannot be built or used here, and why."""
+
+
+class AotRefusal(AotError):
+    """The model itself rules a package out (sliding windows): --compile auto runs eager without a word."""
 
 
 def cache_root() -> str:
@@ -244,7 +249,8 @@ class AotPaged(AotDecode):
     def __call__(self, model, cache, tokens, pos):
         if model is not self.step.model or cache is not self.step.cache:
             raise AotError("this compiled step was loaded for another model or cache")
-        if len(cache.groups) != 1 or cache.groups[0][1] != 1 or tokens.shape[1] > MAX_ROWS:
+        if (len(cache.groups) != 1 or cache.groups[0][1] != 1 or tokens.shape[1] > MAX_ROWS
+                or cache.groups[0][2].shape[-1] > MAX_WIDTH or cache.num_blocks > MAX_BLOCKS):  # sizes it was built for
             return model(tokens, pos, cache)[0]
         table, R = cache.groups[0][2], tokens.shape[1]
         if R == 1 or table.shape[1] == 1:  # export specializes sizes 0 and 1: at least 2 rows of 2 blocks, padded with
@@ -261,11 +267,17 @@ def decode_step(model, cache, load: dict, fallback: bool = False):
     fallback: where it cannot be built or loaded, say why in one line and return eager decode_one."""
     try:
         return package_step(model, cache, load, retry=not fallback)
-    except AotError as e:
+    except (AotError, OSError, RuntimeError) as e:  # OSError: a lock or log file; RuntimeError: the C++ loader
         if not fallback:
             raise
-        log(f"decoding eager: {str(e).splitlines()[0]} (--compile off skips the attempt)")
+        if not isinstance(e, AotRefusal):
+            log(f"decoding eager: {one_line(e)} (--compile off skips the attempt)")
         return decode_one
+
+
+def one_line(e: Exception) -> str:
+    """An AotError's first line, without the build log that follows it."""
+    return str(e).splitlines()[0].removesuffix(":").replace("; the end of", "; see")
 
 
 def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
@@ -273,12 +285,12 @@ def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
 
     paged = isinstance(cache, PagedKVCache)
     if paged and any(layer.self_attn.window for layer in model.layers):
-        raise AotError("the paged package does not export sliding-window layers; use --compile")
+        raise AotRefusal("the paged package does not export sliding-window layers; use --compile")
     if not paged and cache.max_seq_len > MAX_SLOTS:
         raise AotError(f"--compile aot serves caches of up to {MAX_SLOTS} slots, not {cache.max_seq_len}")
     windows = sorted({layer.self_attn.window for layer in model.layers} - {0})
     if windows and not paged and max(windows) < cache.max_seq_len:  # the step picks its window path by attend length
-        raise AotError(f"--compile aot does not export sliding-window layers (window {windows[-1]}, a cache of "
+        raise AotRefusal(f"--compile aot does not export sliding-window layers (window {windows[-1]}, a cache of "
                        f"{cache.max_seq_len} slots); use --compile")
     step, kind = (PagedStep, AotPaged) if paged else (Step, AotDecode)
     step = step(model, cache)
@@ -316,8 +328,9 @@ def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
     try:
         build_in_child(folder, parts, load, cache)
     except AotError as e:
-        with contextlib.suppress(OSError), open(failed, "w") as f:
-            f.write(str(e).splitlines()[0].removesuffix(":").replace("; the end of", "; see"))
+        if "killed by signal" not in str(e):  # out of memory, say: may pass next time
+            with contextlib.suppress(OSError), open(failed, "w") as f:
+                f.write(one_line(e))
         raise
     with contextlib.suppress(FileNotFoundError):
         os.remove(failed)
@@ -338,7 +351,7 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
         why = (f"killed by signal {-code}: out of memory? While compiling it holds a second copy of the weights "
                "and the compiler's working memory")
     elif "CppCompileError" in tail or "compiler" in tail.lower():
-        why = "a C++ compile failed: Inductor needs a working C++ compiler (g++ or clang, $CXX); run without --compile aot"
+        why = "a C++ compile failed: Inductor needs a working C++ compiler (g++ or clang, $CXX); or pass --compile off"
     else:  # the last line that says something (Python's exception line)
         why = f"exit {code}: " + next((line.strip()[:300] for line in reversed(tail.splitlines()) if line.strip()), "")
     raise AotError(f"compiling the decode step ahead of time failed ({why}); the end of {log_path}:\n{tail}")

@@ -124,11 +124,22 @@ def compiled_message(seconds: float, model, device) -> str:
 def static_cache(cache):
     """Mark the cache's tensors as living at fixed addresses: a CUDA Graph may then write them in place.
     Unmarked, Inductor sees a mutated graph input and skips CUDA Graphs for the whole step."""
+    if getattr(cache, "static_marked", False):  # once per cache
+        return cache
+    cache.static_marked = True
     for value in vars(cache).values():
         for t in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 torch._dynamo.mark_static_address(t)
     return cache
+
+
+def compile_default() -> str:
+    """--compile's default: $LLM_COMPILE, else auto."""
+    value = os.environ.get("LLM_COMPILE", "auto")
+    if value not in ("auto", "off", "jit", "aot"):
+        raise SystemExit(f"error: LLM_COMPILE={value!r}: expected auto, off, jit or aot")
+    return value
 
 
 def compile_decode(device: str, fn=decode_one, autotune: bool = True):
@@ -276,7 +287,7 @@ def add_engine_args(p):
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=os.environ.get("LLM_COMPILE", "auto"),
+    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=compile_default(),
                    help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
                         "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
                         "on disk (CPU; aot.py), or an error saying why not")

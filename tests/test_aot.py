@@ -159,6 +159,14 @@ def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monk
         assert aot.choose(generate.parse_args(flags), device) is None  # eager, as before, without a word
     with pytest.raises(aot.AotError, match="static KV cache"):
         aot.choose(generate.parse_args(["--compile", "aot", "--cache", "paged"]), "cpu")
+    import argparse
+
+    p = argparse.ArgumentParser()
+    runtime.add_engine_args(p)
+    assert runtime.engine_options(p.parse_args([]))["compile"] == "auto"  # batch.py and serve.py alike
+    monkeypatch.setenv("LLM_COMPILE", "1")
+    with pytest.raises(SystemExit, match="LLM_COMPILE='1'"):
+        generate.parse_args([])
 
 
 def test_aot_refusals(monkeypatch):
@@ -204,8 +212,17 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
         rows.append((tokens.shape[1], cache.groups[0][2].shape[1]))  # (rows, table width) of this compiled step
         return package(model, cache, tokens, pos)
 
-    engine.decode_fn = counted
+    class Runs:  # the C++ loader, counted: every compiled step must go through the package
+        def __init__(self, loader):
+            self.loader, self.n = loader, 0
+
+        def run(self, inputs):
+            self.n += 1
+            return self.loader.run(inputs)
+
+    engine.decode_fn, package.loaders["paged"] = counted, Runs(package.loaders["paged"])
     ours, theirs = engine.run_batch(prompts, params), eager.run_batch(prompts, params)
     assert [o["tokens"] for o in ours] == [o["tokens"] for o in theirs]
+    assert package.loaders["paged"].n == len(rows) > 20
     assert 1 in {r for r, _ in rows} and len({r for r, _ in rows}) >= 4 and len({w for _, w in rows}) >= 3
     assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["prompt_tokens_hit"] > 0
