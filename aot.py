@@ -80,6 +80,8 @@ def parts_for(cache) -> list:
 class AotError(ValueError):
     """The ahead-of-time step cannot be built or used here, and why."""
 
+    transient = False  # a build killed by a signal: not remembered as failed (build_once)
+
 
 class AotRefusal(AotError):
     """The model itself rules a package out (sliding windows): --compile auto runs eager without a word."""
@@ -276,22 +278,20 @@ def decode_step(model, cache, load: dict, fallback: bool = False):
 
 
 def one_line(e: Exception) -> str:
-    """An AotError's first line, without the build log that follows it."""
-    return str(e).splitlines()[0].removesuffix(":").replace("; the end of", "; see")
+    """An error's first line: a failed build's reason and log path, without the log's tail after it."""
+    return str(e).splitlines()[0]
 
 
 def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
     import fcntl
 
     paged = isinstance(cache, PagedKVCache)
-    if paged and any(layer.self_attn.window for layer in model.layers):
-        raise AotRefusal("the paged package does not export sliding-window layers; use --compile")
     if not paged and cache.max_seq_len > MAX_SLOTS:
         raise AotError(f"--compile aot serves caches of up to {MAX_SLOTS} slots, not {cache.max_seq_len}")
     windows = sorted({layer.self_attn.window for layer in model.layers} - {0})
-    if windows and not paged and max(windows) < cache.max_seq_len:  # the step picks its window path by attend length
-        raise AotRefusal(f"--compile aot does not export sliding-window layers (window {windows[-1]}, a cache of "
-                       f"{cache.max_seq_len} slots); use --compile")
+    if windows and (paged or windows[-1] < cache.max_seq_len):  # a step picks its window path by its sizes
+        raise AotRefusal(f"--compile aot does not export sliding-window layers (window {windows[-1]}"
+                         + ("" if paged else f", a cache of {cache.max_seq_len} slots") + "); use --compile")
     step, kind = (PagedStep, AotPaged) if paged else (Step, AotDecode)
     step = step(model, cache)
     folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)
@@ -328,7 +328,7 @@ def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
     try:
         build_in_child(folder, parts, load, cache)
     except AotError as e:
-        if "killed by signal" not in str(e):  # out of memory, say: may pass next time
+        if not e.transient:  # a child killed by a signal (out of memory, say) may pass next time
             with contextlib.suppress(OSError), open(failed, "w") as f:
                 f.write(one_line(e))
         raise
@@ -354,7 +354,9 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
         why = "a C++ compile failed: Inductor needs a working C++ compiler (g++ or clang, $CXX); or pass --compile off"
     else:  # the last line that says something (Python's exception line)
         why = f"exit {code}: " + next((line.strip()[:300] for line in reversed(tail.splitlines()) if line.strip()), "")
-    raise AotError(f"compiling the decode step ahead of time failed ({why}); the end of {log_path}:\n{tail}")
+    error = AotError(f"compiling the decode step ahead of time failed ({why}); see {log_path}\nits end:\n{tail}")
+    error.transient = code < 0
+    raise error
 
 
 def build(spec: dict):
