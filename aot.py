@@ -244,17 +244,26 @@ class AotDecode:
 
 class AotPaged(AotDecode):
     """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1, R],
-    pos [1, R]) -> logits [R, V] inside cache.step_groups; a step of another layout (drafts) or of more
-    than MAX_ROWS rows runs eager: the layers' kernels change at row counts (quantize.INT4_LARGE_M), and
-    export refuses a size range a branch splits (RESULTS.md, "Compiled by default")."""
+    pos [1, R]) -> logits [R, V] inside cache.step_groups. It is built for 2 to MAX_ROWS rows (the
+    layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a size range a
+    branch splits): a longer step runs as pieces of max_rows rows, since a decode step's rows are
+    independent (each writes and reads only its own blocks). A step of another layout (drafts) runs
+    eager (RESULTS.md, "Compiled by default")."""
+    max_rows = MAX_ROWS
 
     def __call__(self, model, cache, tokens, pos):
         if model is not self.step.model or cache is not self.step.cache:
             raise AotError("this compiled step was loaded for another model or cache")
-        if (len(cache.groups) != 1 or cache.groups[0][1] != 1 or tokens.shape[1] > MAX_ROWS
+        if (len(cache.groups) != 1 or cache.groups[0][1] != 1
                 or cache.groups[0][2].shape[-1] > MAX_WIDTH or cache.num_blocks > MAX_BLOCKS):  # sizes it was built for
             return model(tokens, pos, cache)[0]
-        table, R = cache.groups[0][2], tokens.shape[1]
+        table, m = cache.groups[0][2], self.max_rows
+        return torch.cat([self._rows(cache, tokens[:, i:i + m], pos[:, i:i + m], table[i:i + m])
+                          for i in range(0, tokens.shape[1], m)])
+
+    def _rows(self, cache, tokens, pos, table):
+        """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R, V]."""
+        R = tokens.shape[1]
         if R == 1 or table.shape[1] == 1:  # export specializes sizes 0 and 1: at least 2 rows of 2 blocks, padded with
             tokens, pos = F.pad(tokens, (0, 1)), F.pad(pos, (0, 1))  # the null block (never visible: after pos)
             table = F.pad(table, (0, 1, 0, 1))

@@ -191,7 +191,8 @@ def test_cli_refusal_is_a_clear_error(tiny, capsys):
 def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     """batch.py and serve.py's default (--compile auto): the engine's decode-only steps through one
     paged package (rows, table width and pool size dynamic) give the eager engine's greedy tokens,
-    over batches of 1 to 8 rows, widths growing with the context, preemption and prefix hits."""
+    over batches of 1 to 8 rows, widths growing with the context, preemption and prefix hits; and in
+    pieces where a step has more rows than the package takes."""
     import random
 
     import tp_engine
@@ -226,3 +227,8 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     assert package.loaders["paged"].n == len(rows) > 20
     assert 1 in {r for r, _ in rows} and len({r for r, _ in rows}) >= 4 and len({w for _, w in rows}) >= 3
     assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["prompt_tokens_hit"] > 0
+    # a step longer than the package's rows runs as pieces of them (here 3 rows a call)
+    rows.clear()
+    package.max_rows, package.loaders["paged"].n = 3, 0
+    assert [o["tokens"] for o in engine.run_batch(prompts, params)] == [o["tokens"] for o in theirs]
+    assert package.loaders["paged"].n == sum(-(-r // 3) for r, _ in rows) > len(rows) and max(r for r, _ in rows) > 3
