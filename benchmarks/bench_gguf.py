@@ -7,7 +7,9 @@ The embedded SmolLM2-135M Q4_1 file, and Q4_K_M and Q8_0 copies of it made by ll
 quantizer (llama_model_quantize with allow_requantize, as `llama-quantize --allow-requantize` does:
 the copies hold the Q4_1 values requantized, which is what their speed and size need). Every run is
 a fresh process, batch 1, greedy, a 16-token prompt then exactly --new_tokens tokens (EOS ignored),
-the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. Columns:
+the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. llama.cpp runs the CPU
+variant ggml picks (printed below the table), except `sapphirerapids` on CPUs with AMX tiles: its
+tile kernels fault with SIGILL in these VMs, so it is set aside and ggml picks its next best. Columns:
 - decode tok/s: tokens after the first over the time after the first (best of the rounds);
 - load s: from process start of the weights' read to a model ready (ours: weights.load's own
   timing, the "loaded ... in X s" line; llama.cpp: the Llama() constructor);
@@ -39,10 +41,19 @@ FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 # A build with GGML_BACKEND_DL=ON installs its per-CPU backends in site-packages/bin; they are
 # loaded through libllama's own handle (the same ggml instance the model uses), best variant first.
+# On a CPU with AMX tiles the best is `sapphirerapids`, whose tile kernels fault with SIGILL in these
+# VMs: the others are loaded from a folder of links without it, so ggml picks its next best.
+AMX = "amx_tile" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
 LOAD_BACKENDS = r"""
-import os, llama_cpp, llama_cpp.llama_cpp
-llama_cpp.llama_cpp._lib.ggml_backend_load_all_from_path(
-    os.path.join(os.path.dirname(os.path.dirname(llama_cpp.__file__)), "bin").encode())
+import glob, os, tempfile, llama_cpp, llama_cpp.llama_cpp
+folder = os.path.join(os.path.dirname(os.path.dirname(llama_cpp.__file__)), "bin")
+if os.environ.get("GGML_SET_ASIDE"):
+    links = tempfile.mkdtemp(prefix="ggml-variants-")
+    for f in glob.glob(os.path.join(folder, "*.so")):
+        if os.environ["GGML_SET_ASIDE"] not in os.path.basename(f):
+            os.symlink(f, os.path.join(links, os.path.basename(f)))
+    folder = links
+llama_cpp.llama_cpp._lib.ggml_backend_load_all_from_path(folder.encode())
 """
 
 LLAMA_CPP = LOAD_BACKENDS + r"""
@@ -72,8 +83,9 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 
 def run_rss(cmd, env=None) -> tuple:
     """(stdout, stderr, peak resident bytes) of a child process (with its own children, os.wait4)."""
+    aside = {"GGML_SET_ASIDE": "sapphirerapids"} if AMX else {}
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", **aside, **(env or {})})
     out, err = [], []
     readers = [threading.Thread(target=lambda f=f, buf=buf: buf.append(f.read())) for f, buf in ((p.stdout, out), (p.stderr, err))]
     for t in readers:  # both pipes drained at once: a chatty child never blocks on a full pipe
@@ -100,8 +112,9 @@ def ours(path, new, compile_, aot_cache) -> dict:
 
 
 def llama_cpp(path, new, threads) -> dict:
-    out, _, rss = run_rss([sys.executable, "-c", LLAMA_CPP, str(path), str(new), str(threads), PROMPT])
-    return {**json.loads(out.strip().splitlines()[-1]), "rss": rss}
+    out, err, rss = run_rss([sys.executable, "-c", LLAMA_CPP, str(path), str(new), str(threads), PROMPT])
+    variant = re.search(r"loaded CPU backend from \S*libggml-cpu-(\w+)", err)  # the variant ggml picked
+    return {**json.loads(out.strip().splitlines()[-1]), "rss": rss, "variant": variant.group(1) if variant else "?"}
 
 
 def main():
@@ -124,10 +137,11 @@ def main():
         run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
     bare = run_rss([sys.executable, "-c", "import torch"])[2]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare `import torch` peak RSS "
-          f"{bare / 2**20:.0f} MiB\n")
+          f"{bare / 2**20:.0f} MiB" + ("; llama.cpp's sapphirerapids variant set aside (AMX tiles fault with SIGILL "
+                                       "in these VMs), ggml runs its next best" if AMX else "") + "\n")
     print("| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB | vs llama.cpp RSS |")
     print("|---|---|---|---|---|---|---|---|")
-    first_aot = {}
+    first_aot, variants = {}, set()
     for kind, path in files.items():
         best = {}
         for _ in range(args.rounds):
@@ -139,13 +153,15 @@ def main():
                 if r.get("aot_compile") is not None:
                     first_aot[kind] = r
                 b = best.setdefault(name, r)
-                best[name] = {"decode": max(b["decode"], r["decode"]), "load": min(b["load"], r["load"]),
+                best[name] = {**b, "decode": max(b["decode"], r["decode"]), "load": min(b["load"], r["load"]),
                               "rss": min(b["rss"], r["rss"])}
         ref = best["llama.cpp"]
+        variants.add(ref["variant"])
         for name, r in best.items():
             net = r["rss"] - bare if name != "llama.cpp" else r["rss"]
             print(f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | {r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
                   f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | {net / ref['rss']:.2f}x |")
+    print(f"\nllama.cpp's CPU variant (ggml's pick): {', '.join(sorted(variants))}")
     for kind, r in first_aot.items():
         print(f"\n{kind}: the first --compile aot run compiled its package in {r['aot_compile']:.1f} s; that run's peak "
               f"RSS, the compiling child's included: {r['rss'] / 2**20:.0f} MiB")
