@@ -258,8 +258,8 @@ class AotPaged(AotDecode):
                 or cache.groups[0][2].shape[-1] > MAX_WIDTH or cache.num_blocks > MAX_BLOCKS):  # sizes it was built for
             return model(tokens, pos, cache)[0]
         table, m = cache.groups[0][2], self.max_rows
-        return torch.cat([self._rows(cache, tokens[:, i:i + m], pos[:, i:i + m], table[i:i + m])
-                          for i in range(0, tokens.shape[1], m)])
+        pieces = [self._rows(cache, tokens[:, i:i + m], pos[:, i:i + m], table[i:i + m]) for i in range(0, tokens.shape[1], m)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (one piece: no copy of its logits)
 
     def _rows(self, cache, tokens, pos, table):
         """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R, V]."""
