@@ -53,6 +53,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from paged import PagedKVCache
@@ -350,8 +351,12 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
             "batch_size": getattr(cache, "batch_size", 1), "int8_cache": hasattr(cache, "k_scale"), "block_size": cache.block_size
             if isinstance(cache, PagedKVCache) else None}
     log_path = os.path.join(folder, "build.log")
-    with open(log_path, "w") as out:
-        code = subprocess.call([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
+    ticker = tqdm(bar_format="{desc} {elapsed}", desc="compiling", file=sys.stderr, leave=False, disable=None)
+    with open(log_path, "w") as out, ticker as bar:
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
+        while (code := child.poll()) is None:  # on a terminal, the time so far: a minute's wait is not a hang
+            time.sleep(0.5)
+            bar.refresh()
     if code == 0:
         return
     with open(log_path) as f:
