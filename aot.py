@@ -19,10 +19,9 @@ two sizes left dynamic, so that one package serves every cache length and every 
     logits [B, V] = step(token [B, 1], pos [B, 1], slots [L], *cache.tensors())   # each [B, Hkv, S, *]
 
 `slots` holds the slot indices 0..L-1, its length the attend length kv_cache.py sets (L <= S).
-Compiled one-token CPU steps over a static cache attend through cpu_kernels.decode_attention up
-to FUSED_DECODE_MAX_SLOTS (1,024) slots and through SDPA or grouped_decode_attention past it: two
-packages, "short", and "long" only for caches of more slots; over the int8 cache always
-decode_attention: one, "any".
+Compiled one-token CPU steps over a static cache attend through cpu_kernels.decode_attention up to
+FUSED_DECODE_MAX_SLOTS (1,024) slots and through SDPA or grouped_decode_attention past it: two
+packages, "short", and "long" only for caches of more slots; over the int8 cache one, "any".
 The weights are not in the package: the loader is handed the model's own tensors (user-managed,
 never copied), so a package is a few MiB and serves any checkpoint of the same shapes. Inductor
 adds a few constants of its own (the int4 kernel's group size as a 0-d tensor); they are recorded
@@ -53,7 +52,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from paged import PagedKVCache
@@ -245,11 +243,10 @@ class AotDecode:
 
 class AotPaged(AotDecode):
     """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1, R],
-    pos [1, R]) -> logits [R, V] inside cache.step_groups. It is built for 2 to MAX_ROWS rows (the
-    layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a size range a
-    branch splits): a longer step runs as pieces of max_rows rows, since a decode step's rows are
-    independent (each writes and reads only its own blocks). A step of another layout (drafts) runs
-    eager (RESULTS.md, "Compiled by default")."""
+    pos [1, R]) -> logits [R, V] inside cache.step_groups. Built for 2 to MAX_ROWS rows (the layers'
+    kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a branch splits),
+    a longer step runs in pieces of max_rows rows (a decode step's rows are independent: each writes
+    and reads only its own blocks); drafted steps run eager (RESULTS.md, "Compiled by default")."""
     max_rows = MAX_ROWS
 
     def __call__(self, model, cache, tokens, pos):
@@ -265,9 +262,10 @@ class AotPaged(AotDecode):
     def _rows(self, cache, tokens, pos, table):
         """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R, V]."""
         R = tokens.shape[1]
-        if R == 1 or table.shape[1] == 1:  # export specializes sizes 0 and 1: at least 2 rows of 2 blocks, padded with
-            tokens, pos = F.pad(tokens, (0, 1)), F.pad(pos, (0, 1))  # the null block (never visible: after pos)
-            table = F.pad(table, (0, 1, 0, 1))
+        if R == 1:  # export specializes sizes 0 and 1: a second row, of the null block at position 0
+            tokens, pos, table = F.pad(tokens, (0, 1)), F.pad(pos, (0, 1)), F.pad(table, (0, 0, 0, 1))
+        if table.shape[1] == 1:  # and a second block, the null block (never visible: after pos)
+            table = F.pad(table, (0, 1))
         inputs = [tokens.contiguous(), pos.contiguous(), table.contiguous(), *cache.tensors()]
         return self.loaders["paged"].run(inputs)[0][:R]
 
@@ -351,12 +349,18 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
             "batch_size": getattr(cache, "batch_size", 1), "int8_cache": hasattr(cache, "k_scale"), "block_size": cache.block_size
             if isinstance(cache, PagedKVCache) else None}
     log_path = os.path.join(folder, "build.log")
-    ticker = tqdm(bar_format="{desc} {elapsed}", desc="compiling", file=sys.stderr, leave=False, disable=None)
-    with open(log_path, "w") as out, ticker as bar:
+    from tqdm import tqdm
+
+    with open(log_path, "w") as out:
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
-        while (code := child.poll()) is None:  # on a terminal, the time so far: a minute's wait is not a hang
-            time.sleep(0.5)
-            bar.refresh()
+        try:  # on a terminal, the time so far: a minute's wait is not a hang
+            with tqdm(bar_format="{desc} {elapsed}", desc="compiling", file=sys.stderr, leave=False, disable=None) as bar:
+                while (code := child.poll()) is None:
+                    time.sleep(0.5)
+                    bar.refresh()
+        finally:  # the parent interrupted or failed: the child does not build on alone (a no-op once it exited)
+            child.kill()
+            child.wait()
     if code == 0:
         return
     with open(log_path) as f:

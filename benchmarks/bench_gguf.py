@@ -54,6 +54,8 @@ if os.environ.get("GGML_SET_ASIDE"):
             os.symlink(f, os.path.join(links, os.path.basename(f)))
     folder = links
 llama_cpp.llama_cpp._lib.ggml_backend_load_all_from_path(folder.encode())
+if os.environ.get("GGML_SET_ASIDE"):
+    import shutil; shutil.rmtree(folder)  # (the variants stay loaded)
 """
 
 LLAMA_CPP = LOAD_BACKENDS + r"""
