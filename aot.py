@@ -350,7 +350,6 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
             if isinstance(cache, PagedKVCache) else None}
     log_path = os.path.join(folder, "build.log")
     from tqdm import tqdm
-
     with open(log_path, "w") as out:
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
         try:  # on a terminal, the time so far: a minute's wait is not a hang
