@@ -37,7 +37,7 @@ import tp
 from kv_cache import StaticKVCache
 from kv_int8 import Int8KVCache
 from kv_window import WindowedKVCache
-from runtime import (DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
+from runtime import (COMPILE_MODES, DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
                      compile_default, cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
@@ -130,7 +130,7 @@ def parse_args(argv):
     p.add_argument("--batch_size", type=int, default=1, help="samples of the prompt decoded together")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=compile_default(),
+    p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
                    help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; off: eager; jit (plain "
                         "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (aot.py)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")

@@ -134,10 +134,13 @@ def static_cache(cache):
     return cache
 
 
+COMPILE_MODES = ("auto", "off", "jit", "aot")  # --compile's choices (generate.py, batch.py, serve.py)
+
+
 def compile_default() -> str:
     """--compile's default: $LLM_COMPILE, else auto."""
     value = os.environ.get("LLM_COMPILE", "auto")
-    if value not in ("auto", "off", "jit", "aot"):
+    if value not in COMPILE_MODES:
         raise SystemExit(f"error: LLM_COMPILE={value!r}: expected auto, off, jit or aot")
     return value
 
@@ -287,7 +290,7 @@ def add_engine_args(p):
     p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--compile", nargs="?", const="jit", choices=("auto", "off", "jit", "aot"), default=compile_default(),
+    p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
                    help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
                         "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
                         "on disk (CPU; aot.py), or an error saying why not")
