@@ -12,13 +12,16 @@ run beside it, though each row's maths is the same. Three things did it
      gathered blocks by embedding_bag, prefill chunks by SDPA's flash kernel over the chunk's last
      block, so where the scheduler cut a prompt (its share of the step's budget) changed its keys.
 
-Each kernel alone is row-invariant here: the int8 and int4 kernels give a row the same bits at
-any row count, F.linear and batched matmuls at any of 2 or more (tests check both, under each CPU
-capability). So the mode keeps every row's arithmetic a function of the row alone:
+The quantized kernels (int8, int4) give a row the same bits at any row count. A float product
+does not: oneDNN picks its kernel and blocking by the shape of the whole call, and on Xeons with
+AMX a dense bf16 layer's row changed with the step's row count (AMX tiles for some counts, AVX-512
+for others, whose sums round differently). So the mode keeps every row's arithmetic a function of
+the row alone, on every CPU kind:
 
-  - int4 layers take one route at every row count (the int4 kernel), and no float product has
-    one row: engine.py pads a step to two tokens and its kept rows to two where the model has a
-    float matrix (`min_rows`; the quantized kernels agree from one row), `attention` its rows;
+  - int4 layers take one route at every row count (the int4 kernel), and every float matrix
+    (nn.Linear, GGUF groups dequantized for F.linear) runs in blocks of exactly ROWS rows, the
+    last padded with zeros (`fixed_rows`): one shape per layer, so one kernel and one blocking,
+    whatever the step's rows (ROWS x the weight's bytes are re-read per block: the cost);
   - every query row, decode or prompt, attends with the same `attention`, over a width that
     follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
     decode rows by it and cuts prefill chunks where it changes (`pieces`).
@@ -36,10 +39,12 @@ and on sliding-window layers decode rows read their whole context, not just the 
 import sys
 
 import torch
+import torch.nn.functional as F
 
 import quantize
 from kv_cache import bucket
 
+ROWS = 16  # the rows of every float product under the mode: an AMX tile's height
 _SAVED = {}
 
 
@@ -57,16 +62,30 @@ def enable(model, cache):
     holds one), and the cache attends through `attention` (no one-token kernel, no window read)."""
     check(model)
     one_int4_route()
+    for m in float_layers(model):
+        if not getattr(m.forward, "fixed_rows", False):  # once, though two engines share a model
+            m.forward = fixed_rows(m.forward)
     cache.attention, cache.decode = attention, None
 
 
-def min_rows(model) -> int:
-    """The fewest rows a product may have: 1 if every matrix runs on a quantized kernel, else 2."""
+def float_layers(model) -> list:
+    """The modules whose product is a float GEMM: nn.Linear, or int8 groups dequantized for F.linear."""
     kernel = (quantize.Int4Linear, quantize.Int8Linear)
-    for m in model.modules():
-        if hasattr(m, "in_features") and not isinstance(m, kernel) and getattr(m, "pair", None) is None:
-            return 2  # a float matrix (nn.Linear, or int8 groups dequantized for F.linear)
-    return 1
+    return [m for m in model.modules() if hasattr(m, "in_features") and not isinstance(m, kernel)
+            and getattr(m, "pair", None) is None]
+
+
+def fixed_rows(forward):
+    """forward(x [..., K]) -> [..., N] run on blocks of exactly ROWS rows, the last padded with
+    zeros: every call has one shape, so the row's sums do not follow the step's row count."""
+    def blocks(x):
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        M = x2.shape[0]
+        x2 = F.pad(x2, (0, 0, 0, -M % ROWS))  # [ceil(M / ROWS) * ROWS, K]
+        y = torch.cat([forward(block) for block in x2.split(ROWS)])[:M]  # [M, N]
+        return y.view(*x.shape[:-1], y.shape[-1])
+    blocks.fixed_rows = True
+    return blocks
 
 
 def one_int4_route():

@@ -73,7 +73,6 @@ class Engine:
         self.speculate, self.drafted = speculate, dict(draft_tokens=0, draft_tokens_accepted=0)  # prompt_lookup.py
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
         self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
-        self.min_rows = invariant.min_rows(model) if batch_invariant else 1  # 2: no one-row float GEMM (GEMV)
         if batch_invariant:
             if compile:
                 raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its "
@@ -209,7 +208,6 @@ class Engine:
         # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
         # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
         pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
-        pad = max(pad, self.min_rows - len(tokens))
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
@@ -235,9 +233,8 @@ class Engine:
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[sampled]
             else:
-                keep = sampled + [e for _, e, _ in scored]
-                rows = keep * self.min_rows if len(keep) == 1 else keep  # the head's rows, a one-row GEMM avoided
-                logits = flat_forward(self.model, self.cache, tokens, pos, torch.tensor(rows, dtype=torch.long, device=self.device))[:len(keep)]
+                keep = torch.tensor(sampled + [e for _, e, _ in scored], dtype=torch.long, device=self.device)
+                logits = flat_forward(self.model, self.cache, tokens, pos, keep)
         if scored:
             scores.score(scored, logits[len(sampled):])
         return done, logits[:len(sampled)]

@@ -1,7 +1,10 @@
 """What --batch_invariant costs and what it buys (batch_invariant.py): the engine on the embedded
 model at its own bits (bf16, eager, the server's default), with the mode off and on, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_batch_invariant.py [--rounds 12]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_batch_invariant.py [--rounds 12] [--dequantize]
+
+--dequantize runs the model's weights as dense bf16 matrices (F.linear), which the mode runs in
+blocks of batch_invariant.ROWS rows.
 
 Prints, per mode: prefill tokens/s of one 1,000-token prompt; decode tokens/s of 1, 8 and 32
 requests (20-token prompts, 64 new tokens each, timed from the step after their first token); and
@@ -66,11 +69,12 @@ def flips(engine, ids, rounds, rng) -> int:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=12, help="mixed batches for the invariance count")
+    p.add_argument("--dequantize", action="store_true", help="dense bf16 weights (F.linear) instead of the file's bits")
     args = p.parse_args(argv)
     print(f"{'mode':<16}{'prefill tok/s':>14}" + "".join(f"{f'decode B={b} tok/s':>20}" for b in (1, 8, 32))
           + f"{'texts changed':>16}")
     for on in (False, True):
-        engine, tokenizer, _ = load_engine(num_blocks=2000, batch_invariant=on)
+        engine, tokenizer, _ = load_engine(num_blocks=2000, batch_invariant=on, dequantize=args.dequantize)
         ids, rng = corpus(tokenizer), random.Random(0)
         prefill_rate(engine, window(ids, 1000, rng))  # warm-up: oneDNN builds its kernels
         row = [prefill_rate(engine, window(ids, 1000, rng))]

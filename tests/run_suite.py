@@ -20,6 +20,11 @@ lower set. Their tests:
 - or start processes of their own (tensor parallelism);
 - or check what holds at any thread count (batch invariance).
 
+On a CPU with AMX tiles (Sapphire Rapids and later Xeons), the tests marked isa and the
+batch-invariance tests run once more with oneDNN kept to AVX-512 (`amx_off`), so a result proven
+on one of the two kinds is checked on the other on the same machine. tests/README.md says which
+CPU kinds each run covers.
+
 Each lane's log is printed when it ends, with a progress line every minute before. The run exits
 1 if anything failed, after everything has run. Timings: RESULTS.md, "The test suite's wall time".
 """
@@ -39,17 +44,45 @@ SERIAL = ["test_serve.py", "test_serve_clients.py", "test_serve_constrain.py", "
           "test_weights.py", "test_weights_fuzz.py", "test_batch_invariant.py"]
 
 
+AMX_OFF = "AVX512_CORE_BF16"  # oneDNN's widest instruction set below AMX
+
+
 def here(names) -> list:
     return [os.path.join(TESTS, n) for n in names]
 
 
-def run(args, capability=None) -> int:
-    """pytest on args; with a capability, only their tests marked isa, under it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({"ATEN_CPU_CAPABILITY": capability} if capability else {})
-    code = subprocess.call([sys.executable, "-m", "pytest", *args, *(["-m", "isa"] if capability else [])], env=env)
-    if code == 5 and capability:  # none of these files has a test marked isa
+def run(args, capability=None, isa_only=None, extra_env=None) -> int:
+    """pytest on args; with a capability, only their tests marked isa, under it (isa_only says
+    otherwise); extra_env: more variables for the run."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
+    isa_only = bool(capability) if isa_only is None else isa_only
+    code = subprocess.call([sys.executable, "-m", "pytest", *args, *(["-m", "isa"] if isa_only else [])], env=env)
+    if code == 5 and isa_only:  # none of these files has a test marked isa
         return 0
     return code if code >= 0 else 128 - code  # killed by a signal: still a failure
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles, which oneDNN's bf16 and int8 kernels use where they are."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+def amx_off() -> list:
+    """On an AMX machine, the tests marked isa and the batch-invariance tests again with oneDNN
+    kept to AVX-512 (as on a Xeon or EPYC without AMX): AMX's kernels once changed a row's bits
+    with the batch where AVX-512's did not. Elsewhere nothing: there is no AMX to turn off."""
+    if not has_amx():
+        return []
+    print("== the tests marked isa and test_batch_invariant.py with AMX off "
+          f"(ONEDNN_MAX_CPU_ISA={AMX_OFF}) ==", flush=True)
+    env = {"ONEDNN_MAX_CPU_ISA": AMX_OFF}
+    return [run([TESTS], isa_only=True, extra_env=env),
+            run(here(["test_batch_invariant.py"]), isa_only=False, extra_env=env)]
 
 
 def lane(args, capability, log) -> str:
@@ -102,6 +135,7 @@ def main() -> int:
     else:
         codes = [lanes(lower), run(here(SERIAL))]
         codes += [run(here(SERIAL), cap) for cap in lower]
+    codes += amx_off()
     failed = any(codes)
     print("FAILED: see the runs above" if failed else f"the suite took {time.perf_counter() - start:.0f} s")
     return int(failed)

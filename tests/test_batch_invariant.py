@@ -41,29 +41,53 @@ def linear_layer(kind, K, N=192):
     w = torch.randn(N, K, generator=g) * 0.05
     if kind == "bf16":
         return torch.nn.Linear(K, N, bias=False).to(torch.bfloat16).requires_grad_(False)
-    if kind == "int8 groups":  # a GGUF Q8_0/Q4_1 layer at its own bits: two int4 halves for the kernel
+    if kind.startswith("int8 groups"):  # a GGUF Q8_0/Q4_1 layer at its own bits: two int4 halves
         q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
         layer = quant_groups.Int8GroupLinear(q, torch.rand(N, K // 32, generator=g) * 0.02, None, None, torch.bfloat16)
         assert layer.pair is not None
+        if kind.endswith("dequantized"):  # as where the int4 kernel is missing: F.linear on dequantized values
+            layer.weight, layer.pair = layer.int8_values(), None
         return layer
     return quantize.make_layer(quantize.portable_tensors(w, kind, 64), None, kind, 64, torch.bfloat16, "cpu")
 
 
+def mode_route(layer):
+    """The layer as the mode runs it: float matrices in blocks of batch_invariant.ROWS rows."""
+    float_layer = batch_invariant.float_layers(layer)
+    return batch_invariant.fixed_rows(layer.forward) if float_layer else layer
+
+
 @pytest.mark.isa
-@pytest.mark.parametrize("K", [256, 1536])  # 1536: SmolLM2's down_proj, where a one-row bf16 GEMM sums otherwise
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int8 groups"])
+@pytest.mark.parametrize("K", [576, 1536])  # SmolLM2's widths; 1536: its down_proj
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "int8 groups", "int8 groups dequantized"])
 def test_every_linear_route_gives_a_row_the_same_bits_at_any_row_count(kind, K, invariant):
-    """The quantized kernels from one row, float matrices from two (engine.py never runs one row
-    through a model with float matrices under the mode: a one-row product is a GEMV)."""
+    """Each weight format as the mode runs it, from one row: the quantized kernels as they are,
+    float matrices (bf16, GGUF groups dequantized) in blocks of ROWS rows."""
     layer = linear_layer(kind, K)
+    route = mode_route(layer)
     x = torch.randn(301, K, generator=torch.Generator().manual_seed(1)).bfloat16()
-    least = 2 if kind == "bf16" else 1
     with torch.no_grad():
-        pairs = torch.cat([layer(x[i:i + least])[:1] for i in range(0, 300, 37)])  # rows 0, 37, ...
-        for rows in (2, 3, 37, 127, 128, 129, 300):  # 128: where the default route switches to dequantize + GEMM
-            y = layer(x[:rows])
+        alone = torch.cat([route(x[i:i + 1]) for i in range(0, 300, 37)])  # rows 0, 37, ...
+        for rows in (2, 3, 16, 17, 37, 127, 128, 129, 300):  # 128: the default int4 route switches
+            y = route(x[:rows])
             for j, i in enumerate(range(0, rows, 37)):
-                assert torch.equal(y[i], pairs[j]), (kind, rows, i)
+                assert torch.equal(y[i], alone[j]), (kind, rows, i)
+
+
+def test_fixed_rows_calls_the_layer_with_rows_blocks_only_and_equals_it():
+    """Every call the mode makes has exactly ROWS rows (one shape: one oneDNN kernel on any CPU
+    kind, AMX included), and the result is the layer's own, row for row."""
+    layer = linear_layer("bf16", 64, N=8).double()
+    shapes = []
+
+    def spy(x):
+        shapes.append(tuple(x.shape))
+        return layer(x)
+    x = torch.randn(2, 37, 64, dtype=torch.float64)
+    with torch.no_grad():
+        y = batch_invariant.fixed_rows(spy)(x)
+        torch.testing.assert_close(y, layer(x), rtol=1e-12, atol=1e-12)
+    assert y.shape == (2, 37, 8) and shapes == [(batch_invariant.ROWS, 64)] * 5  # 74 rows: 5 blocks
 
 
 def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
@@ -148,18 +172,28 @@ def test_greedy_logits_alone_equal_inside_batches_of_every_size_1_to_32(invarian
 
 
 @pytest.mark.parametrize("dequantize", [False, True])  # the file's own bits; dense bf16 (F.linear)
-def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(dequantize, invariant):
+def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(dequantize, invariant,
+                                                                                 monkeypatch):
+    rows, linear = set(), F.linear  # the row counts of every float GEMM the engine makes
+
+    def spy(x, w, b=None):
+        rows.add(x.reshape(-1, x.shape[-1]).shape[0])
+        return linear(x, w, b)
+    monkeypatch.setattr(F, "linear", spy)
     rng = random.Random(1)
     alone = Probe(max_num_batched_tokens=512, num_blocks=40, dequantize=dequantize)
     prompt = words(rng, 150, alone.tokenizer)
-    ref, tokens = alone.run(prompt, new=12)  # its decode steps have one row: with float matrices, padded to two
-    assert alone.engine.min_rows == (2 if dequantize else 1)
+    ref, tokens = alone.run(prompt, new=12)  # its decode steps have one row
+    if dequantize:  # every float product in the mode has ROWS rows, whatever the step's
+        assert all(getattr(m.forward, "fixed_rows", False) for m in batch_invariant.float_layers(alone.engine.model))
     # 39 blocks of 16 tokens for 6 requests of ~170
     tight = Probe(max_num_batched_tokens=48, max_num_seqs=8, num_blocks=40, dequantize=dequantize)
     others = [(words(rng, 150, tight.tokenizer), 16) for _ in range(5)]
     logits, got = tight.run(prompt, others, new=12)
     assert tight.engine.scheduler.stats["preemptions"] > 0
     assert torch.equal(logits, ref) and got == tokens
+    rows.discard(0)  # the head of a step that samples nothing: no row to change
+    assert rows == ({batch_invariant.ROWS} if dequantize else set())  # one shape per layer, AMX or not
     # its first 5 tokens computed as prompt rows (positions 144-154 in one chunk: the cache holds only
     # full blocks) instead of decode rows: the same K/V bits
     logits, got = alone.run(prompt + tokens[:5], new=7)
