@@ -28,7 +28,7 @@ import time
 
 from engine import Finished, RequestParams
 from runtime import add_engine_args, check_engine_args, engine_options, log
-from tp_engine import load_engine  # one process, or tensor-parallel under torchrun
+from server.tp_engine import load_engine  # one process, or tensor-parallel under torchrun
 
 REQUEST_KEYS = ("id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                 "stop_token_ids", "ignore_eos", "n", "min_p", "repetition_penalty", "frequency_penalty",

@@ -82,7 +82,7 @@ def decode_attention(q, k_cache, v_cache, mask, k_scale=None, v_scale=None):
     Hkv = k_cache.shape[1]
     qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()  # query heads grouped by their KV head
     # each .float() before its broadcast dim: on a prefix view that keeps the strides' order plain,
-    # so torch.export (aot.py) derives no "attend length < cache length" from it
+    # so torch.export (speedups/aot.py) derives no "attend length < cache length" from it
     scores = (qg * k_cache.float()[:, :, None]).sum(-1)  # [B, Hkv, G, S]
     if k_scale is not None:
         scores = scores * k_scale[..., 0].float()[:, :, None]

@@ -1,7 +1,7 @@
 """The serving engine: one step of continuous batching, run on the model. scheduler.py decides who
 runs; the Engine turns its Plan into ONE forward over every scheduled token, flattened to [1, N]
 (paged.py says why), samples, decides stops once and returns the step's events. It owns the
-requests: batch.py and engine_loop.py call only add_request, abort, step, has_unfinished, metrics.
+requests: batch.py and server/engine_loop.py call only add_request, abort, step, has_unfinished, metrics.
 
     engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
     rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
@@ -13,7 +13,7 @@ Each sequence samples with its own torch.Generator (seeded from the request's se
 penalties (sampling.py) count its own tokens, so its sampling does not depend on what it was
 batched with; its logits can (bf16), unless batch_invariant (batch_invariant.py). A request with
 n > 1 prefills once; its samples fork when the prompt is computed.
-Each token's text is decoded once, incrementally (tokenizer.TextStream, which finds stop strings
+Each token's text is decoded once, incrementally (text_stream.TextStream, which finds stop strings
 too): the events carry the text a server streams. A fault while sampling one request ends that
 request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, then `positions`,
 `score` and `remember` around the forward.
@@ -33,7 +33,7 @@ from sampling import sample
 from scheduler import Scheduler
 from scoring import PromptScores, token_logprobs
 from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
-from tokenizer import TextStream
+from text_stream import TextStream
 
 
 class Token(NamedTuple):
@@ -70,7 +70,7 @@ class Engine:
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
-        self.speculate, self.drafted = speculate, dict(draft_tokens=0, draft_tokens_accepted=0)  # prompt_lookup.py
+        self.speculate, self.drafted = speculate, dict(draft_tokens=0, draft_tokens_accepted=0)  # speedups/prompt_lookup.py
         self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
         self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
         if batch_invariant:

@@ -11,7 +11,7 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 
     bandwidth = bytes of weights read per step * tokens/s   (KV cache reads reported apart)
 
-By default (`--compile auto`) a CPU run decodes with an AOTInductor package (aot.py): compiled
+By default (`--compile auto`) a CPU run decodes with an AOTInductor package (speedups/aot.py): compiled
 once per model shape, torch version, CPU and source by a child process, cached on disk, loaded in
 a fraction of a second later, with no compiler in this process; where none can serve (CUDA,
 speculation, torchrun, a failed build) it decodes eager, and says why if a build failed.
@@ -31,19 +31,20 @@ import time
 
 import torch
 
-import aot
+from speedups import aot
 import constrain
 import tp
 from kv_cache import StaticKVCache
-from kv_int8 import Int8KVCache
-from kv_window import WindowedKVCache
+from speedups.kv_int8 import Int8KVCache
+from speedups.kv_window import WindowedKVCache
 from runtime import (COMPILE_MODES, DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
                      compile_default, cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
                      skip_guards, verify_step)
 from sampling import SamplingParams, parse_logit_bias, sample
-from prompt_lookup import PromptLookupDrafter
+from speedups.prompt_lookup import PromptLookupDrafter
 from speculative import ModelDrafter, draft_forward, speculative_generate
-from tokenizer import Printer, load_tokenizer
+from formats.tokenizer import load_tokenizer
+from text_stream import Printer
 
 
 def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
@@ -132,7 +133,7 @@ def parse_args(argv):
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
     p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
                    help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; off: eager; jit (plain "
-                        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (aot.py)")
+                        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (speedups/aot.py)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
     p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
     p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
@@ -182,7 +183,7 @@ def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int 
 
 
 def make_cache(model, batch_size: int, seq_len: int, kind: str = "static", kv_dtype: str = "model", block_size: int = 16):
-    """kind "static" (kv_cache.py; kv_dtype "int8": kv_int8.py; windowed layers: kv_window.py's rings) or "paged"."""
+    """kind "static" (kv_cache.py; kv_dtype "int8": speedups/kv_int8.py; windowed layers: speedups/kv_window.py's rings) or "paged"."""
     if kind == "paged":
         from paged import PagedKVCache
 
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    import weights
+    from formats import weights
 
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
@@ -244,7 +245,7 @@ def run(args) -> int:
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))
-        if args.compile == "jit":  # aot.py says what it did
+        if args.compile == "jit":  # speedups/aot.py says what it did
             log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
@@ -364,7 +365,7 @@ def run_speculative(args, model, tokenizer, device) -> int:
 
 def make_drafter(args, model, seq_len, params, device, tune):
     """(drafter, label) for the flags: prompt lookup, the target's first layers, or a draft model."""
-    import weights
+    from formats import weights
 
     step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
     if args.prompt_lookup:

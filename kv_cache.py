@@ -16,7 +16,7 @@ The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 `attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a
 mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
 at position p sees slots 0..p, which is causal attention within the step and full attention to
-the past; a layer with a sliding window w sees only p - w < s <= p (`visible`; kv_window.py keeps
+the past; a layer with a sliding window w sees only p - w < s <= p (`visible`; speedups/kv_window.py keeps
 such layers as rings of their window instead). GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
 That is the reference. A cache may be given a faster one-token kernel where it is built
 (`decode`): `for_model` on CPU passes cpu_kernels.static_decode, the same maths by other routes.
@@ -42,7 +42,7 @@ Without a call (or after `use_positions(None)`) attention reads all S slots: the
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.
 
-`Int8KVCache` (kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8 beside it.
+`Int8KVCache` (speedups/kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8 beside it.
 """
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,7 @@ class StaticKVCache:
         self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
         self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
-        # narrow, not [:, :, :L]: the same view, and torch.export (aot.py) derives L <= S from it, not L < S
+        # narrow, not [:, :, :L]: the same view, and torch.export (speedups/aot.py) derives L <= S from it, not L < S
         k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
         if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:  # picked at build time

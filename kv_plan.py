@@ -67,7 +67,7 @@ def plan_blocks(model, block_size: int, num_blocks: int = None, memory_bytes: in
 
     num_blocks wins; else memory_bytes; else memory_fraction of the memory free now, capped at
     what max_tokens (e.g. max_num_seqs * context) could ever use. draft: a draft model whose own
-    pool has a block for each of these (draft_model.py), so the memory holds both."""
+    pool has a block for each of these (speedups/draft_model.py), so the memory holds both."""
     c, windowed = model.config, windowed_layers(model.config)
     hybrid = is_hybrid(c)
     n_full = c.n_layers - len(windowed) if hybrid else c.n_layers  # the layers of the pool every sequence keeps whole

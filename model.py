@@ -18,7 +18,7 @@ only per-step fact the model passes along; anything else a cache needs (block ta
 writes into the cache before the forward. kv_cache.py holds the static cache; paged.py the paged one.
 
 Parameter names follow Hugging Face's Llama layout without the leading "model." (so an HF
-checkpoint loads by name); weights.py turns every checkpoint format into this layout.
+checkpoint loads by name); formats/weights.py turns every checkpoint format into this layout.
 Run `python generate.py` to see it write text; tests/test_model.py checks it against HF.
 """
 from dataclasses import dataclass, field
@@ -128,7 +128,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
-        self.qkv_proj = None  # fuse_layers.py may replace q/k/v by one layer with their rows stacked
+        self.qkv_proj = None  # formats/fuse_layers.py may replace q/k/v by one layer with their rows stacked
         if config.qk_norm:
             self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         else:
@@ -166,7 +166,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.dim, width, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.dim, width, bias=config.mlp_bias)
         self.down_proj = nn.Linear(width, config.dim, bias=config.mlp_bias)
-        self.gate_up_proj = None  # or gate and up stacked in one layer (fuse_layers.py)
+        self.gate_up_proj = None  # or gate and up stacked in one layer (formats/fuse_layers.py)
         self.act = ACTIVATIONS[config.mlp_act]
 
     def forward(self, x):

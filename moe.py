@@ -178,7 +178,7 @@ class Int8Experts(Experts):
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
-# MXFP4's 4-bit floats (mxfp4.py) by code: sign bit, 2 exponent bits, 1 mantissa bit
+# MXFP4's 4-bit floats (formats/mxfp4.py) by code: sign bit, 2 exponent bits, 1 mantissa bit
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -261,7 +261,7 @@ def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts
 
 
 def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:
-    """{projection: {tensor: (shape, dtype)}} of quantized experts in a checkpoint (quant_files.py)."""
+    """{projection: {tensor: (shape, dtype)}} of quantized experts in a checkpoint (formats/quant_files.py)."""
     out = {}
     for name in PROJECTIONS:
         E, N, K = getattr(experts, name).shape

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache import StaticKVCache
-from kv_int8 import Int8KVCache
+from speedups.kv_int8 import Int8KVCache
 from runtime import DTYPES, pick_device
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "declaration.txt"
@@ -69,8 +69,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    import weights
-    from tokenizer import load_tokenizer
+    from formats import weights
+    from formats.tokenizer import load_tokenizer
 
     args = parse_args(argv)
     try:

@@ -305,8 +305,8 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
     return report  # quant_files.describe(report) says it in a line
 
 
-def main(argv=None) -> int:  # the command line lives with the checkpoint writers (hf_folder.py)
-    import hf_folder
+def main(argv=None) -> int:  # the command line lives with the checkpoint writers (formats/hf_folder.py)
+    from formats import hf_folder
     return hf_folder.main(argv)
 
 

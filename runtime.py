@@ -275,7 +275,7 @@ def memory_plan(model, cache) -> str:
         per_block = cache.nbytes() / cache.num_blocks
         return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
                           f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
-    rings = [r for r in getattr(cache, "ring", ()) if r]  # kv_window.py: windowed layers keep only their window
+    rings = [r for r in getattr(cache, "ring", ()) if r]  # speedups/kv_window.py: windowed layers keep only their window
     if rings:
         full = sum(t.numel() * t.element_size() * cache.max_seq_len // t.shape[2] for t in cache.tensors())
         return weights + (f"KV cache {human(cache.nbytes())}: {len(rings)} of {len(cache.ring)} layers windowed, kept as "
@@ -293,7 +293,7 @@ def add_engine_args(p):
     p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
                    help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
                         "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
-                        "on disk (CPU; aot.py), or an error saying why not")
+                        "on disk (CPU; speedups/aot.py), or an error saying why not")
     p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
     p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
@@ -308,7 +308,7 @@ def add_engine_args(p):
     p.add_argument("--batch_invariant", action="store_true", help="a request's tokens the same whatever runs beside it "
                    "(batch_invariant.py; eager steps, slower prefill)")
     p.add_argument("--speculate", default=None, choices=("prompt_lookup", "draft"), help="draft tokens by prompt lookup "
-                   "(prompt_lookup.py: faster where outputs quote their prompts) or a draft model (draft_model.py) and "
+                   "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model (speedups/draft_model.py) and "
                    "verify them in each step: the output is exactly the target's")
     p.add_argument("--draft_checkpoint", default=None, help="--speculate draft: the draft model (HF folder, .gguf file "
                    "or Hub id) with the target's tokenizer, loaded at --dtype")

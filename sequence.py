@@ -100,11 +100,11 @@ class Sequence:
         self.window_blocks = []  # a hybrid model's windowed layers' block table (scheduler.py)
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
         self.finish_reason, self.token_times = None, []
-        self.stream = stream  # tokenizer.TextStream: its text, decoded once per token (None: no tokenizer)
+        self.stream = stream  # text_stream.TextStream: its text, decoded once per token (None: no tokenizer)
         self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
-        self.draft = []  # tokens proposed to follow it, verified in the next step (prompt_lookup.py)
-        self.draft_probs = None  # [len(draft), V]: what each was drawn from (draft_model.py), or None: chosen
+        self.draft = []  # tokens proposed to follow it, verified in the next step (speedups/prompt_lookup.py)
+        self.draft_probs = None  # [len(draft), V]: what each was drawn from (speedups/draft_model.py), or None: chosen
         self.ngrams = None  # prompt_lookup.NgramIndex of its tokens, once it speculates
 
     def fork(self, index: int, stream=None):

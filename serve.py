@@ -8,16 +8,16 @@
          -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
-server-sent events), POST /v1/responses (responses.py), GET /v1/models[/{id}], GET /health,
+server-sent events), POST /v1/responses (server/responses.py), GET /v1/models[/{id}], GET /health,
 GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
 
-This file only translates. engine_loop.py runs the engine in one background thread; HTTP handlers
+This file only translates. server/engine_loop.py runs the engine in one background thread; HTTP handlers
 (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue per
 request, so every concurrent HTTP request is batched into the same steps. `Server` holds what the
 handlers share and has one method per step (check, encode, params, respond, ...); make_app routes.
 
 A server left running meets hostile traffic, so every request is checked against `Limits`
-(server_limits.py) before any work is queued (body size -> 413; n, stop strings, prompts per
+(server/server_limits.py) before any work is queued (body size -> 413; n, stop strings, prompts per
 request, context -> 400; a full waiting queue -> 503 with Retry-After), text is tokenized off the
 event loop, and a client that goes away (streaming or not) aborts its request, which frees its KV
 blocks. SIGTERM or SIGINT drain: new requests get 503, /health says "draining", running requests have
@@ -38,18 +38,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from constrain import Compiled, compile_constraint
-from constraint_check import ConstraintChecker
-from engine_loop import EngineLoop, EngineThread, Unavailable, collect_all, events_of
-from openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, Refused, TokenizeRequest,
+from server.constraint_check import ConstraintChecker
+from server.engine_loop import EngineLoop, EngineThread, Unavailable, collect_all, events_of
+from server.openai_format import (ChatRequest, CompletionRequest, DetokenizeRequest, Outputs, Refused, TokenizeRequest,
                            constraint_of, encode, error, logprob_counts, prompt_list, refusal, template_messages,
                            unavailable)
-from responses import Responses
+from server.responses import Responses
 from runtime import log
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server_limits import (DrainingServer, Guard, Limits, TokenizerLanes, add_limit_args, fewer_malloc_arenas,
+from server.server_limits import (DrainingServer, Guard, Limits, TokenizerLanes, add_limit_args, fewer_malloc_arenas,
                            server_config, text_size)
-from tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
+from server.tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 ROUTES = ("POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models[/{id}], "
@@ -98,14 +98,14 @@ class Server:
         self.context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
         self.context_name = "--max_model_len" if self.context < engine.max_model_len else "the model's context"
         self.lanes = TokenizerLanes()  # a request with long texts cannot take every tokenizing thread
-        self.checker = None  # constraints tried in a child process first (constraint_check.py)
+        self.checker = None  # constraints tried in a child process first (server/constraint_check.py)
         if limits.constraint_timeout and getattr(tokenizer, "source", None):
             self.checker = ConstraintChecker(tokenizer.source, engine.model.config.vocab_size, engine.stop_ids,
                                              limits.constraint_timeout)
 
     # routes have no return annotations: FastAPI would take them as response models
     async def health(self):
-        ranks = getattr(self.engine, "ranks", 1)  # tensor-parallel ranks (tp_engine.py)
+        ranks = getattr(self.engine, "ranks", 1)  # tensor-parallel ranks (server/tp_engine.py)
         if self.loop.draining:
             return JSONResponse({"status": "draining", "ranks": ranks}, 503)
         return {"status": "ok", "ranks": ranks}
@@ -375,7 +375,7 @@ class Server:
 
 def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None, thread=None):
     """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else. `thread`:
-    the EngineThread the engine was loaded on (engine_loop.py says why), else a new one."""
+    the EngineThread the engine was loaded on (server/engine_loop.py says why), else a new one."""
     limits = limits or Limits()
     server = Server(engine, tokenizer, model_name, limits, thread)
     responses = Responses(server, limits.max_stored_responses)
@@ -401,7 +401,7 @@ def make_app(engine, tokenizer, model_name: str, api_key: str = None, limits: Li
 
 def main(argv=None) -> int:
     from runtime import add_engine_args, check_engine_args, engine_options
-    from tp_engine import ignore_signals_unless_rank_zero, load_engine  # tensor-parallel under torchrun
+    from server.tp_engine import ignore_signals_unless_rank_zero, load_engine  # tensor-parallel under torchrun
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
             p.error(f"--{name} must be >= 1")
     ignore_signals_unless_rank_zero()
     fewer_malloc_arenas()  # before the threads start
-    thread = EngineThread()  # loads the model and then steps it (engine_loop.py says why)
+    thread = EngineThread()  # loads the model and then steps it (server/engine_loop.py says why)
     try:
         engine, tokenizer, info = thread.call(load_engine, **engine_options(args)).result()
     except (ValueError, OSError) as e:

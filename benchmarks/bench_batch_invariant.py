@@ -24,7 +24,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import batch_invariant  # noqa: E402
 from bench_serving import corpus, window  # noqa: E402
 from engine import Finished, RequestParams  # noqa: E402
-from tp_engine import load_engine  # noqa: E402
+from server.tp_engine import load_engine  # noqa: E402
 
 
 def greedy(new):

@@ -25,9 +25,9 @@ sys.path.insert(0, ROOT)
 import constrain  # noqa: E402
 import generate  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 S = {"type": "string"}
 SCHEMAS = {

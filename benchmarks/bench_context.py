@@ -34,12 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
-import hf_folder  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from kv_cache import StaticKVCache, attend_len_for, eager_attend_len  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 
 class WholeCache(StaticKVCache):

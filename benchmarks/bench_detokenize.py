@@ -1,4 +1,4 @@
-"""Cost per token of streaming detokenization (tokenizer.TextStream) against decoding every id so far.
+"""Cost per token of streaming detokenization (text_stream.TextStream) against decoding every id so far.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_detokenize.py [--tokens 8192] [--rounds 5]
 
@@ -22,8 +22,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import weights  # noqa: E402
-from tokenizer import TextStream, load_tokenizer  # noqa: E402
+from formats import weights  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
+from text_stream import TextStream  # noqa: E402
 
 STOP = ["\x00never seen\x00"]
 SEGMENT = 1024

@@ -27,13 +27,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import fuse_layers  # noqa: E402
-import hf_folder  # noqa: E402
+from formats import fuse_layers  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from bench_serving import corpus, run_hf_static, window  # noqa: E402
 from engine import Engine, Finished, RequestParams  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 
 def workload(name, ids):

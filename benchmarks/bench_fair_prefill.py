@@ -19,7 +19,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from bench_serving import corpus  # noqa: E402
 from engine import RequestParams, Token  # noqa: E402
-from tp_engine import load_engine  # noqa: E402
+from server.tp_engine import load_engine  # noqa: E402
 from scheduler import Plan, Scheduler  # noqa: E402
 
 

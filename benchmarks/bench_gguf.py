@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
@@ -108,7 +108,7 @@ def ours(path, new, compile_, aot_cache) -> dict:
     out, err, rss = run_rss(cmd, {"LLM_AOT_CACHE": str(aot_cache)})
     stats = json.loads(out.strip().splitlines()[-1])["stats"]
     load = float(re.search(r"loaded .* in ([0-9.]+) s", err).group(1))
-    aot_compile = re.search(r"^compiled in ([0-9.]+) s", err, re.M)  # aot.py's line when it compiled
+    aot_compile = re.search(r"^compiled in ([0-9.]+) s", err, re.M)  # speedups/aot.py's line when it compiled
     return {"decode": stats["tokens_per_s"], "load": load, "rss": rss,  # tokens after the first / their time
             "aot_compile": float(aot_compile.group(1)) if aot_compile and compile_ == "aot" else None}
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
-from quant_groups import Int8GroupLinear  # noqa: E402
+from formats.quant_groups import Int8GroupLinear  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 G = 32
@@ -66,7 +66,7 @@ def timed(fn, reps):
 
 
 def reduction(x, q, scales):
-    """Int8GroupLinear's few-row compiled path (quant_groups.py): a fused reduction over each group."""
+    """Int8GroupLinear's few-row compiled path (formats/quant_groups.py): a fused reduction over each group."""
     N, K = q.shape
     xg = x.float().reshape(-1, 1, K // G, G)  # [M, 1, K/G, G]
     return ((q.reshape(N, K // G, G).float() * xg).sum(-1) * scales).sum(-1).to(x.dtype)

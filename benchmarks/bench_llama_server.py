@@ -120,7 +120,7 @@ def main():
     p.add_argument("--llama_server", default=None, help="a llama-server binary (default: build one, see above)")
     p.add_argument("--serve_flags", default="", help="more flags for serve.py, e.g. '--compile'")
     args = p.parse_args()
-    import weights
+    from formats import weights
 
     binary = args.llama_server or build_llama_server()
     gguf, texts, slots = str(weights.default_checkpoint()), prompts(args.requests), max(args.clients)

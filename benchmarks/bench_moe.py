@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 

@@ -32,15 +32,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import generate  # noqa: E402
-import hf_folder  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import quantize  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from bench_generate import PROMPT, run_hf  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
-from kv_int8 import Int8KVCache  # noqa: E402
+from speedups.kv_int8 import Int8KVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 MODES = [  # label, dtype, quantize mode, KV cache
     ("float32", torch.float32, None, StaticKVCache),

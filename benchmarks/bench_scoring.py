@@ -30,9 +30,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import hf_folder  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 
 
 def hf_folder(folder: str) -> str:
@@ -88,7 +88,7 @@ def engine_alone(folder: str, seconds_per_request=None):
     """The same 256 requests (context + " " + choice, as lm-eval joins them) through
     engine.Engine in this process, 32 in flight: the server's work without HTTP or a client."""
     from engine import Engine, RequestParams
-    from tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
 
     model, info = weights.load(folder, dtype=torch.float32)
     tok = load_tokenizer(info.source)

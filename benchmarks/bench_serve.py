@@ -73,7 +73,7 @@ async def load(url, prompts, clients: int, max_tokens: int) -> dict:
 def offline(prompts, max_tokens: int, max_num_seqs: int) -> float:
     import torch
 
-    import weights
+    from formats import weights
     from engine import Engine, RequestParams
 
     model, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
@@ -89,8 +89,8 @@ def main():
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max_tokens", type=int, default=64)
     args = p.parse_args()
-    import weights
-    from tokenizer import load_tokenizer
+    from formats import weights
+    from formats.tokenizer import load_tokenizer
 
     _, info = weights.load(None, dequantize=True)
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:

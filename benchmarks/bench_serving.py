@@ -36,17 +36,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 import generate  # noqa: E402
-import hf_folder  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import kv_plan  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from batch import percentile  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from paged import PagedKVCache, blocks_for  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 from engine import Engine, Finished, RequestParams  # noqa: E402
 from helpers import check_allocator  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 
 def corpus(tokenizer):

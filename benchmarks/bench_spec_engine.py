@@ -16,7 +16,7 @@ gained per step, the speed-up those predict from one step's measured cost (a ste
 verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
 tokens equal the run without speculation. --max_rows sets PromptLookup's cut-off (speculation off
 for a step with more decoding rows); 64 keeps it on everywhere, to find where it stops paying.
---draft int8|int4 speculates with a draft model instead (draft_model.py): a quantized copy of the
+--draft int8|int4 speculates with a draft model instead (speedups/draft_model.py): a quantized copy of the
 target (group 64, head quantized), as a smaller checkpoint with the same vocabulary would be.
 --profile instead times a plain step and a verify step (every row k drafts) of c quoting requests
 and prints torch.profiler's top ops of each: where a verify step's cost goes.
@@ -33,17 +33,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import fuse_layers  # noqa: E402
-import hf_folder  # noqa: E402
+from formats import fuse_layers  # noqa: E402
+from formats import hf_folder  # noqa: E402
 import quantize  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from bench_speculative import CODE  # noqa: E402
 from bench_serving import corpus, window  # noqa: E402
 from engine import Engine, Finished, RequestParams  # noqa: E402
-from draft_model import DraftModel  # noqa: E402
-from prompt_lookup import PromptLookup  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from speedups.draft_model import DraftModel  # noqa: E402
+from speedups.prompt_lookup import PromptLookup  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 NEW = 128
 

@@ -28,12 +28,12 @@ sys.path.insert(0, ROOT)
 import generate  # noqa: E402
 import quantize  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
-from prompt_lookup import PromptLookupDrafter  # noqa: E402
+from speedups.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from speculative import ModelDrafter, draft_forward, speculative_generate  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 CODE = ("def add(a, b):\n    result = a + b\n    return result\n\n\ndef sub(a, b):\n    result = a - b\n"
         "    return result\n\n\ndef mul(a, b):\n    result = a * b\n    return result\n\n\n")

@@ -1,4 +1,4 @@
-"""batch.py in one process against batch.py under torchrun (tp_engine.py), on the same requests:
+"""batch.py in one process against batch.py under torchrun (server/tp_engine.py), on the same requests:
 throughput, and what rank 0's per-step broadcast of the step (two int64 tensors) costs. The
 outputs are checked equal (greedy, float32).
 
@@ -44,7 +44,7 @@ def probe(repeats: int = 2000):
     import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
-    import tp_engine
+    from server import tp_engine
 
     dist.init_process_group("gloo")
     tokens = torch.arange(16).view(1, 16)

@@ -11,7 +11,7 @@ For each multiple m a prompt of m * window random tokens is prefilled (untimed),
 then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
 
 - ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step):
-  "ring" is kv_window.py (what generate.py uses for windowed models: each layer keeps window + 64
+  "ring" is speedups/kv_window.py (what generate.py uses for windowed models: each layer keeps window + 64
   slots, a step reads them all), so its cost should follow the window, not the context; "masked"
   is kv_cache.py, its slow twin, which keeps every position and masks the old ones;
 - ours, paged cache through the engine (batch.py's path): blocks behind the window are freed, and
@@ -39,10 +39,10 @@ sys.path.insert(0, ROOT)
 
 import generate  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from engine import Engine, RequestParams  # noqa: E402
 from kv_cache import StaticKVCache  # noqa: E402
-from kv_window import WindowedKVCache  # noqa: E402
+from speedups.kv_window import WindowedKVCache  # noqa: E402
 from sampling import SamplingParams  # noqa: E402
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from engine import Engine  # noqa: E402
 from sequence import RequestParams  # noqa: E402
 

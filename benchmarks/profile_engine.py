@@ -22,11 +22,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import fuse_layers  # noqa: E402
+from formats import fuse_layers  # noqa: E402
 import runtime  # noqa: E402
-import weights  # noqa: E402
+from formats import weights  # noqa: E402
 from engine import Engine, RequestParams  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from formats.tokenizer import load_tokenizer  # noqa: E402
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
     ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "onednn", "mkldnn")),

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from batch import percentile  # noqa: E402
-from server_limits import GIVE_BACK_DELAY_S, fewer_malloc_arenas  # noqa: E402
+from server.server_limits import GIVE_BACK_DELAY_S, fewer_malloc_arenas  # noqa: E402
 
 WORDS = "hello world the quick brown fox jumps over lazy dog".split()
 KEY = "soak"
@@ -79,7 +79,7 @@ def start_server(engine, tokenizer, limits=None):
     import uvicorn
 
     from serve import make_app
-    from server_limits import server_config
+    from server.server_limits import server_config
 
     srv = uvicorn.Server(server_config(make_app(engine, tokenizer, "soak", KEY, limits), "127.0.0.1", 0, limits))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -220,10 +220,10 @@ def soak(engine, tokenizer, n_requests: int, rate: float = 200.0, seed: int = 0,
 def tiny_engine(num_blocks: int, max_num_seqs: int):
     import torch
 
-    import weights
+    from formats import weights
     from helpers import tiny_checkpoint
     from engine import Engine
-    from tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
 
     folder = tiny_checkpoint(Path(tempfile.mkdtemp(prefix="soak-")), max_position_embeddings=512)
     model, info = weights.load(folder, dtype=torch.float64)
@@ -234,7 +234,7 @@ def tiny_engine(num_blocks: int, max_num_seqs: int):
 
 def embedded_engine(num_blocks: int, max_num_seqs: int, batch_invariant: bool):
     """The embedded model as serve.py runs it by default (bf16 at the file's own bits), blocks of 16."""
-    from tp_engine import load_engine
+    from server.tp_engine import load_engine
 
     engine, tokenizer, _ = load_engine(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                                        batch_invariant=batch_invariant)

@@ -18,8 +18,8 @@ from helpers import hf_reference_embedded
 @pytest.fixture(scope="session")
 def embedded():
     """(model in float32, tokenizer) of the embedded default GGUF, dequantized (the float reference)."""
-    import weights
-    from tokenizer import load_tokenizer
+    from formats import weights
+    from formats.tokenizer import load_tokenizer
 
     model, info = weights.load(None, dtype=torch.float32, dequantize=True)
     return model, load_tokenizer(info.source)

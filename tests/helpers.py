@@ -92,7 +92,7 @@ def to_classic_config(folder: Path):
 def hf_reference_embedded():
     from transformers import AutoModelForCausalLM
 
-    import weights
+    from formats import weights
 
     path = weights.default_checkpoint()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -260,7 +260,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-# gpt-oss's reply format (harmony.py) in a template of our own: its markers, a dated system message
+# gpt-oss's reply format (server/harmony.py) in a template of our own: its markers, a dated system message
 HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"

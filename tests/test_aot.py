@@ -1,4 +1,4 @@
-"""aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step, at
+"""speedups/aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step, at
 every attend length and cache length one package serves, without the compiler in the process."""
 import json
 import os
@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-import aot
+from speedups import aot
 import generate
 import runtime
-import weights
+from formats import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
 
@@ -195,7 +195,7 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     pieces where a step has more rows than the package takes."""
     import random
 
-    import tp_engine
+    from server import tp_engine
     from sequence import RequestParams
 
     rng = random.Random(3)
@@ -233,3 +233,13 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     package.max_rows, package.loaders["paged"].n = 3, 0
     assert [o["tokens"] for o in engine.run_batch(prompts, params)] == [o["tokens"] for o in theirs]
     assert package.loaders["paged"].n == sum(-(-r // 3) for r, _ in rows) > len(rows) and max(r for r, _ in rows) > 3
+
+
+def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
+    """An edit to the model, its cache or its layers compiles anew; an edit to the server's files
+    does not (the key once hashed every file of the project)."""
+    model, _ = load(tiny, quantize="int4")
+    step = aot.Step(model, StaticKVCache.for_model(model, 1, 64))
+    files = {os.path.relpath(f, ROOT) for f in aot.traced_files(step)}
+    assert {"model.py", "kv_cache.py", "quantize.py", "cpu_kernels.py", "runtime.py", "speedups/aot.py"} <= files
+    assert not [f for f in files if f.startswith(("server/", "tests/")) or f in ("serve.py", "batch.py")], files

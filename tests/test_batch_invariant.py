@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 import batch_invariant
 import helpers
-import quant_groups
+from formats import quant_groups
 import quantize
 import runtime
-import weights
+from formats import weights
 from engine import Engine, Finished, RequestParams
-from tp_engine import load_engine
+from server.tp_engine import load_engine
 from kv_cache import attention, bucket, visible
 
 WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()

@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 import torch
 
-import weights
+from formats import weights
 from constrain import Constraint, compile_constraint
 from helpers import run_to_end, tiny_checkpoint
 from engine import Engine, RequestParams
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 
 S = {"type": "string", "maxLength": 6}  # strings a random model closes: it never wants to
 SCHEMAS = [

@@ -8,7 +8,7 @@ import cpu_kernels
 import quantize
 import runtime
 from kv_cache import StaticKVCache
-from kv_int8 import Int8KVCache, quantize_per_token
+from speedups.kv_int8 import Int8KVCache, quantize_per_token
 from paged import PagedKVCache
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import generate
-import weights
+from formats import weights
 from helpers import alone, check_allocator, run_to_end, tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
@@ -455,7 +455,7 @@ def test_fair_share_never_preempts_a_request_down_to_nothing(tiny64):
 
 @pytest.fixture(scope="module")
 def with_tokenizer(tmp_path_factory):
-    from tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
 
     folder = tiny_checkpoint(tmp_path_factory.mktemp("engine-tok"))
     model, info = weights.load(folder, dtype=torch.float32)

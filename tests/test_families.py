@@ -11,7 +11,7 @@ import torch
 
 import generate
 import runtime
-import weights
+from formats import weights
 from engine import Engine, RequestParams
 from helpers import alone, check_allocator, hf_model, save_hf
 from kv_cache import StaticKVCache
@@ -276,11 +276,11 @@ def test_int8_and_int4_weights_err_as_much_as_on_llama(arch, tmp_path):
 @pytest.mark.parametrize("softcap, kernels", [(0.0, False), (0.0, True), (2.0, True)])
 def test_window_paths_equal_masked_attention_over_every_slot(softcap, kernels):
     """The fast paths (a decode step reads only its window: the paged cache's window blocks,
-    kv_window.py's ring, through the reference attention or the CPU kernels) against their slow
+    speedups/kv_window.py's ring, through the reference attention or the CPU kernels) against their slow
     twin, kv_cache.attention over every slot written under the window's mask."""
     import cpu_kernels
     from kv_cache import attention, visible
-    from kv_window import WindowedKVCache
+    from speedups.kv_window import WindowedKVCache
 
     torch.manual_seed(0)
     B, H, Hkv, D, S, window = 3, 4, 2, 16, 256, 10
@@ -308,11 +308,11 @@ def test_window_paths_equal_masked_attention_over_every_slot(softcap, kernels):
 
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "gemma2"])
 def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(arch, tmp_path):
-    """kv_window.py against kv_cache.py on whole models (window 8, rings of 128 slots): a prefill
+    """speedups/kv_window.py against kv_cache.py on whole models (window 8, rings of 128 slots): a prefill
     longer than the ring, a short chunk written before it attends, decodes, and 110 tokens greedy
     past the ring's end, eager against compiled."""
     import torch._dynamo
-    from kv_window import WindowedKVCache
+    from speedups.kv_window import WindowedKVCache
 
     model, _ = weights.load(save_hf(hf_model(arch, max_position_embeddings=512), tmp_path / arch), dtype=torch.float32)
     x = torch.randint(3, 256, (2, 150), generator=torch.Generator().manual_seed(10))
@@ -399,7 +399,7 @@ GEMMA_SHAPED_TEMPLATE = (  # Gemma's turn format: "model" for the assistant, a s
 
 
 def test_a_gemma_shaped_chat_template_renders_in_the_sandbox():
-    from chat_template import render_chat_template
+    from formats.chat_template import render_chat_template
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
                 {"role": "assistant", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}]
@@ -431,7 +431,7 @@ def test_generate_cli_on_a_windowed_model_static_rings_equal_paged(tmp_path, cap
 def test_a_used_ring_cache_gives_a_new_sequence_the_fresh_caches_logits(tmp_path):
     """generate.py reuses a cache (the compile warm-up, --num_samples, speculative warm-up): ring
     entries left from the last sequence are never keys of the next, in a long prefill or after."""
-    from kv_window import WindowedKVCache
+    from speedups.kv_window import WindowedKVCache
 
     model, _ = weights.load(save_hf(hf_model("mistral_window", max_position_embeddings=512), tmp_path / "m"),
                             dtype=torch.float32)
@@ -451,7 +451,7 @@ def test_a_used_ring_cache_gives_a_new_sequence_the_fresh_caches_logits(tmp_path
 def test_hf_folders_written_back_keep_the_family(arch, tmp_path):
     """save_hf_folder (and quantize.py's folders) write each family's keys: our loader gets the same
     config back, and Hugging Face transformers the same logits."""
-    import hf_folder
+    from formats import hf_folder
     from transformers import AutoModelForCausalLM
 
     model, _ = weights.load(save_hf(hf_model(arch), tmp_path / "in"), dtype=torch.float32)
@@ -466,7 +466,7 @@ def test_hf_folders_written_back_keep_the_family(arch, tmp_path):
 
 
 def test_phi3_models_are_not_written_as_a_folder_they_would_not_load_as(tmp_path):
-    import hf_folder
+    from formats import hf_folder
 
     model, _ = weights.load(save_hf(hf_model("phi3_longrope"), tmp_path / "in"), dtype=torch.float32)
     with pytest.raises(ValueError, match="Phi-3 style model"):

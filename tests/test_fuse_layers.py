@@ -1,12 +1,12 @@
-"""fuse_layers.py: q/k/v and gate/up stacked into one layer each give the logits of the separate layers,
+"""formats/fuse_layers.py: q/k/v and gate/up stacked into one layer each give the logits of the separate layers,
 in every layer format, eager and compiled."""
 import pytest
 import torch
 
-import fuse_layers
-import quant_groups
+from formats import fuse_layers
+from formats import quant_groups
 import quantize
-import weights
+from formats import weights
 from helpers import hf_model, save_hf, write_gguf
 from kv_cache import NoCache
 

@@ -11,11 +11,11 @@ import torch
 import generate
 import quantize
 import runtime
-import weights
+from formats import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

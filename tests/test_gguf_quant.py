@@ -1,15 +1,15 @@
-"""GGUF weights at their own bits (gguf_weights.decode_blocks, quant_groups.py): every mapped
+"""GGUF weights at their own bits (gguf_weights.decode_blocks, formats/quant_groups.py): every mapped
 block type decodes bit for bit as gguf.quants does, the layers built from it equal a float model of
 that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path does."""
 import numpy as np
 import pytest
 import torch
 
-import gguf_weights
-import quant_groups
+from formats import gguf_weights
+from formats import quant_groups
 import quantize
 import runtime
-import weights
+from formats import weights
 from helpers import GGUF_NAMES, hf_model, write_gguf
 from kv_cache import NoCache
 

@@ -1,4 +1,4 @@
-"""harmony.py: gpt-oss's replies split into content, reasoning and tool calls, whole or while they
+"""server/harmony.py: gpt-oss's replies split into content, reasoning and tool calls, whole or while they
 are written (the same parts however the text is cut), and through serve.py's chat endpoint with the
 `openai` client, on a tiny gpt-oss whose tokenizer has harmony's markers and a harmony-shaped
 template; the reply is held to a grammar so the random model writes the format."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import harmony
+from server import harmony
 from helpers import HARMONY_SPECIAL, HARMONY_TEMPLATE, tiny_checkpoint
 from test_serve import KEY, serve_checkpoint
 
@@ -112,10 +112,10 @@ def test_a_forced_tool_choice_is_refused_by_name(server):
 
 
 def test_the_responses_api_answers_with_the_final_channel():
-    """responses.py's whole reply: the final channel as its message, a call to a function as a
+    """server/responses.py's whole reply: the final channel as its message, a call to a function as a
     function_call item (the analysis channel is not written as reasoning items there)."""
-    from openai_format import Outputs
-    from responses import Responses
+    from server.openai_format import Outputs
+    from server.responses import Responses
 
     reply = "<|channel|>analysis<|message|>two and two<|end|><|start|>assistant<|channel|>final<|message|>four<|end|>"
     for tools, items in ((None, [("message", "four")]),
@@ -131,7 +131,7 @@ def test_streamed_calls_get_ids_and_only_the_first_without_parallel_tool_calls()
     """A harmony call carries no id of its own: the Responses stream gives it one (the chat path
     too); with parallel_tool_calls false only the first of two calls streams, as the whole reply
     keeps only the first."""
-    from responses import Events
+    from server.responses import Events
 
     second = CALL.replace("functions.add", "functions.mul")
     parts = harmony.HarmonyStream(True).feed(THINK + CALL + second)

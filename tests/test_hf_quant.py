@@ -1,4 +1,4 @@
-"""hf_quant.py: folders quantized by GPTQ, AWQ and compressed-tensors, written here in each format's
+"""formats/hf_quant.py: folders quantized by GPTQ, AWQ and compressed-tensors, written here in each format's
 published packing, load as int4 layers whose weights are exactly the format's own dequantization.
 
 The GPTQ and AWQ folders are packed by this file, following AutoGPTQ's QuantLinear.pack and AutoAWQ's
@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import hf_quant
+from formats import hf_quant
 import quantize
-import weights
+from formats import weights
 from helpers import hf_model, save_hf
 from kv_cache import NoCache
-from quant_groups import Int8GroupLinear
-from weights import CheckpointError
+from formats.quant_groups import Int8GroupLinear
+from formats.weights import CheckpointError
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map

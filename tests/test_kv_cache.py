@@ -5,10 +5,10 @@ import torch
 
 import generate
 import runtime
-import weights
+from formats import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache, attend_len_for
-from kv_int8 import Int8KVCache
+from speedups.kv_int8 import Int8KVCache
 from sampling import SamplingParams
 
 CAPACITY = 1024  # large against the positions the tests use, so the prefix is what they read

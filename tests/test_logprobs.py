@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import weights
+from formats import weights
 from helpers import run_to_end, tiny_checkpoint
 from kv_cache import NoCache
 from scoring import token_logprobs

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import weights
+from formats import weights
 from helpers import ARCHS, hf_model, save_hf, to_classic_config
 from kv_cache import NoCache, StaticKVCache
 
@@ -62,7 +62,7 @@ def test_switches_come_from_the_config():
     """Each architecture really exercises the switch it is listed for (a guard on the fixtures)."""
     import json
 
-    from weights import config_from_hf
+    from formats.weights import config_from_hf
 
     def args(arch):
         return config_from_hf(json.loads(hf_model(arch).config.to_json_string()), arch)

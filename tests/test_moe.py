@@ -14,7 +14,7 @@ import generate
 import moe
 import quantize
 import runtime
-import weights
+from formats import weights
 from engine import Engine, RequestParams
 from helpers import alone, hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
@@ -202,7 +202,7 @@ def test_missing_or_misshapen_experts_are_named(tmp_path):
 def test_folders_written_back_load_in_transformers_and_here(pair, tmp_path):
     """save_hf_folder writes the family's config and one tensor per expert, as published: HF
     transformers and weights.load read it to the same logits."""
-    import hf_folder
+    from formats import hf_folder
     from transformers import AutoModelForCausalLM
 
     arch, _, model = pair
@@ -222,7 +222,7 @@ def test_folders_written_back_load_in_transformers_and_here(pair, tmp_path):
 def test_quantized_folders_hold_the_experts_at_their_bits(mode, arch, tmp_path):
     """quantize.py's folder of a MoE: each projection stacked over the experts (and gpt-oss's biases),
     read back to the layers quantize_model makes in memory (same logits)."""
-    import hf_folder
+    from formats import hf_folder
 
     model, _ = weights.load(save_hf(hf_model(arch), tmp_path / "m"), dtype=torch.float32)
     report = hf_folder.save_quantized(model, tmp_path / mode, mode, 32)

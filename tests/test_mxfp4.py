@@ -1,4 +1,4 @@
-"""mxfp4.py: gpt-oss folders whose experts are MXFP4 blocks, written here in the published layout,
+"""formats/mxfp4.py: gpt-oss folders whose experts are MXFP4 blocks, written here in the published layout,
 decode to the values transformers' own dequantization gives, and the model equals transformers'."""
 import json
 
@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moe
-import weights
+from formats import weights
 from helpers import hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
 from runtime import CheckpointError

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import generate
 import runtime
-import weights
+from formats import weights
 from helpers import check_allocator, tiny_checkpoint
 from kv_cache import StaticKVCache
 from kv_plan import plan_blocks

@@ -10,10 +10,10 @@ import helpers
 import runtime
 import int4_layout
 import quantize
-import weights
+from formats import weights
 from helpers import tiny_checkpoint
 from kv_cache import NoCache, StaticKVCache
-from kv_int8 import Int8KVCache
+from speedups.kv_int8 import Int8KVCache
 from perplexity import DEFAULT_TEXT, perplexity
 
 # a tiny model whose every linear layer the int4 kernels take at group 64 (K % 64, N % 16)
@@ -116,7 +116,7 @@ def q4_1_blocks(tensor):
 def test_int4_group32_reproduces_the_embedded_q4_1_weights(embedded):
     import gguf
 
-    import gguf_config
+    from formats import gguf_config
 
     model, _ = embedded
     reader = gguf_config.read(weights.default_checkpoint())
@@ -210,7 +210,7 @@ def test_saved_checkpoint_equals_quantizing_at_load(tiny, tmp_path, mode, extra)
 def test_quantized_checkpoint_of_a_gguf_keeps_its_tokenizer(tmp_path, embedded):
     out = tmp_path / "q"
     assert quantize.main(["--mode", "int8", "--out", str(out)]) == 0
-    from tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
 
     _, tokenizer = embedded
     text = "Quantized checkpoints keep the tokenizer: 12345 ok?"

@@ -13,14 +13,14 @@ import torch
 import uvicorn
 
 import generate
-import weights
+from formats import weights
 from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from engine import Engine
 from serve import Limits, make_app
-from server_limits import server_config
-from tokenizer import load_tokenizer
+from server.server_limits import server_config
+from formats.tokenizer import load_tokenizer
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -389,7 +389,7 @@ def test_a_fault_in_one_request_ends_only_that_request(server, monkeypatch):
 def test_speculation_streams_the_plain_text_through_the_openai_client(tiny):
     """serve.py over an engine that drafts by prompt lookup: streamed and whole, the greedy text is
     generate.py's, and /metrics counts the drafts and those kept."""
-    from prompt_lookup import PromptLookup
+    from speedups.prompt_lookup import PromptLookup
 
     _, model, tokenizer = tiny
     engine = Engine.for_model(model, num_blocks=200, block_size=8, max_num_seqs=8, stop_ids=tokenizer.stop_ids,

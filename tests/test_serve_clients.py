@@ -19,8 +19,8 @@ from serve import Limits
 from test_serve import AUTH, KEY, client, start_server
 from test_tool_calls import ADD, PARAMS, TOOLS, USER, WEATHER, check_call
 import torch
-import weights
-from tokenizer import load_tokenizer
+from formats import weights
+from formats.tokenizer import load_tokenizer
 
 FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's tool shape
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},

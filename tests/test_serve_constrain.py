@@ -189,7 +189,7 @@ def parser_alternatives(n: int) -> str:
 
 def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
     from constrain import Constraint
-    from constraint_check import ConstraintChecker
+    from server.constraint_check import ConstraintChecker
 
     _, model, tokenizer = tiny
     checker = ConstraintChecker(tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=1.0)

@@ -54,8 +54,8 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     """serve.py loads the model on the thread that then steps it (engine_loop.EngineThread): a
     model loaded on the main thread and stepped on another leaves two OpenMP pools, and on 2
     cores every op then waits for its workers to wake."""
-    import tp_engine
-    from engine_loop import EngineThread
+    from server import tp_engine
+    from server.engine_loop import EngineThread
 
     loaded_on = []
 
@@ -211,6 +211,12 @@ def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
     import socket
 
     url, address, engine, loop, stop = guarded_server(tiny, write_timeout=1.0)
+    step = engine.step  # 20 ms a step: the whole request would take 9 s, so a cut is not a race with it
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+    engine.step = slow_step
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 8,
                        "max_tokens": 450, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
@@ -282,7 +288,7 @@ def test_memory_freed_is_given_back_once_per_burst(tiny, monkeypatch):
     """When the server falls idle, and after a request body or reply of LARGE_BYTES or more, it
     collects and trims the heap, once for a burst (glibc kept 0.9 MB requests' memory: the soak
     grew 84% without this)."""
-    import server_limits
+    from server import server_limits
 
     calls = []
     monkeypatch.setattr(server_limits, "give_back_freed_memory", lambda: calls.append(1))
@@ -309,7 +315,7 @@ def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
     back; a large one does; the last one ending (the server idle) does once the server has stayed
     idle for GIVE_BACK_DELAY_S, not while a request runs or right after one came and went (a
     collection on the loop can stall a stream)."""
-    import server_limits
+    from server import server_limits
 
     calls = []
     monkeypatch.setattr(server_limits, "give_back_freed_memory", lambda: calls.append(1))
@@ -360,7 +366,7 @@ def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
 def test_threads_share_two_malloc_arenas_unless_the_environment_says(monkeypatch):
     """serve.py sets glibc's M_ARENA_MAX to 2 before its threads start (per-thread arenas grew the
     soak 8%); a MALLOC_ARENA_MAX the user set is left to glibc."""
-    import server_limits
+    from server import server_limits
 
     calls = []
     monkeypatch.setattr(server_limits.ctypes, "CDLL", lambda name: types.SimpleNamespace(

@@ -1,4 +1,4 @@
-"""Speculation inside continuous batching (prompt_lookup.py drafts, engine.py verifies them in the
+"""Speculation inside continuous batching (speedups/prompt_lookup.py drafts, engine.py verifies them in the
 step's one forward): greedy, every request's tokens equal the plain engine's (float64: a mismatch
 is a bug, never a near-tie) with mixed lengths, n = 2, preemption, prefix hits, stop strings and a
 JSON-schema constraint; sampling, the speculative engine's token distribution equals the plain
@@ -14,14 +14,14 @@ import jsonschema
 import pytest
 import torch
 
-import weights
+from formats import weights
 from constrain import Constraint
-from draft_model import DraftModel
+from speedups.draft_model import DraftModel
 from engine import Engine, Finished, RequestParams
 from helpers import check_allocator, tiny_checkpoint
-from prompt_lookup import PromptLookup, find_draft
+from speedups.prompt_lookup import PromptLookup, find_draft
 from scheduler import blocks_for
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ import torch
 
 import generate
 import runtime
-import weights
+from formats import weights
 from helpers import hf_model, save_hf
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from prompt_lookup import PromptLookupDrafter
+from speedups.prompt_lookup import PromptLookupDrafter
 from speculative import ModelDrafter, accept, speculative_generate
 
 GREEDY = SamplingParams(0.0)

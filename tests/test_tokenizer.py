@@ -1,4 +1,4 @@
-"""tokenizer.py and gguf_tokenizer.py against the reference libraries, on tokenizers built here."""
+"""formats/tokenizer.py and formats/gguf_tokenizer.py against the reference libraries, on tokenizers built here."""
 import base64
 import io
 import json
@@ -7,8 +7,9 @@ import time
 import numpy as np
 import pytest
 
-import tokenizer
-from tokenizer import TokenizerError, load_tokenizer, render_chat_template
+import text_stream
+from formats import tokenizer
+from formats.tokenizer import TokenizerError, load_tokenizer, render_chat_template
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
@@ -107,7 +108,7 @@ def tiktoken_folder(tmp_path_factory):
 def test_tiktoken_ids_match_the_library(tiktoken_folder):
     import tiktoken
 
-    from tokenizer import LLAMA3_PATTERN
+    from formats.tokenizer import LLAMA3_PATTERN
 
     folder, ranks = tiktoken_folder
     tok = load_tokenizer(folder)
@@ -128,7 +129,7 @@ def test_gguf_gpt_4o_pre_tokenizer_splits_as_tiktokens_o200k(monkeypatch):
     import regex
     import tiktoken_ext.openai_public as openai_public
 
-    import gguf_tokenizer
+    from formats import gguf_tokenizer
 
     monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {})
     pattern = openai_public.o200k_base()["pat_str"]
@@ -219,7 +220,7 @@ def test_a_template_that_alters_a_spelled_special_token_is_refused(hf_folder):
 
 def test_the_embedded_gguf_tokenizer_keeps_spelled_special_tokens_as_text(embedded):
     """(the GGUF vocabulary rebuilt as a tokenizers object, SmolLM2's template)"""
-    import weights
+    from formats import weights
 
     tok = load_tokenizer(weights.default_checkpoint())
     ids = tok.encode_chat(SPELLED)
@@ -234,7 +235,7 @@ def test_the_embedded_gguf_tokenizer_keeps_spelled_special_tokens_as_text(embedd
 def test_embedded_gguf_vocabulary_matches_transformers(embedded):
     from transformers import AutoTokenizer
 
-    import weights
+    from formats import weights
 
     _, tok = embedded
     path = weights.default_checkpoint()
@@ -307,7 +308,7 @@ HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without bui
 def test_hostile_chat_templates_fail_clearly_and_quickly(name, monkeypatch):
     import resource
 
-    import chat_template
+    from formats import chat_template
 
     monkeypatch.setattr(chat_template, "TEMPLATE_MAX_SECONDS", 0.3)
     start, peak = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -360,7 +361,7 @@ STREAM_TEXT = ("Unicode: café, naïve, 日本語, Ελληνικά, русск�
 
 def stream_all(tok, ids, stop=(), reasons=None):
     """The pieces a TextStream returns for `ids` (reason None on each, then finish()), and the stream."""
-    stream = tokenizer.TextStream(tok, stop)
+    stream = text_stream.TextStream(tok, stop)
     pieces = [stream.add(t, (reasons or {}).get(k)) for k, t in enumerate(ids)]
     return pieces + [stream.finish()], stream
 
@@ -368,7 +369,7 @@ def stream_all(tok, ids, stop=(), reasons=None):
 @pytest.fixture(scope="module")
 def embedded_tokenizer():
     """The embedded GGUF's tokenizer alone (the model is not loaded)."""
-    import weights
+    from formats import weights
 
     return load_tokenizer(weights.default_checkpoint())
 
@@ -399,14 +400,14 @@ def test_text_stream_holds_an_emoji_split_across_byte_tokens(embedded_tokenizer)
         pieces, stream = stream_all(tok, ids)
         assert pieces[0] == "a" and "".join(pieces) == "a" + emoji and not any("\ufffd" in p for p in pieces)
         assert pieces[-2] != "" and pieces[-1] == ""  # released as the last byte arrived, not at finish()
-    stream = tokenizer.TextStream(tok)
+    stream = text_stream.TextStream(tok)
     assert stream.add(tok.encode("🦙")[0]) == "" and stream.finish() == "\ufffd"  # ended mid-character: as decode
 
 
 def test_text_stream_holds_what_could_begin_a_stop_string_and_finish_releases_it(embedded_tokenizer):
     tok = embedded_tokenizer
     ids = tok.encode("Hello world, the end is near", bos=False)
-    stream = tokenizer.TextStream(tok, ["xyz", "never"])  # the last 4 characters are held
+    stream = text_stream.TextStream(tok, ["xyz", "never"])  # the last 4 characters are held
     assert [stream.add(t) for t in ids[:2]] == ["H", "ello w"] and stream.sent == "Hello w"
     assert "".join(stream.add(t) for t in ids[2:]) == "orld, the end is "
     assert stream.reason is None and stream.finish() == "near" and stream.reason == "length"
@@ -469,7 +470,7 @@ def test_text_stream_stop_token_is_not_text(embedded_tokenizer):
     pieces, _ = stream_all(tok, ids + [eos], (), {len(ids): "length"})  # ignore_eos: it is text
     assert "".join(pieces) == tok.decode(ids + [eos])
     with pytest.raises(ValueError, match="non-empty"):
-        tokenizer.TextStream(tok, ["ok", ""])
+        text_stream.TextStream(tok, ["ok", ""])
 
 
 def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
@@ -483,13 +484,13 @@ def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
     decode, windows = tok.decode, []
     monkeypatch.setattr(tok, "decode", lambda ids: windows.append(len(ids)) or decode(ids))
     for ids in [(text * 5)[:5000], [lone_byte] * 5000]:
-        stream, calls = tokenizer.TextStream(tok, ["never\x00seen"]), []
+        stream, calls = text_stream.TextStream(tok, ["never\x00seen"]), []
         for t in ids:
             start = len(windows)
             stream.add(t)
             calls.append(len(windows) - start)
         stream.finish()
-        assert max(calls) <= 2 and max(windows) <= 2 * (tokenizer.TextStream.HELD_TOKENS + 1), max(windows)
+        assert max(calls) <= 2 and max(windows) <= 2 * (text_stream.TextStream.HELD_TOKENS + 1), max(windows)
         assert stream.sent == decode(ids)
         windows.clear()
 
@@ -497,7 +498,7 @@ def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
 def test_printer_prints_until_the_stop_token(embedded_tokenizer):
     tok = embedded_tokenizer
     ids, out = tok.encode("Hi 🦙 there", bos=False), io.StringIO()
-    printer = tokenizer.Printer(tok, tok.stop_ids, out)
+    printer = text_stream.Printer(tok, tok.stop_ids, out)
     for t in ids + [min(tok.stop_ids)] + ids:
         printer([t])
     printer.flush()

@@ -1,4 +1,4 @@
-"""Tool calling (tool_calls.py) through serve.py and the real `openai` client: "required" and named
+"""Tool calling (server/tool_calls.py) through serve.py and the real `openai` client: "required" and named
 tool_choice always produce calls that parse and validate against the tool's parameters (a random
 model included), streamed as OpenAI's tool-call deltas or not; the two output formats parse;
 tools reach a template that knows them, and a system message otherwise; a conversation with the
@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import tool_calls
+from server import tool_calls
 from constrain import compile_constraint
 from helpers import tiny_checkpoint
 from test_serve import AUTH, client, serve_checkpoint
-from tokenizer import load_tokenizer, render_chat_template
+from formats.tokenizer import load_tokenizer, render_chat_template
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 import generate
 import tp
-import weights
+from formats import weights
 from helpers import hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
 from sampling import SamplingParams

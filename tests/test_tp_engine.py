@@ -1,4 +1,4 @@
-"""tp_engine.py: the engine, batch.py and serve.py over tensor-parallel gloo ranks give the tokens
+"""server/tp_engine.py: the engine, batch.py and serve.py over tensor-parallel gloo ranks give the tokens
 of one process: shared prefixes, preemption in a tight pool, n = 2, an abort; serve.py under
 torchrun answers the `openai` client as one process does, frees a leaving client's blocks, drains
 on SIGTERM with every rank exiting 0; a rank killed mid-run takes the others down, named."""
@@ -14,13 +14,13 @@ import httpx
 import pytest
 import torch
 
-import tp_engine
-import weights
+from server import tp_engine
+from formats import weights
 from engine import Engine
 from helpers import tiny_checkpoint
 from test_serve import client, start_server
 from test_tp import start_ranks
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 from tp_worker import ENGINE, engine_workload, run_engine_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

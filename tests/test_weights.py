@@ -1,4 +1,4 @@
-"""weights.py and gguf_weights.py: every checkpoint format gives the same model, bad files clear errors."""
+"""formats/weights.py and formats/gguf_weights.py: every checkpoint format gives the same model, bad files clear errors."""
 import json
 import os
 import shutil
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import hf_folder
-import weights
+from formats import hf_folder
+from formats import weights
 from helpers import hf_model, save_hf, write_gguf
 from kv_cache import NoCache
-from weights import CheckpointError
+from formats.weights import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_eager_runs_never_import_the_compiler_stack(tiny):
     """Loading (the model built on the meta device, RoPE set up) and eager steps leave torch._dynamo
     and sympy unimported: about 100 MiB resident that only --compile needs. nn.Embedding's normal_
     on meta tensors imported them until weights.build skipped initialisers."""
-    code = ("import sys, torch, weights, runtime; from kv_cache import StaticKVCache\n"
+    code = ("import sys, torch, runtime; from formats import weights; from kv_cache import StaticKVCache\n"
             f"m, _ = weights.load_for_inference({str(tiny[1])!r}, dtype=torch.bfloat16)\n"
             "c = StaticKVCache.for_model(m, 1, 64); runtime.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
             "runtime.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
@@ -94,12 +94,12 @@ def test_hub_id_through_a_real_offline_cache(tiny, tmp_path):
     (repo / "refs" / "main").write_text(commit)
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = "import weights; m, info = weights.load('tiny-org/tiny-llama'); print(info.source)"
+    code = "from formats import weights; m, info = weights.load('tiny-org/tiny-llama'); print(info.source)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(f"snapshots/{commit}")
     # and a repo that is not cached gives the clear offline error, not a network attempt
-    code = "import weights; weights.load('tiny-org/not-there')"
+    code = "from formats import weights; weights.load('tiny-org/not-there')"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "not in the Hugging Face cache" in out.stderr
 
@@ -150,7 +150,7 @@ def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
     expected = torch.from_numpy(dequantize(raw, qtype))  # [rows, 256]
     assert torch.isfinite(expected).all()
 
-    import gguf_weights
+    from formats import gguf_weights
 
     class T:  # a stand-in for one GGUF tensor record
         name, tensor_type, data, shape = "blk.0.attn_v.weight", qtype, raw, np.array([cols_k, rows])
@@ -324,7 +324,7 @@ def test_gguf_file_reads_what_the_gguf_package_reads(tiny, tmp_path):
     every tensor's name, type, shape and bytes, on the embedded file and a tiny quantized one."""
     import gguf
 
-    import gguf_file
+    from formats import gguf_file
 
     for path in (weights.default_checkpoint(), write_gguf(tiny[0], tmp_path / "q.gguf", qtype="Q4_1")):
         ours, ref = gguf_file.GGUFFile(path), gguf.GGUFReader(str(path))

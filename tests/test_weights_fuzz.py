@@ -13,11 +13,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import weights
+from formats import weights
 from helpers import hf_model, tiny_checkpoint, write_gguf
 from kv_cache import NoCache
 from runtime import CheckpointError, TokenizerError
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 
 FUZZ = settings(derandomize=True, max_examples=25, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))

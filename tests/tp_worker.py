@@ -23,7 +23,7 @@ def run_rank(rank, world, checkpoints, init_file, out_dir, new_tokens, compile_d
         import generate
         import runtime
         import tp
-        import weights
+        from formats import weights
         from kv_cache import NoCache, StaticKVCache
         from sampling import SamplingParams
 
@@ -82,9 +82,9 @@ def run_engine_rank(rank, world, folder, init_file, out_dir, options):
                             timeout=timedelta(seconds=60))
     try:
         import tp
-        import tp_engine
-        import weights
-        from tokenizer import load_tokenizer
+        from server import tp_engine
+        from formats import weights
+        from formats.tokenizer import load_tokenizer
 
         model, info = weights.load(folder, dtype=torch.float64, shard=(rank, world))
         tp_engine.check_same_options(options[rank])

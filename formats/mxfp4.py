@@ -22,7 +22,7 @@ dequantize=True each projection comes out in float32 instead, the same values.
 import torch
 
 from moe import e2m1_weights
-from quant_groups import Packed
+from formats.quant_groups import Packed
 from runtime import CheckpointError
 
 PARTS = ("gate_up_proj", "down_proj")  # gpt-oss's expert projections with blocks and scales

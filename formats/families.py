@@ -17,9 +17,9 @@ renames or splits tensors whose layout differs from Llama's:
     qwen3_moe           experts, q/k norms
     gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks, biases on q/k/v/o,
                         sliding and full layers alternating, YaRN; gate_up_proj [E, dim, 2 ff] (gate and up
-                        columns interleaved) split here; MXFP4 expert blocks are mxfp4.py's
+                        columns interleaved) split here; MXFP4 expert blocks are formats/mxfp4.py's
 
-    python -c "import json, families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
+    python -c "import json; from formats import families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
 from pathlib import Path
 
@@ -203,7 +203,7 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
 def gpt_oss_experts(file, name, t):
     """gpt-oss's router (mlp.router) as mlp.gate, and its experts stored as x @ W: gate_up_proj [E, dim, 2 ff]
     with gate and up columns interleaved (and their bias [E, 2 ff]), down_proj [E, ff, dim], as moe.py's
-    [E, out, in] projections; MXFP4 blocks and scales pass on to hf_quant.py."""
+    [E, out, in] projections; MXFP4 blocks and scales pass on to formats/hf_quant.py."""
     name = name.replace(".mlp.router.", ".mlp.gate.")
     if name.endswith(("_blocks", "_scales")) or not isinstance(t, torch.Tensor) or ".experts." not in name:
         yield file, name, t

@@ -1,6 +1,6 @@
 """The GGUF container read directly: header, metadata and tensor records over one memory map.
 
-    python gguf_file.py FILE.gguf        # prints the metadata (arrays abbreviated) and the tensors
+    python -m formats.gguf_file FILE.gguf        # prints the metadata (arrays abbreviated) and the tensors
 
 Layout (little-endian, version 2 or 3): "GGUF", version u32, tensor count u64, metadata count u64;
 each metadata entry is a key (string = u64 length + UTF-8 bytes), a value type u32 and a value

@@ -14,7 +14,7 @@ the final channel as `content`, the analysis channel as `reasoning_content` (as 
 name it), and messages to `functions.NAME` as tool calls. A reply with no markers at all (the
 model off its format, or held to a grammar) is all content.
 
-    python -c "import harmony; print(harmony.parse('<|channel|>final<|message|>hi'))"
+    python -c "from server import harmony; print(harmony.parse('<|channel|>final<|message|>hi'))"
 """
 import re
 

@@ -32,9 +32,10 @@ slower on dense bf16, float32 and --quantize int8 (benchmarks/RESULTS.md, "--com
 Where: $LLM_AOT_CACHE, else $XDG_CACHE_HOME/llm-aot (~/.cache/llm-aot): a folder per key, the
 hash of torch's version, the CPU (flags, ATen's instruction set, the thread count Inductor's loops
 are built for), the model's structure (every module's class and settings, every tensor's name,
-shape and dtype), the cache's class, the batch size (the paged package: the block size) and this
-folder's source (any edit compiles anew; old folders stay, a few MiB each). A new key compiles
-once (SmolLM2-135M: 40-55 s on 2 cores, a second package as long again, the paged one 90-120 s);
+shape and dtype), the cache's class, the batch size (the paged package: the block size) and the
+source of the files the step is traced from (`traced_files`: an edit there compiles anew, an
+edit to the server's files does not; old folders stay, a few MiB each). A new key compiles once
+(SmolLM2-135M: 40-55 s on 2 cores, a second package as long again, the paged one 90-120 s);
 later runs load the package in a fraction of a second.
 Processes needing the same key wait for the one compiling it (a lock file). While compiling, the
 child holds its own copy of the weights (it loads the checkpoint as the caller did) and the
@@ -44,6 +45,7 @@ the weights plus what `--compile` needs; every later run adds nothing to eager's
 import contextlib
 import glob
 import hashlib
+import inspect
 import json
 import os
 import subprocess
@@ -57,7 +59,7 @@ from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from paged import PagedKVCache
 from runtime import DTYPES, cpu_capability, decode_one, log
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's root
 CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")  # StaticKVCache has the first two, Int8KVCache all four
 MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
 # per package: (the attend lengths it serves, the example attend length and cache length it is exported at)
@@ -193,10 +195,39 @@ def package_key(step) -> str:
     except OSError:
         pass
     h = hashlib.sha256("\0".join(parts).encode())
-    for path in sorted(glob.glob(os.path.join(ROOT, "*.py"))):  # the code traced into the step: all of it
+    for path in traced_files(step):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:24]
+
+
+def traced_files(step) -> list:
+    """The project's files the compiled step is traced from: those defining its layers, its
+    cache's classes and one-token kernel, decode_one and this file, with every project file they
+    import at their top (so editing the server's files compiles nothing anew)."""
+    todo = [type(m).__module__ for m in step.modules()] + [c.__module__ for c in step.kind.__mro__]
+    todo += [getattr(getattr(step, "decode", None), "__module__", None), decode_one.__module__, __name__]
+    seen = set()
+    while todo:
+        module = sys.modules.get(todo.pop() or "")
+        path = os.path.abspath(getattr(module, "__file__", None) or "")
+        if not is_source(path) or path in seen:
+            continue
+        seen.add(path)
+        for value in vars(module).values():
+            name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            todo.append(name if isinstance(name, str) else None)
+    return sorted(seen)
+
+
+def is_source(path: str) -> bool:
+    """A file of the project's code: at the root or in one of its packages (formats/, ...), not a
+    package's __init__ (its attributes follow what is loaded) nor a test's or a benchmark's."""
+    folder = os.path.dirname(path)
+    if folder == ROOT:
+        return True
+    in_package = os.path.dirname(folder) == ROOT and os.path.exists(os.path.join(folder, "__init__.py"))
+    return in_package and not path.endswith("__init__.py")
 
 
 class AotDecode:
@@ -351,7 +382,9 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
     log_path = os.path.join(folder, "build.log")
     from tqdm import tqdm
     with open(log_path, "w") as out:
-        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(spec)], stdout=out, stderr=out)
+        path = os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # the caller's cwd kept
+        child = subprocess.Popen([sys.executable, "-m", "speedups.aot", json.dumps(spec)], stdout=out, stderr=out,
+                                 env={**os.environ, "PYTHONPATH": path})
         try:  # on a terminal, the time so far: a minute's wait is not a hang
             with tqdm(bar_format="{desc} {elapsed}", desc="compiling", file=sys.stderr, leave=False, disable=None) as bar:
                 while (code := child.poll()) is None:
@@ -384,9 +417,9 @@ def build(spec: dict):
     from torch._inductor.graph import GraphLowering
 
     import runtime
-    import weights
+    from formats import weights
     from kv_cache import StaticKVCache
-    from kv_int8 import Int8KVCache
+    from speedups.kv_int8 import Int8KVCache
 
     load = dict(spec["load"])
     model, _ = weights.load_for_inference(device="cpu", dtype=DTYPES[load.pop("dtype")], log=log, **load)

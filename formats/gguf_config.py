@@ -5,10 +5,10 @@ keys prefixed by it (`llama.block_count`, `qwen3moe.expert_count`, ...). This fi
 what each converter leaves out (Gemma's layer pattern and query_pre_attn_scalar, gpt-oss's SwiGLU
 limit: llama.cpp keeps those in its code), RoPE scaling from `rope.scaling.*` and the factor
 tensors, sliding windows, and the experts of a mixture (`expert_*`, a router tensor per sparse
-layer). gguf_weights.py reads the tensors; gguf_tokenizer.py the vocabulary; both through `read`,
+layer). formats/gguf_weights.py reads the tensors; formats/gguf_tokenizer.py the vocabulary; both through `read`,
 which keeps the last files' parsed metadata.
 
-    python -c "import gguf_config as g, sys; print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
+    python -c "import sys; from formats import gguf_config as g; print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
 """
 import functools
 from pathlib import Path
@@ -26,14 +26,14 @@ def read(path: Path):
     """A gguf_file.GGUFFile, or a CheckpointError saying the file is not readable GGUF.
 
     Both the weights and the tokenizer need the metadata, so the last readers are kept, keyed by
-    the file's identity (settle() in weights.py drops them once both are loaded)."""
+    the file's identity (settle() in formats/weights.py drops them once both are loaded)."""
     stat = Path(path).stat()
     return _read(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
 def _read(path: str, mtime_ns: int, size: int):
-    from gguf_file import GGUFFile
+    from formats.gguf_file import GGUFFile
 
     try:
         return GGUFFile(path)

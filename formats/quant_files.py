@@ -1,8 +1,8 @@
 """quantize.py's checkpoints: the tensors each quantized layer writes, and the layers built back from them.
 
-A folder written by `python quantize.py` (hf_folder.py writes it) holds, in place of each quantized
+A folder written by `python quantize.py` (formats/hf_folder.py writes it) holds, in place of each quantized
 layer's float weight, its portable tensors (quantize.portable_tensors) and, in the safetensors
-metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. weights.py checks a checkpoint's
+metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. formats/weights.py checks a checkpoint's
 tensors against `expected_tensors` and calls `install` to build the layers:
 
     int8  (and any embedding)   weight int8 [N, K], scales float32 [N]

@@ -3,12 +3,12 @@ chat template, the calls it writes are parsed back into OpenAI's `message.tool_c
 `tool_choice` "required" or a named function is enforced with a grammar (constrain.py), so the
 call always parses.
 
-    python -c "import tool_calls"     # library only; serve.py uses it
+    python -c "from server import tool_calls"     # library only; serve.py uses it
 
 Three output formats, told apart by the chat template:
   hermes   (Qwen2.5, Hermes, and the default)   <tool_call>{"name": ..., "arguments": {...}}</tool_call>
   llama3   (a template that speaks of ipython)  {"name": ..., "parameters": {...}}   (the whole reply)
-  harmony  (gpt-oss: <|channel|>)               a message to=functions.NAME (harmony.py parses it)
+  harmony  (gpt-oss: <|channel|>)               a message to=functions.NAME (server/harmony.py parses it)
 A template that never mentions `tools` (e.g. SmolLM2's) still gets them: a system message lists
 them and asks for the hermes format. tool_choice "none" renders no tools; "auto" lets the model
 choose and parses what it wrote.
@@ -49,7 +49,7 @@ def names(tools):
 
 def tool_format(chat_template: str) -> str:
     if chat_template and "<|channel|>" in chat_template:
-        return "harmony"  # gpt-oss: calls are messages to functions.NAME (harmony.py)
+        return "harmony"  # gpt-oss: calls are messages to functions.NAME (server/harmony.py)
     return "llama3" if chat_template and "ipython" in chat_template else "hermes"
 
 

@@ -4,7 +4,7 @@ how long a connection may keep the server waiting (`GuardedH11`: a request's hea
 within --header_timeout, a reply the client stops reading cut after --write_timeout); and how
 the server ends (`DrainingServer`: drain on the first signal, within a hard bound).
 
-    python -c "import server_limits"     # library only; serve.py uses it
+    python -c "from server import server_limits"     # library only; serve.py uses it
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
 parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued. After a
@@ -31,7 +31,7 @@ import uvicorn
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from openai_format import error, unavailable
+from server.openai_format import error, unavailable
 from runtime import log
 
 

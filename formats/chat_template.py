@@ -7,7 +7,7 @@ builds a string or list is bounded before it allocates: repetition (`*`), concat
 `.format` (their widths and their output's size), the string filters (`join`, `center`, ...);
 results are checked too, and a trace on the template's frames holds a deadline, loops included.
 
-    from chat_template import render_chat_template
+    from formats.chat_template import render_chat_template
     text = render_chat_template(template, [{"role": "user", "content": "hi"}])
 
 Any failure is a TokenizerError saying what the template tried.

@@ -51,12 +51,12 @@ import math
 import torch
 
 import quantize
-from quant_groups import Packed
+from formats.quant_groups import Packed
 from runtime import CheckpointError
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 SUPPORTED = ("gptq and awq (4-bit, GEMM packing), compressed-tensors (pack-quantized int4, group or channel) "
-             "and mxfp4 (gpt-oss's experts: mxfp4.py)")
+             "and mxfp4 (gpt-oss's experts: formats/mxfp4.py)")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # added to each stored zero nibble
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8j + AWQ_ORDER[i]
 # The tensors of one layer: (required, optional) suffixes after "<layer>."
@@ -80,7 +80,7 @@ def check(quant_config: dict, source) -> None:
     if not isinstance(quant_config, dict):
         raise CheckpointError(f"{source}: quantization_config is not a JSON object")
     method = method_of(quant_config)
-    if method == "mxfp4":  # gpt-oss's experts: nothing in the config to check (mxfp4.py)
+    if method == "mxfp4":  # gpt-oss's experts: nothing in the config to check (formats/mxfp4.py)
         return
     if method not in METHODS:
         raise CheckpointError(f"{source}: quant_method {quant_config.get('quant_method')!r} is not supported; "

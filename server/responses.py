@@ -2,7 +2,7 @@
 chat request, runs through the same steps (limits, chat template, tool grammar, engine, aborts,
 draining), and its reply is written back as output items, whole or as Responses events.
 
-    python -c "import responses"     # library only; serve.py routes /v1/responses here
+    python -c "from server import responses"     # library only; serve.py routes /v1/responses here
 
     input items                         chat messages
       "text" or {"role", "content"}       user / assistant / system ("developer" is system)
@@ -32,9 +32,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from engine_loop import events_of
-from openai_format import Body, ChatRequest, Outputs, Refused
-from tool_calls import call_id, tool_format
+from server.engine_loop import events_of
+from server.openai_format import Body, ChatRequest, Outputs, Refused
+from server.tool_calls import call_id, tool_format
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -226,7 +226,7 @@ def ending(reason) -> tuple:
 
 class Events:
     """Responses' server-sent events for one streamed reply: the output items as CallStream parts
-    arrive (tool_calls.py), each event numbered."""
+    arrive (server/tool_calls.py), each event numbered."""
 
     def __init__(self):
         self.seq, self.items, self.open = 0, [], None  # the item being written, if any

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import gguf_weights
+from formats import gguf_weights
 import moe
-import weights
-from families import MIXTRAL_EXPERT
-from quant_files import METADATA_KEY, describe
+from formats import weights
+from formats.families import MIXTRAL_EXPERT
+from formats.quant_files import METADATA_KEY, describe
 from quantize import GROUP_SIZES, check_mode, plan, portable_tensors, quantize_int8
 
 
@@ -74,7 +74,7 @@ def _kind(a) -> str:
 
 
 def hf_config(model) -> dict:
-    """config.json for the model's family (families.py reads it back to the same ModelConfig)."""
+    """config.json for the model's family (formats/families.py reads it back to the same ModelConfig)."""
     a = model.config
     if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
         raise ValueError("a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import int4_layout
 import quantize
-from quant_groups import Int8GroupLinear
+from formats.quant_groups import Int8GroupLinear
 from runtime import release_memory
 
 

@@ -1,7 +1,7 @@
 """OpenAI's wire format for serve.py: the request bodies, the error object, choices, usage, and
 log-probabilities in both shapes (completions' legacy arrays, chat's list of token objects).
 
-    python -c "import openai_format"     # library only; serve.py is the server
+    python -c "from server import openai_format"     # library only; serve.py is the server
 
 Log-probabilities are the model's own: log_softmax of the raw logits, before temperature,
 penalties and top-k/top-p (scoring.token_logprobs), as HF transformers computes them. A token's
@@ -18,9 +18,9 @@ no log-probability (null), and `max_tokens: 0` scores a prompt without generatin
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-import harmony
+from server import harmony
 from runtime import log
-from tool_calls import CallStream, call_id, parse_calls
+from server.tool_calls import CallStream, call_id, parse_calls
 
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
 # Fields of OpenAI's API accepted and ignored without a log line: they change nothing here.
@@ -104,7 +104,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int = Field(None, ge=0, le=20)
-    tools: list[dict] = None  # OpenAI function tools (tool_calls.py)
+    tools: list[dict] = None  # OpenAI function tools (server/tool_calls.py)
     tool_choice: str | dict = None
     parallel_tool_calls: bool = True  # "required" may then write several calls
     functions: list[dict] = None  # the legacy form of tools and tool_choice (tool_calls.legacy_tools)
@@ -378,7 +378,7 @@ class Outputs:
 
     def message(self, i: int):
         """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given
-        (and gpt-oss's reasoning, harmony.py)."""
+        (and gpt-oss's reasoning, server/harmony.py)."""
         message, calls = {"role": "assistant", "content": self.text(i)}, []
         if self.harmony:
             reply = harmony.parse(self.text(i))

@@ -39,10 +39,10 @@ import torch.distributed as dist
 import tp
 from engine import Engine
 from kv_plan import plan_blocks
-from draft_model import DraftModel
-from prompt_lookup import PromptLookup
+from speedups.draft_model import DraftModel
+from speedups.prompt_lookup import PromptLookup
 from runtime import DTYPES, human, log, pick_device, weights_line
-from tokenizer import load_tokenizer
+from formats.tokenizer import load_tokenizer
 
 STEP, KEEPALIVE, STOP = 0, 1, 2
 KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
@@ -284,7 +284,7 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
     needed (weights.settle)."""
-    import weights
+    from formats import weights
 
     proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if speculate == "prompt_lookup" else None
     model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
@@ -315,10 +315,10 @@ def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=Fal
 
 
 def aot_step(engine, load: dict, compile: str, refusal):
-    """--compile auto|aot: the engine's decode-only steps as aot.py's paged package (built once, in a
+    """--compile auto|aot: the engine's decode-only steps as speedups/aot.py's paged package (built once, in a
     child process, cached on disk); None (eager) where it cannot serve: quietly for what the flags rule
     out, with the reason in one line for a failed build. --compile aot raises instead."""
-    import aot
+    from speedups import aot
 
     if refusal:
         if compile == "aot":
@@ -333,7 +333,7 @@ def load_engine(**options):
     (Engine, tokenizer, load info) on rank 0; the other ranks serve rank 0 and exit 0 inside."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return load_one_process(**options)
-    import weights
+    from formats import weights
 
     rank, world = tp.init(TIMEOUT_S)
     check_same_options(options)

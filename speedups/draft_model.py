@@ -32,7 +32,7 @@ from collections import Counter
 import torch
 
 from paged import PagedKVCache
-from prompt_lookup import check_k
+from speedups.prompt_lookup import check_k
 from sampling import probabilities
 from scheduler import blocks_for
 

@@ -6,7 +6,7 @@ segfaults it), one that takes seconds to compile, or one that fails only once it
 2000" items in a row) is a 400 at admission. serve.py then compiles it on one of two threads
 kept for that and hands the engine a constrain.Compiled, so the engine thread never compiles.
 
-    python -c "import constraint_check"     # library only; serve.py uses it
+    python -c "from server import constraint_check"     # library only; serve.py uses it
 
 The child starts on the first constrained request and serves one check at a time; one that dies
 or runs past the deadline is killed and replaced. Constraints that passed are remembered (the
@@ -29,7 +29,7 @@ MESSAGE_CHARS = 300  # of llguidance's error: its first line, never a Rust backt
 def child(conn, tokenizer_source, vocab_size: int, stop_ids):
     """The child: compile each constraint it is sent, then its first mask; answer "" or the error."""
     from constrain import compile_constraint
-    from tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source)
     conn.send_bytes(b"ready")

@@ -3,7 +3,7 @@ group of input channels, and the record that carries such a weight from a file r
 
     w[n, k] = q[n, k] * scale[n, g] + offset[n, g]      g = k // groupsize, q int8, scale/offset float32
 
-This one form holds every GGUF block type of the legacy and K families *exactly* (gguf_weights.py
+This one form holds every GGUF block type of the legacy and K families *exactly* (formats/gguf_weights.py
 decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8) and d * (q - 16), stored
 as the signed q; Q4_1 and Q5_1 add a minimum m; Q4_K and Q5_K have per-32 scales d * sc and
 offsets -dmin * m; Q6_K per-16 scales d * sc. The arithmetic is float32 in the order gguf.quants
@@ -305,7 +305,7 @@ def install_experts(model, name: str, parts: dict, dtype, device, own_bits: dict
             groups[projection] = ("float", p.to(device))
             continue
         t = {k: None if v is None else v.to(device) for k, v in p.tensors.items()}
-        bits = {"int4": "int4", "e2m1": "e2m1"}.get(p.kind, "int8")  # (e2m1: mxfp4.py's codes and powers of two)
+        bits = {"int4": "int4", "e2m1": "e2m1"}.get(p.kind, "int8")  # (e2m1: formats/mxfp4.py's codes and powers of two)
         groups[projection] = (bits, *((t["weight"], t["scales"], t["zeros"]) if bits == "int4"
                                       else (t["q"], t["scales"], t.get("offsets"))))
         own_bits.setdefault(f"experts.{projection}", set()).add(f"{p.source} -> {bits} g{p.groupsize}")
