@@ -22,8 +22,8 @@ the row alone, on every CPU kind:
     (nn.Linear, GGUF groups dequantized for F.linear) runs in blocks of exactly ROWS rows, the
     last padded with zeros (`fixed_rows`): one shape per layer, so one kernel and one blocking,
     whatever the step's rows (ROWS x the weight's bytes are re-read per block: the cost);
-  - every query row, decode or prompt, attends with the same `attention`, over a width that
-    follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
+  - every query row, decode or prompt, attends with the same `attention` (its products in
+    blocks of ROWS rows too), over a width that follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
     decode rows by it and cuts prefill chunks where it changes (`pieces`).
 
 A token's K/V then has the same bits whether it was computed as a decode or inside any prefill
@@ -114,17 +114,20 @@ def pieces(start: int, n: int, block_size: int) -> list:
 
 def attention(q, k, v, mask, softcap=0.0, sinks=None):
     """softmax(q k^T / sqrt(D) + mask) v as two batched matmuls whose rows are (query, head in the
-    KV head's group): a row's bits do not depend on how many queries share the call. Softcap
-    (Gemma 2) and sinks (gpt-oss) as kv_cache.attention defines them.
+    KV head's group), cut into blocks of ROWS rows (the last padded): every product has ROWS rows
+    and a batch of two or more (oneDNN splits a reduction across threads only in a batch of one),
+    so a row's bits do not depend on how many queries share the call. Softcap (Gemma 2) and sinks
+    (gpt-oss) as kv_cache.attention defines them.
 
     q [R, T, H, D]; k, v [R, Hkv, L, D]; mask [R, 1, T, L] -> [R, T, H, D]"""
     R, T, H, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
-    if T * G == 1:  # one row per product (one query, no grouped heads): twice, one kept (GEMV, above)
-        return attention(torch.cat((q, q), 1), k, v, torch.cat((mask, mask), 2), softcap, sinks)[:, :1]
+    if R * Hkv * -(-T * G // ROWS) == 1:  # a batch of one product: twice, one kept (see above)
+        two = attention(torch.cat((q, q)), torch.cat((k, k)), torch.cat((v, v)), torch.cat((mask, mask)), softcap, sinks)
+        return two[:R]
     qg = q.reshape(R, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, T * G, D)  # rows (t, g)
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [R, Hkv, T*G, L]
+    scores = in_blocks(qg, k.transpose(-1, -2))  # [R, Hkv, T*G, L]
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * D**-0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -134,5 +137,15 @@ def attention(q, k, v, mask, softcap=0.0, sinks=None):
         p = torch.softmax(torch.cat((scores, column), -1), dim=-1)[..., :L]
     else:
         p = torch.softmax(scores, dim=-1)
-    y = torch.matmul(p.reshape(R, Hkv, T * G, L).to(v.dtype), v)  # [R, Hkv, T*G, D]
+    y = in_blocks(p.reshape(R, Hkv, T * G, L).to(v.dtype), v)  # [R, Hkv, T*G, D]
     return y.view(R, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(R, T, H, D)
+
+
+def in_blocks(a, b):
+    """a [R, Hkv, M, K] @ b [R, Hkv, K, N] -> [R, Hkv, M, N], a's rows in blocks of ROWS, the
+    last padded with zeros: one batched matmul of [ROWS, K] x [K, N] products."""
+    R, Hkv, M, K = a.shape
+    blocks = -(-M // ROWS)
+    a = F.pad(a, (0, 0, 0, blocks * ROWS - M)).view(R, Hkv, blocks, ROWS, K)
+    y = torch.matmul(a, b[:, :, None])  # [R, Hkv, blocks, ROWS, N]
+    return y.view(R, Hkv, blocks * ROWS, -1)[:, :, :M]

@@ -112,6 +112,24 @@ def test_attention_gives_a_query_the_same_bits_alone_or_among_others(H, Hkv, L):
             assert torch.equal(y[0, 0], chunk[0, t]), (t, R)
 
 
+@pytest.mark.parametrize("H, Hkv, T, R", [(9, 3, 100, 1), (4, 1, 1, 1), (4, 4, 1, 6)])
+def test_attention_products_have_rows_rows_and_a_batch_of_two_or_more(H, Hkv, T, R, monkeypatch):
+    """What keeps oneDNN on one kernel and one reduction order (batch_invariant.py): every
+    product [ROWS, K] x [K, N], in a batch of at least two (a batch of one may split K)."""
+    shapes, matmul = [], torch.matmul
+
+    def spy(a, b):
+        y = matmul(a, b)
+        shapes.append((a.shape[-2], y.numel() // (y.shape[-2] * y.shape[-1])))  # (rows, batch)
+        return y
+    monkeypatch.setattr(torch, "matmul", spy)
+    q, k, v, mask = paged_rows(list(range(200 - T, 200)), 256, H, Hkv)
+    y = batch_invariant.attention(q.expand(R, -1, -1, -1), k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1),
+                                  mask.expand(R, -1, -1, -1))
+    assert y.shape == (R, T, H, 64) and len(shapes) == 2
+    assert all(rows == batch_invariant.ROWS and batch >= 2 for rows, batch in shapes), shapes
+
+
 @pytest.mark.parametrize("softcap, sinks", [(0.0, False), (30.0, False), (0.0, True)])
 def test_attention_equals_the_reference(softcap, sinks):
     q, k, v, mask = paged_rows(list(range(20, 52)), 64, dtype=torch.float64)
