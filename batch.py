@@ -20,6 +20,7 @@ and every other request still runs. On stderr: the KV memory plan, a progress ba
 (requests/s, output tokens/s, time to first token and per output token, peak KV blocks,
 prefix-cache hit rate, preemptions).
 """
+
 import argparse
 import json
 import os
@@ -30,9 +31,24 @@ from engine import Finished, RequestParams
 from runtime import add_engine_args, check_engine_args, engine_options, log
 from server.tp_engine import load_engine  # one process, or tensor-parallel under torchrun
 
-REQUEST_KEYS = ("id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "n", "min_p", "repetition_penalty", "frequency_penalty",
-                "presence_penalty", "logit_bias")
+REQUEST_KEYS = (
+    "id",
+    "prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+)
 
 
 def read_line(line: str, line_no: int):
@@ -68,33 +84,60 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
     """Throughput and latency of the finished requests (engine.Finished's), and what the KV pool
     went through (the engine's metrics)."""
     seqs = [s for r in requests for s in r.seqs]
-    ttft = [min(s.token_times[0] for s in r.seqs if s.token_times) - r.arrival
-            for r in requests if any(s.token_times for s in r.seqs)]
-    tpot = [(s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1) for s in seqs if len(s.token_times) > 1]
+    ttft = [
+        min(s.token_times[0] for s in r.seqs if s.token_times) - r.arrival
+        for r in requests
+        if any(s.token_times for s in r.seqs)
+    ]
+    tpot = [
+        (s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1)
+        for s in seqs
+        if len(s.token_times) > 1
+    ]
     st = metrics
-    return {"requests": len(requests), "failed": failed, "elapsed_s": elapsed,
-            "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": sum(len(s.output) for s in seqs) / elapsed,
-            "ttft_mean_s": sum(ttft) / max(1, len(ttft)), "ttft_p90_s": percentile(ttft, 0.9),
-            "tpot_mean_s": sum(tpot) / max(1, len(tpot)), "tpot_p90_s": percentile(tpot, 0.9),
-            "peak_kv_blocks": st["peak_blocks"], "kv_blocks": st["kv_blocks_total"],
-            "prefix_hit_rate": st["prompt_tokens_hit"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0,
-            "preemptions": st["preemptions"], "peak_running": st["peak_running"],
-            "draft_tokens": st["draft_tokens"], "draft_tokens_accepted": st["draft_tokens_accepted"]}
+    return {
+        "requests": len(requests),
+        "failed": failed,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": sum(len(s.output) for s in seqs) / elapsed,
+        "ttft_mean_s": sum(ttft) / max(1, len(ttft)),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "tpot_mean_s": sum(tpot) / max(1, len(tpot)),
+        "tpot_p90_s": percentile(tpot, 0.9),
+        "peak_kv_blocks": st["peak_blocks"],
+        "kv_blocks": st["kv_blocks_total"],
+        "prefix_hit_rate": st["prompt_tokens_hit"] / st["prompt_tokens"]
+        if st["prompt_tokens"]
+        else 0.0,
+        "preemptions": st["preemptions"],
+        "peak_running": st["peak_running"],
+        "draft_tokens": st["draft_tokens"],
+        "draft_tokens_accepted": st["draft_tokens_accepted"],
+    }
 
 
 def summary_line(s: dict) -> str:
-    return (f"{s['requests']} requests ({s['failed']} failed) in {s['elapsed_s']:.2f} s | "
-            f"{s['requests_per_s']:.2f} requests/s | {s['output_tokens_per_s']:.1f} output tokens/s | "
-            f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 {1e3 * s['ttft_p90_s']:.0f} ms | "
-            f"time per output token mean {1e3 * s['tpot_mean_s']:.1f} ms, p90 {1e3 * s['tpot_p90_s']:.1f} ms | "
-            f"peak KV blocks {s['peak_kv_blocks']} of {s['kv_blocks']} | prefix-cache hit rate "
-            f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running {s['peak_running']}"
-            + (f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
-               f"({100 * s['draft_tokens_accepted'] / s['draft_tokens']:.1f}%)" if s["draft_tokens"] else ""))
+    return (
+        f"{s['requests']} requests ({s['failed']} failed) in {s['elapsed_s']:.2f} s | "
+        f"{s['requests_per_s']:.2f} requests/s | {s['output_tokens_per_s']:.1f} output tokens/s | "
+        f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 {1e3 * s['ttft_p90_s']:.0f} ms | "
+        f"time per output token mean {1e3 * s['tpot_mean_s']:.1f} ms, p90 {1e3 * s['tpot_p90_s']:.1f} ms | "
+        f"peak KV blocks {s['peak_kv_blocks']} of {s['kv_blocks']} | prefix-cache hit rate "
+        f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running {s['peak_running']}"
+        + (
+            f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
+            f"({100 * s['draft_tokens_accepted'] / s['draft_tokens']:.1f}%)"
+            if s["draft_tokens"]
+            else ""
+        )
+    )
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", required=True, help="JSONL file of requests, or - for stdin")
     add_engine_args(p)
     args = p.parse_args(argv)

@@ -36,6 +36,7 @@ and on sliding-window layers decode rows read their whole context, not just the 
 
     .venv/bin/python serve.py --batch_invariant
 """
+
 import sys
 
 import torch
@@ -52,8 +53,11 @@ def check(model):
     """ValueError unless the mode is proven for this model where it runs (see above)."""
     w, c = model.norm.weight, model.config
     if w.device.type != "cpu" or w.dtype != torch.bfloat16 or c.moe:
-        raise ValueError(f"--batch_invariant is proven on CPU in bfloat16 for dense models; this model runs on "
-                         f"{w.device.type} in {str(w.dtype).removeprefix('torch.')}" + (" with experts" if c.moe else ""))
+        raise ValueError(
+            f"--batch_invariant is proven on CPU in bfloat16 for dense models; this model runs on "
+            f"{w.device.type} in {str(w.dtype).removeprefix('torch.')}"
+            + (" with experts" if c.moe else "")
+        )
 
 
 def enable(model, cache):
@@ -71,19 +75,26 @@ def enable(model, cache):
 def float_layers(model) -> list:
     """The modules whose product is a float GEMM: nn.Linear, or int8 groups dequantized for F.linear."""
     kernel = (quantize.Int4Linear, quantize.Int8Linear)
-    return [m for m in model.modules() if hasattr(m, "in_features") and not isinstance(m, kernel)
-            and getattr(m, "pair", None) is None]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "in_features")
+        and not isinstance(m, kernel)
+        and getattr(m, "pair", None) is None
+    ]
 
 
 def fixed_rows(forward):
     """forward(x [..., K]) -> [..., N] run on blocks of exactly ROWS rows, the last padded with
     zeros: every call has one shape, so the row's sums do not follow the step's row count."""
+
     def blocks(x):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         M = x2.shape[0]
         x2 = F.pad(x2, (0, 0, 0, -M % ROWS))  # [ceil(M / ROWS) * ROWS, K]
         y = torch.cat([forward(block) for block in x2.split(ROWS)])[:M]  # [M, N]
         return y.view(*x.shape[:-1], y.shape[-1])
+
     blocks.fixed_rows = True
     return blocks
 
@@ -124,7 +135,14 @@ def attention(q, k, v, mask, softcap=0.0, sinks=None):
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
     if R * Hkv * -(-T * G // ROWS) == 1:  # a batch of one product: twice, one kept (see above)
-        two = attention(torch.cat((q, q)), torch.cat((k, k)), torch.cat((v, v)), torch.cat((mask, mask)), softcap, sinks)
+        two = attention(
+            torch.cat((q, q)),
+            torch.cat((k, k)),
+            torch.cat((v, v)),
+            torch.cat((mask, mask)),
+            softcap,
+            sinks,
+        )
         return two[:R]
     qg = q.reshape(R, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, T * G, D)  # rows (t, g)
     scores = in_blocks(qg, k.transpose(-1, -2))  # [R, Hkv, T*G, L]

@@ -22,6 +22,7 @@ One interface: `Constraint(kind, value)` (json_schema | json_object | regex | ch
 `compile_constraint(constraint, tokenizer, vocab_size, stop_ids) -> Matcher`; a Matcher has
 mask_logits(row), advance(token), copy(), and the flags `finished` and `error`.
 """
+
 import functools
 import json
 from dataclasses import dataclass
@@ -38,15 +39,24 @@ BITS = torch.arange(32, dtype=torch.int32)
 @dataclass(frozen=True)
 class Constraint:
     kind: str  # one of KINDS
-    value: object = None  # schema (dict or JSON text), regex, list of strings, or a Lark / GBNF grammar
+    value: object = (
+        None  # schema (dict or JSON text), regex, list of strings, or a Lark / GBNF grammar
+    )
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "choice" and (not isinstance(self.value, (list, tuple)) or not self.value
-                                      or not all(isinstance(c, str) and c for c in self.value)):
+            raise ValueError(
+                f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
+            )
+        if self.kind == "choice" and (
+            not isinstance(self.value, (list, tuple))
+            or not self.value
+            or not all(isinstance(c, str) and c for c in self.value)
+        ):
             raise ValueError("choice must be a non-empty list of non-empty strings")
-        if self.kind in ("regex", "grammar") and (not isinstance(self.value, str) or not self.value):
+        if self.kind in ("regex", "grammar") and (
+            not isinstance(self.value, str) or not self.value
+        ):
             raise ValueError(f"{self.kind} must be a non-empty string")
 
 
@@ -64,10 +74,16 @@ def grammar_text(c: Constraint) -> str:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if c.kind == "regex":
         return LLMatcher.grammar_from_regex(c.value)
-    if c.kind == "choice":  # one lexer terminal (Lark string literals take JSON's escapes): as parser
+    if (
+        c.kind == "choice"
+    ):  # one lexer terminal (Lark string literals take JSON's escapes): as parser
         # alternatives, 2,001 choices broke llguidance's row limit and 100,000 took 9 s (0.4 s so)
-        return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(s) for s in c.value))
-    return LLMatcher.grammar_from_lark(any_to_lark(c.value))  # Lark as it is; GBNF (llama.cpp's) converted
+        return LLMatcher.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(s) for s in c.value)
+        )
+    return LLMatcher.grammar_from_lark(
+        any_to_lark(c.value)
+    )  # Lark as it is; GBNF (llama.cpp's) converted
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,9 +96,13 @@ def token_table(tokenizer, vocab_size: int, stop_ids: tuple):
         return llguidance.LLTokenizer(backend.tok.to_str(), n_vocab=vocab_size, eos_token=eos)
     if hasattr(backend, "enc"):  # tiktoken
         from llguidance.tiktoken import lltokenizer_from_encoding
+
         return lltokenizer_from_encoding(backend.enc, n_vocab=vocab_size, eos_token=eos)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SentencePieceTokens(backend.sp, eos)),
-                                  n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_SentencePieceTokens(backend.sp, eos)),
+        n_vocab=vocab_size,
+        eos_token=eos,
+    )
 
 
 class _SentencePieceTokens:
@@ -116,8 +136,12 @@ class Matcher:
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] -> a new tensor with every token that breaks the constraint at -inf."""
         self.m.unsafe_compute_mask_ptr(self.mask.data_ptr(), self.mask.numel() * 4)
-        allowed = ((self.mask[:, None] >> BITS) & 1).bool().flatten()[: min(self.vocab, logits.shape[-1])]
-        if len(allowed) < logits.shape[-1]:  # the model's padding rows past the tokenizer: never allowed
+        allowed = (
+            ((self.mask[:, None] >> BITS) & 1).bool().flatten()[: min(self.vocab, logits.shape[-1])]
+        )
+        if (
+            len(allowed) < logits.shape[-1]
+        ):  # the model's padding rows past the tokenizer: never allowed
             allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[-1] - len(allowed))])
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
@@ -133,13 +157,18 @@ class Matcher:
 
     @property
     def error(self):  # its first line: llguidance appends its parser's whole state
-        return (self.m.get_error().strip().splitlines() or ["failed"])[0][:300] if self.m.is_error() else None
+        return (
+            (self.m.get_error().strip().splitlines() or ["failed"])[0][:300]
+            if self.m.is_error()
+            else None
+        )
 
 
 @dataclass(frozen=True)
 class Compiled:
     """A constraint already compiled, for one request (serve.py compiles off the engine thread,
     since llguidance releases the GIL while it works): compile_constraint hands back its matcher."""
+
     constraint: Constraint
     matcher: Matcher
 
@@ -165,10 +194,18 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int, stop_ids=()) -
 # -- generate.py's flags and its decode loop (a batch of rows, one matcher each) --------------------
 def add_args(p):
     g = p.add_argument_group("constrained output (constrain.py)")
-    g.add_argument("--json_schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
+    g.add_argument(
+        "--json_schema",
+        metavar="FILE",
+        help="the output is JSON valid against this JSON schema file",
+    )
     g.add_argument("--regex", help="the output matches this regular expression")
     g.add_argument("--choice", help="a,b,c: the output is one of these")
-    g.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF (llama.cpp) grammar file")
+    g.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output follows this Lark or GBNF (llama.cpp) grammar file",
+    )
 
 
 def from_args(args):
@@ -179,7 +216,9 @@ def from_args(args):
     if not given:
         return None
     if args.interactive or args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
-        raise ValueError(f"--{given[0]} works on a plain run (not with --interactive or speculative decoding)")
+        raise ValueError(
+            f"--{given[0]} works on a plain run (not with --interactive or speculative decoding)"
+        )
     kind, value = given[0], getattr(args, given[0])
     if kind in ("json_schema", "grammar"):
         try:
@@ -192,12 +231,18 @@ def from_args(args):
 
 def row_matchers(c: Constraint, tokenizer, vocab_size: int, rows: int):
     """A fresh matcher per batch row for generate.py's loop, or None without a constraint."""
-    return c and [compile_constraint(c, tokenizer, vocab_size, tokenizer.stop_ids) for _ in range(rows)]
+    return c and [
+        compile_constraint(c, tokenizer, vocab_size, tokenizer.stop_ids) for _ in range(rows)
+    ]
 
 
 def masked(matchers, logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with each row's disallowed tokens at -inf (unchanged without matchers)."""
-    return logits if matchers is None else torch.stack([m.mask_logits(r) for m, r in zip(matchers, logits)])
+    return (
+        logits
+        if matchers is None
+        else torch.stack([m.mask_logits(r) for m, r in zip(matchers, logits)])
+    )
 
 
 def advance(matchers, tokens: torch.Tensor):

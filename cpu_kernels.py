@@ -22,6 +22,7 @@ Run its tests:
 
 This file imports only torch, so any other file of the project can use it.
 """
+
 import functools
 
 import torch
@@ -51,7 +52,9 @@ def flash_attention_works() -> bool:
 
 
 if not flash_attention_works():  # SDPA then takes its math kernel: the same maths, slower
-    torch.backends.cuda.enable_flash_sdp(False)  # (the switch is named for CUDA; it selects CPU flash too)
+    torch.backends.cuda.enable_flash_sdp(
+        False
+    )  # (the switch is named for CUDA; it selects CPU flash too)
 
 
 # ---- one-token attention over a static cache -------------------------------------------------
@@ -67,7 +70,9 @@ def static_decode(q, k_cache, v_cache, mask):
         return decode_attention(q, k_cache, v_cache, mask)
     if k_cache.dtype in (torch.bfloat16, torch.float16):
         return grouped_decode_attention(q, k_cache, v_cache, mask)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True
+    )
     return y.transpose(1, 2)
 
 
@@ -127,7 +132,11 @@ class PagedDecodeInPlace:
     (of each of a hybrid's two, views of one [2, R, W] tensor)."""
 
     def __init__(self):
-        self._bag_cache = (None, None, {})  # (the table last read, or what it views; its version; {view: rows})
+        self._bag_cache = (
+            None,
+            None,
+            {},
+        )  # (the table last read, or what it views; its version; {view: rows})
 
     def __call__(self, q, pool_k, pool_v, table, mask):
         """q [R, 1, H, D]; pool_k [N, Hkv, D, bs]; pool_v [N, bs, Hkv, D]; table [R, W];
@@ -136,11 +145,19 @@ class PagedDecodeInPlace:
         W, bs, Hkv = table.shape[1], pool_v.shape[1], pool_v.shape[2]
         k_index, v_index = self._bag_indices(table, H, Hkv, D, bs)
         weights = (q.view(R, H, 1, D) * D**-0.5).to(pool_k.dtype).expand(R, H, W, D).reshape(-1, D)
-        scores = F.embedding_bag(k_index, pool_k.view(-1, bs), mode="sum", per_sample_weights=weights)
-        scores = scores.view(R, H, W * bs).to(torch.promote_types(scores.dtype, torch.float32))  # float64 stays
-        p = torch.softmax(scores.masked_fill(~mask[:, 0], float("-inf")), dim=-1)  # mask [R, 1, L] over H
+        scores = F.embedding_bag(
+            k_index, pool_k.view(-1, bs), mode="sum", per_sample_weights=weights
+        )
+        scores = scores.view(R, H, W * bs).to(
+            torch.promote_types(scores.dtype, torch.float32)
+        )  # float64 stays
+        p = torch.softmax(
+            scores.masked_fill(~mask[:, 0], float("-inf")), dim=-1
+        )  # mask [R, 1, L] over H
         p = p.to(pool_v.dtype)  # [R, H, L]
-        y = F.embedding_bag(v_index, pool_v.view(-1, D), mode="sum", per_sample_weights=p.view(R * H, -1))
+        y = F.embedding_bag(
+            v_index, pool_v.view(-1, D), mode="sum", per_sample_weights=p.view(R * H, -1)
+        )
         return y.view(R, 1, H, D).to(q.dtype)
 
     def _bag_indices(self, table, H, Hkv, D, bs):
@@ -150,20 +167,29 @@ class PagedDecodeInPlace:
         so eager steps build them once per table (and again if it is changed in place)."""
         compiling = torch.compiler.is_compiling()  # (a compiled step builds them in its graph)
         if not compiling:
-            base, (cached_base, version, entries) = table if table._base is None else table._base, self._bag_cache
-            key, same = (table.storage_offset(), tuple(table.shape), tuple(table.stride())), cached_base is base
+            base, (cached_base, version, entries) = (
+                table if table._base is None else table._base,
+                self._bag_cache,
+            )
+            key, same = (
+                (table.storage_offset(), tuple(table.shape), tuple(table.stride())),
+                cached_base is base,
+            )
             if same and version == base._version and key in entries:
                 return entries[key]
         R, W = table.shape
         G = H // Hkv
         kv_head = torch.arange(H, device=table.device) // G  # [H]
-        k_index = ((table[:, None, :] * Hkv + kv_head[:, None])[..., None] * D
-                   + torch.arange(D, device=table.device))  # [R, H, W, D]
+        k_index = (table[:, None, :] * Hkv + kv_head[:, None])[..., None] * D + torch.arange(
+            D, device=table.device
+        )  # [R, H, W, D]
         slot = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).view(R, 1, W * bs)
         v_index = slot * Hkv + kv_head[:, None]  # [R, H, L]
         out = (k_index.view(R * H * W, D), v_index.view(R * H, W * bs))
         if not compiling:
-            kept = entries if same and version == base._version else {}  # (an edit in place: the others are stale)
+            kept = (
+                entries if same and version == base._version else {}
+            )  # (an edit in place: the others are stale)
             self._bag_cache = (base, base._version, kept | {key: out})
         return out
 
@@ -204,11 +230,20 @@ def cpu_int4_kernel_error(capability: str):
     """None if `_weight_int4pack_mm_for_cpu` multiplies a probe matrix correctly under this
     capability, else what went wrong: checked once per process, so int4 never prints garbage."""
     generator = torch.Generator().manual_seed(0)
-    N, K, G = 48, 128, 32  # one full 32-row block and a tail, on every packed layout (int4_layout.py)
+    N, K, G = (
+        48,
+        128,
+        32,
+    )  # one full 32-row block and a tail, on every packed layout (int4_layout.py)
     q = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
-    scales, zeros = torch.rand(N, K // G, generator=generator) + 0.5, torch.randn(N, K // G, generator=generator)
+    scales, zeros = (
+        torch.rand(N, K // G, generator=generator) + 0.5,
+        torch.randn(N, K // G, generator=generator),
+    )
     x = torch.randn(3, K, generator=generator)
-    w = (q.reshape(N, K // G, G).float() - 8) * scales[..., None] + zeros[..., None]  # (q - 8) * scale + zero per group
+    w = (q.reshape(N, K // G, G).float() - 8) * scales[..., None] + zeros[
+        ..., None
+    ]  # (q - 8) * scale + zero per group
     ref = x @ w.reshape(N, K).T  # [3, N]
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

@@ -23,6 +23,7 @@ time is reported apart and never counted in tokens/s.
 `--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
 line on top of the library (runtime.py holds the prefill and decode steps and compiling them).
 """
+
 import argparse
 import contextlib
 import json
@@ -31,24 +32,55 @@ import time
 
 import torch
 
-from speedups import aot
 import constrain
 import tp
+from formats.tokenizer import load_tokenizer
 from kv_cache import StaticKVCache
+from runtime import (
+    COMPILE_MODES,
+    DTYPES,
+    autotune,
+    compile_decode,
+    compile_default,
+    compile_lengths,
+    compiled_message,
+    configure_inductor_cpu,
+    cpu_capability,
+    decode_one,
+    human,
+    log,
+    memory_plan,
+    peak_memory_bytes,
+    pick_device,
+    prefill,
+    skip_guards,
+    verify_step,
+)
+from sampling import SamplingParams, parse_logit_bias, sample
+from speculative import ModelDrafter, draft_forward, speculative_generate
+from speedups import aot
 from speedups.kv_int8 import Int8KVCache
 from speedups.kv_window import WindowedKVCache
-from runtime import (COMPILE_MODES, DTYPES, autotune, compile_decode, compile_lengths, compiled_message, configure_inductor_cpu,
-                     compile_default, cpu_capability, decode_one, human, log, memory_plan, peak_memory_bytes, pick_device, prefill,
-                     skip_guards, verify_step)
-from sampling import SamplingParams, parse_logit_bias, sample
 from speedups.prompt_lookup import PromptLookupDrafter
-from speculative import ModelDrafter, draft_forward, speculative_generate
-from formats.tokenizer import load_tokenizer
 from text_stream import Printer
 
 
-def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_ids=(), ignore_eos=False,
-             decode_fn=decode_one, prefill_fn=prefill, start_pos=0, on_token=None, context=None, matchers=None):
+def generate(
+    model,
+    cache,
+    prompt,
+    max_new_tokens,
+    params,
+    generator=None,
+    stop_ids=(),
+    ignore_eos=False,
+    decode_fn=decode_one,
+    prefill_fn=prefill,
+    start_pos=0,
+    on_token=None,
+    context=None,
+    matchers=None,
+):
     """Decode up to max_new_tokens after `prompt` [B, T] (on the device). context: the ids [B,
     start_pos + T] the repetition penalty sees besides the output (default: prompt); matchers: one
     constrain.Matcher per row, whose mask each step's logits pass through before sampling.
@@ -60,11 +92,17 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
     B, T = prompt.shape
     device = prompt.device
     stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
-    use_positions = getattr(cache, "use_positions", lambda n, round_up=True: None)  # paged: its tables set the width
+    use_positions = getattr(
+        cache, "use_positions", lambda n, round_up=True: None
+    )  # paged: its tables set the width
     compiled = decode_fn is not decode_one
-    context = prompt if context is None else context  # out (the output so far) is stacked only for a penalty
+    context = (
+        prompt if context is None else context
+    )  # out (the output so far) is stacked only for a penalty
     start = time.perf_counter()
-    with torch.no_grad():  # eager steps attend over the positions in use (to 256 slots), compiled ones over a bucket
+    with (
+        torch.no_grad()
+    ):  # eager steps attend over the positions in use (to 256 slots), compiled ones over a bucket
         use_positions(start_pos + T, round_up=prefill_fn is not prefill)
         logits = constrain.masked(matchers, prefill_fn(model, cache, prompt, start_pos))
         token = sample(logits, params, generator, context, prompt[:, :0])  # [B]
@@ -80,8 +118,16 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
             break
         # A new attend length selects another compiled graph (compiling it the first time): that
         # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
-        previous, attend_len = attend_len, use_positions(start_pos + T + step + 1, round_up=compiled)
-        with torch.no_grad(), skip_guards(step > 0 and getattr(decode_fn, "has_guards", compiled) and attend_len == previous):
+        previous, attend_len = (
+            attend_len,
+            use_positions(start_pos + T + step + 1, round_up=compiled),
+        )
+        with (
+            torch.no_grad(),
+            skip_guards(
+                step > 0 and getattr(decode_fn, "has_guards", compiled) and attend_len == previous
+            ),
+        ):
             logits = decode_fn(model, cache, token[:, None], pos)
         history = torch.stack(out, 1) if params.needs_history else None
         token = sample(constrain.masked(matchers, logits), params, generator, context, history)
@@ -102,8 +148,12 @@ def generate(model, cache, prompt, max_new_tokens, params, generator=None, stop_
         del r[cut:]
     n = len(out)
     decode_s = total_s - first_token_s
-    return rows, {"time_to_first_token_s": first_token_s, "total_s": total_s, "steps": n,
-                  "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
+    return rows, {
+        "time_to_first_token_s": first_token_s,
+        "total_s": total_s,
+        "steps": n,
+        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+    }
 
 
 def parse_args(argv):
@@ -111,49 +161,161 @@ def parse_args(argv):
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
-    p.add_argument("--prompt", default="Hello, my name is", help="the text to continue (or, with --chat, the message)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--interactive", action="store_true", help="a chat loop; each turn prefills only what is new")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="most tokens to generate per sample")
-    p.add_argument("--max_seq_len", type=int, default=None, help="KV cache length (default: prompt + max_new_tokens, rounded up)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--prompt",
+        default="Hello, my name is",
+        help="the text to continue (or, with --chat, the message)",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    p.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a chat loop; each turn prefills only what is new",
+    )
+    p.add_argument(
+        "--max_new_tokens", type=int, default=200, help="most tokens to generate per sample"
+    )
+    p.add_argument(
+        "--max_seq_len",
+        type=int,
+        default=None,
+        help="KV cache length (default: prompt + max_new_tokens, rounded up)",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (>= 1)")
-    p.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens reaching this probability, in (0, 1]")
-    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than min_p x the likeliest, in [0, 1]")
-    p.add_argument("--repetition_penalty", type=float, default=1.0, help="> 0: divides positive, multiplies negative logits of seen tokens")
-    p.add_argument("--frequency_penalty", type=float, default=0.0, help="in [-2, 2]: minus this x each token's count in the output")
-    p.add_argument("--presence_penalty", type=float, default=0.0, help="in [-2, 2]: minus this for each token in the output")
-    p.add_argument("--logit_bias", default=None, help='JSON {"token id": bias}: added to the logits, clamped to [-100, 100]')
+    p.add_argument(
+        "--top_k", type=int, default=200, help="sample among the k most likely tokens (>= 1)"
+    )
+    p.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="sample among the most likely tokens reaching this probability, in (0, 1]",
+    )
+    p.add_argument(
+        "--min_p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than min_p x the likeliest, in [0, 1]",
+    )
+    p.add_argument(
+        "--repetition_penalty",
+        type=float,
+        default=1.0,
+        help="> 0: divides positive, multiplies negative logits of seen tokens",
+    )
+    p.add_argument(
+        "--frequency_penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: minus this x each token's count in the output",
+    )
+    p.add_argument(
+        "--presence_penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: minus this for each token in the output",
+    )
+    p.add_argument(
+        "--logit_bias",
+        default=None,
+        help='JSON {"token id": bias}: added to the logits, clamped to [-100, 100]',
+    )
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument("--ignore_eos", action="store_true", help="do not stop at stop tokens (benchmarks)")
+    p.add_argument(
+        "--ignore_eos", action="store_true", help="do not stop at stop tokens (benchmarks)"
+    )
     p.add_argument("--num_samples", type=int, default=1, help="samples generated one after another")
-    p.add_argument("--batch_size", type=int, default=1, help="samples of the prompt decoded together")
+    p.add_argument(
+        "--batch_size", type=int, default=1, help="samples of the prompt decoded together"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations")
-    p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
-                   help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; off: eager; jit (plain "
-                        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (speedups/aot.py)")
-    p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)")
-    p.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation")
-    p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, no streamed text")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations"
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="jit",
+        choices=COMPILE_MODES,
+        default=compile_default(),
+        help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; off: eager; jit (plain "
+        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no compiler in the process (speedups/aot.py)",
+    )
+    p.add_argument(
+        "--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)"
+    )
+    p.add_argument(
+        "--profile", default=None, metavar="PATH", help="write a torch.profiler trace of generation"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per sample on stdout, no streamed text"
+    )
     g = p.add_argument_group("quantization (quantize.py)")
-    g.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
-    g.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
+    g.add_argument(
+        "--quantize",
+        default=None,
+        choices=("int8", "int4"),
+        help="weight-only quantization at load time (a GGUF file is dequantized first)",
+    )
+    g.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)",
+    )
     g.add_argument("--groupsize", type=int, default=64, help="int4 group size: 32, 64, 128 or 256")
-    g.add_argument("--quantize_head", action="store_true", help="quantize the output head too (the largest matrix of small models)")
-    g.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
-    g.add_argument("--kv_cache_dtype", default="model", choices=("model", "int8"), help="int8: K/V stored int8 with per-token scales")
-    p.add_argument("--cache", default="static", choices=("static", "paged"),
-                   help="KV cache: kv_cache.py's static buffers or paged.py's block pool (same tokens; compare speed)")
+    g.add_argument(
+        "--quantize_head",
+        action="store_true",
+        help="quantize the output head too (the largest matrix of small models)",
+    )
+    g.add_argument(
+        "--quantize_embedding", action="store_true", help="store the embedding table int8"
+    )
+    g.add_argument(
+        "--kv_cache_dtype",
+        default="model",
+        choices=("model", "int8"),
+        help="int8: K/V stored int8 with per-token scales",
+    )
+    p.add_argument(
+        "--cache",
+        default="static",
+        choices=("static", "paged"),
+        help="KV cache: kv_cache.py's static buffers or paged.py's block pool (same tokens; compare speed)",
+    )
     p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
     constrain.add_args(p)
     g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
-    g.add_argument("--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts")
-    g.add_argument("--draft_layers", type=int, default=None, help="the target's own first N layers draft (LayerSkip)")
-    g.add_argument("--prompt_lookup", type=int, default=None, metavar="N", help="draft by copying after the longest matching n-gram, n <= N")
+    g.add_argument(
+        "--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts"
+    )
+    g.add_argument(
+        "--draft_layers",
+        type=int,
+        default=None,
+        help="the target's own first N layers draft (LayerSkip)",
+    )
+    g.add_argument(
+        "--prompt_lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft by copying after the longest matching n-gram, n <= N",
+    )
     g.add_argument("--speculate_k", type=int, default=4, help="tokens drafted per round")
-    g.add_argument("--draft_quantize", default=None, choices=("int8", "int4"), help="quantize the draft model (--draft_checkpoint)")
+    g.add_argument(
+        "--draft_quantize",
+        default=None,
+        choices=("int8", "int4"),
+        help="quantize the draft model (--draft_checkpoint)",
+    )
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
@@ -172,23 +334,38 @@ def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int 
     context = config.max_position_embeddings
     need = prompt_len + max_new_tokens
     if need > context:
-        raise ValueError(f"prompt has {prompt_len} tokens and --max_new_tokens is {max_new_tokens}: "
-                         f"{need} exceeds this model's context of {context} tokens")
+        raise ValueError(
+            f"prompt has {prompt_len} tokens and --max_new_tokens is {max_new_tokens}: "
+            f"{need} exceeds this model's context of {context} tokens"
+        )
     seq_len = max_seq_len or min(context, -(-need // 64) * 64)  # round up to a multiple of 64
     if seq_len < need:
-        raise ValueError(f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({max_new_tokens})")
+        raise ValueError(
+            f"--max_seq_len {seq_len} is smaller than prompt ({prompt_len}) + --max_new_tokens ({max_new_tokens})"
+        )
     if seq_len > context:
-        raise ValueError(f"--max_seq_len {seq_len} exceeds this model's context of {context} tokens")
+        raise ValueError(
+            f"--max_seq_len {seq_len} exceeds this model's context of {context} tokens"
+        )
     return seq_len
 
 
-def make_cache(model, batch_size: int, seq_len: int, kind: str = "static", kv_dtype: str = "model", block_size: int = 16):
+def make_cache(
+    model,
+    batch_size: int,
+    seq_len: int,
+    kind: str = "static",
+    kv_dtype: str = "model",
+    block_size: int = 16,
+):
     """kind "static" (kv_cache.py; kv_dtype "int8": speedups/kv_int8.py; windowed layers: speedups/kv_window.py's rings) or "paged"."""
     if kind == "paged":
         from paged import PagedKVCache
 
         if kv_dtype != "model":
-            raise ValueError("--cache paged stores K/V in the model's dtype; --kv_cache_dtype int8 needs --cache static")
+            raise ValueError(
+                "--cache paged stores K/V in the model's dtype; --kv_cache_dtype int8 needs --cache static"
+            )
         return PagedKVCache.for_batch(model, batch_size, seq_len, block_size)
     windowed = any(layer.self_attn.window for layer in model.layers)
     kind = Int8KVCache if kv_dtype == "int8" else WindowedKVCache if windowed else StaticKVCache
@@ -199,7 +376,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as e:  # CheckpointError and TokenizerError are ValueErrors
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as e:  # CheckpointError and TokenizerError are ValueErrors
         log(f"error: {e}")
         return 2
     except KeyboardInterrupt:
@@ -216,23 +396,30 @@ def run(args) -> int:
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
         raise ValueError("the prompt is empty; give some text with --prompt")
-    args.compile = aot.choose(args, device)  # auto: "auto" where a package can serve, else None (eager)
+    args.compile = aot.choose(
+        args, device
+    )  # auto: "auto" where a package can serve, else None (eager)
     rank, world = tp.init()  # (0, 1) unless started by torchrun with several processes
     if world > 1:
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
-    model, info = weights.load_for_inference(device=device, dtype=DTYPES[args.dtype], shard=(rank, world), log=log,
-                                             **load_flags(args))
+    model, info = weights.load_for_inference(
+        device=device, dtype=DTYPES[args.dtype], shard=(rank, world), log=log, **load_flags(args)
+    )
     if world > 1:
         tp.check_same_checkpoint(model)
         tp.parallelize(model)
         args.seed = tp.shared_seed(args.seed)
-        log(f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights")
+        log(
+            f"tensor parallel over {world} ranks: this rank holds {human(model.weight_bytes())} of weights"
+        )
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
     weights.settle()
-    log(f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s"
-        + (f"\nat the file's own bits: {info.own_bits}" if info.own_bits else ""))
+    log(
+        f"loaded {info.source} ({info.format}, {human(info.weight_bytes)} as {args.dtype}) in {info.load_s:.2f} s"
+        + (f"\nat the file's own bits: {info.own_bits}" if info.own_bits else "")
+    )
     if args.interactive:
         return interactive(args, model, tokenizer, device)
     if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
@@ -240,7 +427,9 @@ def run(args) -> int:
 
     ids = encode_prompt(args, tokenizer)
     seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
-    cache = make_cache(model, args.batch_size, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
+    cache = make_cache(
+        model, args.batch_size, seq_len, args.cache, args.kv_cache_dtype, args.block_size
+    )
     log(memory_plan(model, cache))
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
@@ -256,13 +445,28 @@ def run(args) -> int:
             printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
             if stream:
                 print(args.prompt if not args.chat else "", end="", flush=True)
-            matchers = constrain.row_matchers(args.constraint, tokenizer, model.config.vocab_size, args.batch_size)
-            rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids,
-                                    args.ignore_eos, decode_fn, prefill_fn, on_token=printer if stream else None,
-                                    matchers=matchers)
+            matchers = constrain.row_matchers(
+                args.constraint, tokenizer, model.config.vocab_size, args.batch_size
+            )
+            rows, timing = generate(
+                model,
+                cache,
+                prompt,
+                args.max_new_tokens,
+                params,
+                generator,
+                tokenizer.stop_ids,
+                args.ignore_eos,
+                decode_fn,
+                prefill_fn,
+                on_token=printer if stream else None,
+                matchers=matchers,
+            )
             if stream:
                 printer.flush()
-            report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream)
+            report(
+                args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, stream
+            )
     if args.profile:
         profiler.export_chrome_trace(args.profile)
         log(f"profile written to {args.profile}")
@@ -270,7 +474,11 @@ def run(args) -> int:
 
 
 def encode_prompt(args, tokenizer) -> list:
-    ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    ids = (
+        tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else tokenizer.encode(args.prompt)
+    )
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text with --prompt")
     return ids
@@ -301,23 +509,51 @@ def interactive(args, model, tokenizer, device) -> int:
             break
         messages.append({"role": "user", "content": text})
         ids = tokenizer.encode_chat(messages)
-        common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-        common = min(common, len(ids) - 1) if len(cached) - common <= getattr(cache, "rewind_limit", len(cached)) else 0
+        common = next(
+            (i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids))
+        )
+        common = (
+            min(common, len(ids) - 1)
+            if len(cached) - common <= getattr(cache, "rewind_limit", len(cached))
+            else 0
+        )
         if len(ids) + args.max_new_tokens > seq_len:
-            log(f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending")
+            log(
+                f"the conversation ({len(ids)} tokens) + --max_new_tokens would exceed --max_seq_len {seq_len}; ending"
+            )
             break
-        if args.compile == "jit":  # the step's graphs for the lengths this turn can reach, before it starts
+        if (
+            args.compile == "jit"
+        ):  # the step's graphs for the lengths this turn can reach, before it starts
             start, before = time.perf_counter(), len(compiled)
-            compiled = compile_lengths(decode_fn, model, cache, len(ids), len(ids) + args.max_new_tokens - 1, compiled)
+            compiled = compile_lengths(
+                decode_fn, model, cache, len(ids), len(ids) + args.max_new_tokens - 1, compiled
+            )
             if len(compiled) > before:
-                log(f"[compiled the decode step for {len(compiled) - before} more attend lengths in {time.perf_counter() - start:.1f} s]")
+                log(
+                    f"[compiled the decode step for {len(compiled) - before} more attend lengths in {time.perf_counter() - start:.1f} s]"
+                )
         printer = Printer(tokenizer, tokenizer.stop_ids)
         prompt = torch.tensor([ids[common:]], device=device)
-        rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, generator, tokenizer.stop_ids, False,
-                                decode_fn, start_pos=common, on_token=printer, context=torch.tensor([ids], device=device))
+        rows, timing = generate(
+            model,
+            cache,
+            prompt,
+            args.max_new_tokens,
+            params,
+            generator,
+            tokenizer.stop_ids,
+            False,
+            decode_fn,
+            start_pos=common,
+            on_token=printer,
+            context=torch.tensor([ids], device=device),
+        )
         printer.flush()
         print()
-        log(f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]")
+        log(
+            f"[{len(ids) - common} new prompt tokens of {len(ids)}, {timing['tokens_per_s']:.1f} tokens/s]"
+        )
         reply = rows[0]
         cached = ids + reply[:-1] if reply and reply[-1] in tokenizer.stop_ids else ids + reply
         messages.append({"role": "assistant", "content": printer.text.sent})
@@ -327,39 +563,74 @@ def interactive(args, model, tokenizer, device) -> int:
 def run_speculative(args, model, tokenizer, device) -> int:
     """--draft_checkpoint / --draft_layers / --prompt_lookup: speculative.py's loop, batch 1."""
     if args.batch_size != 1 or args.compile_prefill:
-        raise ValueError("speculative decoding here runs at --batch_size 1 (and without --compile_prefill)")
+        raise ValueError(
+            "speculative decoding here runs at --batch_size 1 (and without --compile_prefill)"
+        )
     if args.draft_quantize and not args.draft_checkpoint:
-        raise ValueError("--draft_quantize applies to a --draft_checkpoint model (layer-skip drafts share the target's weights)")
+        raise ValueError(
+            "--draft_quantize applies to a --draft_checkpoint model (layer-skip drafts share the target's weights)"
+        )
     if args.speculate_k < 1:
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
     ids = encode_prompt(args, tokenizer)
     seq_len = plan_seq_len(model.config, len(ids), args.max_new_tokens, args.max_seq_len)
     params, generator = SamplingParams.from_fields(args), make_generator(device, args.seed)
-    tune = autotune(model)  # --compile: one static graph per shape (verify k + 1 tokens, verify 1, a draft step)
-    verify_fns = {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)} if args.compile else {}
+    tune = autotune(
+        model
+    )  # --compile: one static graph per shape (verify k + 1 tokens, verify 1, a draft step)
+    verify_fns = (
+        {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)}
+        if args.compile
+        else {}
+    )
     drafter, label = make_drafter(args, model, seq_len, params, device, tune)
     cache = make_cache(model, 1, seq_len, args.cache, args.kv_cache_dtype, args.block_size)
     log(memory_plan(model, cache))
-    compile_s = warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device) if args.compile else 0.0
+    compile_s = (
+        warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device)
+        if args.compile
+        else 0.0
+    )
     for _ in range(args.num_samples):
         printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
         if not args.json:
             print(args.prompt if not args.chat else "", end="", flush=True)
-        tokens, stats = speculative_generate(model, cache, drafter, ids, args.max_new_tokens, params, args.speculate_k,
-                                             generator, tokenizer.stop_ids, args.ignore_eos,
-                                             on_token=None if args.json else printer, verify_fns=verify_fns)
+        tokens, stats = speculative_generate(
+            model,
+            cache,
+            drafter,
+            ids,
+            args.max_new_tokens,
+            params,
+            args.speculate_k,
+            generator,
+            tokenizer.stop_ids,
+            args.ignore_eos,
+            on_token=None if args.json else printer,
+            verify_fns=verify_fns,
+        )
         drafter.rollback(0)  # the next sample starts from an empty sequence
-        per_draft, per_round = stats["draft_s"] / max(stats["drafted"], 1), stats["target_s"] / max(stats["rounds"], 1)
+        per_draft, per_round = (
+            stats["draft_s"] / max(stats["drafted"], 1),
+            stats["target_s"] / max(stats["rounds"], 1),
+        )
         stats.update(compile_s=compile_s, cost_ratio=per_draft / per_round)
-        text = tokenizer.decode([t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids])
+        text = tokenizer.decode(
+            [t for t in tokens if args.ignore_eos or t not in tokenizer.stop_ids]
+        )
         if args.json:
-            print(json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}), flush=True)
+            print(
+                json.dumps({"prompt_tokens": ids, "tokens": tokens, "text": text, "stats": stats}),
+                flush=True,
+            )
         else:
             printer.flush()
             print(flush=True)
-        log(f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
+        log(
+            f"speculative ({label}, k={args.speculate_k}): {len(tokens)} tokens in {stats['rounds']} rounds | "
             f"acceptance {stats['acceptance_rate']:.2f} | {stats['tokens_per_round']:.2f} tokens/round | "
-            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s")
+            f"draft/target step cost c={stats['cost_ratio']:.2f} | {stats['tokens_per_s']:.2f} tokens/s"
+        )
     return 0
 
 
@@ -367,29 +638,63 @@ def make_drafter(args, model, seq_len, params, device, tune):
     """(drafter, label) for the flags: prompt lookup, the target's first layers, or a draft model."""
     from formats import weights
 
-    step_fn = compile_decode(device, draft_forward, tune and not args.draft_quantize) if args.compile else None
+    step_fn = (
+        compile_decode(device, draft_forward, tune and not args.draft_quantize)
+        if args.compile
+        else None
+    )
     if args.prompt_lookup:
-        return PromptLookupDrafter(args.prompt_lookup, model.config.vocab_size), f"prompt lookup n<={args.prompt_lookup}"
+        return PromptLookupDrafter(
+            args.prompt_lookup, model.config.vocab_size
+        ), f"prompt lookup n<={args.prompt_lookup}"
     if args.draft_layers:
         if not 1 <= args.draft_layers < model.config.n_layers:
-            raise ValueError(f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}")
-        return ModelDrafter(model, seq_len, params, layers=args.draft_layers, step_fn=step_fn), f"first {args.draft_layers} layers"
-    draft, _ = weights.load_for_inference(args.draft_checkpoint, device, DTYPES[args.dtype], args.draft_quantize,
-                                          args.groupsize, log=lambda line: log("draft: " + line))
+            raise ValueError(
+                f"--draft_layers must be between 1 and {model.config.n_layers - 1} for this model, got {args.draft_layers}"
+            )
+        return ModelDrafter(
+            model, seq_len, params, layers=args.draft_layers, step_fn=step_fn
+        ), f"first {args.draft_layers} layers"
+    draft, _ = weights.load_for_inference(
+        args.draft_checkpoint,
+        device,
+        DTYPES[args.dtype],
+        args.draft_quantize,
+        args.groupsize,
+        log=lambda line: log("draft: " + line),
+    )
     if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({model.config.vocab_size}); a draft must share the target's tokenizer")
-    return ModelDrafter(draft, seq_len, params, step_fn=step_fn), f"draft model {args.draft_checkpoint}"
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size}); a draft must share the target's tokenizer"
+        )
+    return ModelDrafter(
+        draft, seq_len, params, step_fn=step_fn
+    ), f"draft model {args.draft_checkpoint}"
 
 
 def warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device) -> float:
     """Compile now, on the real prompt, so compile time stays out of tokens/s; returns its seconds."""
     start = time.perf_counter()
-    speculative_generate(model, cache, drafter, ids, 3 * args.speculate_k + 2, params, args.speculate_k,
-                         ignore_eos=True, verify_fns=verify_fns)
+    speculative_generate(
+        model,
+        cache,
+        drafter,
+        ids,
+        3 * args.speculate_k + 2,
+        params,
+        args.speculate_k,
+        ignore_eos=True,
+        verify_fns=verify_fns,
+    )
     for t, fn in verify_fns.items():  # every shape, even those the warm-up did not reach
         with torch.no_grad():
-            fn(model, cache, torch.zeros(1, t, dtype=torch.long, device=device), torch.arange(t, device=device)[None])
+            fn(
+                model,
+                cache,
+                torch.zeros(1, t, dtype=torch.long, device=device),
+                torch.arange(t, device=device)[None],
+            )
     drafter.rollback(0)
     compile_s = time.perf_counter() - start
     log(compiled_message(compile_s, model, device))
@@ -405,7 +710,9 @@ def warm_up(args, model, cache, device, prompt_len):
     prefill_fn = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     with torch.no_grad():
         getattr(cache, "use_positions", lambda n: None)(prompt_len)
-        prefill_fn(model, cache, torch.zeros(cache.batch_size, prompt_len, dtype=torch.long, device=device))
+        prefill_fn(
+            model, cache, torch.zeros(cache.batch_size, prompt_len, dtype=torch.long, device=device)
+        )
     if args.compile == "jit":
         compile_lengths(decode_fn, model, cache, prompt_len, prompt_len + args.max_new_tokens - 1)
     return decode_fn, prefill_fn, time.perf_counter() - start
@@ -413,35 +720,60 @@ def warm_up(args, model, cache, device, prompt_len):
 
 def load_flags(args) -> dict:
     """The flags that say how weights.load_for_inference builds the model (besides device and dtype)."""
-    names = ("checkpoint", "quantize", "groupsize", "quantize_head", "quantize_embedding", "dequantize")
+    names = (
+        "checkpoint",
+        "quantize",
+        "groupsize",
+        "quantize_head",
+        "quantize_embedding",
+        "dequantize",
+    )
     return {name: getattr(args, name) for name in names}
 
 
 def decode_step(args, model, cache, device):
     """The decode step --compile chose: decode_one, torch.compile'd (jit) or ahead of time (aot)."""
-    if args.compile in ("aot", "auto"):  # the child builds the model from the same flags; auto: eager if it fails
-        return aot.decode_step(model, cache, {**load_flags(args), "dtype": args.dtype}, fallback=args.compile == "auto")
+    if args.compile in (
+        "aot",
+        "auto",
+    ):  # the child builds the model from the same flags; auto: eager if it fails
+        return aot.decode_step(
+            model, cache, {**load_flags(args), "dtype": args.dtype}, fallback=args.compile == "auto"
+        )
     return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
 
 
 def report(args, model, cache, tokenizer, ids, rows, timing, info, compile_s, device, streamed):
     bandwidth = model.bytes_read_per_token() * timing["tokens_per_s"] / 1e9
-    stats = {"tokens_per_s": timing["tokens_per_s"], "bandwidth_gb_s": bandwidth,
-             "time_to_first_token_s": timing["time_to_first_token_s"], "total_s": timing["total_s"],
-             "peak_memory_bytes": peak_memory_bytes(device), "model_bytes": model.weight_bytes(),
-             "kv_cache_bytes": cache.nbytes(), "compile_s": compile_s, "load_s": info.load_s,
-             "cpu_capability": cpu_capability(), "device": device}
+    stats = {
+        "tokens_per_s": timing["tokens_per_s"],
+        "bandwidth_gb_s": bandwidth,
+        "time_to_first_token_s": timing["time_to_first_token_s"],
+        "total_s": timing["total_s"],
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "model_bytes": model.weight_bytes(),
+        "kv_cache_bytes": cache.nbytes(),
+        "compile_s": compile_s,
+        "load_s": info.load_s,
+        "cpu_capability": cpu_capability(),
+        "device": device,
+    }
     for row in rows:
         text = tokenizer.decode([t for t in row if args.ignore_eos or t not in tokenizer.stop_ids])
         if args.json:
-            print(json.dumps({"prompt_tokens": ids, "tokens": row, "text": text, "stats": stats}), flush=True)
+            print(
+                json.dumps({"prompt_tokens": ids, "tokens": row, "text": text, "stats": stats}),
+                flush=True,
+            )
         elif not streamed:
             print(f"{args.prompt if not args.chat else ''}{text}\n" + "-" * 40, flush=True)
     if streamed:
         print(flush=True)
-    log(f"{len(rows[0])} tokens | {stats['tokens_per_s']:.2f} tokens/s | {bandwidth:.2f} GB/s | "
+    log(
+        f"{len(rows[0])} tokens | {stats['tokens_per_s']:.2f} tokens/s | {bandwidth:.2f} GB/s | "
         f"first token {stats['time_to_first_token_s']:.3f} s | peak memory {human(stats['peak_memory_bytes'])} | "
-        f"{device} ({stats['cpu_capability']}) | " + memory_plan(model, cache))
+        f"{device} ({stats['cpu_capability']}) | " + memory_plan(model, cache)
+    )
 
 
 if __name__ == "__main__":

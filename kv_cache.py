@@ -44,6 +44,7 @@ attention, silently: it is the caller's promise, because checking it would cost 
 
 `Int8KVCache` (speedups/kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8 beside it.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -85,8 +86,17 @@ class StaticKVCache:
     so one compiled decode step serves every cache of the same shape (module buffers would be
     guarded by identity once Inductor freezes the model's weights, and recompile per cache)."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
-                 decode=None):
+    def __init__(
+        self,
+        n_layers,
+        batch_size,
+        n_kv_heads,
+        max_seq_len,
+        head_dim,
+        dtype=torch.float32,
+        device=None,
+        decode=None,
+    ):
         # One tensor per layer, not one [layers, ...] tensor: Inductor then updates each in place,
         # where writes into a view of one big buffer can become copies of the whole buffer.
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
@@ -101,8 +111,12 @@ class StaticKVCache:
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
         a, w = model.config, model.norm.weight  # the activations' dtype and device
-        decode = cpu_kernels.static_decode if w.device.type == "cpu" else None  # the reference elsewhere
-        return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode)
+        decode = (
+            cpu_kernels.static_decode if w.device.type == "cpu" else None
+        )  # the reference elsewhere
+        return cls(
+            a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -125,14 +139,23 @@ class StaticKVCache:
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
-        rows = self.rows[: k.shape[0], None]  # [B, 1]: row b writes at its own positions input_pos[b]
-        self.k[layer][rows, :, input_pos] = k.to(self.k[layer].dtype)  # an in-place index_put_ of [B, T, Hkv, D]
+        rows = self.rows[
+            : k.shape[0], None
+        ]  # [B, 1]: row b writes at its own positions input_pos[b]
+        self.k[layer][rows, :, input_pos] = k.to(
+            self.k[layer].dtype
+        )  # an in-place index_put_ of [B, T, Hkv, D]
         self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
         # narrow, not [:, :, :L]: the same view, and torch.export (speedups/aot.py) derives L <= S from it, not L < S
-        k_cache, v_cache = self.k[layer].narrow(2, 0, L), self.v[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
+        k_cache, v_cache = (
+            self.k[layer].narrow(2, 0, L),
+            self.v[layer].narrow(2, 0, L),
+        )  # [B, Hkv, L, D]
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
-        if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:  # picked at build time
+        if (
+            q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None
+        ):  # picked at build time
             return self.decode(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap, sinks)
 
@@ -167,10 +190,14 @@ def attention(q, k_cache, v_cache, mask, softcap=0.0, sinks=None):
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         if sinks is not None:  # [H] -> a column [B, Hkv, G, T, 1]
-            scores = torch.cat((scores, sinks.view(1, Hkv, -1, 1, 1).expand(B, -1, -1, T, 1).to(scores.dtype)), -1)
+            scores = torch.cat(
+                (scores, sinks.view(1, Hkv, -1, 1, 1).expand(B, -1, -1, T, 1).to(scores.dtype)), -1
+            )
         p = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :S].to(v_cache.dtype)
         return (p @ v_cache[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True
+    )
     return y.transpose(1, 2)
 
 

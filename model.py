@@ -21,6 +21,7 @@ Parameter names follow Hugging Face's Llama layout without the leading "model." 
 checkpoint loads by name); formats/weights.py turns every checkpoint format into this layout.
 Run `python generate.py` to see it write text; tests/test_model.py checks it against HF.
 """
+
 from dataclasses import dataclass, field
 
 import torch
@@ -49,20 +50,30 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias puts a bias on o_proj too
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k, before RoPE
-    sliding_window: int = 0  # keys a windowed layer still sees (Mistral, Qwen2, Gemma, Phi-3); 0: none
+    sliding_window: int = (
+        0  # keys a windowed layer still sees (Mistral, Qwen2, Gemma, Phi-3); 0: none
+    )
     layer_types: tuple = ()  # per layer "sliding_attention" or "full_attention"; (): every layer windowed if a window is set
-    rotary_dim: int = 0  # the leading dims RoPE rotates (Phi-4-mini's partial_rotary_factor); 0: head_dim
-    local_rope_theta: float = 0.0  # Gemma 3: sliding layers' own RoPE base, unscaled; 0: the same RoPE
+    rotary_dim: int = (
+        0  # the leading dims RoPE rotates (Phi-4-mini's partial_rotary_factor); 0: head_dim
+    )
+    local_rope_theta: float = (
+        0.0  # Gemma 3: sliding layers' own RoPE base, unscaled; 0: the same RoPE
+    )
     # Gemma 2 / 3's switches
     norm_offset: float = 0.0  # RMSNorm scales by (offset + w) in float32 (Gemma: 1)
     embed_scale: bool = False  # embeddings times sqrt(dim)
     mlp_act: str = "silu"  # or "gelu_tanh" (GeGLU)
     sandwich_norms: bool = False  # norms after attention and the MLP too, before the residual add
-    query_scale: float = 0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
+    query_scale: float = (
+        0.0  # attention scores scaled by query_scale ** -0.5 (query_pre_attn_scalar); 0: head_dim
+    )
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same on the final logits
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (kv_cache.attention)
-    moe: MoEConfig | None = None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
+    moe: MoEConfig | None = (
+        None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
+    )
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: it sees the whole context)."""
@@ -73,13 +84,19 @@ class ModelConfig:
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
         bad = set(self.layer_types) - {"sliding_attention", "full_attention"}
         if bad or len(self.layer_types) not in (0, self.n_layers):
-            raise ValueError(f"layer_types must give each of the {self.n_layers} layers one of sliding_attention, "
-                             f"full_attention; got {sorted(bad) or len(self.layer_types)}")
+            raise ValueError(
+                f"layer_types must give each of the {self.n_layers} layers one of sliding_attention, "
+                f"full_attention; got {sorted(bad) or len(self.layer_types)}"
+            )
         if self.mlp_act not in ACTIVATIONS:
-            raise ValueError(f"MLP activation {self.mlp_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+            raise ValueError(
+                f"MLP activation {self.mlp_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -123,17 +140,30 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer  # index the cache uses to find this layer's K/V
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(
+            config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
+        )
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
-        self.qkv_proj = None  # formats/fuse_layers.py may replace q/k/v by one layer with their rows stacked
+        self.qkv_proj = (
+            None  # formats/fuse_layers.py may replace q/k/v by one layer with their rows stacked
+        )
         if config.qk_norm:
             self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         else:
             self.q_norm = self.k_norm = None
-        self.window, self.softcap = config.window(layer), config.attn_softcap  # what the cache must apply
+        self.window, self.softcap = (
+            config.window(layer),
+            config.attn_softcap,
+        )  # what the cache must apply
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attn_sinks else None  # [H]
         # query_pre_attn_scalar: folded into q, so every attention kernel keeps its 1/sqrt(D)
         self.q_scale = (config.head_dim / config.query_scale) ** 0.5 if config.query_scale else 1.0
@@ -153,7 +183,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        y = cache.attend(self.layer, q, k, v, input_pos, self.window, self.softcap, self.sinks)  # [B, T, H, D]
+        y = cache.attend(
+            self.layer, q, k, v, input_pos, self.window, self.softcap, self.sinks
+        )  # [B, T, H, D]
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -182,11 +214,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = norm(config)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = norm(config)  # Llama: before the MLP; Gemma: on attention's output
-        self.mlp = SparseMoE.for_layer(config, layer, MLP, ACTIVATIONS[config.mlp_act]) or MLP(config)  # moe.py
+        self.post_attention_layernorm = norm(
+            config
+        )  # Llama: before the MLP; Gemma: on attention's output
+        self.mlp = SparseMoE.for_layer(config, layer, MLP, ACTIVATIONS[config.mlp_act]) or MLP(
+            config
+        )  # moe.py
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(config), norm(config)
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = (
+                norm(config),
+                norm(config),
+            )
 
     def forward(self, x, cos, sin, input_pos, cache):
         h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache)
@@ -212,15 +251,21 @@ class Transformer(nn.Module):
     def make_rope(self, device):
         """The RoPE tables (rope.py): buffers, not parameters, rebuilt from the config, never loaded."""
         c = self.config
-        self.rotary = RotaryEmbedding(c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling,
-                                      c.max_position_embeddings).to(device)
-        self.local_rotary = (RotaryEmbedding(c.rotary_dim or c.head_dim, c.local_rope_theta).to(device)
-                             if c.local_rope_theta else None)
+        self.rotary = RotaryEmbedding(
+            c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        ).to(device)
+        self.local_rotary = (
+            RotaryEmbedding(c.rotary_dim or c.head_dim, c.local_rope_theta).to(device)
+            if c.local_rope_theta
+            else None
+        )
 
     def embed(self, tokens):
         x = self.embed_tokens(tokens)  # [B, T, dim]
-        if self.config.embed_scale:  # Gemma: times sqrt(dim), rounded to the activations' dtype as the reference
-            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        if (
+            self.config.embed_scale
+        ):  # Gemma: times sqrt(dim), rounded to the activations' dtype as the reference
+            x = x * torch.tensor(self.config.dim**0.5, dtype=x.dtype)
         return x
 
     def forward_layers(self, x, input_pos, cache, layers):
@@ -229,7 +274,9 @@ class Transformer(nn.Module):
         for layer in layers:
             local = self.local_rotary is not None and layer.self_attn.window > 0
             if local not in tables:  # in the activations' dtype (the embedding may be int8)
-                tables[local] = (self.local_rotary if local else self.rotary)(input_pos, self.norm.weight.dtype)
+                tables[local] = (self.local_rotary if local else self.rotary)(
+                    input_pos, self.norm.weight.dtype
+                )
             x = layer(x, *tables[local], input_pos, cache)
         return x
 
@@ -253,7 +300,9 @@ class Transformer(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of all parameters and buffers holding weights, a tied tensor counted once."""
         seen, total = set(), 0
-        for t in list(self.parameters()) + [b for n, b in self.named_buffers() if "rotary" not in n]:
+        for t in list(self.parameters()) + [
+            b for n, b in self.named_buffers() if "rotary" not in n
+        ]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
@@ -263,6 +312,12 @@ class Transformer(nn.Module):
         """Weight bytes one decode step reads: an embedding table that is not also the output head
         is only indexed (one row), so it does not count; nor do the experts a token's router passes over."""
         total, head = self.weight_bytes(), getattr(self.lm_head, "weight", None)
-        if head is None or head is not self.embed_tokens.weight:  # (None: a head kept as two int4 halves)
-            total -= sum(t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values())
-        return total - sum(m.inactive_bytes() for m in self.modules() if isinstance(m, SparseMoE))  # unchosen experts
+        if (
+            head is None or head is not self.embed_tokens.weight
+        ):  # (None: a head kept as two int4 halves)
+            total -= sum(
+                t.numel() * t.element_size() for t in self.embed_tokens.state_dict().values()
+            )
+        return total - sum(
+            m.inactive_bytes() for m in self.modules() if isinstance(m, SparseMoE)
+        )  # unchosen experts

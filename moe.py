@@ -27,11 +27,13 @@ quantize.py's int4, a GGUF file's own blocks) hold them at 8 or 4 bits and dequa
 experts a step uses.
 tests/test_moe.py checks both paths against a plain loop over experts and the model against HF.
 """
+
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 
 @dataclass
 class MoEConfig:
@@ -48,8 +50,10 @@ class MoEConfig:
 
     def __post_init__(self):
         if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
-            raise ValueError(f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= experts "
-                             f"({self.n_experts}) and a positive expert width ({self.intermediate_size})")
+            raise ValueError(
+                f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= experts "
+                f"({self.n_experts}) and a positive expert width ({self.intermediate_size})"
+            )
 
     def widths(self) -> list:
         """The widths tensor parallelism splits: each expert's, and the shared expert's."""
@@ -61,14 +65,24 @@ class MoEConfig:
         attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
         sparse, expert = c.n_layers - len(self.dense_layers), 3 * c.dim * self.intermediate_size
         shared = 3 * c.dim * self.shared_expert_size + c.dim * bool(self.shared_expert_size)
-        common = (c.vocab_size * c.dim * (1 if c.tie_word_embeddings else 2) + c.n_layers * attention
-                  + len(self.dense_layers) * 3 * c.dim * c.intermediate_size + sparse * (c.dim * self.n_experts + shared))
-        return common + sparse * self.n_experts * expert, common + sparse * self.n_experts_per_tok * expert
+        common = (
+            c.vocab_size * c.dim * (1 if c.tie_word_embeddings else 2)
+            + c.n_layers * attention
+            + len(self.dense_layers) * 3 * c.dim * c.intermediate_size
+            + sparse * (c.dim * self.n_experts + shared)
+        )
+        return (
+            common + sparse * self.n_experts * expert,
+            common + sparse * self.n_experts_per_tok * expert,
+        )
 
     def sharded(self, world: int) -> "MoEConfig":
         """One rank's slice (tp.py): every expert keeps its router slot with 1/world of its width."""
-        return replace(self, intermediate_size=self.intermediate_size // world,
-                       shared_expert_size=self.shared_expert_size // world)
+        return replace(
+            self,
+            intermediate_size=self.intermediate_size // world,
+            shared_expert_size=self.shared_expert_size // world,
+        )
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -84,12 +98,19 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, ff, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ff))
         for name, width in zip(PROJECTIONS, (ff, ff, dim)):  # [E, out] or None
-            self.register_parameter(f"{name}_bias", nn.Parameter(torch.zeros(n_experts, width)) if bias else None)
+            self.register_parameter(
+                f"{name}_bias", nn.Parameter(torch.zeros(n_experts, width)) if bias else None
+            )
 
     def like(self, experts: "Experts"):
         """A quantized twin's start: the activation of `experts`, and its float biases (moved)."""
         nn.Module.__init__(self)
-        self.n_experts, self.act, self.limit, self.alpha = experts.n_experts, experts.act, experts.limit, experts.alpha
+        self.n_experts, self.act, self.limit, self.alpha = (
+            experts.n_experts,
+            experts.act,
+            experts.limit,
+            experts.alpha,
+        )
         for name in PROJECTIONS:
             self.register_parameter(f"{name}_bias", getattr(experts, f"{name}_bias"))
 
@@ -129,31 +150,45 @@ class Experts(nn.Module):
         T, k = idx.shape
         ids = idx.reshape(-1)  # [T*k]
         xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, dim]
+
         def project(name, h):  # h [T*k, 1, in] through each row's expert -> [T*k, 1, out]
-            return self.biased(name, torch.bmm(h, self.weights(name, ids, x.dtype).transpose(1, 2)), ids)
-        y = project("down_proj", self.glu(project("gate_proj", xs), project("up_proj", xs)))  # [T*k, 1, dim]
+            return self.biased(
+                name, torch.bmm(h, self.weights(name, ids, x.dtype).transpose(1, 2)), ids
+            )
+
+        y = project(
+            "down_proj", self.glu(project("gate_proj", xs), project("up_proj", xs))
+        )  # [T*k, 1, dim]
         return (y.view(T, k, -1) * w[..., None].to(y.dtype)).sum(dim=1)
 
     def grouped(self, x, idx, w):
         T, k = idx.shape
         order = idx.reshape(-1).argsort(stable=True)  # (token, choice) pairs sorted by expert
-        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()  # the one host sync
+        counts = torch.bincount(
+            idx.reshape(-1), minlength=self.n_experts
+        ).tolist()  # the one host sync
         tokens, weight = order // k, w.reshape(-1)[order].to(x.dtype)
         out, start = torch.zeros_like(x), 0
         for e, n in enumerate(counts):
             if n:
-                rows = tokens[start:start + n]
+                rows = tokens[start : start + n]
                 xe = x[rows]  # [n, dim]
-                gate, up = (self.biased(p, self.linear(p, xe, e), e) for p in ("gate_proj", "up_proj"))
+                gate, up = (
+                    self.biased(p, self.linear(p, xe, e), e) for p in ("gate_proj", "up_proj")
+                )
                 y = self.biased("down_proj", self.linear("down_proj", self.glu(gate, up), e), e)
-                out.index_add_(0, rows, y * weight[start:start + n, None])
+                out.index_add_(0, rows, y * weight[start : start + n, None])
                 start += n
         return out
 
     def int4_refusal(self, groupsize: int):
         """Why int4 groups of `groupsize` cannot hold these experts' input channels, or None."""
         bad = [k for k in (self.gate_proj.shape[2], self.down_proj.shape[2]) if k % groupsize]
-        return f"{bad[0]} input channels are not a multiple of the group size {groupsize}" if bad else None
+        return (
+            f"{bad[0]} input channels are not a multiple of the group size {groupsize}"
+            if bad
+            else None
+        )
 
     def expert_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
@@ -169,17 +204,23 @@ class Int8Experts(Experts):
             self.register_buffer(f"{name}_scales", scales.to(dtype))
 
     def weights(self, name, ids, dtype):
-        return getattr(self, name)[ids].to(dtype) * getattr(self, f"{name}_scales")[ids][..., None].to(dtype)
+        return getattr(self, name)[ids].to(dtype) * getattr(self, f"{name}_scales")[ids][
+            ..., None
+        ].to(dtype)
 
     def linear(self, name, x, e):
         q, scales = getattr(self, name)[e], getattr(self, f"{name}_scales")[e]
-        if x.device.type == "cpu" and x.dtype != torch.float32:  # the CPU int8 kernel (quantize.Int8Linear)
+        if (
+            x.device.type == "cpu" and x.dtype != torch.float32
+        ):  # the CPU int8 kernel (quantize.Int8Linear)
             return torch.ops.aten._weight_int8pack_mm(x, q, scales)
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
 # MXFP4's 4-bit floats (formats/mxfp4.py) by code: sign bit, 2 exponent bits, 1 mantissa bit
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
 
 
 def nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -216,19 +257,26 @@ class GroupExperts(Experts):
             keep = torch.float32 if kind == "e2m1" else dtype
             for suffix, t in zip(("scales", "offsets"), (*groups, None, None)):
                 self.register_buffer(f"{name}_{suffix}", None if t is None else t.to(keep))
-            if kind == "e2m1":  # the value of each code, on the weights' device (moved with the module)
+            if (
+                kind == "e2m1"
+            ):  # the value of each code, on the weights' device (moved with the module)
                 self.register_buffer("e2m1_values", E2M1.to(q.device), persistent=False)
 
     def weights(self, name, ids, dtype):
         q, kind = getattr(self, name)[ids], self.kinds[name]  # [n, N, K] (or [n, N, K/2] at 4 bits)
         if kind == "float":
             return q.to(dtype)
-        scales, offsets = getattr(self, f"{name}_scales")[ids], getattr(self, f"{name}_offsets")  # [n, N, K/G]
+        scales, offsets = (
+            getattr(self, f"{name}_scales")[ids],
+            getattr(self, f"{name}_offsets"),
+        )  # [n, N, K/G]
         if kind == "e2m1":
             return e2m1_weights(q, scales, self.e2m1_values).to(dtype)
         if kind == "int4":
             q = nibbles(q).to(dtype) - 8
-        w = q.to(dtype).unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].to(dtype)  # [n, N, K/G, G]
+        w = q.to(dtype).unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].to(
+            dtype
+        )  # [n, N, K/G, G]
         if offsets is not None:
             w = w + offsets[ids][..., None].to(dtype)
         return w.flatten(-2)
@@ -255,7 +303,9 @@ def quantized(experts: Experts, mode: str, quantize_weight) -> Experts:
 def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts:
     """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints store them."""
     if mode == "int8":
-        return Int8Experts(experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype)
+        return Int8Experts(
+            experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype
+        )
     parts = {k: ("int4", v["weight"], v["scales"], v["zeros"]) for k, v in portable.items()}
     return GroupExperts(experts, parts, dtype)
 
@@ -281,10 +331,19 @@ class SparseMoE(nn.Module):
         moe = config.moe
         self.top_k, self.norm_topk_prob = moe.n_experts_per_tok, moe.norm_topk_prob
         self.gate = nn.Linear(config.dim, moe.n_experts, bias=moe.router_bias)  # the router
-        self.experts = Experts(moe.n_experts, config.dim, moe.intermediate_size, act, moe.expert_bias, moe.glu_limit,
-                               moe.glu_alpha)
+        self.experts = Experts(
+            moe.n_experts,
+            config.dim,
+            moe.intermediate_size,
+            act,
+            moe.expert_bias,
+            moe.glu_limit,
+            moe.glu_alpha,
+        )
         self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), scaled by a sigmoid gate
-        self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
+        self.shared_expert_gate = (
+            nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
+        )
 
     @classmethod
     def for_layer(cls, config, layer: int, mlp, act):
@@ -292,7 +351,9 @@ class SparseMoE(nn.Module):
         moe = config.moe
         if moe is None or layer in moe.dense_layers:
             return None
-        return cls(config, act, mlp(config, moe.shared_expert_size) if moe.shared_expert_size else None)
+        return cls(
+            config, act, mlp(config, moe.shared_expert_size) if moe.shared_expert_size else None
+        )
 
     def route(self, x: torch.Tensor):
         """x [T, dim] -> the chosen experts idx [T, k] and their weights w [T, k] (float32)."""
@@ -312,4 +373,8 @@ class SparseMoE(nn.Module):
 
     def inactive_bytes(self) -> int:
         """Bytes of the experts a token does not use: what a decode step need not read."""
-        return self.experts.expert_bytes() * (self.experts.n_experts - self.top_k) // self.experts.n_experts
+        return (
+            self.experts.expert_bytes()
+            * (self.experts.n_experts - self.top_k)
+            // self.experts.n_experts
+        )

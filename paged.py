@@ -47,6 +47,7 @@ children are cached is never evicted before them (SGLang's radix tree; windowed 
 any: BlockAllocator's window). Shared blocks are never written: a sequence that must write into a
 block others reference copies it first (copy-on-write): `n > 1` samples share a prompt and fork.
 """
+
 import contextlib
 import heapq
 from collections import deque
@@ -78,10 +79,18 @@ class BlockAllocator:
     the blocks its next token sees.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, window: int = 0):
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = True, window: int = 0
+    ):
         if num_blocks < 2:
-            raise ValueError(f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
-        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+            raise ValueError(
+                f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
+        self.num_blocks, self.block_size, self.prefix_caching = (
+            num_blocks,
+            block_size,
+            prefix_caching,
+        )
         self.window = window
         self.ref = [0] * num_blocks
         self.free = deque(range(1, num_blocks))  # block 0 is the null block
@@ -119,7 +128,9 @@ class BlockAllocator:
         try:
             while len(got) < n:
                 got.append(self.allocate())
-        except NoFreeBlocks:  # num_available also counts cached blocks that eviction cannot reach yet
+        except (
+            NoFreeBlocks
+        ):  # num_available also counts cached blocks that eviction cannot reach yet
             for b in got:
                 self.release(b)
             return None
@@ -183,9 +194,11 @@ class BlockAllocator:
         only those from (h * block_size - window) // block_size on (what positions h * bs - 1 and
         h * bs see); the entries before them are 0, the null block."""
         blocks, hashes, parent, bs = [], [], None, self.block_size
-        start = best = 0  # start: where the run of hits ending here starts; best: the longest hit so far
+        start = best = (
+            0  # start: where the run of hits ending here starts; best: the longest hit so far
+        )
         for i in range(max_blocks if self.prefix_caching else 0):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = self.chain_hash(parent, chunk)
             block = self.cached.get(h)
             if block is None or self.key[block] != (parent, chunk):
@@ -208,16 +221,26 @@ class BlockAllocator:
         under a block its owner does not hold, it would keep that one from ever being evicted."""
         h = self.chain_hash(parent_hash, tokens)
         parent = self.cached.get(parent_hash) if parent_hash is not None else None
-        if self.window:  # no parents tracked: the blocks behind a window are released, and evicted, first
+        if (
+            self.window
+        ):  # no parents tracked: the blocks behind a window are released, and evicted, first
             parent = parent_block = None
-        if not self.prefix_caching or h in self.cached or block in self.hash_of or parent != parent_block:
+        if (
+            not self.prefix_caching
+            or h in self.cached
+            or block in self.hash_of
+            or parent != parent_block
+        ):
             return h
-        self.cached[h], self.hash_of[block], self.key[block] = block, h, (parent_hash, tuple(tokens))
+        self.cached[h], self.hash_of[block], self.key[block] = (
+            block,
+            h,
+            (parent_hash, tuple(tokens)),
+        )
         self.parent[block] = parent
         if parent is not None:
             self.children[parent] += 1
         return h
-
 
 
 class PagedKVCache:
@@ -230,28 +253,61 @@ class PagedKVCache:
     a pool of that many blocks, with ids of their own, and a group's table is [2, R, W]: [0] for
     the full layers, [1] for the windowed ones, whose blocks behind the window are freed."""
 
-    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device=None,
-                 decode=None, window_layers=(), window_blocks=0):
-        self.pool_of = [int(bool(window_blocks) and i in window_layers) for i in range(n_layers)]  # layer -> 0 or 1
+    def __init__(
+        self,
+        n_layers,
+        num_blocks,
+        block_size,
+        n_kv_heads,
+        head_dim,
+        dtype=torch.float32,
+        device=None,
+        decode=None,
+        window_layers=(),
+        window_blocks=0,
+    ):
+        self.pool_of = [
+            int(bool(window_blocks) and i in window_layers) for i in range(n_layers)
+        ]  # layer -> 0 or 1
         sizes = (num_blocks, window_blocks)
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
         # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (PagedDecodeInPlace)
-        self.k = [torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device) for p in self.pool_of]
-        self.v = [torch.zeros(sizes[p], block_size, n_kv_heads, head_dim, dtype=dtype, device=device) for p in self.pool_of]
+        self.k = [
+            torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+            for p in self.pool_of
+        ]
+        self.v = [
+            torch.zeros(sizes[p], block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+            for p in self.pool_of
+        ]
         self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
         self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W] or [2, rows, W]), ...]
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
-        self.attention = attention  # what the gathered blocks go through (batch_invariant.py puts its own)
+        self.attention = (
+            attention  # what the gathered blocks go through (batch_invariant.py puts its own)
+        )
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16, window_blocks: int = 0):  # (a hybrid's)
+    def for_model(
+        cls, model, num_blocks: int, block_size: int = 16, window_blocks: int = 0
+    ):  # (a hybrid's)
         a, w = model.config, model.norm.weight
         decode = PagedDecodeInPlace() if w.device.type == "cpu" else None  # the reference elsewhere
         windowed = [i for i in range(a.n_layers) if a.window(i)]
-        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, decode,
-                   windowed, window_blocks if 0 < len(windowed) < a.n_layers else 0)
+        return cls(
+            a.n_layers,
+            num_blocks,
+            block_size,
+            a.n_kv_heads,
+            a.head_dim,
+            w.dtype,
+            w.device,
+            decode,
+            windowed,
+            window_blocks if 0 < len(windowed) < a.n_layers else 0,
+        )
 
     @classmethod
     def for_batch(cls, model, batch_size: int, max_seq_len: int, block_size: int = 16):
@@ -259,7 +315,9 @@ class PagedKVCache:
         blocks, so `block_tables` is set once and decode steps only advance positions."""
         width = blocks_for(max_seq_len, block_size)
         cache = cls.for_model(model, 1 + batch_size * width, block_size)
-        cache.block_tables = 1 + torch.arange(batch_size * width, device=cache.slots.device).view(batch_size, width)
+        cache.block_tables = 1 + torch.arange(batch_size * width, device=cache.slots.device).view(
+            batch_size, width
+        )
         cache.batch_size, cache.max_seq_len = batch_size, width * block_size
         return cache
 
@@ -289,14 +347,37 @@ class PagedKVCache:
         groups = self.groups if self.groups is not None else [(B, T, self.block_tables)]
         if len(groups) == 1:  # the common case: no slicing of the flat token axis
             rows, t, table = groups[0]
-            return self._attend_group(layer, q.view(rows, t, H, D), k.view(rows, t, -1, D), v.view(rows, t, -1, D),
-                                      input_pos.view(rows, t), table, window, softcap, sinks).reshape(B, T, H, D)
-        q, k, v, pos = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D), input_pos.reshape(-1)
+            return self._attend_group(
+                layer,
+                q.view(rows, t, H, D),
+                k.view(rows, t, -1, D),
+                v.view(rows, t, -1, D),
+                input_pos.view(rows, t),
+                table,
+                window,
+                softcap,
+                sinks,
+            ).reshape(B, T, H, D)
+        q, k, v, pos = (
+            q.reshape(B * T, H, D),
+            k.reshape(B * T, -1, D),
+            v.reshape(B * T, -1, D),
+            input_pos.reshape(-1),
+        )
         out, start = [], 0
         for rows, t, table in groups:
             s = slice(start, start + rows * t)
-            y = self._attend_group(layer, q[s].view(rows, t, H, D), k[s].view(rows, t, -1, D),
-                                   v[s].view(rows, t, -1, D), pos[s].view(rows, t), table, window, softcap, sinks)
+            y = self._attend_group(
+                layer,
+                q[s].view(rows, t, H, D),
+                k[s].view(rows, t, -1, D),
+                v[s].view(rows, t, -1, D),
+                pos[s].view(rows, t),
+                table,
+                window,
+                softcap,
+                sinks,
+            )
             out.append(y.reshape(rows * t, H, D))
             start += rows * t
         return torch.cat(out).view(B, T, H, D)
@@ -306,18 +387,31 @@ class PagedKVCache:
         pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
         table = table[self.pool_of[layer]] if table.dim() == 3 else table  # a hybrid's two tables
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
-        pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
+        pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(
+            pool_k.dtype
+        )  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
         T, H, D = q.shape[1:]
         # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than the prefill's)
         if T == 1 and window and self.attention is attention and window // bs + 2 < table.shape[1]:
             first = (pos - window + 1).clamp(min=0) // bs  # [R, 1]: the window's first block
-            table = table.gather(1, (first + self.slots[:window // bs + 2]).clamp(max=table.shape[1] - 1))
-            pos = pos - first * bs  # positions within the window's blocks (the mask is shift-invariant)
+            table = table.gather(
+                1, (first + self.slots[: window // bs + 2]).clamp(max=table.shape[1] - 1)
+            )
+            pos = (
+                pos - first * bs
+            )  # positions within the window's blocks (the mask is shift-invariant)
         R, W = table.shape
-        Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks, not the model's context
-        mask = visible(self.slots[:L], pos, window)  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
-        if T == 1 and self.decode is not None and not softcap and sinks is None:  # picked at build time
+        Hkv, L = (
+            pool_v.shape[2],
+            W * bs,
+        )  # L: the gather width, this group's blocks, not the model's context
+        mask = visible(
+            self.slots[:L], pos, window
+        )  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
+        if (
+            T == 1 and self.decode is not None and not softcap and sinks is None
+        ):  # picked at build time
             return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
         # F.embedding is the gather, several times faster than pool[table] on CPU.

@@ -29,6 +29,7 @@ on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is wrong or miss
 refused with a message, never run. `dequantize()` on every layer is the plain reference path
 tests compare the kernels against.
 """
+
 import functools
 import sys
 
@@ -36,9 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import moe
 from cpu_kernels import cpu_int4_kernel_error, padded_linear
 from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
-import moe
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -46,7 +47,9 @@ GROUP_SIZES = (32, 64, 128, 256)
 # the rows, unpacking its layout costs the same at any, and the two meet near this many rows
 # (benchmarks/RESULTS.md, "The engine at a GGUF's own bits")
 INT4_LARGE_M = 128
-INT4_LARGE_M_FLOAT32 = 2  # the kernel's float32 path is 20x its bf16 one: unpacking wins from 2 rows (RESULTS.md)
+INT4_LARGE_M_FLOAT32 = (
+    2  # the kernel's float32 path is 20x its bf16 one: unpacking wins from 2 rows (RESULTS.md)
+)
 
 
 # ---- quantizing one weight to portable tensors ---------------------------------------------
@@ -63,7 +66,9 @@ def quantize_int8(w: torch.Tensor, ratios=torch.linspace(0.7, 1.0, 16)) -> dict:
     best_scale, best_err = None, None
     for r in ratios.tolist():
         scale = amax * (r / 127)
-        err = (torch.round(w / scale).clamp(-127, 127) * scale - w).square().sum(dim=1, keepdim=True)
+        err = (
+            (torch.round(w / scale).clamp(-127, 127) * scale - w).square().sum(dim=1, keepdim=True)
+        )
         better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
         best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
         best_err = err if best_err is None else torch.where(better, err, best_err)
@@ -127,7 +132,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         if x.device.type == "cpu" and x.dtype != torch.float32:
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(-1, self.in_features), self.weight, self.scales
+            )
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales
@@ -145,20 +152,26 @@ def warn_once(message: str):
 def check_int4_device(device) -> None:
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        raise ValueError("int4 needs a CUDA GPU of compute capability 8.0 or newer (tinygemm kernel); use int8")
+        raise ValueError(
+            "int4 needs a CUDA GPU of compute capability 8.0 or newer (tinygemm kernel); use int8"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"int4 has no kernel on device {device.type!r}; use int8, or cpu or cuda")
     capability = torch.backends.cpu.get_cpu_capability()  # what ATEN_CPU_CAPABILITY may lower
     if device.type == "cpu" and (error := cpu_int4_kernel_error(capability)):
-        raise ValueError(f"the CPU int4 kernel does not work under CPU capability {capability} "
-                         f"({error}); use --quantize int8")
+        raise ValueError(
+            f"the CPU int4 kernel does not work under CPU capability {capability} "
+            f"({error}); use --quantize int8"
+        )
 
 
 class Int4Linear(nn.Module):
     """y = x @ ((q - 8) * scale + zero).T per group of input channels, with the device's int4 kernel
     for few rows and, on CPU, dequantize + GEMM from INT4_LARGE_M rows up."""
 
-    compile_autotune = False  # max-autotune does not speed its kernel and takes many GiB (runtime.autotune)
+    compile_autotune = (
+        False  # max-autotune does not speed its kernel and takes many GiB (runtime.autotune)
+    )
 
     def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
         super().__init__()
@@ -171,37 +184,63 @@ class Int4Linear(nn.Module):
         if self.cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.layout = find_cpu_int4_layout(packed, q)
-            if self.layout is None:  # an unknown layout: keep the portable values (N * K / 2 more bytes)
-                warn_once(f"int4: the CPU kernel's packed layout under {torch.backends.cpu.get_cpu_capability()} is not one this "
-                          "file knows; each layer keeps a second, portable copy of its values for prefill")
+            if (
+                self.layout is None
+            ):  # an unknown layout: keep the portable values (N * K / 2 more bytes)
+                warn_once(
+                    f"int4: the CPU kernel's packed layout under {torch.backends.cpu.get_cpu_capability()} is not one this "
+                    "file knows; each layer keeps a second, portable copy of its values for prefill"
+                )
                 self.portable_weight = portable["weight"].contiguous()
         else:  # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k tiles
-            dtype, tiles = torch.bfloat16, max(t for t in (2, 4, 8) if K % (16 * t) == 0)  # SmolLM2's 576: 4
-            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles)
+            dtype, tiles = (
+                torch.bfloat16,
+                max(t for t in (2, 4, 8) if K % (16 * t) == 0),
+            )  # SmolLM2's 576: 4
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles
+            )
         self.register_buffer("weight", packed)
-        sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(0, 1)  # [K/G, N, 2]
+        sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(
+            0, 1
+        )  # [K/G, N, 2]
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
-        if self.cpu and x2.shape[0] >= (INT4_LARGE_M if x.dtype != torch.float32 else INT4_LARGE_M_FLOAT32):
+        if self.cpu and x2.shape[0] >= (
+            INT4_LARGE_M if x.dtype != torch.float32 else INT4_LARGE_M_FLOAT32
+        ):
             y = padded_linear(x2, self.dequantize().to(x.dtype))
         elif self.cpu:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.groupsize, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.weight, self.groupsize, self.scales_and_zeros
+            )
         else:
-            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, self.groupsize,
-                                                   self.scales_and_zeros).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm(
+                x2.to(torch.bfloat16), self.weight, self.groupsize, self.scales_and_zeros
+            ).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.out_features, self.in_features
         if self.cpu:
-            q = unpack_int4(self.portable_weight) if self.layout is None else cpu_int4_unpack(self.weight, N, K, *self.layout)
+            q = (
+                unpack_int4(self.portable_weight)
+                if self.layout is None
+                else cpu_int4_unpack(self.weight, N, K, *self.layout)
+            )
         else:  # the kernel on the identity matrix returns W.T; a reference, not a fast path
             eye = torch.eye(K, device=self.weight.device, dtype=torch.bfloat16)
-            return torch.ops.aten._weight_int4pack_mm(eye, self.weight, self.groupsize, self.scales_and_zeros).t().float()
+            return (
+                torch.ops.aten._weight_int4pack_mm(
+                    eye, self.weight, self.groupsize, self.scales_and_zeros
+                )
+                .t()
+                .float()
+            )
         sz = self.scales_and_zeros.transpose(0, 1)
         return dequantize_int4(q, sz[..., 0], sz[..., 1])
 
@@ -215,7 +254,9 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", portable["scales"].to(dtype))
 
     def forward(self, tokens):
-        return F.embedding(tokens, self.weight).to(self.scales.dtype) * self.scales[tokens][..., None]
+        return (
+            F.embedding(tokens, self.weight).to(self.scales.dtype) * self.scales[tokens][..., None]
+        )
 
 
 # ---- which layers, and the whole model -------------------------------------------------------
@@ -225,10 +266,14 @@ def check_mode(mode: str, groupsize: int):
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose from {', '.join(MODES)}")
     if mode == "int4" and groupsize not in GROUP_SIZES:
-        raise ValueError(f"--groupsize {groupsize}: the int4 kernels take {', '.join(map(str, GROUP_SIZES))}")
+        raise ValueError(
+            f"--groupsize {groupsize}: the int4 kernels take {', '.join(map(str, GROUP_SIZES))}"
+        )
 
 
-def plan(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False) -> dict:
+def plan(
+    model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False
+) -> dict:
     """{module name: None if it gets quantized, else why it stays in higher precision}."""
     check_mode(mode, groupsize)
     out = {}
@@ -258,14 +303,18 @@ def portable_tensors(weight, mode: str, groupsize: int, rows: int = 4096) -> dic
     head in one piece set the load's peak (benchmarks/RESULTS.md, "Weight-only quantization and
     the int8 KV cache (CPU)")."""
     one = quantize_int8 if mode == "int8" else lambda w: quantize_int4(w, groupsize)
-    parts = [one(weight[i:i + rows]) for i in range(0, weight.shape[0], rows)]
+    parts = [one(weight[i : i + rows]) for i in range(0, weight.shape[0], rows)]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
 def make_layer(portable: dict, bias, mode: str, groupsize: int, dtype, device):
     portable = {k: v.to(device) for k, v in portable.items()}
     bias = None if bias is None else bias.to(device)
-    return Int8Linear(portable, bias, dtype) if mode == "int8" else Int4Linear(portable, bias, dtype, groupsize, device)
+    return (
+        Int8Linear(portable, bias, dtype)
+        if mode == "int8"
+        else Int4Linear(portable, bias, dtype, groupsize, device)
+    )
 
 
 def _set(model, name: str, module):
@@ -273,10 +322,14 @@ def _set(model, name: str, module):
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False) -> dict:
+def quantize_model(
+    model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False
+) -> dict:
     """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes before/after}."""
     if any(hasattr(m, "dequantize") for m in model.modules()):
-        raise ValueError("the checkpoint is already quantized; drop --quantize, or quantize its float original")
+        raise ValueError(
+            "the checkpoint is already quantized; drop --quantize, or quantize its float original"
+        )
     if mode == "int4":
         check_int4_device(model.norm.weight.device)
     layers = plan(model, mode, groupsize, head, embedding)
@@ -287,26 +340,48 @@ def quantize_model(model, mode: str, groupsize: int = 64, head: bool = False, em
             continue
         m = model.get_submodule(name)
         if isinstance(m, moe.Experts):  # each expert's projection quantized as one layer's weight
-            _set(model, name, moe.quantized(m, mode, lambda w: portable_tensors(w, mode, groupsize)))
+            _set(
+                model, name, moe.quantized(m, mode, lambda w: portable_tensors(w, mode, groupsize))
+            )
             continue
         dtype, device = m.weight.dtype, m.weight.device
         if name == "embed_tokens":
-            if tied and mode == "int8" and isinstance(model.lm_head, Int8Linear):  # one int8 table serves both
+            if (
+                tied and mode == "int8" and isinstance(model.lm_head, Int8Linear)
+            ):  # one int8 table serves both
                 portable = {"weight": model.lm_head.weight, "scales": model.lm_head.scales}
             else:
                 portable = quantize_int8(m.weight)
             _set(model, name, Int8Embedding(portable, dtype))
         else:
-            _set(model, name, make_layer(portable_tensors(m.weight, mode, groupsize), m.bias, mode, groupsize, dtype, device))
-    report = {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
-              "quantized": [n for n, r in layers.items() if r is None],
-              "kept": {n: r for n, r in layers.items() if r is not None},
-              "bytes_before": before, "bytes_after": model.weight_bytes()}
+            _set(
+                model,
+                name,
+                make_layer(
+                    portable_tensors(m.weight, mode, groupsize),
+                    m.bias,
+                    mode,
+                    groupsize,
+                    dtype,
+                    device,
+                ),
+            )
+    report = {
+        "mode": mode,
+        "groupsize": groupsize if mode == "int4" else None,
+        "quantized": [n for n, r in layers.items() if r is None],
+        "kept": {n: r for n, r in layers.items() if r is not None},
+        "bytes_before": before,
+        "bytes_after": model.weight_bytes(),
+    }
     return report  # quant_files.describe(report) says it in a line
 
 
-def main(argv=None) -> int:  # the command line lives with the checkpoint writers (formats/hf_folder.py)
+def main(
+    argv=None,
+) -> int:  # the command line lives with the checkpoint writers (formats/hf_folder.py)
     from formats import hf_folder
+
     return hf_folder.main(argv)
 
 

@@ -29,6 +29,7 @@ not depend on chunked prefill, batching or which cache holds the keys.
     rope = RotaryEmbedding(head_dim=64, theta=1e6, scaling={"rope_type": "yarn", "factor": 4.0, ...})
     cos, sin = rope(input_pos[B, T], torch.bfloat16)      # [B, T, rotary_dim]
 """
+
 import math
 
 import torch
@@ -52,7 +53,12 @@ def base_inv_freq(theta: float, d: int) -> torch.Tensor:
 
 
 def llama3_inv_freq(inv_freq, s: dict) -> torch.Tensor:
-    factor, low, high, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    factor, low, high, old = (
+        s["factor"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+        s["original_max_position_embeddings"],
+    )
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
     smooth = (old / wavelen - low) / (high - low)
@@ -83,7 +89,9 @@ def yarn_inv_freq(theta: float, d: int, s: dict, context: int):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, d - 1)
     high = high + 0.001 if low == high else high  # no zero-width ramp
-    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     speed = theta ** pair_exponents(d)
     keep = 1 - ramp  # 1: original speed (extrapolate), 0: interpolated
     return (1.0 / (factor * speed)) * (1 - keep) + (1.0 / speed) * keep, float(attention)
@@ -98,7 +106,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, scaling: dict = None, context: int = 4096):
         super().__init__()
         s, d, self.kind = dict(scaling or {}), rotary_dim, kind_of(scaling)
-        self.attention_factor, self.original = 1.0, s.get("original_max_position_embeddings", context)
+        self.attention_factor, self.original = (
+            1.0,
+            s.get("original_max_position_embeddings", context),
+        )
         self.theta, self.factor = theta, s.get("factor", 1.0)
         inv_freq = base_inv_freq(theta, d)
         if self.kind == "linear":
@@ -112,33 +123,57 @@ class RotaryEmbedding(nn.Module):
         elif self.kind == "longrope":
             factor = s.get("factor") or context / self.original
             self.attention_factor = s.get("attention_factor") or (
-                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(self.original)))
+                1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(self.original))
+            )
             shape = pair_exponents(d)
-            inv_freq = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32, device="cpu") * theta ** shape)
-            self.register_buffer("long_inv_freq", 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32, device="cpu")
-                                                         * theta ** shape), persistent=False)
+            inv_freq = 1.0 / (
+                torch.tensor(s["short_factor"], dtype=torch.float32, device="cpu") * theta**shape
+            )
+            self.register_buffer(
+                "long_inv_freq",
+                1.0
+                / (
+                    torch.tensor(s["long_factor"], dtype=torch.float32, device="cpu") * theta**shape
+                ),
+                persistent=False,
+            )
         elif self.kind == "dynamic":
-            self.original = context  # Hugging Face's dynamic NTK takes the model's context as the original
+            self.original = (
+                context  # Hugging Face's dynamic NTK takes the model's context as the original
+            )
         elif self.kind != "default":
-            raise ValueError(f"RoPE scaling type {self.kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
+            raise ValueError(
+                f"RoPE scaling type {self.kind!r} is not supported (supported: {', '.join(SUPPORTED)})"
+            )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("exponents", pair_exponents(d), persistent=False)
 
     def per_token_inv_freq(self, input_pos: torch.Tensor) -> torch.Tensor:
         """[B, T, d/2] speeds of each token, for the scalings that depend on the sequence's length."""
         if self.kind == "longrope":  # past the original context: the long factors
-            return torch.where(input_pos[..., None] >= self.original, self.long_inv_freq, self.inv_freq)
-        n = (input_pos + 1).clamp(min=self.original).float()  # dynamic: the length of a forward ending here
+            return torch.where(
+                input_pos[..., None] >= self.original, self.long_inv_freq, self.inv_freq
+            )
+        n = (
+            (input_pos + 1).clamp(min=self.original).float()
+        )  # dynamic: the length of a forward ending here
         base = self.theta * ((self.factor * n / self.original) - (self.factor - 1)) ** (
-            self.exponents.numel() * 2 / (self.exponents.numel() * 2 - 2))
+            self.exponents.numel() * 2 / (self.exponents.numel() * 2 - 2)
+        )
         return 1.0 / (base[..., None] ** self.exponents)
 
     def forward(self, input_pos: torch.Tensor, dtype: torch.dtype):
         # input_pos [B, T] -> cos, sin [B, T, rotary_dim], computed in float32 then cast like the reference
-        inv_freq = self.per_token_inv_freq(input_pos) if self.kind in ("longrope", "dynamic") else self.inv_freq
+        inv_freq = (
+            self.per_token_inv_freq(input_pos)
+            if self.kind in ("longrope", "dynamic")
+            else self.inv_freq
+        )
         freqs = input_pos[..., None].float() * inv_freq  # [B, T, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
         cos, sin = emb.cos(), emb.sin()
-        if self.attention_factor != 1.0:  # yarn, longrope: the attention temperature, folded into q and k
+        if (
+            self.attention_factor != 1.0
+        ):  # yarn, longrope: the attention temperature, folded into q and k
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)

@@ -14,6 +14,7 @@ ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in 
 
 This file imports only torch, so any other file of the project can use it.
 """
+
 import argparse
 import contextlib
 import os
@@ -48,7 +49,9 @@ def pick_device(name):
     if name is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (no GPU or a CPU-only PyTorch); use --device cpu")
+        raise ValueError(
+            f"--device {name}: CUDA is not available on this machine (no GPU or a CPU-only PyTorch); use --device cpu"
+        )
     if not name.startswith(("cpu", "cuda")):
         raise ValueError(f"--device {name}: expected cpu or cuda")
     return name
@@ -98,7 +101,10 @@ def inductor_vector_bits():
 
 def has_amx() -> bool:
     """Whether the CPU has AMX tiles (and ATen may use them: ATEN_CPU_CAPABILITY not lowered)."""
-    return cpu_capability() == "AVX512" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return (
+        cpu_capability() == "AVX512"
+        and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    )
 
 
 def autotune(model) -> bool:
@@ -110,15 +116,20 @@ def autotune(model) -> bool:
     from it; AMX is what it is for."""
     if not all(getattr(m, "compile_autotune", True) for m in model.modules()):
         return False
-    matrices = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-                and m.weight.dim() == 2]
+    matrices = [
+        m.weight
+        for m in model.modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+    ]
     dense_bf16 = all(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in matrices)
     return not (dense_bf16 and cpu_capability() == "AVX512" and not has_amx())
 
 
 def compiled_message(seconds: float, model, device) -> str:
     """The line generate.py prints after compiling: its time, and on CPU whether max-autotune ran."""
-    return f"compiled in {seconds:.1f} s" + (f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else "")
+    return f"compiled in {seconds:.1f} s" + (
+        f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else ""
+    )
 
 
 def static_cache(cache):
@@ -134,7 +145,12 @@ def static_cache(cache):
     return cache
 
 
-COMPILE_MODES = ("auto", "off", "jit", "aot")  # --compile's choices (generate.py, batch.py, serve.py)
+COMPILE_MODES = (
+    "auto",
+    "off",
+    "jit",
+    "aot",
+)  # --compile's choices (generate.py, batch.py, serve.py)
 
 
 def compile_default() -> str:
@@ -161,23 +177,33 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
         return lambda model, cache, *args: step(model, static_cache(cache), *args)
     configure_inductor_cpu()
     # dynamic=False: a cache of another length gets its own static graph, never a slow dynamic one
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None)
+    return torch.compile(
+        fn, fullgraph=True, dynamic=False, mode="max-autotune" if autotune else None
+    )
 
 
-def compile_lengths(decode_fn, model, cache, first: int, end: int, done: frozenset = frozenset()) -> set:
+def compile_lengths(
+    decode_fn, model, cache, first: int, end: int, done: frozenset = frozenset()
+) -> set:
     """Run the decode step for every attend length (kv_cache.py's use_positions) that decode steps
     at positions first..end-1 reach and `done` lacks, so that each graph compiles now, not in the
     middle of a reply. Each length L runs at position L - 1 >= first, a slot no cached token uses
     and a later step overwrites before any query reads it. Returns the lengths now compiled."""
-    use = getattr(cache, "use_positions", lambda n: 1)  # the paged cache: one graph, run at position 0
+    use = getattr(
+        cache, "use_positions", lambda n: 1
+    )  # the paged cache: one graph, run at position 0
     lengths = {use(n + 1) for n in range(first, end)} - done
     B, device = cache.batch_size, model.norm.weight.device
     with torch.no_grad():
         for length in sorted(lengths):
             use(length)
             for _ in range(3):  # CUDA Graphs record on the second or third call
-                decode_fn(model, cache, torch.zeros(B, 1, dtype=torch.long, device=device),
-                          torch.full((B, 1), length - 1, dtype=torch.long, device=device))
+                decode_fn(
+                    model,
+                    cache,
+                    torch.zeros(B, 1, dtype=torch.long, device=device),
+                    torch.full((B, 1), length - 1, dtype=torch.long, device=device),
+                )
     use(None)
     return done | lengths
 
@@ -198,7 +224,11 @@ def skip_guards(enabled: bool):
     evaluated. A step that changes what selects a graph (a static cache's attend length) must
     check them all: with one graph compiled so far, skipping would rerun it for the new length,
     silently (generate.generate does so)."""
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if enabled else contextlib.nullcontext()
+    return (
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        if enabled
+        else contextlib.nullcontext()
+    )
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -220,13 +250,24 @@ def available_memory(device: str) -> int:
 
 def parse_size(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+    }
     t = text.strip().lower()
     number = t.rstrip("bikmg")
     try:
-        return int(float(number) * units[t[len(number):]])
+        return int(float(number) * units[t[len(number) :]])
     except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1GB)") from None
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1GB)"
+        ) from None
 
 
 def reset_peak_memory(device: str):
@@ -263,8 +304,10 @@ def weights_line(model) -> str:
     line = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
     if model.config.moe:  # moe.py: a step reads only the experts its tokens chose
         m, (total, active) = model.config.moe, model.config.moe.parameter_counts(model.config)
-        line += (f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
-                 f"({m.n_experts_per_tok} of {m.n_experts} experts) | ")
+        line += (
+            f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+            f"({m.n_experts_per_tok} of {m.n_experts} experts) | "
+        )
     return line
 
 
@@ -273,48 +316,124 @@ def memory_plan(model, cache) -> str:
     weights = weights_line(model)
     if hasattr(cache, "block_size"):  # paged: the pool, block 0 being the null block
         per_block = cache.nbytes() / cache.num_blocks
-        return weights + (f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
-                          f"x {cache.num_blocks} blocks = {human(cache.nbytes())}")
-    rings = [r for r in getattr(cache, "ring", ()) if r]  # speedups/kv_window.py: windowed layers keep only their window
+        return weights + (
+            f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} tokens per block "
+            f"x {cache.num_blocks} blocks = {human(cache.nbytes())}"
+        )
+    rings = [
+        r for r in getattr(cache, "ring", ()) if r
+    ]  # speedups/kv_window.py: windowed layers keep only their window
     if rings:
-        full = sum(t.numel() * t.element_size() * cache.max_seq_len // t.shape[2] for t in cache.tensors())
-        return weights + (f"KV cache {human(cache.nbytes())}: {len(rings)} of {len(cache.ring)} layers windowed, kept as "
-                          f"rings of {max(rings)} slots ({human(full)} if every layer kept {cache.max_seq_len} tokens "
-                          f"x {cache.batch_size})")
+        full = sum(
+            t.numel() * t.element_size() * cache.max_seq_len // t.shape[2] for t in cache.tensors()
+        )
+        return weights + (
+            f"KV cache {human(cache.nbytes())}: {len(rings)} of {len(cache.ring)} layers windowed, kept as "
+            f"rings of {max(rings)} slots ({human(full)} if every layer kept {cache.max_seq_len} tokens "
+            f"x {cache.batch_size})"
+        )
     per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
-    return weights + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
+    return (
+        weights
+        + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
+    )
 
 
 # -- the engine's flags, which batch.py and serve.py share (tp_engine.load_engine takes their values) ----
 def add_engine_args(p):
-    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--compile", nargs="?", const="jit", choices=COMPILE_MODES, default=compile_default(),
-                   help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
-                        "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
-                        "on disk (CPU; speedups/aot.py), or an error saying why not")
-    p.add_argument("--quantize", default=None, choices=("int8", "int4"), help="weight-only quantization at load time (a GGUF file is dequantized first)")
-    p.add_argument("--dequantize", action="store_true", help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="jit",
+        choices=COMPILE_MODES,
+        default=compile_default(),
+        help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
+        "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
+        "on disk (CPU; speedups/aot.py), or an error saying why not",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=("int8", "int4"),
+        help="weight-only quantization at load time (a GGUF file is dequantized first)",
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)",
+    )
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num_blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv_cache_memory; "
-                   "a hybrid model's full layers' pool: kv_plan.py sizes its windowed layers' own)")
-    p.add_argument("--kv_cache_memory", type=parse_size, default=None, help="memory for the KV pool, e.g. 2GiB "
-                   "(default: 20%% of free memory, at most what max_num_seqs full contexts need)")
+    p.add_argument(
+        "--num_blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (overrides --kv_cache_memory; "
+        "a hybrid model's full layers' pool: kv_plan.py sizes its windowed layers' own)",
+    )
+    p.add_argument(
+        "--kv_cache_memory",
+        type=parse_size,
+        default=None,
+        help="memory for the KV pool, e.g. 2GiB "
+        "(default: 20%% of free memory, at most what max_num_seqs full contexts need)",
+    )
     p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
-    p.add_argument("--max_num_batched_tokens", type=int, default=512, help="most tokens per step (the prefill chunk)")
-    p.add_argument("--no_prefix_caching", action="store_true", help="do not reuse the KV of shared prompt heads")
-    p.add_argument("--schedule_policy", default="fcfs", choices=("fcfs", "lpm"), help="admission order: arrival, or longest cached prefix first")
-    p.add_argument("--batch_invariant", action="store_true", help="a request's tokens the same whatever runs beside it "
-                   "(batch_invariant.py; eager steps, slower prefill)")
-    p.add_argument("--speculate", default=None, choices=("prompt_lookup", "draft"), help="draft tokens by prompt lookup "
-                   "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model (speedups/draft_model.py) and "
-                   "verify them in each step: the output is exactly the target's")
-    p.add_argument("--draft_checkpoint", default=None, help="--speculate draft: the draft model (HF folder, .gguf file "
-                   "or Hub id) with the target's tokenizer, loaded at --dtype")
-    p.add_argument("--speculate_k", type=int, default=4, help="most tokens drafted per sequence and step (1..16)")
-    p.add_argument("--prompt_lookup_min", type=int, default=1, help="shortest n-gram prompt lookup matches")
-    p.add_argument("--prompt_lookup_max", type=int, default=3, help="longest n-gram prompt lookup matches")
+    p.add_argument(
+        "--max_num_batched_tokens",
+        type=int,
+        default=512,
+        help="most tokens per step (the prefill chunk)",
+    )
+    p.add_argument(
+        "--no_prefix_caching",
+        action="store_true",
+        help="do not reuse the KV of shared prompt heads",
+    )
+    p.add_argument(
+        "--schedule_policy",
+        default="fcfs",
+        choices=("fcfs", "lpm"),
+        help="admission order: arrival, or longest cached prefix first",
+    )
+    p.add_argument(
+        "--batch_invariant",
+        action="store_true",
+        help="a request's tokens the same whatever runs beside it "
+        "(batch_invariant.py; eager steps, slower prefill)",
+    )
+    p.add_argument(
+        "--speculate",
+        default=None,
+        choices=("prompt_lookup", "draft"),
+        help="draft tokens by prompt lookup "
+        "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model (speedups/draft_model.py) and "
+        "verify them in each step: the output is exactly the target's",
+    )
+    p.add_argument(
+        "--draft_checkpoint",
+        default=None,
+        help="--speculate draft: the draft model (HF folder, .gguf file "
+        "or Hub id) with the target's tokenizer, loaded at --dtype",
+    )
+    p.add_argument(
+        "--speculate_k",
+        type=int,
+        default=4,
+        help="most tokens drafted per sequence and step (1..16)",
+    )
+    p.add_argument(
+        "--prompt_lookup_min", type=int, default=1, help="shortest n-gram prompt lookup matches"
+    )
+    p.add_argument(
+        "--prompt_lookup_max", type=int, default=3, help="longest n-gram prompt lookup matches"
+    )
 
 
 def check_engine_args(p, args):
@@ -326,12 +445,34 @@ def check_engine_args(p, args):
     if (args.speculate == "draft") != bool(args.draft_checkpoint):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
     if args.batch_invariant and args.compile in ("jit", "aot"):
-        p.error("--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile")
+        p.error(
+            "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile"
+        )
 
 
 def engine_options(args) -> dict:
     """The values of add_engine_args' flags, as load_engine's keywords."""
-    names = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
-             "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "batch_invariant", "speculate", "speculate_k",
-             "prompt_lookup_min", "prompt_lookup_max", "draft_checkpoint")
-    return {**{n: getattr(args, n) for n in names}, "compile": args.compile, "prefix_caching": not args.no_prefix_caching}
+    names = (
+        "checkpoint",
+        "device",
+        "dtype",
+        "quantize",
+        "dequantize",
+        "block_size",
+        "num_blocks",
+        "kv_cache_memory",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "schedule_policy",
+        "batch_invariant",
+        "speculate",
+        "speculate_k",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "draft_checkpoint",
+    )
+    return {
+        **{n: getattr(args, n) for n in names},
+        "compile": args.compile,
+        "prefix_caching": not args.no_prefix_caching,
+    }

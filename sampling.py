@@ -25,6 +25,7 @@ reproducible. speculative.py reuses `probabilities` (step 4) for its accept/reje
 Log-probabilities reported to users (scoring.token_logprobs) are the model's own: log_softmax of
 the raw logits, before bias, penalties, temperature and filtering, as HF transformers computes them.
 """
+
 import math
 from dataclasses import dataclass, field
 
@@ -43,8 +44,16 @@ class SamplingParams:
     logit_bias: dict = field(default_factory=dict)  # token id -> bias; {}: off
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-                       self.frequency_penalty, self.presence_penalty, self.logit_bias)
+        check_sampling(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+            self.logit_bias,
+        )
         self.logit_bias = parse_logit_bias(self.logit_bias)  # JSON's {"123": -100} -> {123: -100.0}
 
     @classmethod
@@ -55,7 +64,11 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether a penalty is on, so that sampling needs the tokens seen so far."""
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        return (
+            self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+        )
 
     @property
     def adjusts_logits(self) -> bool:
@@ -67,8 +80,16 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def check_sampling(temperature, top_k, top_p, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
-                   presence_penalty=0.0, logit_bias=None):
+def check_sampling(
+    temperature,
+    top_k,
+    top_p,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    logit_bias=None,
+):
     if temperature is None or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -77,9 +98,16 @@ def check_sampling(temperature, top_k, top_p, min_p=0.0, repetition_penalty=1.0,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not (is_number(min_p) and 0 <= min_p <= 1):
         raise ValueError(f"min_p must be in [0, 1] (0 is off), got {min_p!r}")
-    if not (is_number(repetition_penalty) and 1e-3 <= repetition_penalty <= 1e3):  # beyond, logits overflow
-        raise ValueError(f"repetition_penalty must be in [0.001, 1000] (1 is off), got {repetition_penalty!r}")
-    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+    if not (
+        is_number(repetition_penalty) and 1e-3 <= repetition_penalty <= 1e3
+    ):  # beyond, logits overflow
+        raise ValueError(
+            f"repetition_penalty must be in [0.001, 1000] (1 is off), got {repetition_penalty!r}"
+        )
+    for name, value in (
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+    ):
         if not (is_number(value) and -2 <= value <= 2):
             raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {value!r}")
     parse_logit_bias(logit_bias)
@@ -91,19 +119,29 @@ def parse_logit_bias(logit_bias, vocab_size: int = None) -> dict:
     if logit_bias is None:
         return {}
     if not isinstance(logit_bias, dict):
-        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {logit_bias!r}")
+        raise ValueError(
+            f"logit_bias must be an object mapping token ids to biases, got {logit_bias!r}"
+        )
     parsed = {}
     for key, bias in logit_bias.items():
         try:
             token = int(key) if isinstance(key, str) else key
         except ValueError:
             token = None
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < (vocab_size or math.inf):
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or not 0 <= token < (vocab_size or math.inf)
+        ):
             ids = f"[0, {vocab_size})" if vocab_size else "integers >= 0"
             raise ValueError(f"logit_bias keys must be token ids in {ids}, got {key!r}")
         if not is_number(bias) or bias != bias:  # bias != bias: NaN
-            raise ValueError(f"logit_bias values must be numbers (clamped to [-100, 100]), got {bias!r} for {key!r}")
-        parsed[token] = float(max(-100, min(100, bias)))  # clamped before float(): 10**400 is a valid JSON int
+            raise ValueError(
+                f"logit_bias values must be numbers (clamped to [-100, 100]), got {bias!r} for {key!r}"
+            )
+        parsed[token] = float(
+            max(-100, min(100, bias))
+        )  # clamped before float(): 10**400 is a valid JSON int
     return parsed
 
 
@@ -115,14 +153,18 @@ def token_counts(tokens, batch: int, vocab: int, device) -> torch.Tensor:
     if not isinstance(tokens, torch.Tensor):  # ragged rows: pad with id V, a column dropped below
         rows = [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in tokens]
         width = max((len(r) for r in rows), default=0)
-        tokens = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+        tokens = torch.tensor(
+            [r + [vocab] * (width - len(r)) for r in rows], dtype=torch.long, device=device
+        )
     tokens = tokens.reshape(batch, -1).long()  # [B, n]
     counts = torch.zeros(batch, vocab + 1, device=device)
     counts.scatter_add_(1, tokens, torch.ones(tokens.shape, device=device))
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_tokens=None, output_tokens=None) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_tokens=None, output_tokens=None
+) -> torch.Tensor:
     """Steps 1-3 of the module docstring: logits [B, V] -> a NEW tensor [B, V] (at least float32;
     `logits` itself is never written). prompt_tokens, output_tokens: per row, the prompt's and the
     generated token ids (a [B, n] tensor, or B lists / 1-D tensors); the prompt counts only for
@@ -131,23 +173,31 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_tokens=
     out = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
     if params.logit_bias:  # keys are distinct, so one indexed add; a host-to-device copy per call
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=out.device)
-        bias = torch.tensor([min(100.0, max(-100.0, b)) for b in params.logit_bias.values()], device=out.device)
+        bias = torch.tensor(
+            [min(100.0, max(-100.0, b)) for b in params.logit_bias.values()], device=out.device
+        )
         out[:, ids] += bias.to(out.dtype)
     if not params.needs_history:
         return out
     if output_tokens is None:
-        raise ValueError("repetition, frequency and presence penalties need the generated tokens (output_tokens)")
+        raise ValueError(
+            "repetition, frequency and presence penalties need the generated tokens (output_tokens)"
+        )
     output = token_counts(output_tokens, B, V, out.device).to(out.dtype)  # [B, V]
     if params.repetition_penalty != 1:
         seen = (token_counts(prompt_tokens, B, V, out.device) + output) > 0
         r = params.repetition_penalty
         out = torch.where(seen, torch.where(out < 0, out * r, out / r), out)
     if params.frequency_penalty or params.presence_penalty:
-        out -= params.frequency_penalty * output + params.presence_penalty * (output > 0).to(out.dtype)
+        out -= params.frequency_penalty * output + params.presence_penalty * (output > 0).to(
+            out.dtype
+        )
     return out
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = None, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: int = None, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     """logits [..., V] with every token outside top-k / top-p / min-p set to -inf."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -165,8 +215,13 @@ def filter_logits(logits: torch.Tensor, top_k: int = None, top_p: float = 1.0, m
     return logits
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int = None, top_p: float = 1.0,
-                  min_p: float = 0.0) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = None,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
     """The distribution sampled from: [..., V] float32. Temperature 0 gives a one-hot argmax."""
     logits = logits.float()
     if temperature == 0:
@@ -174,8 +229,15 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int = None, t
     return filter_logits(logits / temperature, top_k, top_p, min_p).softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator = None,
-           prompt_tokens=None, output_tokens=None, draft_q=None, draft: int = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator = None,
+    prompt_tokens=None,
+    output_tokens=None,
+    draft_q=None,
+    draft: int = None,
+) -> torch.Tensor:
     """logits [B, V] -> next tokens [B]. prompt_tokens, output_tokens: the history the penalties
     need (see apply_penalties); unused when they are off. draft (B = 1): a token drawn from
     draft_q [V], kept with probability min(1, p/q) and else replaced by a draw from max(p - q, 0)

@@ -32,6 +32,7 @@ window / block_size + 2 of them. A hybrid model (Gemma 2/3) has a pool per layer
     plan = scheduler.schedule()              # plan.runs: {seq: tokens to compute}, plan.copies
     scheduler.update(plan, [(seq, token, finish_reason or None), ...])
 """
+
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -42,11 +43,21 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 @dataclass
 class Plan:
-    runs: dict = field(default_factory=dict)  # sequence -> tokens to compute this step (decodes first)
-    copies: list = field(default_factory=list)  # (source block, destination block, pool): copy before the forward
-    ended: list = field(default_factory=list)  # sequences finished at "length": alone, they still do not fit
-    forks: list = field(default_factory=list)  # (sequence, its new twins): the engine forks n samples here
-    drafts: dict = field(default_factory=dict)  # decoding sequence -> its draft tokens computed after its last one
+    runs: dict = field(
+        default_factory=dict
+    )  # sequence -> tokens to compute this step (decodes first)
+    copies: list = field(
+        default_factory=list
+    )  # (source block, destination block, pool): copy before the forward
+    ended: list = field(
+        default_factory=list
+    )  # sequences finished at "length": alone, they still do not fit
+    forks: list = field(
+        default_factory=list
+    )  # (sequence, its new twins): the engine forks n samples here
+    drafts: dict = field(
+        default_factory=dict
+    )  # decoding sequence -> its draft tokens computed after its last one
 
 
 class Scheduler:
@@ -57,19 +68,42 @@ class Scheduler:
     `reusable_tokens(request, hashes)` and `must_wait(request, running)`; window_allocator: the
     windowed layers' pool of a hybrid model, or None."""
 
-    def __init__(self, allocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "fcfs", reserve_tokens: int = None, scores=None, window_allocator=None):
+    def __init__(
+        self,
+        allocator,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        policy: str = "fcfs",
+        reserve_tokens: int = None,
+        scores=None,
+        window_allocator=None,
+    ):
         if policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule policy must be fcfs or lpm, got {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence needs a token per step")
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({max_num_seqs}): every running sequence needs a token per step"
+            )
         self.allocator, self.block_size, self.policy = allocator, allocator.block_size, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.reserve_tokens, self.scores, self.window_allocator = reserve_tokens, scores, window_allocator
-        self.pools = [allocator] + ([window_allocator] if window_allocator else [])  # pool k: table k of a sequence
+        self.reserve_tokens, self.scores, self.window_allocator = (
+            reserve_tokens,
+            scores,
+            window_allocator,
+        )
+        self.pools = [allocator] + (
+            [window_allocator] if window_allocator else []
+        )  # pool k: table k of a sequence
         self.waiting, self.running = deque(), []
-        self.stats = dict(steps=0, preemptions=0, peak_blocks=0, prompt_tokens=0, prompt_tokens_hit=0, peak_running=0)
+        self.stats = dict(
+            steps=0,
+            preemptions=0,
+            peak_blocks=0,
+            prompt_tokens=0,
+            prompt_tokens_hit=0,
+            peak_running=0,
+        )
 
     def add(self, seq):
         self.waiting.append(seq)
@@ -78,11 +112,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Plan:
-        plan, prefilling = Plan(), {s.request for s in self.running if len(s.tokens) - s.num_computed > 1}
-        share = max(1, self.max_num_batched_tokens // max(1, len(prefilling | {s.request for s in self.waiting})))
-        quota = Counter(dict.fromkeys(prefilling, share))  # prompt tokens each may take before admission
+        plan, prefilling = (
+            Plan(),
+            {s.request for s in self.running if len(s.tokens) - s.num_computed > 1},
+        )
+        share = max(
+            1,
+            self.max_num_batched_tokens
+            // max(1, len(prefilling | {s.request for s in self.waiting})),
+        )
+        quota = Counter(
+            dict.fromkeys(prefilling, share)
+        )  # prompt tokens each may take before admission
         self._top_up(plan, self._admit(plan, self._schedule_running(plan, quota)))
-        plan.drafts = {s: d for s, d in plan.drafts.items() if s in plan.runs}  # (not the preempted)
+        plan.drafts = {
+            s: d for s, d in plan.drafts.items() if s in plan.runs
+        }  # (not the preempted)
         if plan.runs:
             st = self.stats
             st["steps"] += 1
@@ -90,8 +135,14 @@ class Scheduler:
             st["peak_running"] = max(st["peak_running"], len(self.running))
         return plan
 
-    def draft_budget(self) -> int:  # drafts take only what decodes and prompts (running or waiting) leave
-        return self.max_num_batched_tokens - sum(len(s.tokens) - s.num_computed for s in self.running) - sum(len(s.tokens) for s in self.waiting)
+    def draft_budget(
+        self,
+    ) -> int:  # drafts take only what decodes and prompts (running or waiting) leave
+        return (
+            self.max_num_batched_tokens
+            - sum(len(s.tokens) - s.num_computed for s in self.running)
+            - sum(len(s.tokens) for s in self.waiting)
+        )
 
     def _schedule_running(self, plan, quota) -> int:
         """Tokens for the running sequences, decodes first (oldest first), a prefill within its
@@ -102,7 +153,9 @@ class Scheduler:
             n = min(need, budget, quota[seq.request] if need > 1 else 1)
             if seq not in self.running or n <= 0:
                 continue
-            draft = seq.draft[:max(0, spare)] if need == 1 and not seq.request.needs_fork else []  # (twins copy a forking prompt's state)
+            draft = (
+                seq.draft[: max(0, spare)] if need == 1 and not seq.request.needs_fork else []
+            )  # (twins copy a forking prompt's state)
             draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted
@@ -117,7 +170,10 @@ class Scheduler:
             if seq in self.running:
                 runs[seq], spare = n + len(draft), spare - len(draft)
                 plan.drafts.update({seq: draft} if draft else {})
-                budget, quota[seq.request] = budget - n - len(draft), quota[seq.request] - n * (need > 1)
+                budget, quota[seq.request] = (
+                    budget - n - len(draft),
+                    quota[seq.request] - n * (need > 1),
+                )
         return budget
 
     def _top_up(self, plan, budget: int):
@@ -128,10 +184,11 @@ class Scheduler:
                 plan.runs[seq], budget = n + extra, budget - extra
 
     def _admit(self, plan, budget: int) -> int:
-        bs, scores = self.block_size, self.scores
         while self.waiting and budget > 0:
             seq = self._next_waiting()
-            if seq is None:  # all that wait are prompts to score whose head another request computes now
+            if (
+                seq is None
+            ):  # all that wait are prompts to score whose head another request computes now
                 break
             req = seq.request
             need = req.params.n if req.needs_fork else 1  # room for all its samples once it forks
@@ -161,32 +218,48 @@ class Scheduler:
             blocks, hashes = allocator.lookup_prefix(seq.tokens, most)
             hits, most = hits + [blocks], len(blocks)
         reused = self.scores.reusable_tokens(seq.request, hashes) if self.scores else most * bs
-        tables = [blocks[:blocks_for(reused, bs)] for blocks in hits]
+        tables = [blocks[: blocks_for(reused, bs)] for blocks in hits]
         # prompt scoring can cut a hit below the blocks a window kept: then it is recomputed whole
-        if any(a.window and not all(t[max(0, reused - a.window + 1) // bs:]) for a, t in zip(self.pools, tables)):
+        if any(
+            a.window and not all(t[max(0, reused - a.window + 1) // bs :])
+            for a, t in zip(self.pools, tables)
+        ):
             reused, tables = 0, [[] for _ in tables]
         for allocator, b in [(a, b) for a, t in zip(self.pools, tables) for b in t if b]:
             allocator.share(b)
         seq.blocks, seq.window_blocks = tables + [[]] * (2 - len(tables))
-        seq.hashes, seq.num_computed = hashes[:reused // bs], reused
+        seq.hashes, seq.num_computed = hashes[: reused // bs], reused
 
     def blocks_used(self) -> int:
         return sum(a.num_used() for a in self.pools)
 
     def _tables(self, seq):  # (allocator, seq's block table in it) per pool
-        return list(zip(self.pools, (seq.blocks, seq.window_blocks) if self.window_allocator else (seq.blocks,)))
+        return list(
+            zip(
+                self.pools,
+                (seq.blocks, seq.window_blocks) if self.window_allocator else (seq.blocks,),
+            )
+        )
 
     def _next_waiting(self):
         """The waiting sequence to admit next, or None (scoring's must_wait may hold some back)."""
-        ready = [s for s in self.waiting if not (self.scores and self.scores.must_wait(s.request, self.running))]
+        ready = [
+            s
+            for s in self.waiting
+            if not (self.scores and self.scores.must_wait(s.request, self.running))
+        ]
         if len(ready) <= 1:
             return ready[0] if ready else None
         if self.policy == "fcfs":  # the oldest of the requests with the fewest sequences running
             held = Counter(s.request for s in self.running)
             return min(ready, key=lambda s: held[s.request])  # min keeps the first of ties
         # lpm: the request with the longest cached prefix first (ties: the earliest)
-        return max(ready, key=lambda s: len(self.allocator.lookup_prefix(
-            s.tokens, (len(s.tokens) - 1) // self.block_size)[0]))
+        return max(
+            ready,
+            key=lambda s: len(
+                self.allocator.lookup_prefix(s.tokens, (len(s.tokens) - 1) // self.block_size)[0]
+            ),
+        )
 
     def _take_fair_share(self, req, need: int):
         """Every sequence slot is taken and req, with none running, waits: preempt the newest
@@ -203,7 +276,9 @@ class Scheduler:
             hog, count = held.most_common(1)[0]
             if count <= share:
                 return None
-            victims.append([s for s in reversed(self.running) if s.request is hog and s not in victims][0])
+            victims.append(
+                [s for s in reversed(self.running) if s.request is hog and s not in victims][0]
+            )
             held[hog] -= 1
         for victim in victims:
             self._preempt(victim)
@@ -214,12 +289,18 @@ class Scheduler:
         written first made private (copy-on-write); all or none."""
         tables, first, bs = self._tables(seq), seq.num_computed // self.block_size, self.block_size
         cows = [first < len(t) and a.ref[t[first]] > 1 for a, t in tables]
-        needs = [max(0, blocks_for(seq.num_computed + max(n, reserve * (k == 0)), bs) - len(t)) + cows[k]
-                 for k, (_, t) in enumerate(tables)]
-        if any(need > a.num_available() for (a, _), need in zip(tables, needs)):  # so that no pool evicts for nothing
+        needs = [
+            max(0, blocks_for(seq.num_computed + max(n, reserve * (k == 0)), bs) - len(t)) + cows[k]
+            for k, (_, t) in enumerate(tables)
+        ]
+        if any(
+            need > a.num_available() for (a, _), need in zip(tables, needs)
+        ):  # so that no pool evicts for nothing
             return False
         got = [a.allocate_many(need) for (a, _), need in zip(tables, needs)]
-        if None in got:  # (num_available counts cached blocks that leaf-first eviction cannot reach yet)
+        if (
+            None in got
+        ):  # (num_available counts cached blocks that leaf-first eviction cannot reach yet)
             for (a, _), blocks in zip(tables, got):
                 for b in blocks or ():
                     a.release(b)
@@ -234,7 +315,9 @@ class Scheduler:
         return True
 
     def _release(self, seq, forget: bool = True):
-        for alloc, b in [(a, b) for a, t in self._tables(seq) for b in t if b]:  # (0: freed behind the window)
+        for alloc, b in [
+            (a, b) for a, t in self._tables(seq) for b in t if b
+        ]:  # (0: freed behind the window)
             alloc.release(b)
         seq.blocks, seq.window_blocks = [], []
         if forget:
@@ -253,7 +336,9 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq, forget=False)  # its hashes stay: they name what it computed (prompt scoring remembers by them)
+        self._release(
+            seq, forget=False
+        )  # its hashes stay: they name what it computed (prompt scoring remembers by them)
 
     def _free_outside_window(self, seq, alloc, table):
         """Release the blocks before the window of seq's next query (full ones stay cached until
@@ -275,9 +360,14 @@ class Scheduler:
             if seq.finish_reason:  # a fault ended it during the step: its blocks are gone
                 continue
             seq.num_computed += n
-            while len(seq.hashes) < seq.num_computed // bs:  # blocks that filled up: into the prefix cache
+            while (
+                len(seq.hashes) < seq.num_computed // bs
+            ):  # blocks that filled up: into the prefix cache
                 i = len(seq.hashes)
-                parent, tokens = seq.hashes[-1] if seq.hashes else None, seq.tokens[i * bs:(i + 1) * bs]
+                parent, tokens = (
+                    seq.hashes[-1] if seq.hashes else None,
+                    seq.tokens[i * bs : (i + 1) * bs],
+                )
                 for alloc, table in self._tables(seq):
                     h = alloc.register(table[i], parent, tokens, table[i - 1] if i else None)
                 seq.hashes.append(h)

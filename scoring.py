@@ -23,6 +23,7 @@ Scores are the model's own log-softmax (token_logprobs, which the engine also us
 tokens), turned into float32 [rows, vocab] LOGPROB_ROWS positions at a time, so a long prompt
 never holds [prompt_len, vocab].
 """
+
 from collections import OrderedDict
 
 import torch
@@ -62,10 +63,14 @@ class PromptScores:
                 break
             self.cached.move_to_end(h)
             n += 1
-        for i in range(n):  # block i holds the scores of tokens i*bs ... (i+1)*bs - 1; take those not known yet
+        for i in range(
+            n
+        ):  # block i holds the scores of tokens i*bs ... (i+1)*bs - 1; take those not known yet
             have = len(req.prompt_logprobs)
             if (i + 1) * bs > have:
-                req.prompt_logprobs += [e and (e[0], e[1][:k]) for e in self.cached[hashes[i]][1][have - i * bs:]]
+                req.prompt_logprobs += [
+                    e and (e[0], e[1][:k]) for e in self.cached[hashes[i]][1][have - i * bs :]
+                ]
         return max(0, n * bs - 1)
 
     def must_wait(self, req, running) -> bool:
@@ -84,17 +89,25 @@ class PromptScores:
         for s, end in zip(order, ends):
             req = s.request
             if req.scoring and s.index == 0:
-                last = s.num_computed + batch[s] - 1  # the chunk's last position, at flat index `end`
-                for p in range(max(s.num_computed, len(req.prompt_logprobs) - 1), min(last + 1, len(req.prompt) - 1)):
+                last = (
+                    s.num_computed + batch[s] - 1
+                )  # the chunk's last position, at flat index `end`
+                for p in range(
+                    max(s.num_computed, len(req.prompt_logprobs) - 1),
+                    min(last + 1, len(req.prompt) - 1),
+                ):
                     scored.append((req, end - (last - p), req.prompt[p + 1]))
         return scored
 
     def score(self, scored, logits):
         """logits [len(scored), V]: append each prompt token's score to its request."""
         for start in range(0, len(scored), LOGPROB_ROWS):
-            part = scored[start:start + LOGPROB_ROWS]
-            entries = token_logprobs(logits[start:start + len(part)], [t for _, _, t in part],
-                                     [req.params.prompt_logprobs for req, _, _ in part])
+            part = scored[start : start + LOGPROB_ROWS]
+            entries = token_logprobs(
+                logits[start : start + len(part)],
+                [t for _, _, t in part],
+                [req.params.prompt_logprobs for req, _, _ in part],
+            )
             for (req, _, _), entry in zip(part, entries):
                 req.prompt_logprobs.append(entry)
 
@@ -107,7 +120,7 @@ class PromptScores:
         for i in range(req.blocks_remembered, full):
             entry = self.cached.get(seq.hashes[i])
             if entry is None or entry[0] < k:
-                self.cached[seq.hashes[i]] = (k, req.prompt_logprobs[i * bs:(i + 1) * bs])
+                self.cached[seq.hashes[i]] = (k, req.prompt_logprobs[i * bs : (i + 1) * bs])
             self.cached.move_to_end(seq.hashes[i])
         req.blocks_remembered = max(req.blocks_remembered, full)
         while len(self.cached) > self.capacity:

@@ -7,12 +7,13 @@ scheduler.py moves these between its queues, engine.py fills them in; nothing he
     params = RequestParams(max_new_tokens=32, temperature=0.7, n=2, logprobs=5)
     params.check()      # ValueError naming the field, before anything is queued
 """
+
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from sampling import MAX_LOGPROBS, check_sampling, parse_logit_bias, SamplingParams
+from sampling import MAX_LOGPROBS, SamplingParams, check_sampling, parse_logit_bias
 from scheduler import blocks_for
 
 
@@ -32,13 +33,27 @@ class RequestParams:
     stop_token_ids: list = field(default_factory=list)  # ids that end it, besides the model's own
     ignore_eos: bool = False  # do not stop at the model's end-of-sequence tokens
     n: int = 1  # samples of this prompt
-    logprobs: int = None  # per output token: its log-probability and the `logprobs` most likely (0-20)
-    prompt_logprobs: int = None  # the same for each prompt token but the first; max_new_tokens may then be 0
-    constraint: object = None  # constrain.Constraint: the output must match it (JSON schema, regex, ...)
+    logprobs: int = (
+        None  # per output token: its log-probability and the `logprobs` most likely (0-20)
+    )
+    prompt_logprobs: int = (
+        None  # the same for each prompt token but the first; max_new_tokens may then be 0
+    )
+    constraint: object = (
+        None  # constrain.Constraint: the output must match it (JSON schema, regex, ...)
+    )
 
     def check(self):
-        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-                       self.frequency_penalty, self.presence_penalty, self.logit_bias)
+        check_sampling(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+            self.logit_bias,
+        )
         self.logit_bias = parse_logit_bias(self.logit_bias)  # {"123": -100} -> {123: -100.0}
         if 0 < self.temperature < 1e-20:  # logits / temperature would overflow: its limit, greedy
             self.temperature = 0.0
@@ -46,22 +61,32 @@ class RequestParams:
         for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}"
-                                 + (" (0 only when scoring the prompt)" if name == "max_new_tokens" else ""))
+                raise ValueError(
+                    f"{name} must be an integer >= {least}, got {value!r}"
+                    + (" (0 only when scoring the prompt)" if name == "max_new_tokens" else "")
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2**63 <= self.seed < 2**63):
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(2**63) <= self.seed < 2**63
+        ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
 
 
 def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int, s, tokenizer):
@@ -74,12 +99,18 @@ def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int,
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
     if len(prompt) >= max_model_len:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
-                         "which leaves no room to generate")
-    usable = s.allocator.num_blocks - 1  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
+            "which leaves no room to generate"
+        )
+    usable = (
+        s.allocator.num_blocks - 1
+    )  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
     if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
-        raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
-                         f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory")
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
+            f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory"
+        )
     if params.n > s.max_num_seqs:
         raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {s.max_num_seqs}")
     if (params.stop or params.constraint is not None) and tokenizer is None:
@@ -100,7 +131,9 @@ class Sequence:
         self.window_blocks = []  # a hybrid model's windowed layers' block table (scheduler.py)
         self.generator = torch.Generator(device=request.device).manual_seed(seed)
         self.finish_reason, self.token_times = None, []
-        self.stream = stream  # text_stream.TextStream: its text, decoded once per token (None: no tokenizer)
+        self.stream = (
+            stream  # text_stream.TextStream: its text, decoded once per token (None: no tokenizer)
+        )
         self.matcher = None  # constrain.Matcher, when the request has a constraint
         self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
         self.draft = []  # tokens proposed to follow it, verified in the next step (speedups/prompt_lookup.py)
@@ -117,7 +150,7 @@ class Sequence:
 
     @property
     def output(self):
-        return self.tokens[len(self.request.prompt):]
+        return self.tokens[len(self.request.prompt) :]
 
 
 class Request:
@@ -152,5 +185,10 @@ class Request:
         pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
         if self.error:
             return {"id": self.id, "error": self.error}
-        return {"id": self.id, "tokens": pick(tokens), "text": pick(texts), "finish_reason": pick(reasons),
-                "time_to_first_token_s": None if first is None else first - self.arrival}
+        return {
+            "id": self.id,
+            "tokens": pick(tokens),
+            "text": pick(texts),
+            "finish_reason": pick(reasons),
+            "time_to_first_token_s": None if first is None else first - self.arrival,
+        }

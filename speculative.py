@@ -22,6 +22,7 @@ the rest at the start of its next forward: the first round's target forward is t
 With c = cost of a draft step / cost of a target step and acceptance rate alpha, the expected
 speed-up is (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
 """
+
 import time
 
 import torch
@@ -74,11 +75,20 @@ class ModelDrafter:
 
     def propose(self, tokens, k, generator=None):
         drafts, probs = [], []
-        feed, start = tokens[self.valid:], self.valid
+        feed, start = tokens[self.valid :], self.valid
         for _ in range(k):
-            p = probabilities(self.logits(feed, start), self.params.temperature, self.params.top_k,
-                              self.params.top_p, self.params.min_p)
-            d = int(torch.multinomial(p, 1, generator=generator)) if self.params.temperature > 0 else int(p.argmax())
+            p = probabilities(
+                self.logits(feed, start),
+                self.params.temperature,
+                self.params.top_k,
+                self.params.top_p,
+                self.params.min_p,
+            )
+            d = (
+                int(torch.multinomial(p, 1, generator=generator))
+                if self.params.temperature > 0
+                else int(p.argmax())
+            )
             start += len(feed)
             drafts.append(d)
             probs.append(p)
@@ -96,14 +106,30 @@ def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
     return model.head(x[:, -1:])
 
 
-def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params: SamplingParams, k=4,
-                         generator=None, stop_ids=(), ignore_eos=False, on_token=None, verify_fns=None):
+def speculative_generate(
+    target,
+    cache,
+    drafter,
+    prompt,
+    max_new_tokens,
+    params: SamplingParams,
+    k=4,
+    generator=None,
+    stop_ids=(),
+    ignore_eos=False,
+    on_token=None,
+    verify_fns=None,
+):
     """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).
 
     verify_fns: {T: compiled runtime.verify_step} for the forward lengths that recur (k + 1
     after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
-    if params.adjusts_logits:  # p must be the distribution plain decoding samples from, history and all
-        raise ValueError("speculative decoding here takes no logit_bias or repetition, frequency or presence penalty")
+    if (
+        params.adjusts_logits
+    ):  # p must be the distribution plain decoding samples from, history and all
+        raise ValueError(
+            "speculative decoding here takes no logit_bias or repetition, frequency or presence penalty"
+        )
     verify_fns = verify_fns or {}
     device = cache.slots.device
     tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)
@@ -121,17 +147,26 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
         pos = torch.arange(valid, valid + len(feed), device=device)[None]
         with torch.no_grad():
             if len(feed) in verify_fns:
-                logits = verify_fns[len(feed)](target, cache, x, pos)[0, -(len(drafts) + 1):]
+                logits = verify_fns[len(feed)](target, cache, x, pos)[0, -(len(drafts) + 1) :]
             else:
-                logits = target(x, pos, cache)[0, -(len(drafts) + 1):]  # [len(drafts) + 1, V]
+                logits = target(x, pos, cache)[0, -(len(drafts) + 1) :]  # [len(drafts) + 1, V]
         p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
         if drafts:
-            n, nxt = accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)
+            n, nxt = accept(
+                torch.tensor(drafts, device=device), draft_probs.to(device), p, generator
+            )
         else:
-            n, nxt = 0, int(torch.multinomial(p[0], 1, generator=generator)) if params.temperature > 0 else int(p[0].argmax())
+            n, nxt = (
+                0,
+                int(torch.multinomial(p[0], 1, generator=generator))
+                if params.temperature > 0
+                else int(p[0].argmax()),
+            )
         t2 = time.perf_counter()
         draft_s, target_s = draft_s + (t1 - t0), target_s + (t2 - t1)
-        confirmed = len(tokens) + n  # tokens whose K/V the target (and maybe the drafter) hold correctly
+        confirmed = (
+            len(tokens) + n
+        )  # tokens whose K/V the target (and maybe the drafter) hold correctly
         new = drafts[:n] + [nxt]
         rounds, drafted, accepted = rounds + 1, drafted + len(drafts), accepted + n
         valid = confirmed
@@ -147,11 +182,19 @@ def speculative_generate(target, cache, drafter, prompt, max_new_tokens, params:
         if tokens[-1] in stop:
             break
     total_s = time.perf_counter() - start
-    out = tokens[len(prompt):]
-    stats = {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-             "acceptance_rate": accepted / drafted if drafted else 0.0,
-             "tokens_per_round": len(out) / rounds if rounds else 0.0,
-             "draft_s": draft_s, "target_s": target_s, "total_s": total_s,
-             "time_to_first_token_s": first_token_s or total_s,
-             "tokens_per_s": (len(out) - 1) / (total_s - first_token_s) if len(out) > 1 and first_token_s else 0.0}
+    out = tokens[len(prompt) :]
+    stats = {
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_round": len(out) / rounds if rounds else 0.0,
+        "draft_s": draft_s,
+        "target_s": target_s,
+        "total_s": total_s,
+        "time_to_first_token_s": first_token_s or total_s,
+        "tokens_per_s": (len(out) - 1) / (total_s - first_token_s)
+        if len(out) > 1 and first_token_s
+        else 0.0,
+    }
     return out, stats

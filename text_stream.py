@@ -9,6 +9,7 @@ engine keeps one per sequence (its `text` events), generate.py prints through `P
     python -c "from text_stream import TextStream"     # library only; needs any tokenizer with
                                                         # decode(ids) and stop_ids (formats/tokenizer.py)
 """
+
 import sys
 
 
@@ -23,6 +24,7 @@ class TextStream:
     searched in the new text and the held tail only: each released character had L - 1 after it
     when released (L: the longest), so an occurrence starting in released text was whole, and
     searched, by then. generate.py prints with it, serve.py streams."""
+
     HELD_TOKENS = 8  # a window still ending in U+FFFD after this many tokens is released: the character is real
 
     def __init__(self, tokenizer, stop=()):
@@ -30,9 +32,13 @@ class TextStream:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         self.ids, self.count, self.reason, self.stop_string = [], 0, None, None
-        self.prefix_offset = self.read_offset = 0  # ids[prefix_offset:read_offset]: the window released last
+        self.prefix_offset = self.read_offset = (
+            0  # ids[prefix_offset:read_offset]: the window released last
+        )
         self.pieces, self.tail = [], ""  # text released; decoded text held for the stop strings
-        self.hold = max((len(s) - 1 for s in self.stop), default=0)  # characters that could begin a stop string
+        self.hold = max(
+            (len(s) - 1 for s in self.stop), default=0
+        )  # characters that could begin a stop string
 
     @property
     def sent(self) -> str:  # all text released so far (joined once, then kept as one piece)
@@ -52,17 +58,19 @@ class TextStream:
 
     def finish(self, reason="length") -> str:
         """The sequence ended without another token: whatever was held back."""
-        return "" if self.reason is not None else self._release(self._detokenize(final=True), reason)
+        return (
+            "" if self.reason is not None else self._release(self._detokenize(final=True), reason)
+        )
 
     def _detokenize(self, final: bool) -> str:
         """The text the ids since read_offset add, or "" while it may end in a partial character."""
-        before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         whole = len(text) > len(before) and not text.endswith("\ufffd")
         if not (whole or final or len(self.ids) - self.read_offset > self.HELD_TOKENS):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return text[len(before):]
+        return text[len(before) :]
 
     def _release(self, new: str, reason) -> str:
         """Released text: `new` plus the held tail, cut before the earliest stop string in it,
@@ -70,7 +78,7 @@ class TextStream:
         text = self.tail + new
         found = min(((i, len(s), s) for s in self.stop if (i := text.find(s)) >= 0), default=None)
         if found:
-            out, self.tail, self.reason, self.stop_string = text[:found[0]], "", "stop", found[2]
+            out, self.tail, self.reason, self.stop_string = text[: found[0]], "", "stop", found[2]
         elif reason is None:
             cut = max(len(text) - self.hold, 0)
             out, self.tail = text[:cut], text[cut:]
@@ -86,7 +94,12 @@ class Printer:
     detokenizer serve.py uses too); after a stop token nothing more is printed."""
 
     def __init__(self, tokenizer, stop_ids, out=None):
-        self.text, self.stop_ids, self.out, self.done = TextStream(tokenizer), set(stop_ids), out or sys.stdout, False
+        self.text, self.stop_ids, self.out, self.done = (
+            TextStream(tokenizer),
+            set(stop_ids),
+            out or sys.stdout,
+            False,
+        )
 
     def __call__(self, token):
         if not self.done:

@@ -21,6 +21,7 @@ parts. The model code is unchanged: it is built with the per-rank head counts, a
 row-parallel projections per layer are wrapped in `RowParallel`, which all-reduces their output.
 Backends: NCCL on GPUs, gloo on CPUs, launched by torchrun (one node or several).
 """
+
 import dataclasses
 import os
 import sys
@@ -48,7 +49,9 @@ def init(timeout_s: float = 300.0):
 
 
 def working_world_sizes(config) -> list:
-    widths = [config.n_heads, config.n_kv_heads, config.intermediate_size] + (config.moe.widths() if config.moe else [])
+    widths = [config.n_heads, config.n_kv_heads, config.intermediate_size] + (
+        config.moe.widths() if config.moe else []
+    )
     return [w for w in range(1, config.n_heads + 1) if all(n % w == 0 for n in widths)]
 
 
@@ -57,24 +60,37 @@ def shard_config(config, world: int):
     if world not in working_world_sizes(config):
         raise ValueError(
             f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, {config.n_kv_heads} KV heads "
-            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(config)}")
-    return dataclasses.replace(config, n_heads=config.n_heads // world, n_kv_heads=config.n_kv_heads // world,
-                               intermediate_size=config.intermediate_size // world,
-                               moe=config.moe and config.moe.sharded(world))
+            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(config)}"
+        )
+    return dataclasses.replace(
+        config,
+        n_heads=config.n_heads // world,
+        n_kv_heads=config.n_kv_heads // world,
+        intermediate_size=config.intermediate_size // world,
+        moe=config.moe and config.moe.sharded(world),
+    )
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's slice of one full tensor, copied out so the full tensor can be freed."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-    if module == "experts" and kind != "down_proj_bias":  # moe.py's gate, up [E, ff, dim], [E, ff]; down [E, dim, ff]
-        return tensor.chunk(world, dim=2 if kind == "down_proj" else 1)[rank].clone(memory_format=torch.contiguous_format)
-    if module in COLUMN_PARALLEL or kind == "sinks":  # weight [out, in], bias [out], gpt-oss's sinks [H]: split out
+    if (
+        module == "experts" and kind != "down_proj_bias"
+    ):  # moe.py's gate, up [E, ff, dim], [E, ff]; down [E, dim, ff]
+        return tensor.chunk(world, dim=2 if kind == "down_proj" else 1)[rank].clone(
+            memory_format=torch.contiguous_format
+        )
+    if (
+        module in COLUMN_PARALLEL or kind == "sinks"
+    ):  # weight [out, in], bias [out], gpt-oss's sinks [H]: split out
         return tensor.chunk(world, dim=0)[rank].clone(memory_format=torch.contiguous_format)
     if module in ROW_PARALLEL or module == "experts":
         if kind == "weight":  # [out, in]: split in
             return tensor.chunk(world, dim=1)[rank].clone(memory_format=torch.contiguous_format)
-        return tensor if rank == 0 else torch.zeros_like(tensor)  # bias: added once by the all-reduce
+        return (
+            tensor if rank == 0 else torch.zeros_like(tensor)
+        )  # bias: added once by the all-reduce
     return tensor  # norms, embedding, output head: replicated
 
 
@@ -110,7 +126,9 @@ def check_same_checkpoint(model):
     dist.all_gather_object(everyone, mine)
     if any(other != everyone[0] for other in everyone):
         which = [r for r, other in enumerate(everyone) if other != everyone[0]]
-        raise ValueError(f"ranks {which} loaded a different checkpoint from rank 0; every rank must load the same one")
+        raise ValueError(
+            f"ranks {which} loaded a different checkpoint from rank 0; every rank must load the same one"
+        )
 
 
 def quiet_unless_rank_zero(rank: int):

@@ -12,6 +12,7 @@ how many of `--rounds` mixed batches changed a fixed greedy request's text from 
 alone (batches of 1-32 random requests, a 700-token prompt in every other round). Each mode gets a
 fresh engine, so neither reads K/V the other computed from the prefix cache.
 """
+
 import argparse
 import os
 import random
@@ -21,10 +22,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import batch_invariant  # noqa: E402
-from bench_serving import corpus, window  # noqa: E402
-from engine import Finished, RequestParams  # noqa: E402
-from server.tp_engine import load_engine  # noqa: E402
+from bench_serving import corpus, window
+
+import batch_invariant
+from engine import Finished, RequestParams
+from server.tp_engine import load_engine
 
 
 def greedy(new):
@@ -56,7 +58,11 @@ def flips(engine, ids, rounds, rng) -> int:
     for r in range(rounds):
         engine.add_request(probe, greedy(32), request_id="probe")
         for j in range(rng.randint(0, 31)):
-            engine.add_request(window(ids, rng.randint(5, 200), rng), greedy(rng.randint(4, 40)), request_id=f"o{j}")
+            engine.add_request(
+                window(ids, rng.randint(5, 200), rng),
+                greedy(rng.randint(4, 40)),
+                request_id=f"o{j}",
+            )
         if r % 2:
             engine.add_request(window(ids, 700, rng), greedy(4), request_id="long")
         while engine.has_unfinished():
@@ -69,19 +75,31 @@ def flips(engine, ids, rounds, rng) -> int:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=12, help="mixed batches for the invariance count")
-    p.add_argument("--dequantize", action="store_true", help="dense bf16 weights (F.linear) instead of the file's bits")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dense bf16 weights (F.linear) instead of the file's bits",
+    )
     args = p.parse_args(argv)
-    print(f"{'mode':<16}{'prefill tok/s':>14}" + "".join(f"{f'decode B={b} tok/s':>20}" for b in (1, 8, 32))
-          + f"{'texts changed':>16}")
+    print(
+        f"{'mode':<16}{'prefill tok/s':>14}"
+        + "".join(f"{f'decode B={b} tok/s':>20}" for b in (1, 8, 32))
+        + f"{'texts changed':>16}"
+    )
     for on in (False, True):
-        engine, tokenizer, _ = load_engine(num_blocks=2000, batch_invariant=on, dequantize=args.dequantize)
+        engine, tokenizer, _ = load_engine(
+            num_blocks=2000, batch_invariant=on, dequantize=args.dequantize
+        )
         ids, rng = corpus(tokenizer), random.Random(0)
         prefill_rate(engine, window(ids, 1000, rng))  # warm-up: oneDNN builds its kernels
         row = [prefill_rate(engine, window(ids, 1000, rng))]
         row += [decode_rate(engine, [window(ids, 20, rng) for _ in range(b)]) for b in (1, 8, 32)]
         changed = flips(engine, ids, args.rounds, rng)
-        print(f"{'batch_invariant' if on else 'default':<16}{row[0]:>14.0f}" + "".join(f"{x:>20.1f}" for x in row[1:])
-              + f"{f'{changed} of {args.rounds}':>16}")
+        print(
+            f"{'batch_invariant' if on else 'default':<16}{row[0]:>14.0f}"
+            + "".join(f"{x:>20.1f}" for x in row[1:])
+            + f"{f'{changed} of {args.rounds}':>16}"
+        )
         del engine
         batch_invariant.disable()
 

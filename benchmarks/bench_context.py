@@ -22,6 +22,7 @@ Each configuration is warmed up, then `--rounds` interleaved rounds run (every r
 round), and each row keeps its median round, so ratios compare runs made at nearly the same
 moment. Compile time (one graph per attend length reached) is printed and never counted.
 """
+
 import argparse
 import os
 import sys
@@ -33,13 +34,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import generate  # noqa: E402
-from formats import hf_folder  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from kv_cache import StaticKVCache, attend_len_for, eager_attend_len  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+import generate
+import runtime
+from formats import hf_folder, weights
+from formats.tokenizer import load_tokenizer
+from kv_cache import StaticKVCache, attend_len_for, eager_attend_len
+from sampling import SamplingParams
 
 
 class WholeCache(StaticKVCache):
@@ -56,8 +56,16 @@ def text_ids(tokenizer, n: int) -> list:
 
 def run_ours(model, cache, last, in_use, n, decode_fn):
     """Decode n tokens after position in_use - 1 (the prefix already in the cache)."""
-    rows, t = generate.generate(model, cache, torch.tensor([[last]]), n, SamplingParams(0.0), ignore_eos=True,
-                                decode_fn=decode_fn, start_pos=in_use - 1)
+    rows, t = generate.generate(
+        model,
+        cache,
+        torch.tensor([[last]]),
+        n,
+        SamplingParams(0.0),
+        ignore_eos=True,
+        decode_fn=decode_fn,
+        start_pos=in_use - 1,
+    )
     assert len(rows[0]) == n
     return t["tokens_per_s"], rows[0]
 
@@ -67,7 +75,11 @@ def hf_cache(hf, cache, in_use):
 
     dc = DynamicCache(config=hf.config)
     for layer in range(len(cache.k)):
-        dc.update(cache.k[layer][:, :, : in_use - 1].clone(), cache.v[layer][:, :, : in_use - 1].clone(), layer)
+        dc.update(
+            cache.k[layer][:, :, : in_use - 1].clone(),
+            cache.v[layer][:, :, : in_use - 1].clone(),
+            layer,
+        )
     return dc
 
 
@@ -81,7 +93,11 @@ def run_hf(hf, dc, last, in_use, n):
         for i in range(n):
             if i == 1:
                 start = time.perf_counter()
-            token = hf(input_ids=token, past_key_values=dc, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = (
+                hf(input_ids=token, past_key_values=dc, use_cache=True)
+                .logits[:, -1]
+                .argmax(-1, keepdim=True)
+            )
             out.append(int(token))
     return (n - 1) / (time.perf_counter() - start), out
 
@@ -94,15 +110,24 @@ def attend_range(first: int, last: int, slots: int, eager: bool) -> str:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--in_use", type=int, nargs="+", default=[128, 1024, 4096, 16384],
-                   help="tokens in the cache when decoding starts (lengths beyond the capacity are skipped)")
-    p.add_argument("--capacity", type=int, default=None, help="cache slots (default: the model's context)")
+    p.add_argument(
+        "--in_use",
+        type=int,
+        nargs="+",
+        default=[128, 1024, 4096, 16384],
+        help="tokens in the cache when decoding starts (lengths beyond the capacity are skipped)",
+    )
+    p.add_argument(
+        "--capacity", type=int, default=None, help="cache slots (default: the model's context)"
+    )
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(runtime.DTYPES))
     p.add_argument("--skip_compile", action="store_true")
     p.add_argument("--skip_hf", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's own choice)"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,14 +139,23 @@ def main():
     context = model.config.max_position_embeddings
     capacity = args.capacity or context
     lengths = [n for n in args.in_use if n + args.new_tokens <= capacity]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
-          f"{args.dtype}, model context {context}, capacity {capacity} slots, in use {lengths}, "
-          f"{args.new_tokens} new tokens, skipped (beyond capacity): {sorted(set(args.in_use) - set(lengths))}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
+        f"{args.dtype}, model context {context}, capacity {capacity} slots, in use {lengths}, "
+        f"{args.new_tokens} new tokens, skipped (beyond capacity): {sorted(set(args.in_use) - set(lengths))}",
+        flush=True,
+    )
     hf = None
     if not args.skip_hf:
-        folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+        folder = hf_folder.save_hf_folder(
+            weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-")
+        )
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    compiled = None if args.skip_compile else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+    compiled = (
+        None
+        if args.skip_compile
+        else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+    )
     runs = []  # (label, in_use, fn returning (tokens/s, tokens))
     ids = text_ids(tokenizer, max(lengths))
     for n in lengths:
@@ -135,21 +169,61 @@ def main():
         last = ids[n - 1]
         if hf is not None:
             dc = hf_cache(hf, cache, n)
-            runs.append(("HF transformers eager", n, lambda c=dc, n=n, t=last: run_hf(hf, c, t, n, args.new_tokens)))
-        runs.append(("ours eager", n, lambda c=cache, n=n, t=last: run_ours(model, c, t, n, args.new_tokens, runtime.decode_one)))
+            runs.append(
+                (
+                    "HF transformers eager",
+                    n,
+                    lambda c=dc, n=n, t=last: run_hf(hf, c, t, n, args.new_tokens),
+                )
+            )
+        runs.append(
+            (
+                "ours eager",
+                n,
+                lambda c=cache, n=n, t=last: run_ours(
+                    model, c, t, n, args.new_tokens, runtime.decode_one
+                ),
+            )
+        )
         if compiled is not None:
-            runs.append(("ours compiled", n, lambda c=cache, n=n, t=last: run_ours(model, c, t, n, args.new_tokens, compiled)))
+            runs.append(
+                (
+                    "ours compiled",
+                    n,
+                    lambda c=cache, n=n, t=last: run_ours(
+                        model, c, t, n, args.new_tokens, compiled
+                    ),
+                )
+            )
         if n == lengths[0]:  # the references: a small cache, and attention over the whole capacity
-            for label, ref in ((f"ours, {256}-slot cache", StaticKVCache.for_model(model, 1, 256)),
-                               (f"ours, all {capacity} slots attended", WholeCache.for_model(model, 1, capacity))):
+            for label, ref in (
+                (f"ours, {256}-slot cache", StaticKVCache.for_model(model, 1, 256)),
+                (f"ours, all {capacity} slots attended", WholeCache.for_model(model, 1, capacity)),
+            ):
                 if n + args.new_tokens > ref.max_seq_len:
                     continue
                 for i in range(len(ref.k)):
                     ref.k[i].copy_(cache.k[i][:, :, : ref.max_seq_len])
                     ref.v[i].copy_(cache.v[i][:, :, : ref.max_seq_len])
-                runs.append((label + " eager", n, lambda c=ref, n=n, t=last: run_ours(model, c, t, n, args.new_tokens, runtime.decode_one)))
+                runs.append(
+                    (
+                        label + " eager",
+                        n,
+                        lambda c=ref, n=n, t=last: run_ours(
+                            model, c, t, n, args.new_tokens, runtime.decode_one
+                        ),
+                    )
+                )
                 if compiled is not None:
-                    runs.append((label + " compiled", n, lambda c=ref, n=n, t=last: run_ours(model, c, t, n, args.new_tokens, compiled)))
+                    runs.append(
+                        (
+                            label + " compiled",
+                            n,
+                            lambda c=ref, n=n, t=last: run_ours(
+                                model, c, t, n, args.new_tokens, compiled
+                            ),
+                        )
+                    )
     start = time.perf_counter()
     agree = {}
     for label, n, fn in runs:  # warm-up, compiling every graph the runs reach
@@ -160,19 +234,29 @@ def main():
         for label, n, fn in runs:
             results[(label, n)].append(fn()[0])
     print()
-    print("| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds | vs HF eager "
-          "| greedy tokens equal to ours eager |")
+    print(
+        "| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds | vs HF eager "
+        "| greedy tokens equal to ours eager |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, n, _ in runs:
         r = sorted(results[(label, n)])
         hf_r = sorted(results.get(("HF transformers eager", n), [float("nan")]))
         med, hf_med = r[len(r) // 2], hf_r[len(hf_r) // 2]
         slots = 256 if "256-slot" in label else capacity
-        attended = (str(capacity) if "all" in label else f"{n}-{n + args.new_tokens - 1}" if label.startswith("HF")
-                    else attend_range(n, n + args.new_tokens - 1, slots, label.endswith("eager")))
+        attended = (
+            str(capacity)
+            if "all" in label
+            else f"{n}-{n + args.new_tokens - 1}"
+            if label.startswith("HF")
+            else attend_range(n, n + args.new_tokens - 1, slots, label.endswith("eager"))
+        )
         same = sum(a == b for a, b in zip(agree[(label, n)], agree[("ours eager", n)]))
-        print(f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | {med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
-              f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | {same}/{args.new_tokens} |", flush=True)
+        print(
+            f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | {med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
+            f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | {same}/{args.new_tokens} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ token, from each add()'s median time over `--rounds` rounds (the median drops a 
 another process took the core); and the median round's own sum of all its adds, preemptions
 included. Both must release exactly tokenizer.decode(all ids).
 """
+
 import argparse
 import os
 import statistics
@@ -22,9 +23,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from formats import weights  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
-from text_stream import TextStream  # noqa: E402
+from formats import weights
+from formats.tokenizer import load_tokenizer
+from text_stream import TextStream
 
 STOP = ["\x00never seen\x00"]
 SEGMENT = 1024
@@ -40,15 +41,15 @@ class OldTextStream:
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
-        text = text[:len(text) - max((len(s) - 1 for s in self.stop), default=0)]
+        text = text[: len(text) - max((len(s) - 1 for s in self.stop), default=0)]
         if text.endswith("\ufffd"):
             return ""
-        new = text[len(self.sent):]
+        new = text[len(self.sent) :]
         self.sent = text if len(text) > len(self.sent) else self.sent
         return new
 
     def finish(self) -> str:
-        new = self.tokenizer.decode(self.ids)[len(self.sent):]
+        new = self.tokenizer.decode(self.ids)[len(self.sent) :]
         self.sent += new
         return new
 
@@ -70,25 +71,35 @@ def main(tokens: int, rounds: int):
     one = tok.encode(text, bos=False)
     ids = (one * (tokens // len(one) + 1))[:tokens]
     expected = tok.decode(ids)
-    methods = {"TextStream (two windows per token)": lambda: TextStream(tok, STOP),
-               "old (decode all ids per token)": lambda: OldTextStream(tok, STOP)}
-    print(f"{tokens} tokens (data/declaration.txt, {len(one)} tokens, repeated), stop {STOP!r}, "
-          f"each add()'s median of {rounds} rounds")
-    print(f"| method | first {SEGMENT} ms | last {SEGMENT} ms | last / first | total ms | us per token "
-          f"| median round ms |")
+    methods = {
+        "TextStream (two windows per token)": lambda: TextStream(tok, STOP),
+        "old (decode all ids per token)": lambda: OldTextStream(tok, STOP),
+    }
+    print(
+        f"{tokens} tokens (data/declaration.txt, {len(one)} tokens, repeated), stop {STOP!r}, "
+        f"each add()'s median of {rounds} rounds"
+    )
+    print(
+        f"| method | first {SEGMENT} ms | last {SEGMENT} ms | last / first | total ms | us per token "
+        f"| median round ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, make in methods.items():
         runs = []
         for _ in range(rounds):
             times, released = stream(make, ids)
             if released != expected:
-                raise SystemExit(f"{name}: the released text differs from tokenizer.decode(all ids)")
+                raise SystemExit(
+                    f"{name}: the released text differs from tokenizer.decode(all ids)"
+                )
             runs.append(times)
         times = [statistics.median(t) for t in zip(*runs)]  # (tokens,): each add()'s median
         first, last, total = (sum(t) * 1e3 for t in (times[:SEGMENT], times[-SEGMENT:], times))
         whole = statistics.median(sum(t) for t in runs) * 1e3
-        print(f"| {name} | {first:.1f} | {last:.1f} | {last / first:.2f}x | {total:.0f} | {total / tokens * 1e3:.1f} "
-              f"| {whole:.0f} |")
+        print(
+            f"| {name} | {first:.1f} | {last:.1f} | {last / first:.2f}x | {total:.0f} | {total / tokens * 1e3:.1f} "
+            f"| {whole:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ request per prompt with its own max_new_tokens. Output tokens/s over the whole r
 included; "equal to HF static" counts requests whose greedy tokens equal HF's (bf16 near-ties can
 break differently; float32 should agree).
 """
+
 import argparse
 import os
 import random
@@ -27,13 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from formats import fuse_layers  # noqa: E402
-from formats import hf_folder  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from bench_serving import corpus, run_hf_static, window  # noqa: E402
-from engine import Engine, Finished, RequestParams  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+from bench_serving import corpus, run_hf_static, window
+
+import runtime
+from engine import Engine, Finished, RequestParams
+from formats import fuse_layers, hf_folder, weights
+from formats.tokenizer import load_tokenizer
 
 
 def workload(name, ids):
@@ -47,8 +47,10 @@ def workload(name, ids):
 
 def run_ours(model, prompts, news):
     engine = Engine.for_model(model, num_blocks=3000, block_size=16)
-    ids = [engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-           for p, n in zip(prompts, news)]
+    ids = [
+        engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, n in zip(prompts, news)
+    ]
     start = time.perf_counter()
     done = {}
     while engine.has_unfinished():
@@ -60,10 +62,16 @@ def run_ours(model, prompts, news):
 def run_hf_continuous(hf, prompts, news):
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(news), eos_token_id=-1, pad_token_id=0)
+    cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max(news), eos_token_id=-1, pad_token_id=0
+    )
     start = time.perf_counter()
-    with hf.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
-        rids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, news)]
+    with hf.continuous_batching_context_manager(
+        generation_config=cfg, block=True, timeout=5
+    ) as manager:
+        rids = [
+            manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, news)
+        ]
         results = {}
         while len(results) < len(rids):
             r = manager.get_result(timeout=1)
@@ -75,8 +83,12 @@ def run_hf_continuous(hf, prompts, news):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(runtime.DTYPES))
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(runtime.DTYPES)
+    )
     p.add_argument("--workloads", nargs="+", default=["64x64", "mixed"], choices=["64x64", "mixed"])
     args = p.parse_args()
     import tempfile
@@ -87,8 +99,12 @@ def main():
     ids = corpus(load_tokenizer(info.source))
     folder = hf_folder.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
     del model
-    print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | SmolLM2-135M")
-    print("\n| workload | dtype | runner | output tok/s | wall s | vs HF static | vs HF generate_batch | equal to HF static |")
+    print(
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | SmolLM2-135M"
+    )
+    print(
+        "\n| workload | dtype | runner | output tok/s | wall s | vs HF static | vs HF generate_batch | equal to HF static |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
         ours_model, _ = weights.load(None, dtype=runtime.DTYPES[dtype], dequantize=True)
@@ -108,8 +124,11 @@ def main():
             cont_s = results["HF generate_batch (continuous)"][0]
             for runner, (secs, outs) in results.items():
                 equal = sum(a == b for a, b in zip(outs, static_out))
-                print(f"| {name} | {dtype} | {runner} | {total / secs:.1f} | {secs:.1f} | {static_s / secs:.2f}x | "
-                      f"{cont_s / secs:.2f}x | {equal}/{len(prompts)} |", flush=True)
+                print(
+                    f"| {name} | {dtype} | {runner} | {total / secs:.1f} | {secs:.1f} | {static_s / secs:.2f}x | "
+                    f"{cont_s / secs:.2f}x | {equal}/{len(prompts)} |",
+                    flush=True,
+                )
         del hf, ours_model
 
 

@@ -8,6 +8,7 @@ The embedded model at its own bits (bf16), eager, max_num_batched_tokens 512. A 
 window of data/declaration.txt) is added and stepped once; then a short one (40 tokens, 16 new).
 Prints the short request's time to first token and the long one's, one line per round and way.
 """
+
 import argparse
 import os
 import sys
@@ -17,10 +18,11 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from bench_serving import corpus  # noqa: E402
-from engine import RequestParams, Token  # noqa: E402
-from server.tp_engine import load_engine  # noqa: E402
-from scheduler import Plan, Scheduler  # noqa: E402
+from bench_serving import corpus
+
+from engine import RequestParams, Token
+from scheduler import Plan, Scheduler
+from server.tp_engine import load_engine
 
 
 def unshared_schedule(self):
@@ -53,13 +55,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     engine, tok, _ = load_engine(num_blocks=1024, prefix_caching=False)
     ids = corpus(tok)
-    long_ids, short_ids = ids[:args.long], ids[1000:1040]
-    print("| prefill | short request's first token, s | long request's first token, s |\n|---|---|---|")
+    long_ids, short_ids = ids[: args.long], ids[1000:1040]
+    print(
+        "| prefill | short request's first token, s | long request's first token, s |\n|---|---|---|"
+    )
     for _ in range(args.rounds):
         for shared in (False, True):
-            engine.scheduler.schedule = (Scheduler.schedule if shared else unshared_schedule).__get__(engine.scheduler)
+            engine.scheduler.schedule = (
+                Scheduler.schedule if shared else unshared_schedule
+            ).__get__(engine.scheduler)
             short, long = first_tokens(engine, long_ids, short_ids)
-            print(f"| {'shared' if shared else 'whole budget to the running one'} | {short:.2f} | {long:.2f} |")
+            print(
+                f"| {'shared' if shared else 'whole budget to the running one'} | {short:.2f} | {long:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ stay resident, so it mostly shows that neither allocates much while decoding). A
 compile time (a fresh Inductor cache), and the wall time from launching `generate.py` (no
 --compile) to its first generated token.
 """
+
 import argparse
 import os
 import tempfile
@@ -34,13 +35,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import generate  # noqa: E402
-from formats import hf_folder  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from kv_cache import StaticKVCache  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+import generate
+import runtime
+from formats import hf_folder, weights
+from formats.tokenizer import load_tokenizer
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -73,29 +73,62 @@ def run_hf(hf, ids, n):
     runtime.reset_peak_memory("cpu")
     start = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock)
+        out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock
+        )
     total = time.perf_counter() - start
     assert out.shape[1] - len(ids) == n
     first = clock.times[1] - start  # times[0] is the prompt being handed over
-    return {"decode_tps": (n - 1) / (clock.times[-1] - clock.times[1]), "e2e_tps": n / total, "ttft": first,
-            "peak": runtime.peak_memory_bytes("cpu")}
+    return {
+        "decode_tps": (n - 1) / (clock.times[-1] - clock.times[1]),
+        "e2e_tps": n / total,
+        "ttft": first,
+        "peak": runtime.peak_memory_bytes("cpu"),
+    }
 
 
 def run_ours(model, ids, n, decode_fn, seq_len):
-    cache = StaticKVCache.for_model(model, 1, seq_len)  # one length for every run: one compiled graph
+    cache = StaticKVCache.for_model(
+        model, 1, seq_len
+    )  # one length for every run: one compiled graph
     runtime.reset_peak_memory("cpu")
-    rows, t = generate.generate(model, cache, torch.tensor([ids]), n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
+    rows, t = generate.generate(
+        model,
+        cache,
+        torch.tensor([ids]),
+        n,
+        SamplingParams(0.0),
+        ignore_eos=True,
+        decode_fn=decode_fn,
+    )
     assert len(rows[0]) == n
-    return {"decode_tps": t["tokens_per_s"], "e2e_tps": n / t["total_s"], "ttft": t["time_to_first_token_s"],
-            "peak": runtime.peak_memory_bytes("cpu")}
+    return {
+        "decode_tps": t["tokens_per_s"],
+        "e2e_tps": n / t["total_s"],
+        "ttft": t["time_to_first_token_s"],
+        "peak": runtime.peak_memory_bytes("cpu"),
+    }
 
 
 def startup_to_first_token() -> float:
     """Seconds from launching generate.py (no --compile) to its first generated character."""
     start = time.perf_counter()
     prompt = "Hello"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), "--prompt", prompt, "--max_new_tokens", "8",
-                             "--temperature", "0", "--ignore_eos"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "generate.py"),
+            "--prompt",
+            prompt,
+            "--max_new_tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore_eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     seen = b""
     while len(seen) <= len(prompt):
         seen += proc.stdout.read(1)
@@ -108,7 +141,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--new_tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved measured runs per implementation")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved measured runs per implementation"
+    )
     p.add_argument("--skip_compile", action="store_true")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
@@ -116,8 +151,12 @@ def main():
     path = weights.default_checkpoint()
     tok = load_tokenizer(path)
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens"
+    )
+    folder = hf_folder.save_hf_folder(
+        weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-")
+    )
     seq_len = len(ids) + args.new_tokens
     rows = []
     for name in args.dtypes:
@@ -126,14 +165,23 @@ def main():
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         step_bytes = model.bytes_read_per_token()
         runs = [("HF transformers eager", lambda: run_hf(hf, ids, args.new_tokens))]
-        runs.append(("ours eager", lambda: run_ours(model, ids, args.new_tokens, runtime.decode_one, seq_len)))
+        runs.append(
+            (
+                "ours eager",
+                lambda: run_ours(model, ids, args.new_tokens, runtime.decode_one, seq_len),
+            )
+        )
         compile_s = None
         if not args.skip_compile:
             start = time.perf_counter()
             compiled = runtime.compile_decode("cpu")
-            run_ours(model, ids, 4, compiled, seq_len)  # compiles (cold unless Inductor's cache has it)
+            run_ours(
+                model, ids, 4, compiled, seq_len
+            )  # compiles (cold unless Inductor's cache has it)
             compile_s = time.perf_counter() - start
-            runs.append(("ours compiled", lambda: run_ours(model, ids, args.new_tokens, compiled, seq_len)))
+            runs.append(
+                ("ours compiled", lambda: run_ours(model, ids, args.new_tokens, compiled, seq_len))
+            )
         for _, fn in runs:
             fn()  # warm-up
         # The machine's speed drifts: interleave the implementations round by round and keep
@@ -147,23 +195,38 @@ def main():
         bandwidth = sorted(bandwidths)[len(bandwidths) // 2]
         for label, _ in runs:
             r = sorted(results[label], key=lambda x: x["decode_tps"])[len(results[label]) // 2]
-            r.update(label=label, dtype=name, gbs=step_bytes * r["decode_tps"] / 1e9, machine=bandwidth)
+            r.update(
+                label=label, dtype=name, gbs=step_bytes * r["decode_tps"] / 1e9, machine=bandwidth
+            )
             rows.append(r)
-            print(f"  {label} {name}: {r['decode_tps']:.1f} tok/s "
-                  f"(rounds: {', '.join(format(x['decode_tps'], '.1f') for x in results[label])})", flush=True)
+            print(
+                f"  {label} {name}: {r['decode_tps']:.1f} tok/s "
+                f"(rounds: {', '.join(format(x['decode_tps'], '.1f') for x in results[label])})",
+                flush=True,
+            )
         if compile_s is not None:
             print(f"  compile (decode step, {name}): {compile_s:.1f} s", flush=True)
-        del model, hf
+        model = hf = None  # freed before the next dtype loads
     shutil.rmtree(folder)
     print()
-    print("| implementation | dtype | decode tok/s | end-to-end tok/s | GB/s | % of read bandwidth | TTFT ms | process peak RSS MiB | vs HF |")
+    print(
+        "| implementation | dtype | decode tok/s | end-to-end tok/s | GB/s | % of read bandwidth | TTFT ms | process peak RSS MiB | vs HF |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        hf_tps = next(x["decode_tps"] for x in rows if x["dtype"] == r["dtype"] and x["label"].startswith("HF"))
-        print(f"| {r['label']} | {r['dtype']} | {r['decode_tps']:.1f} | {r['e2e_tps']:.1f} | {r['gbs']:.2f} | "
-              f"{100 * r['gbs'] / r['machine']:.0f}% of {r['machine']:.1f} | {1000 * r['ttft']:.0f} | "
-              f"{r['peak'] / 2**20:.0f} | {r['decode_tps'] / hf_tps:.2f}x |")
-    print(f"\nlaunch to first generated token, generate.py without --compile: {startup_to_first_token():.1f} s")
+        hf_tps = next(
+            x["decode_tps"]
+            for x in rows
+            if x["dtype"] == r["dtype"] and x["label"].startswith("HF")
+        )
+        print(
+            f"| {r['label']} | {r['dtype']} | {r['decode_tps']:.1f} | {r['e2e_tps']:.1f} | {r['gbs']:.2f} | "
+            f"{100 * r['gbs'] / r['machine']:.0f}% of {r['machine']:.1f} | {1000 * r['ttft']:.0f} | "
+            f"{r['peak'] / 2**20:.0f} | {r['decode_tps'] / hf_tps:.2f}x |"
+        )
+    print(
+        f"\nlaunch to first generated token, generate.py without --compile: {startup_to_first_token():.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ cache folder): that run's peak RSS and compile time are printed below the table;
 figures are the best rounds (with --rounds 2 or more, a round whose package was already compiled,
 as every later run of a user finds it; with --rounds 1, the compiling run).
 """
+
 import argparse
 import json
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from formats import weights  # noqa: E402
+from formats import weights
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
@@ -58,7 +59,9 @@ if os.environ.get("GGML_SET_ASIDE"):
     import shutil; shutil.rmtree(folder)  # (the variants stay loaded)
 """
 
-LLAMA_CPP = LOAD_BACKENDS + r"""
+LLAMA_CPP = (
+    LOAD_BACKENDS
+    + r"""
 import json, sys, time
 from llama_cpp import Llama
 path, new, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -74,22 +77,35 @@ for _ in llm.generate(llm.tokenize(prompt.encode()), temp=0.0, top_k=1):
         break
 print(json.dumps({"decode": (new - 1) / (time.perf_counter() - first), "load": load}))
 """
+)
 
-QUANTIZE = LOAD_BACKENDS + r"""
+QUANTIZE = (
+    LOAD_BACKENDS
+    + r"""
 import sys
 params = llama_cpp.llama_model_quantize_default_params()
 params.ftype, params.allow_requantize, params.nthread = int(sys.argv[3]), True, 2
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
 """
+)
 
 
 def run_rss(cmd, env=None) -> tuple:
     """(stdout, stderr, peak resident bytes) of a child process (with its own children, os.wait4)."""
     aside = {"GGML_SET_ASIDE": "sapphirerapids"} if AMX else {}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1", **aside, **(env or {})})
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **aside, **(env or {})},
+    )
     out, err = [], []
-    readers = [threading.Thread(target=lambda f=f, buf=buf: buf.append(f.read())) for f, buf in ((p.stdout, out), (p.stderr, err))]
+    readers = [
+        threading.Thread(target=lambda f=f, buf=buf: buf.append(f.read()))
+        for f, buf in ((p.stdout, out), (p.stderr, err))
+    ]
     for t in readers:  # both pipes drained at once: a chatty child never blocks on a full pipe
         t.start()
     _, status, usage = os.wait4(p.pid, 0)
@@ -103,20 +119,48 @@ def run_rss(cmd, env=None) -> tuple:
 
 def ours(path, new, compile_, aot_cache) -> dict:
     """compile_: None (eager), "jit" (--compile) or "aot" (--compile aot, packages in aot_cache)."""
-    cmd = [sys.executable, "generate.py", "--checkpoint", str(path), "--prompt", PROMPT, "--max_new_tokens", str(new),
-           "--temperature", "0", "--ignore_eos", "--json", "--compile", compile_ or "off"]
+    cmd = [
+        sys.executable,
+        "generate.py",
+        "--checkpoint",
+        str(path),
+        "--prompt",
+        PROMPT,
+        "--max_new_tokens",
+        str(new),
+        "--temperature",
+        "0",
+        "--ignore_eos",
+        "--json",
+        "--compile",
+        compile_ or "off",
+    ]
     out, err, rss = run_rss(cmd, {"LLM_AOT_CACHE": str(aot_cache)})
     stats = json.loads(out.strip().splitlines()[-1])["stats"]
     load = float(re.search(r"loaded .* in ([0-9.]+) s", err).group(1))
-    aot_compile = re.search(r"^compiled in ([0-9.]+) s", err, re.M)  # speedups/aot.py's line when it compiled
-    return {"decode": stats["tokens_per_s"], "load": load, "rss": rss,  # tokens after the first / their time
-            "aot_compile": float(aot_compile.group(1)) if aot_compile and compile_ == "aot" else None}
+    aot_compile = re.search(
+        r"^compiled in ([0-9.]+) s", err, re.M
+    )  # speedups/aot.py's line when it compiled
+    return {
+        "decode": stats["tokens_per_s"],
+        "load": load,
+        "rss": rss,  # tokens after the first / their time
+        "aot_compile": float(aot_compile.group(1)) if aot_compile and compile_ == "aot" else None,
+    }
 
 
 def llama_cpp(path, new, threads) -> dict:
-    out, err, rss = run_rss([sys.executable, "-c", LLAMA_CPP, str(path), str(new), str(threads), PROMPT])
-    variant = re.search(r"loaded CPU backend from \S*libggml-cpu-(\w+)", err)  # the variant ggml picked
-    return {**json.loads(out.strip().splitlines()[-1]), "rss": rss, "variant": variant.group(1) if variant else "?"}
+    out, err, rss = run_rss(
+        [sys.executable, "-c", LLAMA_CPP, str(path), str(new), str(threads), PROMPT]
+    )
+    variant = re.search(
+        r"loaded CPU backend from \S*libggml-cpu-(\w+)", err
+    )  # the variant ggml picked
+    return {
+        **json.loads(out.strip().splitlines()[-1]),
+        "rss": rss,
+        "variant": variant.group(1) if variant else "?",
+    }
 
 
 def main():
@@ -138,35 +182,55 @@ def main():
         files[kind] = folder / f"SmolLM2-135M-Instruct.{kind}.gguf"
         run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
     bare = run_rss([sys.executable, "-c", "import torch"])[2]
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare `import torch` peak RSS "
-          f"{bare / 2**20:.0f} MiB" + ("; llama.cpp's sapphirerapids variant set aside (AMX tiles fault with SIGILL "
-                                       "in these VMs), ggml runs its next best" if AMX else "") + "\n")
-    print("| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB | vs llama.cpp RSS |")
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare `import torch` peak RSS "
+        f"{bare / 2**20:.0f} MiB"
+        + (
+            "; llama.cpp's sapphirerapids variant set aside (AMX tiles fault with SIGILL "
+            "in these VMs), ggml runs its next best"
+            if AMX
+            else ""
+        )
+        + "\n"
+    )
+    print(
+        "| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB | vs llama.cpp RSS |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     first_aot, variants = {}, set()
     for kind, path in files.items():
         best = {}
         for _ in range(args.rounds):
-            for name, fn in (("llama.cpp", lambda: llama_cpp(path, args.new_tokens, threads)),
-                             ("ours eager", lambda: ours(path, args.new_tokens, None, folder / "aot")),
-                             ("ours --compile", lambda: ours(path, args.new_tokens, "jit", folder / "aot")),
-                             ("ours --compile aot", lambda: ours(path, args.new_tokens, "aot", folder / "aot"))):
+            for name, fn in (
+                ("llama.cpp", lambda: llama_cpp(path, args.new_tokens, threads)),
+                ("ours eager", lambda: ours(path, args.new_tokens, None, folder / "aot")),
+                ("ours --compile", lambda: ours(path, args.new_tokens, "jit", folder / "aot")),
+                ("ours --compile aot", lambda: ours(path, args.new_tokens, "aot", folder / "aot")),
+            ):
                 r = fn()
                 if r.get("aot_compile") is not None:
                     first_aot[kind] = r
                 b = best.setdefault(name, r)
-                best[name] = {**b, "decode": max(b["decode"], r["decode"]), "load": min(b["load"], r["load"]),
-                              "rss": min(b["rss"], r["rss"])}
+                best[name] = {
+                    **b,
+                    "decode": max(b["decode"], r["decode"]),
+                    "load": min(b["load"], r["load"]),
+                    "rss": min(b["rss"], r["rss"]),
+                }
         ref = best["llama.cpp"]
         variants.add(ref["variant"])
         for name, r in best.items():
             net = r["rss"] - bare if name != "llama.cpp" else r["rss"]
-            print(f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | {r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
-                  f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | {net / ref['rss']:.2f}x |")
+            print(
+                f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | {r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
+                f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | {net / ref['rss']:.2f}x |"
+            )
     print(f"\nllama.cpp's CPU variant (ggml's pick): {', '.join(sorted(variants))}")
     for kind, r in first_aot.items():
-        print(f"\n{kind}: the first --compile aot run compiled its package in {r['aot_compile']:.1f} s; that run's peak "
-              f"RSS, the compiling child's included: {r['rss'] / 2**20:.0f} MiB")
+        print(
+            f"\n{kind}: the first --compile aot run compiled its package in {r['aot_compile']:.1f} s; that run's peak "
+            f"RSS, the compiling child's included: {r['rss'] / 2**20:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Each layer shape has --copies copies called in turn (a decode step reads each la
 once, from memory: one layer timed alone would sit in the cache); median of 5 runs, and each is
 checked against the dequantized weights in float32 (the largest error over the largest output).
 """
+
 import argparse
 import os
 import sys
@@ -28,10 +29,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import runtime  # noqa: E402
-from formats.quant_groups import Int8GroupLinear  # noqa: E402
+import runtime
+from formats.quant_groups import Int8GroupLinear
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "head": (49152, 576),
+}
 G = 32
 
 
@@ -48,8 +55,9 @@ def int_mm_groups(q):
         block = (xq * eye).view(M * (K // G), K)  # [M * K/G, K]: row (m, g) holds group g of x[m]
         if block.shape[0] <= 16:  # _int_mm wants more than 16 rows
             block = torch.cat([block, block.new_zeros(17 - block.shape[0], K)])
-        part = torch._int_mm(block, qt)[:M * (K // G)].view(M, K // G, N).float()  # [M, K/G, N]
+        part = torch._int_mm(block, qt)[: M * (K // G)].view(M, K // G, N).float()  # [M, K/G, N]
         return torch.einsum("mgn,ng,mg->mn", part, scales, xs).to(x.dtype)
+
     return f
 
 
@@ -80,26 +88,46 @@ def layer_copies(N, K, copies):
         scales = torch.rand(N, K // G) * 1e-3 + 1e-4
         w32 = Int8GroupLinear(q, scales, None, None, torch.float32).dequantize()
         per_row = (w32.abs().amax(1) / 127).clamp(min=1e-12)
-        out.append(dict(q=q, scales=scales, w32=w32, halves=Int8GroupLinear(q, scales, None, None, torch.bfloat16),
-                        wb=w32.to(torch.bfloat16), q_row=torch.round(w32 / per_row[:, None]).to(torch.int8),
-                        s_row=per_row.to(torch.bfloat16), int_mm=int_mm_groups(q)))
+        out.append(
+            dict(
+                q=q,
+                scales=scales,
+                w32=w32,
+                halves=Int8GroupLinear(q, scales, None, None, torch.bfloat16),
+                wb=w32.to(torch.bfloat16),
+                q_row=torch.round(w32 / per_row[:, None]).to(torch.int8),
+                s_row=per_row.to(torch.bfloat16),
+                int_mm=int_mm_groups(q),
+            )
+        )
     return out
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--reps", type=int, default=10, help="passes over the copies per timed run")
-    p.add_argument("--copies", type=int, default=30, help="copies of each layer (the model's 30 layers), so "
-                   "its weights come from memory, not the cache, as in a decode step")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=30,
+        help="copies of each layer (the model's 30 layers), so "
+        "its weights come from memory, not the cache, as in a decode step",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # a graph per shape and row count
     compiled = torch.compile(reduction, dynamic=False)
-    print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"Q8_0-like int8 with a float scale per {G} inputs, bf16 activations, {args.copies} copies of each "
-          f"layer (1 of the head) called in turn; ms per call (max error / max output)\n")
-    print("| layer [N x K] | rows | two halves | reduction (compiled) | int_mm | per-channel (bound) | bf16 GEMM |")
+    print(
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+        f"Q8_0-like int8 with a float scale per {G} inputs, bf16 activations, {args.copies} copies of each "
+        f"layer (1 of the head) called in turn; ms per call (max error / max output)\n"
+    )
+    print(
+        "| layer [N x K] | rows | two halves | reduction (compiled) | int_mm | per-channel (bound) | bf16 GEMM |"
+    )
     print("|---|---|---|---|---|---|---|")
     totals = {}
     for name, (N, K) in SHAPES.items():
@@ -107,10 +135,15 @@ def main():
         for m in args.rows:
             x = torch.randn(m, K, dtype=torch.bfloat16)
             want = x.float() @ layers[0]["w32"].t()
-            paths = {"two halves": lambda c: c["halves"](x), "reduction": lambda c: compiled(x, c["q"], c["scales"]),
-                     "int_mm": lambda c: c["int_mm"](x, c["scales"]),
-                     "per-channel": lambda c: torch.ops.aten._weight_int8pack_mm(x, c["q_row"], c["s_row"]),
-                     "bf16": lambda c: F.linear(x, c["wb"])}
+            paths = {
+                "two halves": lambda c: c["halves"](x),
+                "reduction": lambda c: compiled(x, c["q"], c["scales"]),
+                "int_mm": lambda c: c["int_mm"](x, c["scales"]),
+                "per-channel": lambda c: torch.ops.aten._weight_int8pack_mm(
+                    x, c["q_row"], c["s_row"]
+                ),
+                "bf16": lambda c: F.linear(x, c["wb"]),
+            }
             cells = []
             with torch.no_grad():
                 for fn in paths.values():
@@ -121,10 +154,18 @@ def main():
                     except Exception as e:  # noqa: BLE001 (a path this machine cannot run: say why)
                         cells.append(f"fails: {type(e).__name__}")
             print(f"| {name} [{N} x {K}] | {m} | " + " | ".join(cells) + " |", flush=True)
-            totals[m] = [t + (1 if name == "head" else args.copies) * float(c.split()[0]) if c[0].isdigit() else t
-                         for t, c in zip(totals.setdefault(m, [0.0] * len(cells)), cells)]
+            totals[m] = [
+                t + (1 if name == "head" else args.copies) * float(c.split()[0])
+                if c[0].isdigit()
+                else t
+                for t, c in zip(totals.setdefault(m, [0.0] * len(cells)), cells)
+            ]
     for m, t in totals.items():  # every layer once, as in a step of the model
-        print(f"| a step's layers ({args.copies} of each, the head) | {m} | " + " | ".join(f"{x:.2f}" for x in t) + " |")
+        print(
+            f"| a step's layers ({args.copies} of each, the head) | {m} | "
+            + " | ".join(f"{x:.2f}" for x in t)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

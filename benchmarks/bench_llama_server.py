@@ -16,6 +16,7 @@ both), 128 tokens each, greedy, EOS ignored (`ignore_eos`, which both accept). C
 tokens/s over the run, time to first token p50 and p90, and time per output token p50 (per
 request, after its first token). Servers run in turn, never side by side.
 """
+
 import argparse
 import asyncio
 import glob
@@ -35,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_serve import load  # noqa: E402
+from bench_serve import load
 
 BUILD = os.path.join(HERE, ".llama.cpp")
 PIN = "llama-cpp-python==0.3.36"  # benchmarks/requirements-bench.txt
@@ -47,20 +48,52 @@ def build_llama_server() -> str:
     if os.path.exists(binary):
         return binary
     tmp = tempfile.mkdtemp(prefix="llama-sdist-")
-    print(f"building llama-server from {PIN}'s sources into {BUILD} (once; about 10 min on 2 cores)", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", PIN, "-d", tmp],
-                   check=True)
+    print(
+        f"building llama-server from {PIN}'s sources into {BUILD} (once; about 10 min on 2 cores)",
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            PIN,
+            "-d",
+            tmp,
+        ],
+        check=True,
+    )
     with tarfile.open(glob.glob(os.path.join(tmp, "*.tar.gz"))[0]) as t:
         t.extractall(tmp, filter="data")
     src = glob.glob(os.path.join(tmp, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
     shutil.rmtree(BUILD, ignore_errors=True)
     shutil.copytree(src, BUILD)
-    flags = ["-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-             "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DCMAKE_BUILD_TYPE=Release"]
-    subprocess.run(["cmake", "-S", BUILD, "-B", os.path.join(BUILD, "build"), *flags], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", os.path.join(BUILD, "build"), "--target", "llama-server", "-j", "2"], check=True,
-                   stdout=subprocess.DEVNULL)
+    flags = [
+        "-DGGML_NATIVE=ON",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DCMAKE_BUILD_TYPE=Release",
+    ]
+    subprocess.run(
+        ["cmake", "-S", BUILD, "-B", os.path.join(BUILD, "build"), *flags],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        ["cmake", "--build", os.path.join(BUILD, "build"), "--target", "llama-server", "-j", "2"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return binary
 
 
@@ -86,12 +119,38 @@ def wait_ready(proc, url: str, timeout: float = 300):
 def start(name, binary, gguf, slots, serve_flags):
     port = free_port()
     if name == "llama-server":
-        cmd = [binary, "-m", gguf, "-t", "2", "-tb", "2", "-np", str(slots), "-c", str(1024 * slots), "--port", str(port),
-               "--host", "127.0.0.1", "--no-webui",
-               "--threads-http", str(slots + 4)]  # a thread per streaming client (its default follows the cores)
+        cmd = [
+            binary,
+            "-m",
+            gguf,
+            "-t",
+            "2",
+            "-tb",
+            "2",
+            "-np",
+            str(slots),
+            "-c",
+            str(1024 * slots),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--no-webui",
+            "--threads-http",
+            str(slots + 4),
+        ]  # a thread per streaming client (its default follows the cores)
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "serve.py"), "--checkpoint", gguf, "--port", str(port),
-               "--max_num_seqs", str(slots), *serve_flags.split()]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "serve.py"),
+            "--checkpoint",
+            gguf,
+            "--port",
+            str(port),
+            "--max_num_seqs",
+            str(slots),
+            *serve_flags.split(),
+        ]
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     proc.log = log.name  # its output, shown if a run fails
@@ -108,43 +167,61 @@ def prompts(count: int, seed: int = 0) -> list:
     for _ in range(count):
         n = rng.randint(20, 320)
         i = rng.randrange(len(words) - n)
-        out.append(" ".join(words[i:i + n]))
+        out.append(" ".join(words[i : i + n]))
     return out
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max_tokens", type=int, default=128)
-    p.add_argument("--llama_server", default=None, help="a llama-server binary (default: build one, see above)")
+    p.add_argument(
+        "--llama_server", default=None, help="a llama-server binary (default: build one, see above)"
+    )
     p.add_argument("--serve_flags", default="", help="more flags for serve.py, e.g. '--compile'")
     args = p.parse_args()
     from formats import weights
 
     binary = args.llama_server or build_llama_server()
-    gguf, texts, slots = str(weights.default_checkpoint()), prompts(args.requests), max(args.clients)
+    gguf, texts, slots = (
+        str(weights.default_checkpoint()),
+        prompts(args.requests),
+        max(args.clients),
+    )
     rows = []
     for name in ("serve.py", "llama-server"):
         proc, url = start(name, binary, gguf, slots, args.serve_flags)
         try:
             asyncio.run(load(url, texts[:2], 2, 8))  # warm-up
             for clients in args.clients:
-                share = texts[:max(clients, args.requests if clients > 1 else args.requests // 4)]
+                share = texts[: max(clients, args.requests if clients > 1 else args.requests // 4)]
                 rows.append((name, asyncio.run(load(url, share, clients, args.max_tokens))))
         except Exception:
-            print(f"{name} failed; the end of its log ({proc.log}):\n" + open(proc.log).read()[-3000:], file=sys.stderr)
+            print(
+                f"{name} failed; the end of its log ({proc.log}):\n"
+                + open(proc.log).read()[-3000:],
+                file=sys.stderr,
+            )
             raise
         finally:
             proc.terminate()
             proc.wait()
-    print(f"\n{os.path.basename(gguf)}, {args.max_tokens} tokens per request (EOS ignored), prompts 20-320 words, "
-          f"2 threads each; serve.py {args.serve_flags or '(defaults)'}; llama-server -np {slots}\n")
-    print("| server | clients | requests | output tok/s | TTFT p50 s | TTFT p90 s | time per output token p50 ms |")
+    print(
+        f"\n{os.path.basename(gguf)}, {args.max_tokens} tokens per request (EOS ignored), prompts 20-320 words, "
+        f"2 threads each; serve.py {args.serve_flags or '(defaults)'}; llama-server -np {slots}\n"
+    )
+    print(
+        "| server | clients | requests | output tok/s | TTFT p50 s | TTFT p90 s | time per output token p50 ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in sorted(rows, key=lambda x: (x[1]["clients"], x[0])):
-        print(f"| {name} | {r['clients']} | {r['requests']} | {r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft90']:.2f} | "
-              f"{1000 * r['tpot50']:.1f} |")
+        print(
+            f"| {name} | {r['clients']} | {r['requests']} | {r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft90']:.2f} | "
+            f"{1000 * r['tpot50']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Its dense twin has the same active parameters per token: a Qwen3 with an MLP of 
 
 Each row is warmed up, then `--rounds` interleaved rounds run (every other one reversed); medians.
 """
+
 import argparse
 import os
 import statistics
@@ -28,14 +29,21 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import generate  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from kv_cache import StaticKVCache  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
+import generate
+import runtime
+from formats import weights
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
 
-SIZES = dict(vocab_size=32768, hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-             max_position_embeddings=4096, tie_word_embeddings=False)
+SIZES = dict(
+    vocab_size=32768,
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def build(args, moe: bool):
@@ -43,20 +51,34 @@ def build(args, moe: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if moe:
-        config = Qwen3MoeConfig(num_hidden_layers=args.layers, num_experts=64, num_experts_per_tok=8,
-                                moe_intermediate_size=384, norm_topk_prob=True, intermediate_size=3072, **SIZES)
+        config = Qwen3MoeConfig(
+            num_hidden_layers=args.layers,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=384,
+            norm_topk_prob=True,
+            intermediate_size=3072,
+            **SIZES,
+        )
         cls = Qwen3MoeForCausalLM
     else:
-        config, cls = Qwen3Config(num_hidden_layers=args.layers, intermediate_size=8 * 384, **SIZES), Qwen3ForCausalLM
+        config, cls = (
+            Qwen3Config(num_hidden_layers=args.layers, intermediate_size=8 * 384, **SIZES),
+            Qwen3ForCausalLM,
+        )
     torch.manual_seed(0)
     hf = cls(config)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn_like(p))
     dtype = runtime.DTYPES[args.dtype]
-    with tempfile.TemporaryDirectory(prefix="moe-" if moe else "dense-") as folder:  # (GBs of float32: removed)
+    with tempfile.TemporaryDirectory(
+        prefix="moe-" if moe else "dense-"
+    ) as folder:  # (GBs of float32: removed)
         hf.save_pretrained(folder, safe_serialization=True)
-        model, _ = weights.load_for_inference(folder, dtype=dtype)  # as generate.py loads: q/k/v (and gate/up) fused
+        model, _ = weights.load_for_inference(
+            folder, dtype=dtype
+        )  # as generate.py loads: q/k/v (and gate/up) fused
     return hf.to(dtype).eval(), model
 
 
@@ -65,8 +87,11 @@ def ours_decode(model, prompt, n, decode_fn):
 
     def run():
         cache = StaticKVCache.for_model(model, 1, len(prompt) + n)
-        _, t = generate.generate(model, cache, x, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
+        _, t = generate.generate(
+            model, cache, x, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+        )
         return t["tokens_per_s"]
+
     return run
 
 
@@ -76,11 +101,20 @@ def hf_decode(hf, prompt, n):
     def run():
         dc, x = DynamicCache(config=hf.config), torch.tensor([prompt])
         with torch.no_grad():
-            token = hf(input_ids=x, past_key_values=dc, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = (
+                hf(input_ids=x, past_key_values=dc, use_cache=True)
+                .logits[:, -1]
+                .argmax(-1, keepdim=True)
+            )
             start = time.perf_counter()
             for _ in range(n - 1):
-                token = hf(input_ids=token, past_key_values=dc, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                token = (
+                    hf(input_ids=token, past_key_values=dc, use_cache=True)
+                    .logits[:, -1]
+                    .argmax(-1, keepdim=True)
+                )
         return (n - 1) / (time.perf_counter() - start)
+
     return run
 
 
@@ -94,6 +128,7 @@ def ours_prefill(model, n):
         with torch.no_grad():
             runtime.prefill(model, cache, x)
         return n / (time.perf_counter() - start)
+
     return run
 
 
@@ -135,33 +170,59 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(runtime.DTYPES))
     p.add_argument("--skip_compile", action="store_true")
-    p.add_argument("--paths", action="store_true", help="only time the two eager expert paths of one layer")
+    p.add_argument(
+        "--paths", action="store_true", help="only time the two eager expert paths of one layer"
+    )
     args = p.parse_args()
     if args.paths:
         return expert_paths(runtime.DTYPES[args.dtype], args.rounds)
-    prompt = torch.randint(3, SIZES["vocab_size"], (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        3, SIZES["vocab_size"], (64,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     rows, read = [], {}
     for kind in ("MoE", "dense twin"):
         hf, model = build(args, kind == "MoE")
         read[kind] = model.bytes_read_per_token()
         total = sum(p.numel() for p in model.parameters())
-        print(f"{kind}: {total / 1e6:.0f}M parameters, {read[kind] / 2**20:.0f} MiB read per decode step", flush=True)
-        rows.append((kind, "decode, ours eager", ours_decode(model, prompt, args.new_tokens, runtime.decode_one)))
+        print(
+            f"{kind}: {total / 1e6:.0f}M parameters, {read[kind] / 2**20:.0f} MiB read per decode step",
+            flush=True,
+        )
+        rows.append(
+            (
+                kind,
+                "decode, ours eager",
+                ours_decode(model, prompt, args.new_tokens, runtime.decode_one),
+            )
+        )
         if not args.skip_compile:
             compiled = runtime.compile_decode("cpu", autotune=runtime.autotune(model))
-            rows.append((kind, "decode, ours compiled", ours_decode(model, prompt, args.new_tokens, compiled)))
+            rows.append(
+                (
+                    kind,
+                    "decode, ours compiled",
+                    ours_decode(model, prompt, args.new_tokens, compiled),
+                )
+            )
         if kind == "MoE":
-            rows.append((kind, "decode, HF transformers eager", hf_decode(hf, prompt, args.new_tokens)))
-        rows.append((kind, f"prefill {args.prefill}, ours eager", ours_prefill(model, args.prefill)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
-          f"{args.dtype}, {args.layers} layers", flush=True)
+            rows.append(
+                (kind, "decode, HF transformers eager", hf_decode(hf, prompt, args.new_tokens))
+            )
+        rows.append(
+            (kind, f"prefill {args.prefill}, ours eager", ours_prefill(model, args.prefill))
+        )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
+        f"{args.dtype}, {args.layers} layers",
+        flush=True,
+    )
     start = time.perf_counter()
     for *_, run in rows:  # warm-up (compiling included)
         run()
     print(f"warm-up (compiling included): {time.perf_counter() - start:.1f} s", flush=True)
     speeds = [[] for _ in rows]
     for r in range(args.rounds):
-        for i in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
+        for i in range(len(rows)) if r % 2 == 0 else reversed(range(len(rows))):
             speeds[i].append(rows[i][2]())
     median = [statistics.median(s) for s in speeds]
     print("\n| model | path | tok/s | GB/s over bytes read | vs HF eager | vs dense twin |")
@@ -169,7 +230,11 @@ def main():
     by = {(kind, label): m for (kind, label, _), m in zip(rows, median)}
     hf_speed = by[("MoE", "decode, HF transformers eager")]
     for (kind, label, _), m in zip(rows, median):
-        gbs = f"{m * read[kind] / 1e9:.2f}" if label.startswith("decode") and "HF" not in label else ""
+        gbs = (
+            f"{m * read[kind] / 1e9:.2f}"
+            if label.startswith("decode") and "HF" not in label
+            else ""
+        )
         vs_hf = f"{m / hf_speed:.2f}x" if kind == "MoE" and label.startswith("decode") else ""
         twin = by.get(("dense twin", label))
         vs_twin = f"{m / twin:.2f}x" if kind == "MoE" and twin else ""

@@ -16,6 +16,7 @@ tokens/s; end-to-end / matmul-only says how much of the step is the matmuls. The
 with caches of `--contexts` slots (a static cache attends over all its slots, so cost follows the
 cache length) in bf16 and int8 on the int4 model.
 """
+
 import argparse
 import os
 import tempfile
@@ -31,16 +32,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import generate  # noqa: E402
-from formats import hf_folder  # noqa: E402
-import quantize  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from bench_generate import PROMPT, run_hf  # noqa: E402
-from kv_cache import StaticKVCache  # noqa: E402
-from speedups.kv_int8 import Int8KVCache  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+from bench_generate import PROMPT, run_hf
+
+import generate
+import quantize
+import runtime
+from formats import hf_folder, weights
+from formats.tokenizer import load_tokenizer
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
+from speedups.kv_int8 import Int8KVCache
 
 MODES = [  # label, dtype, quantize mode, KV cache
     ("float32", torch.float32, None, StaticKVCache),
@@ -60,7 +61,9 @@ def load(mode, dtype):
 
 def decode(model, ids, n, fn, cache):
     cache.reset()
-    rows, t = generate.generate(model, cache, torch.tensor([ids]), n, SamplingParams(0.0), ignore_eos=True, decode_fn=fn)
+    rows, t = generate.generate(
+        model, cache, torch.tensor([ids]), n, SamplingParams(0.0), ignore_eos=True, decode_fn=fn
+    )
     assert len(rows[0]) == n
     return t
 
@@ -71,7 +74,11 @@ def median(xs):
 
 def matmul_only(model, autotune: bool, steps: int = 30) -> float:
     """Steps per second of running every linear layer of one decode step, and nothing else."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quantize.Int8Linear, quantize.Int4Linear))]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, quantize.Int8Linear, quantize.Int4Linear))
+    ]
     dtype = model.norm.weight.dtype
     inputs = {k: torch.randn(1, 1, k, dtype=dtype) for k in {m.in_features for m in layers}}
 
@@ -112,9 +119,16 @@ def measure_mode(label, ids, new_tokens, rounds, autotune="auto") -> dict:
     compile_s = time.perf_counter() - start
     runs = [decode(model, ids, new_tokens, fn, cache) for _ in range(rounds)]
     tps = median([r["tokens_per_s"] for r in runs])
-    return {"label": label + ("" if autotune == "auto" else f" (autotune {autotune})"), "tps": tps, "rounds": [r["tokens_per_s"] for r in runs],
-            "gbs": model.bytes_read_per_token() * tps / 1e9, "ttft": median([r["time_to_first_token_s"] for r in runs]),
-            "weight_bytes": model.weight_bytes(), "matmul_only": matmul_only(model, tune), "compile_s": compile_s}
+    return {
+        "label": label + ("" if autotune == "auto" else f" (autotune {autotune})"),
+        "tps": tps,
+        "rounds": [r["tokens_per_s"] for r in runs],
+        "gbs": model.bytes_read_per_token() * tps / 1e9,
+        "ttft": median([r["time_to_first_token_s"] for r in runs]),
+        "weight_bytes": model.weight_bytes(),
+        "matmul_only": matmul_only(model, tune),
+        "compile_s": compile_s,
+    }
 
 
 def measure_context(ctx, rounds) -> dict:
@@ -135,11 +149,13 @@ def child(argv) -> dict:
     import json
     import subprocess
 
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{argv} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main():
@@ -149,9 +165,16 @@ def main():
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--contexts", type=int, nargs="*", default=[512, 4096, 8000])
-    p.add_argument("--modes", nargs="*", default=[m[0] for m in MODES], help="a subset of the modes, by label")
-    p.add_argument("--autotune", nargs="*", default=["auto"], choices=["auto", "on", "off"],
-                   help="max-autotune for the compiled step: auto (generate.py's choice), on, off; several compare")
+    p.add_argument(
+        "--modes", nargs="*", default=[m[0] for m in MODES], help="a subset of the modes, by label"
+    )
+    p.add_argument(
+        "--autotune",
+        nargs="*",
+        default=["auto"],
+        choices=["auto", "on", "off"],
+        help="max-autotune for the compiled step: auto (generate.py's choice), on, off; several compare",
+    )
     p.add_argument("--one_mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--one_context", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -159,45 +182,84 @@ def main():
     tok = load_tokenizer(weights.default_checkpoint())
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     if args.one_mode:
-        print("RESULT " + json.dumps(measure_mode(args.one_mode, ids, args.new_tokens, args.rounds, args.autotune[0])))
+        print(
+            "RESULT "
+            + json.dumps(
+                measure_mode(args.one_mode, ids, args.new_tokens, args.rounds, args.autotune[0])
+            )
+        )
         return
     if args.one_context:
         print("RESULT " + json.dumps(measure_context(args.one_context, args.rounds)))
         return
     from transformers import AutoModelForCausalLM
 
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
-          f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens")
-    folder = hf_folder.save_hf_folder(weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-"))
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
+        f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens"
+    )
+    folder = hf_folder.save_hf_folder(
+        weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-")
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     run_hf(hf, ids, 8)
     hf_first = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])
     print(f"  HF transformers eager bf16: {hf_first:.1f} tok/s", flush=True)
     rows = []
-    for label, tune in [(m[0], t) for m in MODES if m[0] in args.modes for t in args.autotune
-                        if not (m[2] == "int4" and t == "on")]:  # int4: no autotune (see runtime.autotune)
-        r = child(["--one_mode", label, "--new_tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--autotune", tune])
+    for label, tune in [
+        (m[0], t)
+        for m in MODES
+        if m[0] in args.modes
+        for t in args.autotune
+        if not (m[2] == "int4" and t == "on")
+    ]:  # int4: no autotune (see runtime.autotune)
+        r = child(
+            [
+                "--one_mode",
+                label,
+                "--new_tokens",
+                str(args.new_tokens),
+                "--rounds",
+                str(args.rounds),
+                "--autotune",
+                tune,
+            ]
+        )
         rows.append(r)
-        print(f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
-              f"matmul-only {r['matmul_only']:.1f}/s, compile {r['compile_s']:.0f} s", flush=True)
+        print(
+            f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
+            f"matmul-only {r['matmul_only']:.1f}/s, compile {r['compile_s']:.0f} s",
+            flush=True,
+        )
     hf_last = median([run_hf(hf, ids, args.new_tokens)["decode_tps"] for _ in range(args.rounds)])
     hf_tps = (hf_first + hf_last) / 2
     shutil.rmtree(folder)
 
-    print(f"\nHF transformers eager bf16: {hf_first:.1f} tok/s at the start, {hf_last:.1f} at the end (ratios use the mean)\n")
-    print("| mode | decode tok/s | vs HF bf16 eager | GB/s | TTFT ms | weights MiB | matmul-only steps/s | end-to-end / matmul-only | compile s |")
+    print(
+        f"\nHF transformers eager bf16: {hf_first:.1f} tok/s at the start, {hf_last:.1f} at the end (ratios use the mean)\n"
+    )
+    print(
+        "| mode | decode tok/s | vs HF bf16 eager | GB/s | TTFT ms | weights MiB | matmul-only steps/s | end-to-end / matmul-only | compile s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['tps']:.1f} | {r['tps'] / hf_tps:.2f}x | {r['gbs']:.2f} | {1000 * r['ttft']:.0f} | "
-              f"{r['weight_bytes'] / 2**20:.1f} | {r['matmul_only']:.1f} | {r['tps'] / r['matmul_only']:.0%} | {r['compile_s']:.0f} |")
+        print(
+            f"| {r['label']} | {r['tps']:.1f} | {r['tps'] / hf_tps:.2f}x | {r['gbs']:.2f} | {1000 * r['ttft']:.0f} | "
+            f"{r['weight_bytes'] / 2**20:.1f} | {r['matmul_only']:.1f} | {r['tps'] / r['matmul_only']:.0%} | {r['compile_s']:.0f} |"
+        )
     if args.contexts:
         print("\nint4 g64 model, decode tok/s by KV cache length (bf16 KV vs int8 KV)\n")
-        print("| cache slots | bf16 KV tok/s | int8 KV tok/s | int8 / bf16 | bf16 KV MiB | int8 KV MiB | bf16 KV / weight bytes read |")
+        print(
+            "| cache slots | bf16 KV tok/s | int8 KV tok/s | int8 / bf16 | bf16 KV MiB | int8 KV MiB | bf16 KV / weight bytes read |"
+        )
         print("|---|---|---|---|---|---|---|")
         for ctx in args.contexts:
             r = child(["--one_context", str(ctx), "--rounds", str(args.rounds)])
-            print(f"| {ctx} | {r['bf16']:.1f} | {r['int8']:.1f} | {r['int8'] / r['bf16']:.2f}x | {r['bf16_bytes'] / 2**20:.1f} | "
-                  f"{r['int8_bytes'] / 2**20:.1f} | {r['bf16_bytes'] / r['weight_bytes_read']:.0%} |", flush=True)
+            print(
+                f"| {ctx} | {r['bf16']:.1f} | {r['int8']:.1f} | {r['int8'] / r['bf16']:.2f}x | {r['bf16_bytes'] / 2**20:.1f} | "
+                f"{r['int8_bytes'] / 2**20:.1f} | {r['bf16_bytes'] / r['weight_bytes_read']:.0%} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ target (group 64, head quantized), as a smaller checkpoint with the same vocabul
 --profile instead times a plain step and a verify step (every row k drafts) of c quoting requests
 and prints torch.profiler's top ops of each: where a verify step's cost goes.
 """
+
 import argparse
 import os
 import random
@@ -33,17 +34,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from formats import fuse_layers  # noqa: E402
-from formats import hf_folder  # noqa: E402
-import quantize  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from bench_speculative import CODE  # noqa: E402
-from bench_serving import corpus, window  # noqa: E402
-from engine import Engine, Finished, RequestParams  # noqa: E402
-from speedups.draft_model import DraftModel  # noqa: E402
-from speedups.prompt_lookup import PromptLookup  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+from bench_serving import corpus, window
+from bench_speculative import CODE
+
+import quantize
+import runtime
+from engine import Engine, Finished, RequestParams
+from formats import fuse_layers, hf_folder, weights
+from formats.tokenizer import load_tokenizer
+from speedups.draft_model import DraftModel
+from speedups.prompt_lookup import PromptLookup
 
 NEW = 128
 
@@ -53,11 +53,14 @@ def quoting(tok, words, count, rng):
     prompts = []
     for i in range(count):
         if i % 4 == 3:
-            text = CODE + "# The same three functions again, with `result` renamed to `out`:\ndef add(a, b):\n"
+            text = (
+                CODE
+                + "# The same three functions again, with `result` renamed to `out`:\ndef add(a, b):\n"
+            )
         else:
             start, n = rng.randrange(len(words) - 200), rng.randint(60, 200)
-            passage = " ".join(words[start:start + n])
-            text = f"Passage:\n{passage}\n\nThe passage again, word for word:\n{' '.join(words[start:start + 4])}"
+            passage = " ".join(words[start : start + n])
+            text = f"Passage:\n{passage}\n\nThe passage again, word for word:\n{' '.join(words[start : start + 4])}"
         prompts.append(tok.encode(text))
     return prompts
 
@@ -90,17 +93,27 @@ class Counted:
 
 def run(model, prompts, speculate, compile):
     """-> (seconds, outputs, engine metrics, seconds per decode step)."""
-    engine = Engine.for_model(model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile)
+    engine = Engine.for_model(
+        model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile
+    )
     params = RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     ids, done, decode_s, decode_steps = [engine.add_request(p, params) for p in prompts], {}, 0.0, 0
     start = time.perf_counter()
     while engine.has_unfinished():
-        prefilling = any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting
+        prefilling = (
+            any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running)
+            or engine.scheduler.waiting
+        )
         t = time.perf_counter()
         done.update((e.request_id, e.request) for e in engine.step() if isinstance(e, Finished))
         if not prefilling:
             decode_s, decode_steps = decode_s + time.perf_counter() - t, decode_steps + 1
-    return time.perf_counter() - start, [done[i].seqs[0].output for i in ids], engine.metrics(), decode_s / max(decode_steps, 1)
+    return (
+        time.perf_counter() - start,
+        [done[i].seqs[0].output for i in ids],
+        engine.metrics(),
+        decode_s / max(decode_steps, 1),
+    )
 
 
 def median(xs):
@@ -117,19 +130,28 @@ def quantized_copy(mode):
 def measure(model, prompts, k, max_rows, min_n, compile, rounds, draft=None):
     """Off and on, rounds interleaved -> a table row's numbers."""
     off, on = [], []
-    proposer = (lambda: DraftModel(draft, model, k, 4000, 16, max_rows)) if draft else (
-        lambda: PromptLookup(k=k, min_n=min_n, max_n=max(3, min_n), max_rows=max_rows))
+    proposer = (
+        (lambda: DraftModel(draft, model, k, 4000, 16, max_rows))
+        if draft
+        else (lambda: PromptLookup(k=k, min_n=min_n, max_n=max(3, min_n), max_rows=max_rows))
+    )
     counted = Counted(proposer())
     if compile:  # every graph these runs need, compiled before any is timed
         [run(model, prompts, p, compile) for p in (None, Rejected(k), proposer())]
     for _ in range(rounds):
         off.append(run(model, prompts, None, compile))
-        counted.proposer = proposer()  # a fresh one per engine (a draft's pool follows one engine's block ids)
+        counted.proposer = (
+            proposer()
+        )  # a fresh one per engine (a draft's pool follows one engine's block ids)
         on.append(run(model, prompts, counted, compile))
     off_s, on_s = median([r[0] for r in off]), median([r[0] for r in on])
-    kept, drafted = (sum(r[2][key] for r in on) for key in ("draft_tokens_accepted", "draft_tokens"))
+    kept, drafted = (
+        sum(r[2][key] for r in on) for key in ("draft_tokens_accepted", "draft_tokens")
+    )
     alpha = kept / max(drafted, 1)
-    cost = run(model, prompts, Rejected(k), compile)[3] / median([r[3] for r in off])  # c: a verify step / a plain one
+    cost = run(model, prompts, Rejected(k), compile)[3] / median(
+        [r[3] for r in off]
+    )  # c: a verify step / a plain one
     gain = 1 + kept / max(counted.rows, 1)  # tokens per drafted row-step
     equal = sum(a == b for a, b in zip(off[0][1], on[0][1]))
     return off_s, on_s, alpha, gain, gain / cost, cost, equal
@@ -138,10 +160,17 @@ def measure(model, prompts, k, max_rows, min_n, compile, rounds, draft=None):
 def profile_steps(model, prompts, k, compile):
     """A plain and a verify step of `prompts` decoding together: median ms of 10, then the top ops of 5."""
     for speculate in (None, Rejected(k)):
-        engine = Engine.for_model(model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile)
+        engine = Engine.for_model(
+            model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile
+        )
         for p in prompts:
-            engine.add_request(p, RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
-        while any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.add_request(
+                p, RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+            )
+        while (
+            any(len(s.tokens) - s.num_computed > 1 for s in engine.scheduler.running)
+            or engine.scheduler.waiting
+        ):
             engine.step()
         times = []
         for _ in range(13):
@@ -151,8 +180,10 @@ def profile_steps(model, prompts, k, compile):
         with torch.profiler.profile() as prof:
             for _ in range(5):
                 engine.step()
-        print(f"\n{'verify' if speculate else 'plain'} step, {len(prompts)} rows: {1e3 * median(times[3:]):.1f} ms "
-              f"(median of 10); torch.profiler over 5 steps:")
+        print(
+            f"\n{'verify' if speculate else 'plain'} step, {len(prompts)} rows: {1e3 * median(times[3:]):.1f} ms "
+            f"(median of 10); torch.profiler over 5 steps:"
+        )
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
 
 
@@ -164,26 +195,51 @@ def hf_batch1(hf_model, prompt, k):
         for _ in range(3):
             start = time.perf_counter()
             with torch.no_grad():
-                hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                  pad_token_id=0, prompt_lookup_num_tokens=lookup)
+                hf_model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=NEW,
+                    min_new_tokens=NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                    prompt_lookup_num_tokens=lookup,
+                )
             times.append(time.perf_counter() - start)
         out.append(NEW / median(times))
     return out
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dtype", default="bfloat16", choices=list(runtime.DTYPES))
-    p.add_argument("--compile", action="store_true", help="compiled decode-only steps (drafted steps run eager)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compiled decode-only steps (drafted steps run eager)",
+    )
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max_rows", type=int, default=64)
     p.add_argument("--prompt_lookup_min", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved (the median is shown)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="runs of each, interleaved (the median is shown)"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"])
+    p.add_argument(
+        "--workloads", nargs="+", default=["quoting", "free"], choices=["quoting", "free"]
+    )
     p.add_argument("--no_hf", action="store_true")
-    p.add_argument("--draft", choices=["int8", "int4"], default=None, help="a quantized copy as the draft model, not prompt lookup")
-    p.add_argument("--profile", action="store_true", help="only profile a plain and a verify step at each concurrency")
+    p.add_argument(
+        "--draft",
+        choices=["int8", "int4"],
+        default=None,
+        help="a quantized copy as the draft model, not prompt lookup",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only profile a plain and a verify step at each concurrency",
+    )
     args = p.parse_args()
 
     model, info = weights.load(None, dtype=runtime.DTYPES[args.dtype], dequantize=True)
@@ -191,17 +247,24 @@ def main():
     with open(os.path.join(os.path.dirname(HERE), "data", "declaration.txt")) as f:
         words = f.read().split()
     ids, rng = corpus(tok), random.Random(0)
-    work = {"quoting": quoting(tok, words, max(args.concurrency), rng), "free": free_text(ids, max(args.concurrency), rng)}
+    work = {
+        "quoting": quoting(tok, words, max(args.concurrency), rng),
+        "free": free_text(ids, max(args.concurrency), rng),
+    }
     if not args.no_hf:
         import tempfile
 
         from transformers import AutoModelForCausalLM
 
         folder = hf_folder.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
-        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=runtime.DTYPES[args.dtype]).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=runtime.DTYPES[args.dtype]
+        ).eval()
         plain, lookup = hf_batch1(hf_model, work["quoting"][0], args.k)
-        print(f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, {lookup:.1f} tok/s "
-              f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)")
+        print(
+            f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, {lookup:.1f} tok/s "
+            f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)"
+        )
         del hf_model
     fuse_layers.fuse_projections(model)
     if args.profile:
@@ -211,21 +274,39 @@ def main():
             profile_steps(model, work["quoting"][:c], args.k, args.compile)
         return
     run(model, work["quoting"][:2], PromptLookup(k=args.k), False)  # warm-up
-    print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
-          f"max_rows={args.max_rows} | " + (f"draft model: an {args.draft} copy" if args.draft
-                                              else f"prompt_lookup_min={args.prompt_lookup_min}"))
-    print("\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
-          "| predicted | verify cost c | equal to off |")
+    print(
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+        f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
+        f"max_rows={args.max_rows} | "
+        + (
+            f"draft model: an {args.draft} copy"
+            if args.draft
+            else f"prompt_lookup_min={args.prompt_lookup_min}"
+        )
+    )
+    print(
+        "\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
+        "| predicted | verify cost c | equal to off |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     draft = quantized_copy(args.draft) if args.draft else None
     for name in args.workloads:
         for c in args.concurrency:
             off_s, on_s, alpha, gain, pred, cost, equal = measure(
-                model, work[name][:c], args.k, args.max_rows, args.prompt_lookup_min, args.compile, args.rounds,
-                draft)
-            print(f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
-                  f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |", flush=True)
+                model,
+                work[name][:c],
+                args.k,
+                args.max_rows,
+                args.prompt_lookup_min,
+                args.compile,
+                args.rounds,
+                draft,
+            )
+            print(
+                f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
+                f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ of the same prompt (median of 3 runs each, interleaved), and their ratio. Two pr
 opening (drafts must guess) and a copy task (the answer repeats code from the prompt).
 All speculative outputs are checked equal to plain greedy decoding.
 """
+
 import argparse
 import os
 import sys
@@ -25,18 +26,20 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import generate  # noqa: E402
-import quantize  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from kv_cache import StaticKVCache  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from speedups.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from speculative import ModelDrafter, draft_forward, speculative_generate  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+import generate
+import quantize
+import runtime
+from formats import weights
+from formats.tokenizer import load_tokenizer
+from kv_cache import StaticKVCache
+from sampling import SamplingParams
+from speculative import ModelDrafter, draft_forward, speculative_generate
+from speedups.prompt_lookup import PromptLookupDrafter
 
-CODE = ("def add(a, b):\n    result = a + b\n    return result\n\n\ndef sub(a, b):\n    result = a - b\n"
-        "    return result\n\n\ndef mul(a, b):\n    result = a * b\n    return result\n\n\n")
+CODE = (
+    "def add(a, b):\n    result = a + b\n    return result\n\n\ndef sub(a, b):\n    result = a - b\n"
+    "    return result\n\n\ndef mul(a, b):\n    result = a * b\n    return result\n\n\n"
+)
 PROMPTS = {
     "story": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "copy": CODE + "# The same three functions again, with `result` renamed to `out`:\n",
@@ -55,7 +58,9 @@ def predicted(alpha, c, k):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--new_tokens", type=int, default=96)
     p.add_argument("--layers", type=int, default=15, help="layer-skip draft depth")
@@ -68,24 +73,39 @@ def main():
     t0 = time.perf_counter()
     plain_fn = runtime.compile_decode("cpu")
     verify_fns = {t: runtime.compile_decode("cpu", runtime.verify_step) for t in (1, k + 1)}
-    drafters = {"prompt lookup n<=3": PromptLookupDrafter(3, target.config.vocab_size),
-                f"layer-skip, first {args.layers} of 30 layers": ModelDrafter(
-                    target, seq_len, GREEDY, layers=args.layers, step_fn=runtime.compile_decode("cpu", draft_forward))}
+    drafters = {
+        "prompt lookup n<=3": PromptLookupDrafter(3, target.config.vocab_size),
+        f"layer-skip, first {args.layers} of 30 layers": ModelDrafter(
+            target,
+            seq_len,
+            GREEDY,
+            layers=args.layers,
+            step_fn=runtime.compile_decode("cpu", draft_forward),
+        ),
+    }
     for mode, group in (("int8", 64), ("int4", 64)):
         draft, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
         quantize.quantize_model(draft, mode, group, head=True)
         step = runtime.compile_decode("cpu", draft_forward, autotune=runtime.autotune(draft))
-        label = f"{mode} copy of the target" + (f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)")
+        label = f"{mode} copy of the target" + (
+            f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)"
+        )
         drafters[label] = ModelDrafter(draft, seq_len, GREEDY, step_fn=step)
 
     def plain(ids):
-        rows, timing = generate.generate(target, cache, torch.tensor([ids]), n, GREEDY, ignore_eos=True, decode_fn=plain_fn)
+        rows, timing = generate.generate(
+            target, cache, torch.tensor([ids]), n, GREEDY, ignore_eos=True, decode_fn=plain_fn
+        )
         return rows[0], timing["tokens_per_s"]
 
     def spec(drafter, ids):
         drafter.rollback(0)
-        out, stats = speculative_generate(target, cache, drafter, ids, n, GREEDY, k, ignore_eos=True, verify_fns=verify_fns)
-        stats["c"] = (stats["draft_s"] / max(stats["drafted"], 1)) / (stats["target_s"] / stats["rounds"])
+        out, stats = speculative_generate(
+            target, cache, drafter, ids, n, GREEDY, k, ignore_eos=True, verify_fns=verify_fns
+        )
+        stats["c"] = (stats["draft_s"] / max(stats["drafted"], 1)) / (
+            stats["target_s"] / stats["rounds"]
+        )
         return out, stats
 
     for name, text in PROMPTS.items():  # warm-up: compiles every graph on both prompts' shapes
@@ -97,8 +117,12 @@ def main():
                 with torch.no_grad():
                     fn(target, cache, torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None])
     print(f"compiled everything in {time.perf_counter() - t0:.0f} s\n")
-    print(f"SmolLM2-135M bf16 target, compiled, greedy, batch 1, k = {k}, {n} new tokens, median of 3 interleaved runs\n")
-    print("| prompt | drafter | tok/s | measured speed-up | alpha | tokens/round | c | predicted | measured / predicted | same tokens |")
+    print(
+        f"SmolLM2-135M bf16 target, compiled, greedy, batch 1, k = {k}, {n} new tokens, median of 3 interleaved runs\n"
+    )
+    print(
+        "| prompt | drafter | tok/s | measured speed-up | alpha | tokens/round | c | predicted | measured / predicted | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, text in PROMPTS.items():
         ids = tok.encode(text)
@@ -117,8 +141,10 @@ def main():
             tps, stats, out = sorted(runs[label], key=lambda r: r[0])[1]
             a, c = stats["acceptance_rate"], stats["c"]
             pred = predicted(a, c, k)
-            print(f"| {name} | {label} | {tps:.1f} | {tps / base:.2f}x | {a:.2f} | {stats['tokens_per_round']:.2f} | "
-                  f"{c:.3f} | {pred:.2f}x | {tps / base / pred:.0%} | {out == reference} |")
+            print(
+                f"| {name} | {label} | {tps:.1f} | {tps / base:.2f}x | {a:.2f} | {stats['tokens_per_round']:.2f} | "
+                f"{c:.3f} | {pred:.2f}x | {tps / base / pred:.0%} | {out == reference} |"
+            )
 
 
 if __name__ == "__main__":

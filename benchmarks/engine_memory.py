@@ -11,6 +11,7 @@ grows after it is held across requests. oneDNN keeps the kernels it builds per m
 (LRU_CACHE_CAPACITY and ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1,024 each by default; set both to 8
 to see the run without them).
 """
+
 import argparse
 import os
 import random
@@ -19,11 +20,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from formats import weights  # noqa: E402
-from engine import Engine  # noqa: E402
-from sequence import RequestParams  # noqa: E402
+from engine import Engine
+from formats import weights
+from sequence import RequestParams
 
 
 def rss_mib() -> float:
@@ -33,14 +34,21 @@ def rss_mib() -> float:
 
 def workload(model, seed: int, count: int) -> float:
     rng = random.Random(seed)
-    engine = Engine.for_model(model, num_blocks=400, block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
-    pending = [([rng.randint(10, 1000) for _ in range(rng.randint(20, 300))], rng.randint(4, 24)) for _ in range(count)]
+    engine = Engine.for_model(
+        model, num_blocks=400, block_size=16, max_num_seqs=32, max_num_batched_tokens=512
+    )
+    pending = [
+        ([rng.randint(10, 1000) for _ in range(rng.randint(20, 300))], rng.randint(4, 24))
+        for _ in range(count)
+    ]
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         for _ in range(rng.randint(0, 4)):
             if pending:
                 prompt, new = pending.pop(0)
-                engine.add_request(prompt, RequestParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+                engine.add_request(
+                    prompt, RequestParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+                )
         engine.step()  # a finished request is forgotten once its Finished event is returned
     return time.perf_counter() - start
 
@@ -53,13 +61,21 @@ def main():
     args = p.parse_args()
     model, info = weights.load_for_inference(None, "cpu", torch.bfloat16, dequantize=args.dense)
     weights.settle()
-    caps = {k: os.environ.get(k, "default") for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
-    print(f"{'dense bf16' if args.dense else 'own bits'}; CPU {torch.backends.cpu.get_cpu_capability()}; {caps}\n")
+    caps = {
+        k: os.environ.get(k, "default")
+        for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    }
+    print(
+        f"{'dense bf16' if args.dense else 'own bits'}; CPU {torch.backends.cpu.get_cpu_capability()}; {caps}\n"
+    )
     print("| after | seconds | RSS MiB |\n|---|---|---|")
     print(f"| load | - | {rss_mib():.0f} |")
     for r in range(args.rounds):
         elapsed = workload(model, r, args.requests)
-        print(f"| workload {r + 1} ({args.requests} requests) | {elapsed:.1f} | {rss_mib():.0f} |", flush=True)
+        print(
+            f"| workload {r + 1} ({args.requests} requests) | {elapsed:.1f} | {rss_mib():.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ bandwidth; compile times; the engine's output tokens/s on --requests requests. E
 a time box (--section_s) and the JSON and Markdown results are rewritten after every section,
 so a run cut short still returns what it finished. FlexAttention is not implemented: reported so.
 """
+
 import argparse
 import json
 import os
@@ -31,23 +32,46 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import generate  # noqa: E402
-import quantize  # noqa: E402
-import runtime  # noqa: E402
-from kv_cache import StaticKVCache  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
-from paged import PagedKVCache  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from engine import Engine, RequestParams  # noqa: E402
+import generate
+import quantize
+import runtime
+from engine import Engine, RequestParams
+from kv_cache import StaticKVCache
+from model import ModelConfig, Transformer
+from paged import PagedKVCache
+from sampling import SamplingParams
 
 SHAPES = {  # name -> (ModelConfig, tiny stand-in)
-    "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
-                              rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
-    "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
-                           max_position_embeddings=4096),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama2-7b": ModelConfig(
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        intermediate_size=11008,
+        max_position_embeddings=4096,
+    ),
 }
-TINY = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
-                 max_position_embeddings=1024)
+TINY = ModelConfig(
+    vocab_size=512,
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=1024,
+)
 GREEDY = SamplingParams(0.0)
 
 
@@ -137,7 +161,9 @@ def portable_dequantized(portable, mode) -> torch.Tensor:
     for the int8 / int4 kernels (on CUDA Int4Linear.dequantize goes through the kernel itself)."""
     if mode == "int8":
         return portable["weight"].float() * portable["scales"].float()[:, None]
-    return quantize.dequantize_int4(quantize.unpack_int4(portable["weight"]), portable["scales"], portable["zeros"])
+    return quantize.dequantize_int4(
+        quantize.unpack_int4(portable["weight"]), portable["scales"], portable["zeros"]
+    )
 
 
 def check_correctness(device, tiny, report):
@@ -151,7 +177,9 @@ def check_correctness(device, tiny, report):
         graphs = compiled(device, graphs=True)
         report["cuda_graphs_equal_no_graphs"] = decode_tokens(model, graphs, device, 24) == eager
         report["cuda_graph_launches_in_5_steps"] = graph_launches(model, graphs, device)
-        report["cuda_graphs_replayed"] = report["cuda_graph_launches_in_5_steps"] > 0  # 0: Inductor skipped them
+        report["cuda_graphs_replayed"] = (
+            report["cuda_graph_launches_in_5_steps"] > 0
+        )  # 0: Inductor skipped them
     else:
         report["cuda_graphs_equal_no_graphs"] = "n/a (no CUDA)"
     xb = torch.randn(3, args.dim, device=device, dtype=torch.bfloat16)
@@ -180,8 +208,13 @@ def time_models(device, tiny, report, repeats, deadline):
     bandwidth = report["copy_bandwidth_gb_s"]
     rows = report.setdefault("decode", [])
     # the rows that matter most first: the time box drops the rest
-    plan = [("smollm2-135m", "bf16", m) for m in (["eager"] + (["compiled+graphs"] if cuda else []))]
-    plan += [("llama2-7b", q, "compiled+graphs" if cuda else "compiled") for q in ("bf16", "int4", "int8")]
+    plan = [
+        ("smollm2-135m", "bf16", m) for m in (["eager"] + (["compiled+graphs"] if cuda else []))
+    ]
+    plan += [
+        ("llama2-7b", q, "compiled+graphs" if cuda else "compiled")
+        for q in ("bf16", "int4", "int8")
+    ]
     plan += [("smollm2-135m", "bf16", "compiled")]
     for shape, q, mode in plan:
         if time.time() > deadline:
@@ -191,7 +224,14 @@ def time_models(device, tiny, report, repeats, deadline):
             rows.append(time_row(device, tiny, shape, q, mode, steps, repeats, bandwidth))
         except Exception as e:  # noqa: BLE001 (one row's failure must not lose the others)
             traceback.print_exc()
-            rows.append({"model": shape, "weights": q, "mode": mode, "skipped": f"{type(e).__name__}: {e}"[:200]})
+            rows.append(
+                {
+                    "model": shape,
+                    "weights": q,
+                    "mode": mode,
+                    "skipped": f"{type(e).__name__}: {e}"[:200],
+                }
+            )
         if cuda:
             torch.cuda.empty_cache()
 
@@ -201,65 +241,122 @@ def time_row(device, tiny, shape, q, mode, steps, repeats, bandwidth) -> dict:
     if q != "bf16":
         quantize.quantize_model(model, q, 64, head=True)
     start = time.perf_counter()
-    fn = runtime.decode_one if mode == "eager" else compiled(
-        device, graphs=mode == "compiled+graphs", autotune=runtime.autotune(model) and not tiny)
+    fn = (
+        runtime.decode_one
+        if mode == "eager"
+        else compiled(
+            device, graphs=mode == "compiled+graphs", autotune=runtime.autotune(model) and not tiny
+        )
+    )
     decode_tokens(model, fn, device, 4)  # compile and warm up
     compile_s = time.perf_counter() - start
     tps = time_decode(model, fn, device, steps, repeats)
     gbs = model.bytes_read_per_token() * tps / 1e9
-    return {"model": shape + (" (tiny stand-in)" if tiny else ""), "weights": q, "mode": mode,
-            "tokens_per_s": tps, "gb_s": gbs, "fraction_of_copy_bandwidth": gbs / bandwidth,
-            "compile_s": 0.0 if mode == "eager" else compile_s, "weight_bytes_per_token": model.bytes_read_per_token()}
+    return {
+        "model": shape + (" (tiny stand-in)" if tiny else ""),
+        "weights": q,
+        "mode": mode,
+        "tokens_per_s": tps,
+        "gb_s": gbs,
+        "fraction_of_copy_bandwidth": gbs / bandwidth,
+        "compile_s": 0.0 if mode == "eager" else compile_s,
+        "weight_bytes_per_token": model.bytes_read_per_token(),
+    }
 
 
 def engine_throughput(device, tiny, report, n_requests):
     args = TINY if tiny else SHAPES["smollm2-135m"]
     model = random_model(args, device, torch.bfloat16)
     rng = random.Random(0)
-    prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(50, 500 if not tiny else 100))]
-               for _ in range(n_requests)]
+    prompts = [
+        [rng.randrange(args.vocab_size) for _ in range(rng.randint(50, 500 if not tiny else 100))]
+        for _ in range(n_requests)
+    ]
     news = [rng.randint(32, 128) for _ in prompts]
-    engine = Engine.for_model(model, num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
-                    max_num_seqs=min(256, n_requests), max_num_batched_tokens=2048)
+    engine = Engine.for_model(
+        model,
+        num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
+        max_num_seqs=min(256, n_requests),
+        max_num_batched_tokens=2048,
+    )
     clock = Clock(device)
-    elapsed = clock(lambda: engine.run_batch(prompts, [RequestParams(max_new_tokens=n, temperature=0.0,
-                                                                      ignore_eos=True) for n in news]))
-    report["engine"] = {"requests": n_requests, "output_tokens_per_s": sum(news) / elapsed, "elapsed_s": elapsed,
-                        "peak_running": engine.scheduler.stats["peak_running"], "steps": engine.scheduler.stats["steps"]}
+    elapsed = clock(
+        lambda: engine.run_batch(
+            prompts,
+            [RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in news],
+        )
+    )
+    report["engine"] = {
+        "requests": n_requests,
+        "output_tokens_per_s": sum(news) / elapsed,
+        "elapsed_s": elapsed,
+        "peak_running": engine.scheduler.stats["peak_running"],
+        "steps": engine.scheduler.stats["steps"],
+    }
 
 
 def markdown(report) -> str:
-    lines = [f"device: {report['device_name']} | torch {report['torch']} | copy bandwidth "
-             f"{report['copy_bandwidth_gb_s']:.0f} GB/s", "", "| check | result |", "|---|---|"]
+    lines = [
+        f"device: {report['device_name']} | torch {report['torch']} | copy bandwidth "
+        f"{report['copy_bandwidth_gb_s']:.0f} GB/s",
+        "",
+        "| check | result |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in report.get("checks", {}).items()]
-    lines += ["", "| model | weights | mode | tok/s | GB/s | of copy bandwidth | compile s |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| model | weights | mode | tok/s | GB/s | of copy bandwidth | compile s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report.get("decode", []):
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['weights']} | {r['mode']} | skipped ({r['skipped']}) | | | |")
+            lines.append(
+                f"| {r['model']} | {r['weights']} | {r['mode']} | skipped ({r['skipped']}) | | | |"
+            )
         else:
-            lines.append(f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['gb_s']:.1f} | "
-                         f"{r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |")
+            lines.append(
+                f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['gb_s']:.1f} | "
+                f"{r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |"
+            )
     lines += [f"error in {name}: {error}" for name, error in report.get("errors", {}).items()]
     if "engine" in report:
         e = report["engine"]
-        lines += ["", f"engine: {e['requests']} requests, {e['output_tokens_per_s']:.1f} output tok/s, "
-                      f"{e['elapsed_s']:.1f} s, peak running {e['peak_running']}"]
+        lines += [
+            "",
+            f"engine: {e['requests']} requests, {e['output_tokens_per_s']:.1f} output tok/s, "
+            f"{e['elapsed_s']:.1f} s, peak running {e['peak_running']}",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (a quick run that checks the script itself)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny shapes (a quick run that checks the script itself)",
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "."),
+        help="folder for gpu_check.json and gpu_check.md",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--section_s", type=float, default=240, help="time box of each timing section")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = args.device
-    report = {"device": device, "torch": torch.__version__, "tiny": args.tiny,
-              "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+    report = {
+        "device": device,
+        "torch": torch.__version__,
+        "tiny": args.tiny,
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+    }
 
     def save(section):
         report.setdefault("sections_done", []).append(section)
@@ -269,7 +366,9 @@ def main(argv=None) -> dict:
             f.write(markdown(report))
         print(f"[{section} done]", flush=True)
 
-    def section(name, fn, *fn_args):  # a section that fails is reported, and the next one still runs
+    def section(
+        name, fn, *fn_args
+    ):  # a section that fails is reported, and the next one still runs
         try:
             fn(*fn_args)
         except Exception as e:  # noqa: BLE001 (one lease, one run: keep every section's result)
@@ -281,8 +380,17 @@ def main(argv=None) -> dict:
     save("bandwidth")
     report["checks"] = {}
     section("correctness", check_correctness, device, args.tiny, report["checks"])
-    section("decode", time_models, device, args.tiny, report, args.repeats, time.time() + args.section_s)
-    section("engine", engine_throughput, device, args.tiny, report, min(args.requests, 16) if args.tiny else args.requests)
+    section(
+        "decode", time_models, device, args.tiny, report, args.repeats, time.time() + args.section_s
+    )
+    section(
+        "engine",
+        engine_throughput,
+        device,
+        args.tiny,
+        report,
+        min(args.requests, 16) if args.tiny else args.requests,
+    )
     print(markdown(report))
     return report
 

@@ -12,6 +12,7 @@ the ceiling; and the profile's split of the step: GEMMs, attention (the paged ga
 SDPA), sampling, host syncs, other ops, and the rest of the wall time (Python: scheduling,
 building block tables and inputs).
 """
+
 import argparse
 import os
 import sys
@@ -22,17 +23,42 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from formats import fuse_layers  # noqa: E402
-import runtime  # noqa: E402
-from formats import weights  # noqa: E402
-from engine import Engine, RequestParams  # noqa: E402
-from formats.tokenizer import load_tokenizer  # noqa: E402
+import runtime
+from engine import Engine, RequestParams
+from formats import fuse_layers, weights
+from formats.tokenizer import load_tokenizer
 
 CATEGORIES = [  # (name, substrings of op names), first match wins
-    ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "onednn", "mkldnn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::embedding", "embedding_bag", "aten::index", "aten::gather",
-                   "aten::masked_fill", "aten::where", "aten::scatter", "index_put")),
-    ("sampling", ("aten::argmax", "aten::softmax", "aten::multinomial", "aten::topk", "aten::sort", "log_softmax")),
+    (
+        "GEMM",
+        ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "onednn", "mkldnn"),
+    ),
+    (
+        "attention",
+        (
+            "scaled_dot_product",
+            "flash_attention",
+            "aten::embedding",
+            "embedding_bag",
+            "aten::index",
+            "aten::gather",
+            "aten::masked_fill",
+            "aten::where",
+            "aten::scatter",
+            "index_put",
+        ),
+    ),
+    (
+        "sampling",
+        (
+            "aten::argmax",
+            "aten::softmax",
+            "aten::multinomial",
+            "aten::topk",
+            "aten::sort",
+            "log_softmax",
+        ),
+    ),
     ("host syncs", ("aten::item", "_local_scalar_dense", "aten::tolist")),
 ]
 
@@ -44,8 +70,15 @@ def category(name: str) -> str:
 def gemm_shapes(model, B):
     c = model.config
     d, kv = c.dim, c.n_kv_heads * c.head_dim
-    per_layer = [(d, c.n_heads * c.head_dim), (d, kv), (d, kv), (c.n_heads * c.head_dim, d),
-                 (d, c.intermediate_size), (d, c.intermediate_size), (c.intermediate_size, d)]
+    per_layer = [
+        (d, c.n_heads * c.head_dim),
+        (d, kv),
+        (d, kv),
+        (c.n_heads * c.head_dim, d),
+        (d, c.intermediate_size),
+        (d, c.intermediate_size),
+        (c.intermediate_size, d),
+    ]
     return [(B, k, n) for k, n in per_layer] * c.n_layers + [(B, d, c.vocab_size)]
 
 
@@ -71,16 +104,33 @@ def step_flops(model, B, context) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--prompt_tokens", type=int, default=140,
-                   help="140: the context stays within one attend-width bucket (12 blocks of 16) while timed")
+    p.add_argument(
+        "--prompt_tokens",
+        type=int,
+        default=140,
+        help="140: the context stays within one attend-width bucket (12 blocks of 16) while timed",
+    )
     p.add_argument("--steps", type=int, default=16, help="decode steps profiled per batch size")
-    p.add_argument("--compile", action="store_true", help="the engine's compiled decode steps (one graph per batch bucket)")
-    p.add_argument("--no_fuse", action="store_true", help="keep q/k/v and gate/up separate (load_engine fuses them)")
-    p.add_argument("--kept", action="store_true", help="the embedded GGUF at its own bits (as serve.py loads it), "
-                   "not dequantized")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the engine's compiled decode steps (one graph per batch bucket)",
+    )
+    p.add_argument(
+        "--no_fuse",
+        action="store_true",
+        help="keep q/k/v and gate/up separate (load_engine fuses them)",
+    )
+    p.add_argument(
+        "--kept",
+        action="store_true",
+        help="the embedded GGUF at its own bits (as serve.py loads it), not dequantized",
+    )
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, info = weights.load(None, dtype=dtype, dequantize=not args.kept)
@@ -90,19 +140,31 @@ def main():
     with open(os.path.join(ROOT, "data", "declaration.txt")) as f:
         text = tokenizer.encode(f.read())
     bits = " at the file's bits" if args.kept else ""
-    print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"{args.dtype}{bits} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
-          f"{'compiled' if args.compile else 'eager'}")
+    print(
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+        f"{args.dtype}{bits} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
+        f"{'compiled' if args.compile else 'eager'}"
+    )
     rows = []
     for B in args.batches:
-        engine = Engine.for_model(model, num_blocks=1 + B * (args.prompt_tokens + args.steps + 40) // 16 + B, block_size=16,
-                        max_num_seqs=max(B, 1), max_num_batched_tokens=B * (args.prompt_tokens + 1),
-                        compile=args.compile)  # every prompt prefilled in one step: the batch moves in lockstep
+        engine = Engine.for_model(
+            model,
+            num_blocks=1 + B * (args.prompt_tokens + args.steps + 40) // 16 + B,
+            block_size=16,
+            max_num_seqs=max(B, 1),
+            max_num_batched_tokens=B * (args.prompt_tokens + 1),
+            compile=args.compile,
+        )  # every prompt prefilled in one step: the batch moves in lockstep
         for i in range(B):
             start = (i * 37) % (len(text) - args.prompt_tokens)
-            engine.add_request(text[start:start + args.prompt_tokens],
-                               RequestParams(max_new_tokens=args.steps + 40, temperature=0.0, ignore_eos=True))
-        while any(s.num_computed < len(s.request.prompt) for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.add_request(
+                text[start : start + args.prompt_tokens],
+                RequestParams(max_new_tokens=args.steps + 40, temperature=0.0, ignore_eos=True),
+            )
+        while (
+            any(s.num_computed < len(s.request.prompt) for s in engine.scheduler.running)
+            or engine.scheduler.waiting
+        ):
             engine.step()  # prefill everything (and a first token each): what follows is pure decode
         for _ in range(3):  # (compiles the step's graph, with --compile)
             engine.step()
@@ -113,7 +175,9 @@ def main():
             wall = (time.perf_counter() - start) / args.steps
         split = {}
         for e in prof.key_averages():
-            split[category(e.key)] = split.get(category(e.key), 0.0) + e.self_cpu_time_total / 1e6 / args.steps
+            split[category(e.key)] = (
+                split.get(category(e.key), 0.0) + e.self_cpu_time_total / 1e6 / args.steps
+            )
         profiled_wall = sum(split.values())
         context = args.prompt_tokens + 3 + args.steps // 2
         unprofiled_start = time.perf_counter()
@@ -123,10 +187,14 @@ def main():
         achieved = step_flops(model, B, context) / plain / 1e9
         rate = matmul_rate(model, B, dtype)
         rows.append((B, plain, achieved, rate, split, wall - profiled_wall, wall))
-    print("\n| batch | step ms | tokens/s | achieved GFLOP/s | torch.mm on the step's shapes, GFLOP/s | share of mm rate |")
+    print(
+        "\n| batch | step ms | tokens/s | achieved GFLOP/s | torch.mm on the step's shapes, GFLOP/s | share of mm rate |"
+    )
     print("|---|---|---|---|---|---|")
     for B, plain, achieved, rate, *_ in rows:
-        print(f"| {B} | {plain * 1e3:.1f} | {B / plain:.0f} | {achieved:.1f} | {rate:.1f} | {achieved / rate:.0%} |")
+        print(
+            f"| {B} | {plain * 1e3:.1f} | {B / plain:.0f} | {achieved:.1f} | {rate:.1f} | {achieved / rate:.0%} |"
+        )
     names = [c for c, _ in CATEGORIES] + ["other ops", "Python and the rest"]
     print("\n| batch | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))

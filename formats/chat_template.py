@@ -12,6 +12,7 @@ results are checked too, and a trace on the template's frames holds a deadline, 
 
 Any failure is a TokenizerError saying what the template tried.
 """
+
 import datetime
 import json
 import math
@@ -32,14 +33,18 @@ TEMPLATE_MAX_SECONDS = 2.0
 
 def check_size(value):
     if isinstance(value, (str, list, tuple, bytes)) and len(value) > TEMPLATE_MAX_CHARS:
-        raise SecurityError(f"the template built a value of {len(value)} items (limit {TEMPLATE_MAX_CHARS})")
+        raise SecurityError(
+            f"the template built a value of {len(value)} items (limit {TEMPLATE_MAX_CHARS})"
+        )
     return value
 
 
 def check_args(args, kwargs):  # widths, counts and repeats beyond what any output may hold
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > TEMPLATE_MAX_CHARS:
-            raise SecurityError(f"the template passed {a}, beyond the limit of {TEMPLATE_MAX_CHARS}")
+            raise SecurityError(
+                f"the template passed {a}, beyond the limit of {TEMPLATE_MAX_CHARS}"
+            )
 
 
 def check_total(parts, what: str):  # before joining: the sizes of the parts
@@ -52,9 +57,14 @@ def bounded_filter(f, name):
     def wrapper(*args, **kwargs):
         check_args(args, kwargs)
         if name == "join" and len(args) > 1 and isinstance(args[1], (list, tuple)):
-            check_total(list(args[1]) + [str(args[2]) if len(args) > 2 else ""] * len(args[1]), "joins")
+            check_total(
+                list(args[1]) + [str(args[2]) if len(args) > 2 else ""] * len(args[1]), "joins"
+            )
         return check_size(f(*args, **kwargs))
-    wrapper.__dict__.update(getattr(f, "__dict__", {}))  # keeps jinja's pass_context / pass_environment marks
+
+    wrapper.__dict__.update(
+        getattr(f, "__dict__", {})
+    )  # keeps jinja's pass_context / pass_environment marks
     return wrapper
 
 
@@ -81,33 +91,58 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return "".join(map(str, parts))
 
     def unsafe_undefined(self, obj, attribute):  # an attribute walk fails now, not silently as ""
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe"
+        )
 
     def call_binop(self, context, operator, left, right):
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
-                        len(seq) * times > TEMPLATE_MAX_CHARS:
-                    raise SecurityError(f"the template repeats a value {times} times (limit {TEMPLATE_MAX_CHARS} items)")
-        if operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)) and \
-                abs(left) > 1 and right * math.log2(abs(left)) > 4096:
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(times, int)
+                    and len(seq) * times > TEMPLATE_MAX_CHARS
+                ):
+                    raise SecurityError(
+                        f"the template repeats a value {times} times (limit {TEMPLATE_MAX_CHARS} items)"
+                    )
+        if (
+            operator == "**"
+            and isinstance(left, (int, float))
+            and isinstance(right, (int, float))
+            and abs(left) > 1
+            and right * math.log2(abs(left)) > 4096
+        ):
             raise SecurityError(f"the template computes {left} ** {right}, a number over 4096 bits")
-        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+        if (
+            operator == "+"
+            and isinstance(left, (str, list, tuple))
+            and isinstance(right, (str, list, tuple))
+        ):
             check_total((left, right), "adds up")
         if operator == "%" and isinstance(left, str):
             check_args(right if isinstance(right, tuple) else (right,), {})
-            if re.search(r"%[-+ #0]*\d{7,}|%[-+ #0]*\d*\.\d{7,}", left):  # '%9999999999s': a width no output holds
+            if re.search(
+                r"%[-+ #0]*\d{7,}|%[-+ #0]*\d*\.\d{7,}", left
+            ):  # '%9999999999s': a width no output holds
                 raise SecurityError("the template formats with a width beyond any output")
             check_total((left,) + (right if isinstance(right, tuple) else (right,)), "formats")
         return check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):
         check_args(args, kwargs)
-        bound_to = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
+        bound_to = getattr(
+            getattr(__obj, "__wrapped__", __obj), "__self__", None
+        )  # the sandbox wraps str.format
         if isinstance(bound_to, str) and re.search(r"\d{7,}", bound_to):
             raise SecurityError("the template formats with a width beyond any output")
-        if isinstance(bound_to, str) and getattr(__obj, "__name__", "") == "format":  # fields x arguments
-            check_total([bound_to] + [a for a in args for _ in range(max(1, bound_to.count("{")))], "formats")
+        if (
+            isinstance(bound_to, str) and getattr(__obj, "__name__", "") == "format"
+        ):  # fields x arguments
+            check_total(
+                [bound_to] + [a for a in args for _ in range(max(1, bound_to.count("{")))],
+                "formats",
+            )
         try:
             return check_size(super().call(__context, __obj, *args, **kwargs))
         except OverflowError as e:  # the sandbox's own range() limit
@@ -141,13 +176,16 @@ def strftime_now(fmt) -> str:
     """Today's date for a template (transformers gives templates this; gpt-oss's dates its system
     message): plain directives only, so no field width (glibc's %999999999Y) can make it large."""
     if not isinstance(fmt, str) or len(fmt) > 64 or re.search(r"%[^a-zA-Z%]", fmt):
-        raise TemplateError(f"strftime_now takes a format of at most 64 characters without widths, got {str(fmt)[:80]!r}")
+        raise TemplateError(
+            f"strftime_now takes a format of at most 64 characters without widths, got {str(fmt)[:80]!r}"
+        )
     return datetime.datetime.now().strftime(fmt)
 
 
 def render_chat_template(template: str, messages, add_generation_prompt=True, **extra) -> str:
     """The template rendered in a sandbox that also bounds what it may build and how long it may
     run; any failure is a TokenizerError."""
+
     def raise_exception(message):
         raise TemplateError(message)
 
@@ -158,12 +196,15 @@ def render_chat_template(template: str, messages, add_generation_prompt=True, **
 
     def render():
         out, size = [], 0
-        for part in env.from_string(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       **extra):
+        for part in env.from_string(template).generate(
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra
+        ):
             out.append(part)
             size += len(part)
             if size > TEMPLATE_MAX_CHARS:
-                raise TemplateError(f"the template's output exceeds {TEMPLATE_MAX_CHARS} characters")
+                raise TemplateError(
+                    f"the template's output exceeds {TEMPLATE_MAX_CHARS} characters"
+                )
         return "".join(out)
 
     try:

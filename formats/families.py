@@ -21,6 +21,7 @@ renames or splits tensors whose layout differs from Llama's:
 
     python -c "import json; from formats import families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
+
 from pathlib import Path
 
 import torch
@@ -30,16 +31,46 @@ from moe import MoEConfig
 from rope import SUPPORTED, kind_of
 from runtime import CheckpointError
 
-SUPPORTED_HF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral",
-                "qwen2_moe", "qwen3_moe", "gpt_oss")
+SUPPORTED_HF = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+)
 QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
-                       max_position_embeddings=131072, query_pre_attn_scalar=256, sliding_window=4096,
-                       rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=6,
-                       tie_word_embeddings=True)
-GEMMA2_DEFAULTS = dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                       final_logit_softcapping=30.0, head_dim=256, max_position_embeddings=8192)
+GEMMA3_DEFAULTS = dict(
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131072,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    sliding_window_pattern=6,
+    tie_word_embeddings=True,
+)
+GEMMA2_DEFAULTS = dict(
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    head_dim=256,
+    max_position_embeddings=8192,
+)
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's names -> model.py's
 
 
@@ -52,15 +83,24 @@ def config_from_hf(cfg: dict, source) -> ModelConfig:
         raise
     except KeyError as e:
         raise CheckpointError(f"{source}: config.json has no {e.args[0]!r}") from None
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # wrong types, zero heads
-        raise CheckpointError(f"{source}: config.json has values that do not make a model ({e})") from None
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        ZeroDivisionError,
+    ) as e:  # wrong types, zero heads
+        raise CheckpointError(
+            f"{source}: config.json has values that do not make a model ({e})"
+        ) from None
 
 
 def text_config(cfg: dict) -> dict:
     """The language model's config: Gemma 3's multimodal checkpoints nest it, with its defaults."""
     if cfg.get("model_type") == "gemma3":
         cfg = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
-    defaults = {"gemma3_text": GEMMA3_DEFAULTS, "gemma2": GEMMA2_DEFAULTS}.get(cfg.get("model_type"), {})
+    defaults = {"gemma3_text": GEMMA3_DEFAULTS, "gemma2": GEMMA2_DEFAULTS}.get(
+        cfg.get("model_type"), {}
+    )
     return {**defaults, **cfg}  # a key given as null stays null (no soft cap, no window), as in HF
 
 
@@ -74,15 +114,24 @@ def rope_of(cfg: dict, kind: str):
     scaling = rope or dict(cfg.get("rope_scaling") or {})
     if kind == "phi3" and kind_of(scaling) in ("su", "yarn"):  # Phi-3's older names for LongRoPE
         scaling["rope_type"] = "longrope"
-    if kind_of(scaling) in ("yarn", "longrope", "llama3"):  # Phi-3 keeps the original context outside
+    if kind_of(scaling) in (
+        "yarn",
+        "longrope",
+        "llama3",
+    ):  # Phi-3 keeps the original context outside
         old = cfg.get("original_max_position_embeddings") if kind == "phi3" else None
         scaling["original_max_position_embeddings"] = old or scaling.get(
-            "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096)
+        )
     for key in ("partial_rotary_factor", "rope_theta"):
         scaling.pop(key, None)
     if kind_of(scaling) == "default":
         scaling = {}
-    local_theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq")) if kind == "gemma3_text" else 0.0
+    local_theta = (
+        (local or {}).get("rope_theta", cfg.get("rope_local_base_freq"))
+        if kind == "gemma3_text"
+        else 0.0
+    )
     return theta, scaling, local_theta or 0.0
 
 
@@ -99,13 +148,20 @@ def _layer_types(cfg: dict, kind: str, n_layers: int, window):
         return tuple(cfg["layer_types"])
     if kind == "qwen2_moe":  # transformers' rule: odd layers below max_window_layers
         first = cfg.get("max_window_layers", 28)
-        return tuple("sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(n_layers))
+        return tuple(
+            "sliding_attention" if (i + 1) % 2 and i < first else "full_attention"
+            for i in range(n_layers)
+        )
     if kind in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", 28)
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
+        return tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+        )
     if kind in ("gemma2", "gemma3_text", "gpt_oss"):
         every = cfg.get("sliding_window_pattern", 6) if kind == "gemma3_text" else 2
-        return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
+        return tuple(
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)
+        )
     return ()
 
 
@@ -113,41 +169,69 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     if cfg.get("model_type") not in SUPPORTED_HF:
         raise CheckpointError(
             f"{source}: architecture {cfg.get('model_type')!r} ({cfg.get('architectures')}) is not a family "
-            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})")
+            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})"
+        )
     cfg = text_config(cfg)
     kind = cfg["model_type"]
     if cfg.get("use_bidirectional_attention"):
-        raise CheckpointError(f"{source}: use_bidirectional_attention makes an embedding model (EmbeddingGemma), "
-                              "not one that generates; this project runs causal language models")
+        raise CheckpointError(
+            f"{source}: use_bidirectional_attention makes an embedding model (EmbeddingGemma), "
+            "not one that generates; this project runs causal language models"
+        )
     theta, scaling, local_theta = rope_of(cfg, kind)
     heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim") is not None and not (isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0):
-        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}")
+    if cfg.get("head_dim") is not None and not (
+        isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0
+    ):
+        raise CheckpointError(
+            f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}"
+        )
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    partial = (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)
+    )
     bias = bool(cfg.get("attention_bias", kind == "gpt_oss"))
     windowed = cfg.get("use_sliding_window", False) if kind in QWEN else kind != "llama"
     window = cfg.get("sliding_window") if windowed else None
     gemma = kind in ("gemma2", "gemma3_text")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    act = (
+        cfg.get("hidden_activation")
+        or cfg.get("hidden_act")
+        or ("gelu_pytorch_tanh" if gemma else "silu")
+    )
     if act not in HF_ACTIVATIONS:
-        raise CheckpointError(f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(HF_ACTIVATIONS)})")
+        raise CheckpointError(
+            f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(HF_ACTIVATIONS)})"
+        )
     return ModelConfig(
-        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        intermediate_size=cfg["intermediate_size"], head_dim=head_dim,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        intermediate_size=cfg["intermediate_size"],
+        head_dim=head_dim,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and cfg.get("qkv_bias", True)), o_bias=bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and cfg.get("qkv_bias", True)),
+        o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         sliding_window=window or 0,
         layer_types=layer_types_of(cfg, kind, cfg["num_hidden_layers"], window),
-        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0, local_rope_theta=local_theta,
-        norm_offset=1.0 if gemma else 0.0, embed_scale=gemma, sandwich_norms=gemma,
-        mlp_act=HF_ACTIVATIONS[act], query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+        local_rope_theta=local_theta,
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=gemma,
+        sandwich_norms=gemma,
+        mlp_act=HF_ACTIVATIONS[act],
+        query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
         attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
-        logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0, attn_sinks=kind == "gpt_oss",
+        logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
+        attn_sinks=kind == "gpt_oss",
         **experts_of(cfg, kind),
     )
 
@@ -155,25 +239,47 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
 def experts_of(cfg: dict, kind: str) -> dict:
     """ModelConfig's mixture-of-experts fields from Mixtral's and Qwen-MoE's keys ({} for a dense model)."""
     if kind == "mixtral":
-        return dict(moe=MoEConfig(cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2),
-                                  cfg["intermediate_size"]))
-    if kind == "gpt_oss":  # its router takes top-k of the logits, then a softmax over those k: renormalised
-        return dict(moe=MoEConfig(cfg.get("num_local_experts", 128), cfg.get("num_experts_per_tok") or
-                                  cfg.get("experts_per_token", 4), cfg["intermediate_size"], norm_topk_prob=True,
-                                  router_bias=True, expert_bias=True, glu_limit=cfg.get("swiglu_limit", 7.0),
-                                  glu_alpha=cfg.get("swiglu_alpha", 1.702)))
+        return dict(
+            moe=MoEConfig(
+                cfg.get("num_local_experts", 8),
+                cfg.get("num_experts_per_tok", 2),
+                cfg["intermediate_size"],
+            )
+        )
+    if (
+        kind == "gpt_oss"
+    ):  # its router takes top-k of the logits, then a softmax over those k: renormalised
+        return dict(
+            moe=MoEConfig(
+                cfg.get("num_local_experts", 128),
+                cfg.get("num_experts_per_tok") or cfg.get("experts_per_token", 4),
+                cfg["intermediate_size"],
+                norm_topk_prob=True,
+                router_bias=True,
+                expert_bias=True,
+                glu_limit=cfg.get("swiglu_limit", 7.0),
+                glu_alpha=cfg.get("swiglu_alpha", 1.702),
+            )
+        )
     # published Qwen configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if kind == "qwen2_moe" else 128))
+    experts = cfg.get(
+        "num_experts", cfg.get("num_local_experts", 60 if kind == "qwen2_moe" else 128)
+    )
     if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
         return {}
     n = cfg["num_hidden_layers"]
     step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
     shared = cfg.get("shared_expert_intermediate_size", 5632) if kind == "qwen2_moe" else 0
-    return dict(moe=MoEConfig(
-        experts, cfg.get("num_experts_per_tok", 4 if kind == "qwen2_moe" else 8),
-        cfg.get("moe_intermediate_size", 1408 if kind == "qwen2_moe" else 768),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared or 0,
-        dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step)))
+    return dict(
+        moe=MoEConfig(
+            experts,
+            cfg.get("num_experts_per_tok", 4 if kind == "qwen2_moe" else 8),
+            cfg.get("moe_intermediate_size", 1408 if kind == "qwen2_moe" else 768),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_size=shared or 0,
+            dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step),
+        )
+    )
 
 
 def hf_tensors(cfg: dict, config: ModelConfig, tensors):
@@ -191,7 +297,11 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
         elif kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
             _check_rows(file, name, t, q + 2 * kv)
             for part, w in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
-                yield file, name.replace("qkv_proj", part), w.clone()  # its own storage: no parameter is a view
+                yield (
+                    file,
+                    name.replace("qkv_proj", part),
+                    w.clone(),
+                )  # its own storage: no parameter is a view
         elif kind == "phi3" and name.endswith("mlp.gate_up_proj.weight"):
             _check_rows(file, name, t, 2 * config.intermediate_size)
             for part, w in zip(("gate_proj", "up_proj"), t.chunk(2)):
@@ -205,18 +315,30 @@ def gpt_oss_experts(file, name, t):
     with gate and up columns interleaved (and their bias [E, 2 ff]), down_proj [E, ff, dim], as moe.py's
     [E, out, in] projections; MXFP4 blocks and scales pass on to formats/hf_quant.py."""
     name = name.replace(".mlp.router.", ".mlp.gate.")
-    if name.endswith(("_blocks", "_scales")) or not isinstance(t, torch.Tensor) or ".experts." not in name:
+    if (
+        name.endswith(("_blocks", "_scales"))
+        or not isinstance(t, torch.Tensor)
+        or ".experts." not in name
+    ):
         yield file, name, t
     elif name.endswith("gate_up_proj") or name.endswith("gate_up_proj_bias"):
         bias = name.endswith("_bias")
         if t.dim() != (2 if bias else 3) or t.shape[-1] % 2:
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected "
-                                  f"{'[E, 2 ff]' if bias else '[E, dim, 2 ff]'} (gate and up interleaved)")
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                f"{'[E, 2 ff]' if bias else '[E, dim, 2 ff]'} (gate and up interleaved)"
+            )
         for part, cols in (("gate_proj", t[..., 0::2]), ("up_proj", t[..., 1::2])):
-            yield file, name.replace("gate_up_proj", part), (cols if bias else cols.transpose(1, 2)).contiguous()
+            yield (
+                file,
+                name.replace("gate_up_proj", part),
+                (cols if bias else cols.transpose(1, 2)).contiguous(),
+            )
     elif name.endswith("down_proj"):
         if t.dim() != 3:
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected [E, ff, dim]")
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected [E, ff, dim]"
+            )
         yield file, name, t.transpose(1, 2).contiguous()
     else:
         yield file, name, t
@@ -233,44 +355,68 @@ def stacked_experts(config: ModelConfig, tensors):
     for file, name, t in tensors:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         parts = name.split(".")
-        if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[4].isdigit() and parts[6] == "weight":
+        if (
+            len(parts) == 7
+            and parts[2:4] == ["mlp", "experts"]
+            and parts[4].isdigit()
+            and parts[6] == "weight"
+        ):
             e, proj = int(parts[4]), MIXTRAL_EXPERT.get(parts[5], parts[5])
             target = ".".join(parts[:4] + [proj])
             if e >= config.moe.n_experts:
-                raise CheckpointError(f"{file}: tensor {name!r} is expert {e}, but the config has {config.moe.n_experts} experts")
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} is expert {e}, but the config has {config.moe.n_experts} experts"
+                )
             group = pending.setdefault(target, {})
             group[e] = t
             if len(group) == config.moe.n_experts:
                 yield file, target, _stack(file, target, pending.pop(target))
-        elif name.endswith("mlp.experts.gate_up_proj") and isinstance(t, torch.Tensor) and t.dim() == 3:
+        elif (
+            name.endswith("mlp.experts.gate_up_proj")
+            and isinstance(t, torch.Tensor)
+            and t.dim() == 3
+        ):
             gate, up = t.chunk(2, dim=1)  # transformers' [E, 2 ff, dim]: gate rows, then up rows
             yield file, name.replace("gate_up_proj", "gate_proj"), gate.clone()
             yield file, name.replace("gate_up_proj", "up_proj"), up.clone()
         else:
             yield file, name, t
-    for target, group in pending.items():  # (named with the folder: a sharded one spreads experts over files)
+    for (
+        target,
+        group,
+    ) in pending.items():  # (named with the folder: a sharded one spreads experts over files)
         missing = sorted(set(range(config.moe.n_experts)) - set(group))
-        raise CheckpointError(f"{Path(file).parent}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}")
+        raise CheckpointError(
+            f"{Path(file).parent}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}"
+        )
 
 
 def _stack(file, target, group: dict) -> torch.Tensor:
     first = group[0]
     for e, t in group.items():
         if not isinstance(t, torch.Tensor) or t.shape != first.shape:
-            raise CheckpointError(f"{file}: expert {e} of {target} has shape {tuple(getattr(t, 'shape', ()))}, "
-                                  f"expert 0 has {tuple(first.shape)}")
+            raise CheckpointError(
+                f"{file}: expert {e} of {target} has shape {tuple(getattr(t, 'shape', ()))}, "
+                f"expert 0 has {tuple(first.shape)}"
+            )
     return torch.stack([group[e] for e in range(len(group))])
 
 
 def _check_rows(file, name, t, rows):
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows:
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(getattr(t, 'shape', ()))}, "
-                              f"expected {rows} rows (the fused projections of the config)")
+        raise CheckpointError(
+            f"{file}: tensor {name!r} has shape {tuple(getattr(t, 'shape', ()))}, "
+            f"expected {rows} rows (the fused projections of the config)"
+        )
 
 
-ROPE_NUMBERS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "longrope": ("original_max_position_embeddings",)}
+ROPE_NUMBERS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings",),
+}
 
 
 def check_rope_scaling(scaling: dict, rotary_dim: int, source):
@@ -278,18 +424,33 @@ def check_rope_scaling(scaling: dict, rotary_dim: int, source):
     low_freq_factor; LongRoPE's factors one per rotated pair), named if not; the type supported."""
     kind = kind_of(scaling)
     if kind not in SUPPORTED:
-        raise CheckpointError(f"{source}: RoPE scaling type {kind!r} is not supported "
-                              f"(supported: {', '.join(SUPPORTED)})")
+        raise CheckpointError(
+            f"{source}: RoPE scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED)})"
+        )
     for key in ROPE_NUMBERS.get(kind, ()):
         value = scaling.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-            raise CheckpointError(f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < float("inf")
+        ):
+            raise CheckpointError(
+                f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}"
+            )
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise CheckpointError(f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
-                              f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+        raise CheckpointError(
+            f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
+            f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}"
+        )
     for key in ("short_factor", "long_factor") if kind == "longrope" else ():
         value = scaling.get(key)
-        if not (isinstance(value, list) and len(value) == rotary_dim // 2
-                and all(isinstance(x, (int, float)) and x > 0 for x in value)):
-            raise CheckpointError(f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
-                                  f"numbers (one per rotated pair), got {str(value)[:80]}")
+        if not (
+            isinstance(value, list)
+            and len(value) == rotary_dim // 2
+            and all(isinstance(x, (int, float)) and x > 0 for x in value)
+        ):
+            raise CheckpointError(
+                f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
+                f"numbers (one per rotated pair), got {str(value)[:80]}"
+            )

@@ -14,6 +14,7 @@ packed again), quant_groups.Int8GroupLinear. Anything else (mixed formats, diffe
 the CUDA int4 layout) is left unfused. Fuse last: after quantizing and tensor-parallel sharding,
 and not before saving a checkpoint (the fused model has other module names).
 """
+
 import torch
 import torch.nn as nn
 
@@ -30,7 +31,11 @@ def _cat(tensors):
 def _int4_values(m: quantize.Int4Linear):
     """(q [N, K] uint8, scales, zeros [N, K/G]) of a CPU int4 layer."""
     N, K = m.out_features, m.in_features
-    q = quantize.unpack_int4(m.portable_weight) if m.layout is None else int4_layout.cpu_int4_unpack(m.weight, N, K, *m.layout)
+    q = (
+        quantize.unpack_int4(m.portable_weight)
+        if m.layout is None
+        else int4_layout.cpu_int4_unpack(m.weight, N, K, *m.layout)
+    )
     sz = m.scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
     return q, sz[..., 0], sz[..., 1]
 
@@ -52,19 +57,32 @@ def concat_rows(layers):
             out.bias = nn.Parameter(bias, requires_grad=False)
         return out
     if type(first) is quantize.Int8Linear:
-        portable = {"weight": torch.cat([m.weight for m in layers]), "scales": torch.cat([m.scales for m in layers])}
+        portable = {
+            "weight": torch.cat([m.weight for m in layers]),
+            "scales": torch.cat([m.scales for m in layers]),
+        }
         return quantize.Int8Linear(portable, bias, first.scales.dtype)
     if type(first) is quantize.Int4Linear:
         if not first.cpu or any(m.groupsize != first.groupsize for m in layers):
             return None
         q, s, z = (torch.cat(parts) for parts in zip(*map(_int4_values, layers)))
         portable = {"weight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": s, "zeros": z}
-        return quantize.Int4Linear(portable, bias, first.scales_and_zeros.dtype, first.groupsize, first.weight.device)
+        return quantize.Int4Linear(
+            portable, bias, first.scales_and_zeros.dtype, first.groupsize, first.weight.device
+        )
     if type(first) is Int8GroupLinear:
-        if any(m.groupsize != first.groupsize or (m.offsets is None) != (first.offsets is None) for m in layers):
+        if any(
+            m.groupsize != first.groupsize or (m.offsets is None) != (first.offsets is None)
+            for m in layers
+        ):
             return None
-        return Int8GroupLinear(torch.cat([m.int8_values() for m in layers]), torch.cat([m.scales for m in layers]),
-                               _cat([m.offsets for m in layers]), bias, first.dtype)
+        return Int8GroupLinear(
+            torch.cat([m.int8_values() for m in layers]),
+            torch.cat([m.scales for m in layers]),
+            _cat([m.offsets for m in layers]),
+            bias,
+            first.dtype,
+        )
     return None
 
 
@@ -72,7 +90,10 @@ def fuse_projections(model) -> int:
     """Fuse every layer's q/k/v and gate/up in place; returns how many groups were fused."""
     fused = 0
     for layer in model.layers:
-        a, mlp = layer.self_attn, getattr(layer.mlp, "shared_expert", layer.mlp)  # (moe.py: its dense shared expert)
+        a, mlp = (
+            layer.self_attn,
+            getattr(layer.mlp, "shared_expert", layer.mlp),
+        )  # (moe.py: its dense shared expert)
         if a.qkv_proj is None and a.q_proj is not None:
             qkv = concat_rows([a.q_proj, a.k_proj, a.v_proj])
             if qkv is not None:

@@ -10,6 +10,7 @@ which keeps the last files' parsed metadata.
 
     python -c "import sys; from formats import gguf_config as g; print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
 """
+
 import functools
 from pathlib import Path
 
@@ -18,7 +19,17 @@ import numpy as np
 from model import ModelConfig
 from runtime import CheckpointError
 
-SUPPORTED_ARCH = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss")
+SUPPORTED_ARCH = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "qwen2moe",
+    "qwen3moe",
+    "gpt-oss",
+)
 GEMMA = ("gemma2", "gemma3")
 
 
@@ -37,8 +48,12 @@ def _read(path: str, mtime_ns: int, size: int):
 
     try:
         return GGUFFile(path)
-    except Exception as e:  # the reader fails in many ways on a bad file; all mean the same to a user
-        raise CheckpointError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+    except (
+        Exception
+    ) as e:  # the reader fails in many ways on a bad file; all mean the same to a user
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})"
+        ) from None
 
 
 def forget_readers():
@@ -53,7 +68,9 @@ def field(reader, key, default=None):
 def config_from_gguf(reader, path) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCH:
-        raise CheckpointError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})")
+        raise CheckpointError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})"
+        )
 
     def get(key, default=None):
         value = field(reader, f"{arch}.{key}", default)
@@ -65,13 +82,22 @@ def config_from_gguf(reader, path) -> ModelConfig:
     heads = get("attention.head_count")
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
-        vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"), n_heads=heads,
-        n_kv_heads=get("attention.head_count_kv", heads), intermediate_size=get("feed_forward_length"),
-        head_dim=get("attention.key_length", 0), norm_eps=get("attention.layer_norm_rms_epsilon"),
-        rope_theta=get("rope.freq_base", 10000.0), rope_scaling=rope_scaling(reader, arch, path),
-        max_position_embeddings=get("context_length"), tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names, **family_switches(reader, arch, path, get),
+        vocab_size=vocab,
+        dim=get("embedding_length"),
+        n_layers=get("block_count"),
+        n_heads=heads,
+        n_kv_heads=get("attention.head_count_kv", heads),
+        intermediate_size=get("feed_forward_length"),
+        head_dim=get("attention.key_length", 0),
+        norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling(reader, arch, path),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **family_switches(reader, arch, path, get),
         moe=experts_of(reader, arch, path, get, names),
     )
 
@@ -85,54 +111,85 @@ def experts_of(reader, arch, path, get, names):
     count = field(reader, f"{arch}.expert_count", 0)
     if not count:
         if arch.endswith("moe"):
-            raise CheckpointError(f"{path}: metadata {arch}.expert_count is missing: {arch} needs it")
+            raise CheckpointError(
+                f"{path}: metadata {arch}.expert_count is missing: {arch} needs it"
+            )
         return None
     if any(n.startswith("blk.0.ffn_gate.0.") for n in names):
-        raise CheckpointError(f"{path}: experts stored one tensor each (blk.N.ffn_gate.E.weight, an older llama.cpp "
-                              "layout); convert the model again with a current llama.cpp (ffn_gate_exps)")
+        raise CheckpointError(
+            f"{path}: experts stored one tensor each (blk.N.ffn_gate.E.weight, an older llama.cpp "
+            "layout); convert the model again with a current llama.cpp (ffn_gate_exps)"
+        )
     gating = field(reader, f"{arch}.expert_gating_func", 1)
     if gating != 1:
-        raise CheckpointError(f"{path}: metadata {arch}.expert_gating_func {gating} is not supported "
-                              "(supported: 1, softmax over the experts)")
+        raise CheckpointError(
+            f"{path}: metadata {arch}.expert_gating_func {gating} is not supported "
+            "(supported: 1, softmax over the experts)"
+        )
     n_layers = get("block_count")
-    oss = arch == "gpt-oss"  # biases, and the clamped SwiGLU whose limit and slope llama.cpp fixes in its code
+    oss = (
+        arch == "gpt-oss"
+    )  # biases, and the clamped SwiGLU whose limit and slope llama.cpp fixes in its code
     return MoEConfig(
-        count, get("expert_used_count"),
+        count,
+        get("expert_used_count"),
         field(reader, f"{arch}.expert_feed_forward_length") or get("feed_forward_length"),
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
-        router_bias="blk.0.ffn_gate_inp.bias" in names, expert_bias="blk.0.ffn_gate_exps.bias" in names,
-        glu_limit=_number(field(reader, f"{arch}.swiglu_clamp_exp", 7.0), f"{arch}.swiglu_clamp_exp", path) if oss else 0.0,
+        router_bias="blk.0.ffn_gate_inp.bias" in names,
+        expert_bias="blk.0.ffn_gate_exps.bias" in names,
+        glu_limit=_number(
+            field(reader, f"{arch}.swiglu_clamp_exp", 7.0), f"{arch}.swiglu_clamp_exp", path
+        )
+        if oss
+        else 0.0,
         glu_alpha=1.702,
         shared_expert_size=field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0,
-        dense_layers=tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
+        dense_layers=tuple(
+            i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    )
 
 
 def rope_scaling(reader, arch, path) -> dict:
     """RoPE scaling from `rope.scaling.*` metadata and the factor tensors llama.cpp stores."""
-    data = {t.name: np.asarray(t.data, dtype=np.float32).tolist() for t in reader.tensors
-            if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")}
+    data = {
+        t.name: np.asarray(t.data, dtype=np.float32).tolist()
+        for t in reader.tensors
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+    }
     kind = field(reader, f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in data:  # Llama 3.1+: per-pair frequency divisors stored as a tensor
         return {"rope_type": "freq_factors", "factors": data["rope_freqs.weight"]}
     if "rope_factors_long.weight" in data:  # Phi-3's LongRoPE
-        scaling = {"rope_type": "longrope", "long_factor": data["rope_factors_long.weight"],
-                   "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"]),
-                   "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": data["rope_factors_long.weight"],
+            "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"]),
+            "original_max_position_embeddings": field(
+                reader, f"{arch}.rope.scaling.original_context_length"
+            ),
+        }
         attention = field(reader, f"{arch}.rope.scaling.attn_factor")
         return {**scaling, "attention_factor": attention} if attention else scaling
     if kind in ("linear", "yarn"):
         scaling = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor")}
         if kind == "yarn":
-            scaling["original_max_position_embeddings"] = field(reader, f"{arch}.rope.scaling.original_context_length")
+            scaling["original_max_position_embeddings"] = field(
+                reader, f"{arch}.rope.scaling.original_context_length"
+            )
             for key in ("beta_fast", "beta_slow"):
                 if field(reader, f"{arch}.rope.scaling.yarn_{key}") is not None:
                     scaling[key] = field(reader, f"{arch}.rope.scaling.yarn_{key}")
-            if arch == "gpt-oss":  # its YaRN blends the frequencies without rounding the band (truncate false)
+            if (
+                arch == "gpt-oss"
+            ):  # its YaRN blends the frequencies without rounding the band (truncate false)
                 scaling["truncate"] = False
         return scaling
     if kind not in (None, "none"):
-        raise CheckpointError(f"{path}: metadata {arch}.rope.scaling.type {kind!r} is not supported "
-                              "(supported: none, linear, yarn, and the rope_freqs / rope_factors_* tensors)")
+        raise CheckpointError(
+            f"{path}: metadata {arch}.rope.scaling.type {kind!r} is not supported "
+            "(supported: none, linear, yarn, and the rope_freqs / rope_factors_* tensors)"
+        )
     return {}
 
 
@@ -142,36 +199,74 @@ def family_switches(reader, arch, path, get) -> dict:
     nor query_pre_attn_scalar (head_dim, or dim / heads for the 27B models: 46 or 62 layers)."""
     window = field(reader, f"{arch}.attention.sliding_window", 0)
     if not isinstance(window, int) or window < 0:
-        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, got {window!r}")
+        raise CheckpointError(
+            f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, got {window!r}"
+        )
     n_layers, out = get("block_count"), {"sliding_window": window}
-    rotary = field(reader, f"{arch}.rope.dimension_count")  # (llama.cpp writes no key_length for phi3)
-    if rotary and rotary != (field(reader, f"{arch}.attention.key_length") or get("embedding_length") // get("attention.head_count")):
+    rotary = field(
+        reader, f"{arch}.rope.dimension_count"
+    )  # (llama.cpp writes no key_length for phi3)
+    if rotary and rotary != (
+        field(reader, f"{arch}.attention.key_length")
+        or get("embedding_length") // get("attention.head_count")
+    ):
         out["rotary_dim"] = rotary
-    if arch == "gpt-oss":  # sinks, and windows on every other layer from the first (llama.cpp's pattern 2)
-        return {**out, "attn_sinks": True,
-                "layer_types": tuple("full_attention" if i % 2 else "sliding_attention" for i in range(n_layers))}
+    if (
+        arch == "gpt-oss"
+    ):  # sinks, and windows on every other layer from the first (llama.cpp's pattern 2)
+        return {
+            **out,
+            "attn_sinks": True,
+            "layer_types": tuple(
+                "full_attention" if i % 2 else "sliding_attention" for i in range(n_layers)
+            ),
+        }
     if arch not in GEMMA:
         return out
-    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    pattern = field(
+        reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6
+    )
     if isinstance(pattern, list) and len(pattern) != n_layers:
-        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} "
-                              f"layers, the file has {n_layers} (block_count)")
+        raise CheckpointError(
+            f"{path}: metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} "
+            f"layers, the file has {n_layers} (block_count)"
+        )
     if not window:
-        raise CheckpointError(f"{path}: metadata {arch}.attention.sliding_window is missing: {arch} needs it")
-    windowed = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n_layers)]
+        raise CheckpointError(
+            f"{path}: metadata {arch}.attention.sliding_window is missing: {arch} needs it"
+        )
+    windowed = (
+        pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n_layers)]
+    )
     large = n_layers == (46 if arch == "gemma2" else 62)
-    return {**out, "layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
-            "norm_offset": 1.0, "embed_scale": True, "sandwich_norms": True, "mlp_act": "gelu_tanh",
-            "query_scale": get("embedding_length") / get("attention.head_count") if large else get("attention.key_length"),
-            "attn_softcap": field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0,
-            "logit_softcap": field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0,
-            "local_rope_theta": field(reader, f"{arch}.rope.freq_base_swa", 10000.0) if arch == "gemma3" else 0.0}
+    return {
+        **out,
+        "layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
+        "norm_offset": 1.0,
+        "embed_scale": True,
+        "sandwich_norms": True,
+        "mlp_act": "gelu_tanh",
+        "query_scale": get("embedding_length") / get("attention.head_count")
+        if large
+        else get("attention.key_length"),
+        "attn_softcap": field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0,
+        "logit_softcap": field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0,
+        "local_rope_theta": field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
+        if arch == "gemma3"
+        else 0.0,
+    }
 
 
 def _number(value, key, path) -> float:
     """A positive number, or one repeated per layer (a list of equal numbers), else a CheckpointError."""
     values = value if isinstance(value, list) else [value]
-    if not values or len(set(values)) != 1 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
-        raise CheckpointError(f"{path}: metadata {key} must be one positive number (or the same for every layer), "
-                              f"got {str(value)[:80]}")
+    if (
+        not values
+        or len(set(values)) != 1
+        or not all(isinstance(v, (int, float)) and v > 0 for v in values)
+    ):
+        raise CheckpointError(
+            f"{path}: metadata {key} must be one positive number (or the same for every layer), "
+            f"got {str(value)[:80]}"
+        )
     return float(values[0])

@@ -18,6 +18,7 @@ block-quantized types): no tensor is copied here, and release() drops a tensor's
 reader has copied it out. Of the `gguf` package only the type numbers and block sizes are used
 (GGMLQuantizationType, GGML_QUANT_SIZES).
 """
+
 import struct
 import sys
 from dataclasses import dataclass
@@ -25,13 +26,42 @@ from dataclasses import dataclass
 import numpy as np
 
 # value type -> (struct format, size); 8 = string, 9 = array
-SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
-           7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
-NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-         10: np.uint64, 11: np.int64, 12: np.float64}
+SCALARS = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
+NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 STRING, ARRAY = 8, 9
-PLAIN_TENSORS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                 "I32": np.int32, "I64": np.int64}
+PLAIN_TENSORS = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 @dataclass
@@ -64,7 +94,9 @@ class GGUFFile:
             raise ValueError("no GGUF magic at the start")
         version = self.scalar(4)
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} (read: 2 and 3; a big-endian file reads as a huge number)")
+            raise ValueError(
+                f"GGUF version {version} (read: 2 and 3; a big-endian file reads as a huge number)"
+            )
         n_tensors, n_fields = self.scalar(10), self.scalar(10)
         self.count(n_tensors, 8, "tensors")
         self.count(n_fields, 9, "metadata entries")
@@ -100,20 +132,26 @@ class GGUFFile:
                 raise ValueError(f"tensor {name!r} of type {kind.name} cannot have shape {dims}")
             nbytes, at = n // block * size, start + offset
             if at + nbytes > len(self.map):
-                raise ValueError(f"tensor {name!r} needs {nbytes:,} bytes at {at:,}, past the end of the "
-                                 f"file ({len(self.map):,} bytes): truncated")
+                raise ValueError(
+                    f"tensor {name!r} needs {nbytes:,} bytes at {at:,}, past the end of the "
+                    f"file ({len(self.map):,} bytes): truncated"
+                )
             spans.append((at, at + nbytes, name))
             shape = tuple(reversed(dims)) or (1,)
             if kind.name in PLAIN_TENSORS:
-                data = self.map[at:at + nbytes].view(PLAIN_TENSORS[kind.name]).reshape(shape)
+                data = self.map[at : at + nbytes].view(PLAIN_TENSORS[kind.name]).reshape(shape)
             else:  # [..., row bytes]
-                data = self.map[at:at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
+                data = self.map[at : at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
             self.tensors.append(Tensor(name, kind, np.array(dims, dtype=np.uint64), data))
         spans.sort()
-        for (_, end, first), (at, _, second) in zip(spans, spans[1:]):  # a tensor's bytes are its own
+        for (_, end, first), (at, _, second) in zip(
+            spans, spans[1:]
+        ):  # a tensor's bytes are its own
             if at < end:
-                raise ValueError(f"tensors {first!r} and {second!r} overlap in the file (offsets point into "
-                                 "each other's data)")
+                raise ValueError(
+                    f"tensors {first!r} and {second!r} overlap in the file (offsets point into "
+                    "each other's data)"
+                )
 
     def release(self, tensor: Tensor):
         """Drop a tensor's pages from this process's resident set once it has been copied out (the
@@ -124,19 +162,27 @@ class GGUFFile:
         first, end = start // mmap.PAGESIZE * mmap.PAGESIZE, start + tensor.data.nbytes
         try:
             self.map._mmap.madvise(mmap.MADV_DONTNEED, first, end - first)
-        except (AttributeError, OSError, ValueError):  # no madvise here: the pages stay until unmapped
+        except (
+            AttributeError,
+            OSError,
+            ValueError,
+        ):  # no madvise here: the pages stay until unmapped
             pass
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.buf):
-            raise ValueError(f"metadata runs past the end of the file at byte {self.pos:,}: truncated")
-        out = self.buf[self.pos:self.pos + n]
+            raise ValueError(
+                f"metadata runs past the end of the file at byte {self.pos:,}: truncated"
+            )
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return bytes(out)
 
     def count(self, n: int, min_bytes: int, what: str):
         if n * min_bytes > len(self.buf):
-            raise ValueError(f"the header claims {n:,} {what}, more than the file's {len(self.buf):,} bytes hold")
+            raise ValueError(
+                f"the header claims {n:,} {what}, more than the file's {len(self.buf):,} bytes hold"
+            )
 
     def scalar(self, kind: int):
         fmt, size = SCALARS[kind]
@@ -147,7 +193,9 @@ class GGUFFile:
         try:
             return self.take(n).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"a string at byte {self.pos - n:,} is not UTF-8 ({e.reason})") from None
+            raise ValueError(
+                f"a string at byte {self.pos - n:,} is not UTF-8 ({e.reason})"
+            ) from None
 
     def value(self, kind: int):
         if kind in SCALARS:
@@ -169,10 +217,10 @@ class GGUFFile:
         for _ in range(n):  # the hot loop of a vocabulary: no method calls
             if pos + 8 > end:
                 raise ValueError("a string array runs past the end of the file: truncated")
-            length = int.from_bytes(buf[pos:pos + 8], "little")
+            length = int.from_bytes(buf[pos : pos + 8], "little")
             if pos + 8 + length > end:
                 raise ValueError("a string array runs past the end of the file: truncated")
-            out.append(str(buf[pos + 8:pos + 8 + length], "utf-8", "replace"))
+            out.append(str(buf[pos + 8 : pos + 8 + length], "utf-8", "replace"))
             pos += 8 + length
         self.pos = pos
         return out, [ARRAY, STRING]

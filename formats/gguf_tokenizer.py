@@ -11,20 +11,26 @@ Control tokens are added as special tokens, so `<|im_start|>` in a chat prompt b
 `from_gguf` returns the pieces (the `tokenizers` object, BOS and stop ids, chat template);
 formats/tokenizer.py wraps them in its Tokenizer.
 """
+
 from pathlib import Path
 
 from formats.gguf_config import field, read
 from runtime import TokenizerError
 
 # Pre-tokenizer regexes (split text into words before BPE), as the models were trained.
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-O200K_PATTERN = "|".join([  # tiktoken's o200k (gpt-oss; llama.cpp's "gpt-4o" pre-tokenizer): case runs, then the rest
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
+O200K_PATTERN = "|".join(
+    [  # tiktoken's o200k (gpt-oss; llama.cpp's "gpt-4o" pre-tokenizer): case runs, then the rest
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 CONTROL, USER_DEFINED = 3, 4
 # `tokenizer.ggml.pre` values whose models split every digit into its own word.
@@ -40,20 +46,29 @@ def _pre_tokenizer(pre: str):
     if pre in ("llama-bpe", "llama3", "qwen2", "gpt-4o"):
         pattern = {"qwen2": QWEN2_PATTERN, "gpt-4o": O200K_PATTERN}.get(pre, LLAMA3_PATTERN)
         split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     return byte_level  # "gpt2", "default" and unknown kinds: GPT-2's own regex
 
 
 def _gpt2(tokens, merges, pre):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else () for m in merges]
-    for i, pair in enumerate(pairs):  # each merge joins two tokens into a third, all in the vocabulary
+    for i, pair in enumerate(
+        pairs
+    ):  # each merge joins two tokens into a third, all in the vocabulary
         if len(pair) != 2 or not all(p in vocab for p in pair) or "".join(pair) not in vocab:
-            raise TokenizerError(f"tokenizer.ggml.merges[{i}] ({merges[i]!r}) is not two tokens of the "
-                                 f"vocabulary ({len(tokens)} tokens) that join into a third")
-    tok = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3", "gpt-4o")))
+            raise TokenizerError(
+                f"tokenizer.ggml.merges[{i}] ({merges[i]!r}) is not two tokens of the "
+                f"vocabulary ({len(tokens)} tokens) that join into a third"
+            )
+    tok = HFTokenizer(
+        models.BPE(vocab, pairs, ignore_merges=pre in ("llama-bpe", "llama3", "gpt-4o"))
+    )
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -65,22 +80,37 @@ def sentencepiece_merges(tokens, scores):
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
     for piece, score in zip(tokens, scores):
-        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        local = [
+            (piece[:k], piece[k:], score)
+            for k in range(1, len(piece))
+            if piece[:k] in vocab and piece[k:] in vocab
+        ]
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: m[2], reverse=True)  # stable: ties keep the order above
     return [(a, b) for a, b, _ in merges]
 
 
 def _llama(tokens, scores, unk_id, add_space_prefix):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = tokens[unk_id] if unk_id is not None else None
-    tok = HFTokenizer(models.BPE(vocab, sentencepiece_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok = HFTokenizer(
+        models.BPE(
+            vocab,
+            sentencepiece_merges(tokens, scores),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     steps = [normalizers.Prepend("▁")] if add_space_prefix else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(parts + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    tok.decoder = decoders.Sequence(
+        parts + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
+    )
     return tok
 
 
@@ -92,32 +122,56 @@ def from_gguf(path: Path) -> dict:
     kind = field(reader, "tokenizer.ggml.model")
     tokens = field(reader, "tokenizer.ggml.tokens")
     if not tokens:
-        raise TokenizerError(f"{path}: no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)")
+        raise TokenizerError(
+            f"{path}: no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)"
+        )
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     scores = field(reader, "tokenizer.ggml.scores")
     for key, values in (("token_type", types), ("scores", scores if kind == "llama" else None)):
         if values is not None and len(values) != len(tokens):
-            raise TokenizerError(f"{path}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens"
+            )
     if kind == "gpt2":
         try:
-            tok = _gpt2(tokens, field(reader, "tokenizer.ggml.merges") or [], field(reader, "tokenizer.ggml.pre", "gpt2"))
+            tok = _gpt2(
+                tokens,
+                field(reader, "tokenizer.ggml.merges") or [],
+                field(reader, "tokenizer.ggml.pre", "gpt2"),
+            )
         except TokenizerError as e:
             raise TokenizerError(f"{path}: {e}") from None
     elif kind == "llama":
-        tok = _llama(tokens, scores, field(reader, "tokenizer.ggml.unknown_token_id"),
-                     field(reader, "tokenizer.ggml.add_space_prefix", True))
+        tok = _llama(
+            tokens,
+            scores,
+            field(reader, "tokenizer.ggml.unknown_token_id"),
+            field(reader, "tokenizer.ggml.add_space_prefix", True),
+        )
     else:
-        raise TokenizerError(f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)")
+        raise TokenizerError(
+            f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)"
+        )
     special = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL}
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tok.add_tokens(
+        [AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    )
 
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     stops = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     for key, value in zip(("bos", "eos", "eot", "eom"), [bos] + stops):
         if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
-            raise TokenizerError(f"{path}: tokenizer.ggml.{key}_token_id {value!r} is not a token of its "
-                                 f"{len(tokens)}")
+            raise TokenizerError(
+                f"{path}: tokenizer.ggml.{key}_token_id {value!r} is not a token of its "
+                f"{len(tokens)}"
+            )
     add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
-    return {"tokenizer": tok, "bos_id": bos, "stop_ids": stops, "add_bos": add_bos,
-            "chat_template": field(reader, "tokenizer.chat_template"), "special": special}
+    return {
+        "tokenizer": tok,
+        "bos_id": bos,
+        "stop_ids": stops,
+        "add_bos": add_bos,
+        "chat_template": field(reader, "tokenizer.chat_template"),
+        "special": special,
+    }

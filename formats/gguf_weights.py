@@ -40,6 +40,7 @@ Two facts a reader needs:
 - GGUF lists shapes innermost first; formats/gguf_file.py hands arrays in PyTorch order (block-quantized
   ones as bytes [rows, row_bytes]).
 """
+
 from pathlib import Path
 
 import numpy as np
@@ -48,26 +49,55 @@ import torch
 from formats.gguf_config import GEMMA, config_from_gguf, field, read
 from runtime import CheckpointError
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                   "MXFP4")
+SUPPORTED_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "MXFP4",
+)
 
 # GGUF tensor name (after "blk.N.") -> model.py name (after "layers.N.")
 LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",  # (Phi-3's, split on loading)
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # (Phi-3's, split on loading)
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
     # experts (moe.py): the router, each projection stacked [E, out, in], Qwen2-MoE's gated shared expert
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",  # gpt-oss (its pre-MLP norm)
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss (its pre-MLP norm)
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma's four norms per layer
+GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}  # Gemma's four norms per layer
 
 
 def model_name(gguf_name: str, arch: str = "llama") -> str:
@@ -75,7 +105,9 @@ def model_name(gguf_name: str, arch: str = "llama") -> str:
     if parts[0] == "blk":
         names = {**LAYER_NAMES, **GEMMA_NAMES} if arch in GEMMA else LAYER_NAMES
         name = f"layers.{parts[1]}.{names.get(parts[2], parts[2])}.{'.'.join(parts[3:])}"
-        if parts[2].endswith("_exps") or parts[2] == "attn_sinks":  # moe.py's stacked parameters, gpt-oss's sinks
+        if (
+            parts[2].endswith("_exps") or parts[2] == "attn_sinks"
+        ):  # moe.py's stacked parameters, gpt-oss's sinks
             return name.removesuffix(".weight").replace(".bias", "_bias")
         return name
     return f"{GLOBAL_NAMES.get(parts[0], parts[0])}.{parts[1]}"
@@ -84,12 +116,22 @@ def model_name(gguf_name: str, arch: str = "llama") -> str:
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of Q/K rows: [(h, D/2, 2), in] -> [(h, 2, D/2), in]."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 # bytes per block and weights per block of each type decode_blocks reads
-BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
-          "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+BLOCKS = {
+    "Q8_0": (34, 32),
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q5_0": (22, 32),
+    "Q5_1": (24, 32),
+    "Q4_K": (144, 256),
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),
+}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values in groups of 32: the int4 kernels run them
 
 
@@ -140,16 +182,16 @@ def decode_blocks(blocks: torch.Tensor, kind: str):
         scales = _f16(b[..., 0:2])
         if kind in ("Q4_1", "Q5_1"):
             offsets = _f16(b[..., 2:4])
-        q = _nibbles(b[..., size - 16:])  # [rows, n_blocks, 32]
+        q = _nibbles(b[..., size - 16 :])  # [rows, n_blocks, 32]
         if kind in ("Q5_0", "Q5_1"):
-            high = b[..., size - 20: size - 16]  # a little-endian uint32: bit j is weight j's
+            high = b[..., size - 20 : size - 16]  # a little-endian uint32: bit j is weight j's
             q = q | (_bits(high, 8).transpose(-1, -2).reshape(rows, -1, 32) << 4)
         q = q.to(torch.int8) - {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
     elif kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
         scales, offsets = d * sc, -(dmin * mn)  # [rows, n_blocks, 8]
-        low = b[..., size - 128:].reshape(rows, -1, 4, 32)
+        low = b[..., size - 128 :].reshape(rows, -1, 4, 32)
         q = _nibbles(low).reshape(rows, -1, 8, 32)
         if kind == "Q5_K":
             q = q | (_bits(b[..., 16:48], 8) << 4)  # bit i of byte j: sub-block i, weight j
@@ -161,10 +203,16 @@ def decode_blocks(blocks: torch.Tensor, kind: str):
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
         high = ((high >> shifts) & 3).reshape(rows, -1, 8, 32)
         q = (low | (high << 4)).to(torch.int8) - 32
-        scales = _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # [rows, nb, 16]
+        scales = (
+            _f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()
+        )  # [rows, nb, 16]
     else:
         raise ValueError(f"no block decoder for {kind}")
-    return q.reshape(rows, -1), scales.reshape(rows, -1), None if offsets is None else offsets.reshape(rows, -1)
+    return (
+        q.reshape(rows, -1),
+        scales.reshape(rows, -1),
+        None if offsets is None else offsets.reshape(rows, -1),
+    )
 
 
 def _blocks(t, path, kind) -> torch.Tensor:
@@ -174,8 +222,10 @@ def _blocks(t, path, kind) -> torch.Tensor:
     data = np.asarray(t.data, dtype=np.uint8)
     rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     if K % per or data.size != rows * K // per * size:
-        raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) holds {data.size:,} bytes of "
-                              f"blocks, expected {rows * (K // per) * size:,}: truncated or corrupt")
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) holds {data.size:,} bytes of "
+            f"blocks, expected {rows * (K // per) * size:,}: truncated or corrupt"
+        )
     return torch.from_numpy(data.copy()).reshape(rows, -1)
 
 
@@ -194,7 +244,9 @@ def packed(t, name: str, path):
         p = _packed_rows(q, scales, offsets, kind, name, True)
         E = int(t.shape[2])
         tensors = {k: None if v is None else v.unflatten(0, (E, -1)) for k, v in p.tensors.items()}
-        return quant_groups.Packed(p.kind, tensors, (E, q.shape[0] // E, q.shape[1]), p.groupsize, kind)
+        return quant_groups.Packed(
+            p.kind, tensors, (E, q.shape[0] // E, q.shape[1]), p.groupsize, kind
+        )
     return _packed_rows(q, scales, offsets, kind, name, q.shape[0] % 16 == 0)
 
 
@@ -207,8 +259,10 @@ def _mxfp4_experts(t, path):
     E, N, K = (int(n) for n in reversed(t.shape))
     data = np.asarray(t.data, dtype=np.uint8)
     if K % 32 or data.size != E * N * K // 32 * 17:
-        raise CheckpointError(f"{path}: tensor {t.name!r} (MXFP4, shape {list(t.shape)}) holds {data.size:,} bytes, "
-                              f"expected {E * N * K // 32 * 17:,}: truncated or corrupt")
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} (MXFP4, shape {list(t.shape)}) holds {data.size:,} bytes, "
+            f"expected {E * N * K // 32 * 17:,}: truncated or corrupt"
+        )
     b = torch.from_numpy(data.copy()).reshape(E, N, K // 32, 17)
     codes = torch.cat((b[..., 1:] & 15, b[..., 1:] >> 4), dim=-1)  # [E, N, K/32, 32] in value order
     q = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(E, N, K // 2)
@@ -225,12 +279,16 @@ def _packed_rows(q, scales, offsets, kind, name, int4_rows: bool):
         # quantize.Int4Linear computes (u - 8) * scale + zero with u = q (+ 8 for signed Q4_0); the
         # zero = offset + 8 * scale must be exact in float32 for that to equal q * scale + offset
         zeros = torch.zeros_like(scales) if offsets is None else offsets + 8 * scales
-        exact = offsets is None or torch.equal(zeros.double(), offsets.double() + 8 * scales.double())
+        exact = offsets is None or torch.equal(
+            zeros.double(), offsets.double() + 8 * scales.double()
+        )
         if exact:
             u = (q + 8 if offsets is None else q).to(torch.uint8)
             tensors = {"weight": u[:, 0::2] | (u[:, 1::2] << 4), "scales": scales, "zeros": zeros}
             return quant_groups.Packed("int4", tensors, (N, K), g, kind)
-    return quant_groups.Packed("int8g", {"q": q, "scales": scales, "offsets": offsets}, (N, K), g, kind)
+    return quant_groups.Packed(
+        "int8g", {"q": q, "scales": scales, "offsets": offsets}, (N, K), g, kind
+    )
 
 
 def dequantize(t, path) -> torch.Tensor:
@@ -242,14 +300,20 @@ def dequantize(t, path) -> torch.Tensor:
 
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
-        raise CheckpointError(f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
     if kind in BLOCKS:
         q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)
-        return quant_groups.dequantize_groups(q, scales, offsets).reshape(tuple(reversed([int(n) for n in t.shape])))
+        return quant_groups.dequantize_groups(q, scales, offsets).reshape(
+            tuple(reversed([int(n) for n in t.shape]))
+        )
     try:
         array = quants.dequantize(t.data, t.tensor_type)
     except Exception as e:
-        raise CheckpointError(f"{path}: tensor {t.name!r} ({kind}) cannot be decoded, truncated or corrupt ({e})") from None
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} ({kind}) cannot be decoded, truncated or corrupt ({e})"
+        ) from None
     array = np.ascontiguousarray(array, dtype=np.float32)
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
@@ -270,7 +334,11 @@ def open_gguf(path: Path, keep_quantized: bool = True):
             w = (keep_quantized and packed(t, name, path)) or dequantize(t, path)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
-                w = unpermute(w, heads) if isinstance(w, torch.Tensor) else w.rows(unpermute(torch.arange(w.shape[0]), heads))
+                w = (
+                    unpermute(w, heads)
+                    if isinstance(w, torch.Tensor)
+                    else w.rows(unpermute(torch.arange(w.shape[0]), heads))
+                )
             if name.endswith("shared_expert_gate.weight"):
                 w = w.reshape(1, -1)  # llama.cpp stores the shared expert's gate [dim] as a vector
             if arch in GEMMA and name.endswith("norm.weight"):
@@ -283,18 +351,34 @@ def open_gguf(path: Path, keep_quantized: bool = True):
 
 def split_fused(path, name, w, config):
     """Phi-3's attn_qkv and fused ffn_up (gate rows, then up rows) as model.py's separate layers."""
-    q, kv, ff = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.intermediate_size
-    fused = {"self_attn.qkv_proj.weight": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
-             "mlp.up_proj.weight": [("mlp.gate_proj", ff), ("mlp.up_proj", ff)]}
+    q, kv, ff = (
+        config.n_heads * config.head_dim,
+        config.n_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    fused = {
+        "self_attn.qkv_proj.weight": [
+            ("self_attn.q_proj", q),
+            ("self_attn.k_proj", kv),
+            ("self_attn.v_proj", kv),
+        ],
+        "mlp.up_proj.weight": [("mlp.gate_proj", ff), ("mlp.up_proj", ff)],
+    }
     key = next((k for k in fused if name.endswith(k)), None)
     if key is None:
         return [(path, name, w)]
     if w.shape[0] != sum(n for _, n in fused[key]):
-        raise CheckpointError(f"{path}: fused tensor {name!r} has {w.shape[0]} rows, expected "
-                              f"{sum(n for _, n in fused[key])} for the heads and feed_forward_length in its metadata")
+        raise CheckpointError(
+            f"{path}: fused tensor {name!r} has {w.shape[0]} rows, expected "
+            f"{sum(n for _, n in fused[key])} for the heads and feed_forward_length in its metadata"
+        )
     out, start, prefix = [], 0, name[: -len(key)]
     for part, n in fused[key]:
-        rows = w[start:start + n].clone() if isinstance(w, torch.Tensor) else w.rows(torch.arange(start, start + n))
+        rows = (
+            w[start : start + n].clone()
+            if isinstance(w, torch.Tensor)
+            else w.rows(torch.arange(start, start + n))
+        )
         out.append((path, f"{prefix}{part}.weight", rows))
         start += n
     return out

@@ -5,6 +5,7 @@ line that writes a quantized one:
     python quantize.py --mode int4 --groupsize 64            # the embedded model -> ./<name>-int4-g64
     python quantize.py --checkpoint some/folder --mode int8 --out int8-folder
 """
+
 import argparse
 import json
 import shutil
@@ -14,9 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from formats import gguf_weights
 import moe
-from formats import weights
+from formats import gguf_weights, weights
 from formats.families import MIXTRAL_EXPERT
 from formats.quant_files import METADATA_KEY, describe
 from quantize import GROUP_SIZES, check_mode, plan, portable_tensors, quantize_int8
@@ -27,12 +27,18 @@ def hf_state_dict(model, keep_head: bool = False, skip=()) -> dict:
     the modules in `skip` left out; stacked experts (moe.py) one tensor per expert, as published."""
     tied, kind = model.config.tie_word_embeddings and not keep_head, _kind(model.config)
     mixtral, out = kind == "mixtral", {}
-    state = {k: v for k, v in model.state_dict().items() if not ((k == "lm_head.weight" and tied) or k.rpartition(".")[0] in skip)}
+    state = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not ((k == "lm_head.weight" and tied) or k.rpartition(".")[0] in skip)
+    }
     for k, v in (_gpt_oss_layout(state) if kind == "gpt_oss" else state).items():
         name, v = (k if k.startswith("lm_head.") else f"model.{k}"), v.detach().contiguous().cpu()
         if mixtral:
             name = name.replace(".mlp.", ".block_sparse_moe.")
-        if ".experts." in name and v.dim() == 3 and kind != "gpt_oss":  # [E, out, in] -> experts.{e}.{projection}.weight
+        if (
+            ".experts." in name and v.dim() == 3 and kind != "gpt_oss"
+        ):  # [E, out, in] -> experts.{e}.{projection}.weight
             prefix, _, projection = name.rpartition(".")
             projection = MIXTRAL_NAMES[projection] if mixtral else projection
             out.update({f"{prefix}.{e}.{projection}.weight": w.clone() for e, w in enumerate(v)})
@@ -41,7 +47,9 @@ def hf_state_dict(model, keep_head: bool = False, skip=()) -> dict:
     return out
 
 
-MIXTRAL_NAMES = {v: k for k, v in MIXTRAL_EXPERT.items()}  # gate_proj -> w1, up_proj -> w3, down_proj -> w2
+MIXTRAL_NAMES = {
+    v: k for k, v in MIXTRAL_EXPERT.items()
+}  # gate_proj -> w1, up_proj -> w3, down_proj -> w2
 
 
 def _gpt_oss_layout(state: dict) -> dict:
@@ -54,8 +62,12 @@ def _gpt_oss_layout(state: dict) -> dict:
             continue  # with gate_proj
         if k.endswith(("experts.gate_proj", "experts.gate_proj_bias")):
             up = state[k.replace("gate_proj", "up_proj")]
-            both = torch.stack((v, up), dim=2).flatten(1, 2)  # rows (or bias entries) gate 0, up 0, gate 1, ...
-            out[k.replace("gate_proj", "gate_up_proj")] = both if k.endswith("_bias") else both.transpose(1, 2)
+            both = torch.stack((v, up), dim=2).flatten(
+                1, 2
+            )  # rows (or bias entries) gate 0, up 0, gate 1, ...
+            out[k.replace("gate_proj", "gate_up_proj")] = (
+                both if k.endswith("_bias") else both.transpose(1, 2)
+            )
         else:
             out[k] = v.transpose(1, 2) if k.endswith("experts.down_proj") else v
     return out
@@ -67,22 +79,41 @@ def _kind(a) -> str:
     if a.attn_sinks:
         return "gpt_oss"
     if a.moe:
-        mixtral = a.moe.norm_topk_prob and not (a.moe.shared_expert_size or a.moe.dense_layers or a.qkv_bias)
+        mixtral = a.moe.norm_topk_prob and not (
+            a.moe.shared_expert_size or a.moe.dense_layers or a.qkv_bias
+        )
         return "qwen3_moe" if a.qk_norm else "mixtral" if mixtral else "qwen2_moe"
-    return (("gemma3_text" if a.qk_norm else "gemma2") if gemma else "qwen3" if a.qk_norm
-            else "qwen2" if a.qkv_bias and not a.o_bias else "mistral" if a.sliding_window else "llama")
+    return (
+        ("gemma3_text" if a.qk_norm else "gemma2")
+        if gemma
+        else "qwen3"
+        if a.qk_norm
+        else "qwen2"
+        if a.qkv_bias and not a.o_bias
+        else "mistral"
+        if a.sliding_window
+        else "llama"
+    )
 
 
 def hf_config(model) -> dict:
     """config.json for the model's family (formats/families.py reads it back to the same ModelConfig)."""
     a = model.config
     if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
-        raise ValueError("a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "
-                         "Hugging Face's phi3 layout fuses q/k/v; keep the original folder or GGUF file")
+        raise ValueError(
+            "a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "
+            "Hugging Face's phi3 layout fuses q/k/v; keep the original folder or GGUF file"
+        )
     if a.moe and a.qk_norm and (a.moe.shared_expert_size or a.qkv_bias):
-        raise ValueError("experts with q/k norms and a shared expert or q/k/v biases have no HF family here")
+        raise ValueError(
+            "experts with q/k norms and a shared expert or q/k/v biases have no HF family here"
+        )
     kind = _kind(a)
-    return {**_common_config(model, kind), **_family_config(a, a.norm_offset == 1.0), **_experts_config(a, kind)}
+    return {
+        **_common_config(model, kind),
+        **_family_config(a, a.norm_offset == 1.0),
+        **_experts_config(a, kind),
+    }
 
 
 def _experts_config(a, kind: str) -> dict:
@@ -91,12 +122,24 @@ def _experts_config(a, kind: str) -> dict:
         return {}
     m = a.moe
     if kind in ("mixtral", "gpt_oss"):
-        out = {"num_local_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok,
-               "intermediate_size": m.intermediate_size}
-        return {**out, "swiglu_limit": m.glu_limit, "swiglu_alpha": m.glu_alpha} if kind == "gpt_oss" else out
-    out = {"num_experts": m.n_experts, "num_experts_per_tok": m.n_experts_per_tok, "decoder_sparse_step": 1,
-           "moe_intermediate_size": m.intermediate_size, "norm_topk_prob": m.norm_topk_prob,
-           "mlp_only_layers": list(m.dense_layers)}
+        out = {
+            "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.n_experts_per_tok,
+            "intermediate_size": m.intermediate_size,
+        }
+        return (
+            {**out, "swiglu_limit": m.glu_limit, "swiglu_alpha": m.glu_alpha}
+            if kind == "gpt_oss"
+            else out
+        )
+    out = {
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.n_experts_per_tok,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": m.intermediate_size,
+        "norm_topk_prob": m.norm_topk_prob,
+        "mlp_only_layers": list(m.dense_layers),
+    }
     if kind == "qwen2_moe":
         out.update(shared_expert_intermediate_size=m.shared_expert_size, qkv_bias=a.qkv_bias)
     return out
@@ -106,11 +149,18 @@ def _family_config(a, gemma: bool) -> dict:
     """The keys of windows and of Gemma's switches."""
     out = {}
     if a.sliding_window:
-        out.update(sliding_window=a.sliding_window, use_sliding_window=True,
-                   layer_types=list(a.layer_types) or ["sliding_attention"] * a.n_layers)
+        out.update(
+            sliding_window=a.sliding_window,
+            use_sliding_window=True,
+            layer_types=list(a.layer_types) or ["sliding_attention"] * a.n_layers,
+        )
     if gemma:
-        out.update(query_pre_attn_scalar=a.query_scale or a.head_dim, attn_logit_softcapping=a.attn_softcap or None,
-                   final_logit_softcapping=a.logit_softcap or None, hidden_activation="gelu_pytorch_tanh")
+        out.update(
+            query_pre_attn_scalar=a.query_scale or a.head_dim,
+            attn_logit_softcapping=a.attn_softcap or None,
+            final_logit_softcapping=a.logit_softcap or None,
+            hidden_activation="gelu_pytorch_tanh",
+        )
         if a.local_rope_theta:
             out["rope_local_base_freq"] = a.local_rope_theta
     return out
@@ -118,12 +168,24 @@ def _family_config(a, gemma: bool) -> dict:
 
 def _common_config(model, kind: str) -> dict:
     a = model.config
-    return {"model_type": kind, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-            "intermediate_size": a.intermediate_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
-            "rope_scaling": a.rope_scaling or None, "max_position_embeddings": a.max_position_embeddings,
-            "tie_word_embeddings": a.tie_word_embeddings, "attention_bias": a.o_bias, "mlp_bias": a.mlp_bias,
-            "torch_dtype": str(model.norm.weight.dtype).removeprefix("torch.")}
+    return {
+        "model_type": kind,
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": a.intermediate_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": a.rope_scaling or None,
+        "max_position_embeddings": a.max_position_embeddings,
+        "tie_word_embeddings": a.tie_word_embeddings,
+        "attention_bias": a.o_bias,
+        "mlp_bias": a.mlp_bias,
+        "torch_dtype": str(model.norm.weight.dtype).removeprefix("torch."),
+    }
 
 
 def save_hf_folder(model, folder) -> Path:
@@ -136,49 +198,97 @@ def save_hf_folder(model, folder) -> Path:
     return folder
 
 
-def save_quantized(model, folder, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False,
-                   tokenizer_source=None) -> dict:
+def save_quantized(
+    model,
+    folder,
+    mode: str,
+    groupsize: int = 64,
+    head: bool = False,
+    embedding: bool = False,
+    tokenizer_source=None,
+) -> dict:
     """Write a float model as a quantized checkpoint folder that weights.load (and so generate.py
     --checkpoint) reads (quantize.py's format). Returns the plan's report."""
     layers = plan(model, mode, groupsize, head, embedding)
     quantized = [n for n, r in layers.items() if r is None]
     experts = {n for n in quantized if isinstance(model.get_submodule(n), moe.Experts)}
-    state = hf_state_dict(model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)), skip=experts)
+    state = hf_state_dict(
+        model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)), skip=experts
+    )
     for name in experts:  # model.{name}.{projection}.{weight, scales, zeros}
-        tensors = moe.portable(model.get_submodule(name), lambda w: portable_tensors(w.float(), mode, groupsize))
-        state.update({f"model.{name}.{p}.{s}": t.contiguous() for p, ts in tensors.items() for s, t in ts.items()})
-        state.update({f"model.{name}.{b}": t.detach().float().contiguous() for b, t in  # (gpt-oss's expert biases)
-                      model.get_submodule(name).named_parameters() if b.endswith("_bias")})
+        tensors = moe.portable(
+            model.get_submodule(name), lambda w: portable_tensors(w.float(), mode, groupsize)
+        )
+        state.update(
+            {
+                f"model.{name}.{p}.{s}": t.contiguous()
+                for p, ts in tensors.items()
+                for s, t in ts.items()
+            }
+        )
+        state.update(
+            {
+                f"model.{name}.{b}": t.detach().float().contiguous()
+                for b, t in model.get_submodule(  # (gpt-oss's expert biases)
+                    name
+                ).named_parameters()
+                if b.endswith("_bias")
+            }
+        )
     for name in set(quantized) - experts:
         w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
-        tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+        tensors = (
+            quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+        )
         prefix = name if name == "lm_head" else f"model.{name}"
         state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt", METADATA_KEY: json.dumps(meta)})
+    save_file(
+        state,
+        folder / "model.safetensors",
+        metadata={"format": "pt", METADATA_KEY: json.dumps(meta)},
+    )
     (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
     source = Path(tokenizer_source) if tokenizer_source else None
     if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
         gguf_weights.write_tokenizer_only(source, folder / "tokenizer.gguf")
     elif source:
         for f in source.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            if f.name.startswith(
+                ("tokenizer", "special_tokens", "generation_config", "chat_template")
+            ):
                 shutil.copy(f, folder / f.name)
-    report = {"mode": mode, "groupsize": meta["groupsize"], "quantized": quantized,
-              "kept": {n: r for n, r in layers.items() if r is not None}, "bytes_before": model.weight_bytes(),
-              "bytes_after": sum(t.numel() * t.element_size() for t in state.values())}
+    report = {
+        "mode": mode,
+        "groupsize": meta["groupsize"],
+        "quantized": quantized,
+        "kept": {n: r for n, r in layers.items() if r is not None},
+        "bytes_before": model.weight_bytes(),
+        "bytes_after": sum(t.numel() * t.element_size() for t in state.values()),
+    }
     return report
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Write a weight-only quantized checkpoint folder (quantize.py's int8 or int4) that generate.py --checkpoint runs.", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)")
+    p = argparse.ArgumentParser(
+        description="Write a weight-only quantized checkpoint folder (quantize.py's int8 or int4) that generate.py --checkpoint runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)",
+    )
     p.add_argument("--mode", required=True, help="int8 or int4")
-    p.add_argument("--groupsize", type=int, default=64, help=f"int4 group size, one of {GROUP_SIZES}")
+    p.add_argument(
+        "--groupsize", type=int, default=64, help=f"int4 group size, one of {GROUP_SIZES}"
+    )
     p.add_argument("--quantize_head", action="store_true", help="quantize the output head too")
-    p.add_argument("--quantize_embedding", action="store_true", help="store the embedding table int8")
+    p.add_argument(
+        "--quantize_embedding", action="store_true", help="store the embedding table int8"
+    )
     p.add_argument("--out", default=None, help="output folder (default: <checkpoint name>-<mode>)")
     return p.parse_args(argv)
 
@@ -188,10 +298,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_mode(args.mode, args.groupsize)  # before the (slow) load
-        model, info = weights.load(args.checkpoint, device="cpu", dtype=torch.float32, dequantize=True)
+        model, info = weights.load(
+            args.checkpoint, device="cpu", dtype=torch.float32, dequantize=True
+        )
         suffix = args.mode + (f"-g{args.groupsize}" if args.mode == "int4" else "")
         out = Path(args.out or f"{Path(info.source).name.removesuffix('.gguf')}-{suffix}")
-        report = save_quantized(model, out, args.mode, args.groupsize, args.quantize_head, args.quantize_embedding, info.source)
+        report = save_quantized(
+            model,
+            out,
+            args.mode,
+            args.groupsize,
+            args.quantize_head,
+            args.quantize_embedding,
+            info.source,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ each layer comes out as its float32 dequantization instead of a Packed.
 
     import weights; model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.own_bits)
 """
+
 import math
 
 import torch
@@ -55,15 +56,20 @@ from formats.quant_groups import Packed
 from runtime import CheckpointError
 
 METHODS = ("gptq", "awq", "compressed-tensors")
-SUPPORTED = ("gptq and awq (4-bit, GEMM packing), compressed-tensors (pack-quantized int4, group or channel) "
-             "and mxfp4 (gpt-oss's experts: formats/mxfp4.py)")
+SUPPORTED = (
+    "gptq and awq (4-bit, GEMM packing), compressed-tensors (pack-quantized int4, group or channel) "
+    "and mxfp4 (gpt-oss's experts: formats/mxfp4.py)"
+)
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # added to each stored zero nibble
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8j + AWQ_ORDER[i]
 # The tensors of one layer: (required, optional) suffixes after "<layer>."
 PARTS = {
     "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
     "awq": (("qweight", "qzeros", "scales"), ()),
-    "compressed-tensors": (("weight_packed", "weight_scale"), ("weight_zero_point", "weight_shape", "weight_g_idx")),
+    "compressed-tensors": (
+        ("weight_packed", "weight_scale"),
+        ("weight_zero_point", "weight_shape", "weight_g_idx"),
+    ),
 }
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble i sits at bits 4i..4i+3
 
@@ -83,14 +89,20 @@ def check(quant_config: dict, source) -> None:
     if method == "mxfp4":  # gpt-oss's experts: nothing in the config to check (formats/mxfp4.py)
         return
     if method not in METHODS:
-        raise CheckpointError(f"{source}: quant_method {quant_config.get('quant_method')!r} is not supported; "
-                              f"this loader reads {SUPPORTED}. Load the float checkpoint instead "
-                              "(--quantize int4 quantizes it at load time)")
+        raise CheckpointError(
+            f"{source}: quant_method {quant_config.get('quant_method')!r} is not supported; "
+            f"this loader reads {SUPPORTED}. Load the float checkpoint instead "
+            "(--quantize int4 quantizes it at load time)"
+        )
     c = quant_config
     if method == "gptq":
         fmt = c.get("checkpoint_format", c.get("format", "gptq"))
         _need(source, c.get("bits") == 4, f"gptq with {c.get('bits')} bits (only 4-bit is read)")
-        _need(source, fmt in GPTQ_FORMATS, f"gptq checkpoint_format {fmt!r} (read: {', '.join(GPTQ_FORMATS)})")
+        _need(
+            source,
+            fmt in GPTQ_FORMATS,
+            f"gptq checkpoint_format {fmt!r} (read: {', '.join(GPTQ_FORMATS)})",
+        )
         _need(source, not c.get("dynamic"), "gptq per-module overrides ('dynamic')")
         _group_size(c.get("group_size"), source)
     elif method == "awq":
@@ -100,10 +112,16 @@ def check(quant_config: dict, source) -> None:
         _group_size(c.get("group_size", c.get("q_group_size")), source)
     else:
         for name, weights in _ct_schemes(c, source):
-            _need(source, weights.get("type") == "int" and weights.get("num_bits") == 4,
-                  f"compressed-tensors {name}: {weights.get('type')} with {weights.get('num_bits')} bits (only int4 is read)")
-            _need(source, weights.get("strategy") in ("group", "channel"),
-                  f"compressed-tensors {name}: strategy {weights.get('strategy')!r} (read: group, channel)")
+            _need(
+                source,
+                weights.get("type") == "int" and weights.get("num_bits") == 4,
+                f"compressed-tensors {name}: {weights.get('type')} with {weights.get('num_bits')} bits (only int4 is read)",
+            )
+            _need(
+                source,
+                weights.get("strategy") in ("group", "channel"),
+                f"compressed-tensors {name}: strategy {weights.get('strategy')!r} (read: group, channel)",
+            )
             if weights.get("strategy") == "group":
                 _group_size(weights.get("group_size"), source)
 
@@ -114,8 +132,13 @@ def _need(source, ok: bool, what: str):
 
 
 def _group_size(group_size, source) -> None:
-    _need(source, isinstance(group_size, int) and not isinstance(group_size, bool) and (group_size > 0 or group_size == -1),
-          f"group size {group_size!r}")
+    _need(
+        source,
+        isinstance(group_size, int)
+        and not isinstance(group_size, bool)
+        and (group_size > 0 or group_size == -1),
+        f"group size {group_size!r}",
+    )
 
 
 def _ct_schemes(c: dict, source):
@@ -123,8 +146,11 @@ def _ct_schemes(c: dict, source):
     of the config that apply to the whole folder."""
     fmt = c.get("format")
     _need(source, fmt == "pack-quantized", f"compressed-tensors format {fmt!r}")
-    _need(source, c.get("quantization_status", "compressed") == "compressed",
-          f"compressed-tensors status {c.get('quantization_status')!r} (the weights must be stored compressed)")
+    _need(
+        source,
+        c.get("quantization_status", "compressed") == "compressed",
+        f"compressed-tensors status {c.get('quantization_status')!r} (the weights must be stored compressed)",
+    )
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         _need(source, not c.get(key), f"compressed-tensors {key}")
     groups = c.get("config_groups") or {}
@@ -132,10 +158,16 @@ def _ct_schemes(c: dict, source):
     out = []
     for name, scheme in groups.items():
         scheme = scheme if isinstance(scheme, dict) else {}
-        _need(source, not scheme.get("input_activations") and not scheme.get("output_activations"),
-              f"compressed-tensors {name}: activation quantization")
-        _need(source, scheme.get("format") in (None, "pack-quantized"),
-              f"compressed-tensors {name}: format {scheme.get('format')!r}")
+        _need(
+            source,
+            not scheme.get("input_activations") and not scheme.get("output_activations"),
+            f"compressed-tensors {name}: activation quantization",
+        )
+        _need(
+            source,
+            scheme.get("format") in (None, "pack-quantized"),
+            f"compressed-tensors {name}: format {scheme.get('format')!r}",
+        )
         out.append((name, scheme.get("weights") or {}))
     return out
 
@@ -166,8 +198,10 @@ def packed_tensors(quant_config: dict, tensors, source, dequantize: bool = False
         missing = [p for p in required if p not in parts]
         if missing:
             files = sorted({str(f) for f, _ in parts.values()})
-            raise CheckpointError(f"{source}: layer {layer!r} has {', '.join(sorted(parts))} (in {', '.join(files)}) "
-                                  f"but no {', '.join(missing)}: the {method} checkpoint is incomplete")
+            raise CheckpointError(
+                f"{source}: layer {layer!r} has {', '.join(sorted(parts))} (in {', '.join(files)}) "
+                f"but no {', '.join(missing)}: the {method} checkpoint is incomplete"
+            )
         yield _convert(method, quant_config, layer, parts, source, dequantize)
 
 
@@ -192,12 +226,16 @@ def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
 
 def _expect(file, layer, part, tensor, shape, why):
     if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"{file}: {layer}.{part} has shape {tuple(tensor.shape)}, but {why} needs {tuple(shape)}")
+        raise CheckpointError(
+            f"{file}: {layer}.{part} has shape {tuple(tensor.shape)}, but {why} needs {tuple(shape)}"
+        )
 
 
 def _int32(file, layer, part, tensor):
     if tensor.dtype != torch.int32:
-        raise CheckpointError(f"{file}: {layer}.{part} is {tensor.dtype}, expected torch.int32 (packed 4-bit values)")
+        raise CheckpointError(
+            f"{file}: {layer}.{part} is {tensor.dtype}, expected torch.int32 (packed 4-bit values)"
+        )
 
 
 def _file_group(group_size: int, K: int) -> int:
@@ -250,15 +288,23 @@ def _compressed_tensors(c, layer, t, file):
     N, K = packed.shape[0], 8 * packed.shape[1]
     if "weight_shape" in t:
         N, K = (int(v) for v in t["weight_shape"].tolist())  # one-time read at load, not a hot path
-        _expect(file, layer, "weight_packed", packed, (N, math.ceil(K / 8)), f"weight_shape {(N, K)}")
+        _expect(
+            file, layer, "weight_packed", packed, (N, math.ceil(K / 8)), f"weight_shape {(N, K)}"
+        )
     if scales.ndim != 2 or scales.shape[0] != N:
-        raise CheckpointError(f"{file}: {layer}.weight_scale has shape {tuple(scales.shape)}, but weight_packed's "
-                              f"shape {tuple(packed.shape)} needs ({N}, K / group size)")
-    sizes = {K if w.get("strategy") == "channel" else w["group_size"] for _, w in _ct_schemes(c, file)}
+        raise CheckpointError(
+            f"{file}: {layer}.weight_scale has shape {tuple(scales.shape)}, but weight_packed's "
+            f"shape {tuple(packed.shape)} needs ({N}, K / group size)"
+        )
+    sizes = {
+        K if w.get("strategy") == "channel" else w["group_size"] for _, w in _ct_schemes(c, file)
+    }
     fits = [g for g in sorted(sizes) if math.ceil(K / _file_group(g, K)) == scales.shape[1]]
     if not fits:
-        raise CheckpointError(f"{file}: {layer}.weight_scale has shape {tuple(scales.shape)}, which no group size of "
-                              f"the config ({', '.join(map(str, sorted(sizes)))}) makes for {K} input channels")
+        raise CheckpointError(
+            f"{file}: {layer}.weight_scale has shape {tuple(scales.shape)}, which no group size of "
+            f"the config ({', '.join(map(str, sorted(sizes)))}) makes for {K} input channels"
+        )
     G = _file_group(fits[0], K)
     if "weight_g_idx" in t:
         _expect(file, layer, "weight_g_idx", t["weight_g_idx"], (K,), f"weight_shape {(N, K)}")
@@ -266,13 +312,20 @@ def _compressed_tensors(c, layer, t, file):
     zero_point = t.get("weight_zero_point")
     if zero_point is None:
         z = torch.full(scales.shape, 8, dtype=torch.int32)  # symmetric
-    elif zero_point.dtype == torch.int32 and tuple(zero_point.shape) == (math.ceil(N / 8), scales.shape[1]):
-        z = _unpack_rows(zero_point.t().contiguous())[:, :N].t().int()  # packed along N -> [N, K/G], already + 8
+    elif zero_point.dtype == torch.int32 and tuple(zero_point.shape) == (
+        math.ceil(N / 8),
+        scales.shape[1],
+    ):
+        z = (
+            _unpack_rows(zero_point.t().contiguous())[:, :N].t().int()
+        )  # packed along N -> [N, K/G], already + 8
     elif tuple(zero_point.shape) == tuple(scales.shape):
         z = zero_point.int() + 8  # an unpacked signed zero point
     else:
-        raise CheckpointError(f"{file}: {layer}.weight_zero_point has shape {tuple(zero_point.shape)}, but weight_scale's "
-                              f"shape {tuple(scales.shape)} needs {(math.ceil(N / 8), scales.shape[1])} (packed)")
+        raise CheckpointError(
+            f"{file}: {layer}.weight_zero_point has shape {tuple(zero_point.shape)}, but weight_scale's "
+            f"shape {tuple(scales.shape)} needs {(math.ceil(N / 8), scales.shape[1])} (packed)"
+        )
     return q, z, scales.float(), G, "compressed-tensors"
 
 
@@ -289,9 +342,11 @@ def to_packed(layer, q, z, scales, G: int, g_idx, label: str, file) -> Packed:
     """q uint8 [N, K] in [0, 15], z [N, ceil(K/G)] in [0, 16], scales float32 [N, ceil(K/G)] -> Packed."""
     N, K = q.shape
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // G):
-        raise CheckpointError(f"{file}: {layer}.g_idx is not k // {G}: the layer was quantized with act-order "
-                              "(desc_act), whose groups are scattered over the input channels; that is not "
-                              "supported here (use a checkpoint quantized with desc_act=False)")
+        raise CheckpointError(
+            f"{file}: {layer}.g_idx is not k // {G}: the layer was quantized with act-order "
+            "(desc_act), whose groups are scattered over the input channels; that is not "
+            "supported here (use a checkpoint quantized with desc_act=False)"
+        )
     zeros = scales * (8 - z).float()  # exact for fp16/bf16 scales (see the header)
     source = f"{label} int4 g{G}"
     g = kernel_groupsize(G, N, K)
@@ -299,11 +354,19 @@ def to_packed(layer, q, z, scales, G: int, g_idx, label: str, file) -> Packed:
     if not int4:  # no int4 kernel for this shape: the same values as int8 with group scales
         g = math.gcd(G, K)
         why = f"group size {G}" if N % 16 == 0 else f"{N} output channels (not a multiple of 16)"
-        quantize.warn_once(f"{source} layers with {why} run as int8 values with groups of {g} (the same weights, "
-                           f"1 byte each): the int4 kernels take groups of {quantize.GROUP_SIZES} and N % 16 == 0")
+        quantize.warn_once(
+            f"{source} layers with {why} run as int8 values with groups of {g} (the same weights, "
+            f"1 byte each): the int4 kernels take groups of {quantize.GROUP_SIZES} and N % 16 == 0"
+        )
     index = torch.arange(K // g) * g // G  # group j of g channels -> the file's group holding them
     scales, zeros = scales[:, index].contiguous(), zeros[:, index].contiguous()  # [N, K/g]
     if not int4:
-        return Packed("int8g", {"q": q.to(torch.int8) - 8, "scales": scales, "offsets": zeros}, (N, K), g, source)
+        return Packed(
+            "int8g",
+            {"q": q.to(torch.int8) - 8, "scales": scales, "offsets": zeros},
+            (N, K),
+            g,
+            source,
+        )
     weight = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]: q[2i] low nibble, q[2i+1] high
     return Packed("int4", {"weight": weight, "scales": scales, "zeros": zeros}, (N, K), g, source)

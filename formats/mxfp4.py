@@ -19,10 +19,11 @@ dequantize=True each projection comes out in float32 instead, the same values.
 
     import weights; model, info = weights.load("path/to/gpt-oss-20b"); print(info.own_bits)
 """
+
 import torch
 
-from moe import e2m1_weights
 from formats.quant_groups import Packed
+from moe import e2m1_weights
 from runtime import CheckpointError
 
 PARTS = ("gate_up_proj", "down_proj")  # gpt-oss's expert projections with blocks and scales
@@ -43,27 +44,43 @@ def packed_tensors(tensors, source, dequantize: bool = False):
         if len(pair) == 2:
             yield from _convert(stem, pending.pop(stem), source, dequantize)
     for stem, pair in pending.items():
-        (have, (file, _)), = pair.items()
+        ((have, (file, _)),) = pair.items()
         missing = "scales" if have == "blocks" else "blocks"
-        raise CheckpointError(f"{file}: {stem}_{have} has no {stem}_{missing}: the mxfp4 checkpoint is incomplete")
+        raise CheckpointError(
+            f"{file}: {stem}_{have} has no {stem}_{missing}: the mxfp4 checkpoint is incomplete"
+        )
 
 
 def _convert(stem: str, pair: dict, source, dequantize: bool):
     (file, blocks), (_, scales) = pair["blocks"], pair["scales"]
-    if not (blocks.dtype == scales.dtype == torch.uint8 and blocks.dim() == 4 and blocks.shape[3] == 16
-            and tuple(scales.shape) == tuple(blocks.shape[:3])):
-        raise CheckpointError(f"{file}: {stem}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
-                              f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 "
-                              "(uint8 [E, N, K/32, 16] and [E, N, K/32])")
+    if not (
+        blocks.dtype == scales.dtype == torch.uint8
+        and blocks.dim() == 4
+        and blocks.shape[3] == 16
+        and tuple(scales.shape) == tuple(blocks.shape[:3])
+    ):
+        raise CheckpointError(
+            f"{file}: {stem}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
+            f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 "
+            "(uint8 [E, N, K/32, 16] and [E, N, K/32])"
+        )
     E, N, G, _ = blocks.shape
     codes = blocks.reshape(E, N, G * 16)  # [E, N, K/2]: two codes a byte, the even one low
     powers = torch.exp2(scales.float() - 127)  # [E, N, K/32], exact in float32
-    split = [("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))] if stem.endswith("gate_up_proj") \
+    split = (
+        [("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))]
+        if stem.endswith("gate_up_proj")
         else [("down_proj", slice(None))]
+    )
     prefix = stem.rpartition(".")[0]
     for projection, rows in split:
-        p = Packed("e2m1", {"q": codes[:, rows].contiguous(), "scales": powers[:, rows].contiguous()},
-                   (E, len(range(N)[rows]), G * 32), 32, "mxfp4")
+        p = Packed(
+            "e2m1",
+            {"q": codes[:, rows].contiguous(), "scales": powers[:, rows].contiguous()},
+            (E, len(range(N)[rows]), G * 32),
+            32,
+            "mxfp4",
+        )
         yield file, f"{prefix}.{projection}", decode(p) if dequantize else p
 
 

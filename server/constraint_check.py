@@ -13,6 +13,7 @@ or runs past the deadline is killed and replaced. Constraints that passed are re
 newest CACHE_SIZE), so a schema used by every request is tried once. The engine then compiles it
 again in its own process: that is the price of never compiling an untried grammar there.
 """
+
 import json
 import multiprocessing
 import threading
@@ -36,7 +37,9 @@ def child(conn, tokenizer_source, vocab_size: int, stop_ids):
     while True:
         c = json.loads(conn.recv_bytes())
         try:
-            matcher = compile_constraint(Constraint(c["kind"], c["value"]), tokenizer, vocab_size, stop_ids)
+            matcher = compile_constraint(
+                Constraint(c["kind"], c["value"]), tokenizer, vocab_size, stop_ids
+            )
             error = probe(matcher, vocab_size, set(stop_ids))
         except Exception as e:
             error = str(e) or type(e).__name__
@@ -50,12 +53,16 @@ def probe(matcher, vocab_size: int, stop_ids: set) -> str:
     import torch
 
     for step in range(PROBE_STEPS):
-        allowed = torch.isfinite(matcher.mask_logits(torch.zeros(vocab_size))).nonzero().view(-1).tolist()
+        allowed = (
+            torch.isfinite(matcher.mask_logits(torch.zeros(vocab_size))).nonzero().view(-1).tolist()
+        )
         if matcher.error:
             return matcher.error
         going_on = [t for t in allowed if t not in stop_ids]
         if not going_on:  # complete (or, at the start, a $ref to itself: nothing can match)
-            return "" if step else "it allows no output at all (a schema that refers only to itself?)"
+            return (
+                "" if step else "it allows no output at all (a schema that refers only to itself?)"
+            )
         matcher.advance(going_on[0])
         if matcher.error:
             return matcher.error
@@ -105,18 +112,26 @@ class ConstraintChecker:
             return f"the constraint did not compile within {self.deadline_s:g} s (--constraint_timeout); simplify it"
         except (EOFError, OSError):  # the child died on it
             self.process.join(timeout=5)
-            return (f"the constraint crashed the grammar compiler (exit code {self.process.exitcode}); "
-                    "simplify it (fewer rules, a shallower schema)")
+            return (
+                f"the constraint crashed the grammar compiler (exit code {self.process.exitcode}); "
+                "simplify it (fewer rules, a shallower schema)"
+            )
         finally:
             if not self.process.is_alive():
                 self.process = None
 
     def _start(self):
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks inherited
+        ctx = multiprocessing.get_context(
+            "spawn"
+        )  # a fresh interpreter: no threads or locks inherited
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=child, args=(theirs, *self.args), daemon=True, name="constraint-check")
+        self.process = ctx.Process(
+            target=child, args=(theirs, *self.args), daemon=True, name="constraint-check"
+        )
         self.process.start()
         theirs.close()
-        if not self.conn.poll(STARTUP_S) or self.conn.recv_bytes() != b"ready":  # (torch and the tokenizer load)
+        if (
+            not self.conn.poll(STARTUP_S) or self.conn.recv_bytes() != b"ready"
+        ):  # (torch and the tokenizer load)
             self.process.kill()
             raise RuntimeError(f"the constraint checker did not start within {STARTUP_S:g} s")

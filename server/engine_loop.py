@@ -22,6 +22,7 @@ thread and stepped on another leaves two pools. With more OpenMP threads than co
 stops spinning between parallel regions and every op then waits for its workers to wake
 (benchmarks/RESULTS.md, "Prompt scoring through serve.py" has the cost).
 """
+
 import asyncio
 import concurrent.futures
 import queue
@@ -104,7 +105,9 @@ class EngineLoop:
         self.engine, self.inbox, self.max_waiting = engine, queue.Queue(), max_waiting
         self.streams = {}  # request id -> (event loop, asyncio.Queue of events, index of its first choice)
         self.draining = False
-        self.snapshot = engine.metrics()  # taken on the engine thread after each step, read from any thread
+        self.snapshot = (
+            engine.metrics()
+        )  # taken on the engine thread after each step, read from any thread
         self.tokens_generated, self.requests_done, self.refused = 0, 0, 0
         self.ttft_counts, self.ttft_sum = [0] * len(TTFT_BUCKETS), 0.0
         (thread or EngineThread()).call(self._run)  # runs until the process ends
@@ -143,7 +146,9 @@ class EngineLoop:
                 pass
             try:
                 events = engine.step()
-            except Exception as e:  # a bug in the step itself: end every running request, keep serving
+            except (
+                Exception
+            ) as e:  # a bug in the step itself: end every running request, keep serving
                 traceback.print_exc()
                 self._abort_all(f"the engine failed during a step ({type(e).__name__}: {e})")
                 events = []
@@ -163,12 +168,21 @@ class EngineLoop:
             if ttft is not None:
                 self._observe_ttft(ttft)
             req = event.request
-            loop.call_soon_threadsafe(q.put_nowait, Over(first, req.error, req.prompt_logprobs,
-                                                                   min(req.prompt_tokens_hit, len(req.prompt))))
+            loop.call_soon_threadsafe(
+                q.put_nowait,
+                Over(
+                    first,
+                    req.error,
+                    req.prompt_logprobs,
+                    min(req.prompt_tokens_hit, len(req.prompt)),
+                ),
+            )
             return
         self.tokens_generated += event.token is not None
-        loop.call_soon_threadsafe(q.put_nowait, (first + event.index, event.token, event.text, event.finish_reason,
-                                                 event.logprob))
+        loop.call_soon_threadsafe(
+            q.put_nowait,
+            (first + event.index, event.token, event.text, event.finish_reason, event.logprob),
+        )
 
     def _abort(self, rid, error=None):
         if rid in self.streams:  # else over already
@@ -194,7 +208,9 @@ class EngineLoop:
                 raise Unavailable("the server is shutting down")
             if self.engine.metrics()["waiting"] + len(prompts) > self.max_waiting:
                 self.refused += 1
-                raise Unavailable(f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry later")
+                raise Unavailable(
+                    f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry later"
+                )
             ids = []
             for i, prompt in enumerate(prompts):
                 try:
@@ -219,22 +235,35 @@ class EngineLoop:
         m = self.snapshot  # the engine's metrics after its last step (this runs on another thread)
         hit = m["prompt_tokens_hit"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0
         lines = [
-            "# TYPE llm_requests_running gauge", f"llm_requests_running {m['running']}",
-            "# TYPE llm_requests_waiting gauge", f"llm_requests_waiting {m['waiting']}",
-            "# TYPE llm_requests_refused_total counter", f"llm_requests_refused_total {self.refused}",
-            "# TYPE llm_kv_blocks_used gauge", f"llm_kv_blocks_used {m['kv_blocks_used']}",
-            "# TYPE llm_kv_blocks_total gauge", f"llm_kv_blocks_total {m['kv_blocks_total']}",
-            "# TYPE llm_prefix_cache_hit_rate gauge", f"llm_prefix_cache_hit_rate {hit:.6f}",
-            "# TYPE llm_preemptions_total counter", f"llm_preemptions_total {m['preemptions']}",
-            "# TYPE llm_generation_tokens_total counter", f"llm_generation_tokens_total {self.tokens_generated}",
-            "# TYPE llm_draft_tokens_total counter", f"llm_draft_tokens_total {m['draft_tokens']}",
-            "# TYPE llm_draft_tokens_accepted_total counter", f"llm_draft_tokens_accepted_total {m['draft_tokens_accepted']}",
-            "# TYPE llm_requests_finished_total counter", f"llm_requests_finished_total {self.requests_done}",
+            "# TYPE llm_requests_running gauge",
+            f"llm_requests_running {m['running']}",
+            "# TYPE llm_requests_waiting gauge",
+            f"llm_requests_waiting {m['waiting']}",
+            "# TYPE llm_requests_refused_total counter",
+            f"llm_requests_refused_total {self.refused}",
+            "# TYPE llm_kv_blocks_used gauge",
+            f"llm_kv_blocks_used {m['kv_blocks_used']}",
+            "# TYPE llm_kv_blocks_total gauge",
+            f"llm_kv_blocks_total {m['kv_blocks_total']}",
+            "# TYPE llm_prefix_cache_hit_rate gauge",
+            f"llm_prefix_cache_hit_rate {hit:.6f}",
+            "# TYPE llm_preemptions_total counter",
+            f"llm_preemptions_total {m['preemptions']}",
+            "# TYPE llm_generation_tokens_total counter",
+            f"llm_generation_tokens_total {self.tokens_generated}",
+            "# TYPE llm_draft_tokens_total counter",
+            f"llm_draft_tokens_total {m['draft_tokens']}",
+            "# TYPE llm_draft_tokens_accepted_total counter",
+            f"llm_draft_tokens_accepted_total {m['draft_tokens_accepted']}",
+            "# TYPE llm_requests_finished_total counter",
+            f"llm_requests_finished_total {self.requests_done}",
             "# TYPE llm_time_to_first_token_seconds histogram",
         ]
         for bound, count in zip(TTFT_BUCKETS, self.ttft_counts):
             le = "+Inf" if bound == float("inf") else f"{bound}"
             lines.append(f'llm_time_to_first_token_seconds_bucket{{le="{le}"}} {count}')
-        lines += [f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
-                  f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}"]
+        lines += [
+            f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
+            f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}",
+        ]
         return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ model off its format, or held to a grammar) is all content.
 
     python -c "from server import harmony; print(harmony.parse('<|channel|>final<|message|>hi'))"
 """
+
 import re
 
 START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
@@ -27,7 +28,11 @@ def marker_start(text: str) -> int:
     """Where a marker (`<|name|>`, 16 characters at most) may be starting at the end of text, else len(text)."""
     cut = text.rfind("<", max(0, len(text) - 16))
     tail = text[cut:]
-    return cut if cut >= 0 and "|>" not in tail and (tail == "<" or tail.startswith("<|")) else len(text)
+    return (
+        cut
+        if cut >= 0 and "|>" not in tail and (tail == "<" or tail.startswith("<|"))
+        else len(text)
+    )
 
 
 def header_of(header: str):
@@ -40,7 +45,11 @@ def header_of(header: str):
 
 def function_of(recipient) -> str:
     """The function a message calls ("functions.get_weather" -> "get_weather"), or None."""
-    return recipient.removeprefix("functions.") if recipient and recipient.startswith("functions.") else None
+    return (
+        recipient.removeprefix("functions.")
+        if recipient and recipient.startswith("functions.")
+        else None
+    )
 
 
 def parse(text: str) -> dict:
@@ -61,7 +70,11 @@ def parse(text: str) -> dict:
             reasoning.append(body)
         elif channel == "final" or not channel:
             content.append(body)
-    return {"content": "".join(content) or None, "reasoning": "".join(reasoning) or None, "calls": calls}
+    return {
+        "content": "".join(content) or None,
+        "reasoning": "".join(reasoning) or None,
+        "calls": calls,
+    }
 
 
 class HarmonyStream:
@@ -71,7 +84,13 @@ class HarmonyStream:
     what may be the start of a marker (`<|...`) waits until it is one or is not."""
 
     def __init__(self, calls: bool = True, parallel: bool = True):
-        self.pending, self.in_body, self.kind, self.calls, self.any_marker = "", False, "content", 0, False
+        self.pending, self.in_body, self.kind, self.calls, self.any_marker = (
+            "",
+            False,
+            "content",
+            0,
+            False,
+        )
         self.want_calls = calls  # False: messages to functions are not shown (no tools were given)
         self.parallel = parallel  # False: the first call only (parallel_tool_calls false)
 
@@ -94,7 +113,9 @@ class HarmonyStream:
             at = self.pending.find(MESSAGE)
             if at < 0:
                 head = self.pending.lstrip()
-                header = head.startswith(("to=", "<")) or "to=".startswith(head)  # (the first header may be " to=...")
+                header = head.startswith(("to=", "<")) or "to=".startswith(
+                    head
+                )  # (the first header may be " to=...")
                 if not self.any_marker and not header:  # no format: content as it comes
                     keep = marker_start(self.pending)
                     self._emit(parts, self.pending[:keep])
@@ -102,19 +123,23 @@ class HarmonyStream:
                 return False
             self.any_marker = True
             channel, recipient = header_of(self.pending[:at].rpartition(START)[2])
-            self.kind = "arguments" if function_of(recipient) else {"analysis": "reasoning"}.get(channel, "content")
+            self.kind = (
+                "arguments"
+                if function_of(recipient)
+                else {"analysis": "reasoning"}.get(channel, "content")
+            )
             if self.kind == "arguments" and self.want_calls and (self.parallel or not self.calls):
                 self.calls += 1
                 parts.append(("call", None, function_of(recipient)))
             elif self.kind == "arguments" or channel not in ("analysis", "final", ""):
                 self.kind = None  # another channel (commentary to no function): not shown
-            self.pending, self.in_body = self.pending[at + len(MESSAGE):], True
+            self.pending, self.in_body = self.pending[at + len(MESSAGE) :], True
             return True
         ends = [(self.pending.find(e), e) for e in ENDS if e in self.pending]
         if ends:
             at, end = min(ends)
             self._emit(parts, self.pending[:at])
-            self.pending, self.in_body = self.pending[at + len(end):], False
+            self.pending, self.in_body = self.pending[at + len(end) :], False
             return True
         keep = marker_start(self.pending)  # a marker may be starting: hold it back
         self._emit(parts, self.pending[:keep])
@@ -124,4 +149,3 @@ class HarmonyStream:
     def _emit(self, parts, text: str):
         if text and self.kind:
             parts.append((self.kind, text))
-

@@ -15,24 +15,41 @@ SentencePiece token keeps its leading space and the texts of an output's tokens 
 With `echo`, a completion's text and arrays start with the prompt's; the first prompt token has
 no log-probability (null), and `max_tokens: 0` scores a prompt without generating.
 """
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from server import harmony
 from runtime import log
+from server import harmony
 from server.tool_calls import CallStream, call_id, parse_calls
 
 CONTEXT_TOKENS = 4  # tokens decoded before a token to find the text it adds
 # Fields of OpenAI's API accepted and ignored without a log line: they change nothing here.
-IGNORED = {"user", "store", "metadata", "service_tier", "reasoning_effort", "reasoning", "prompt_cache_key",
-           "safety_identifier", "include", "truncation", "verbosity", "modalities", "prediction"}
-UNKNOWN_LOGGED = set()  # unknown field names logged so far (at most 100: a hostile client sends many)
+IGNORED = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "reasoning",
+    "prompt_cache_key",
+    "safety_identifier",
+    "include",
+    "truncation",
+    "verbosity",
+    "modalities",
+    "prediction",
+}
+UNKNOWN_LOGGED = (
+    set()
+)  # unknown field names logged so far (at most 100: a hostile client sends many)
 
 
 class Body(BaseModel):
     """A request body or part of one. null is absent (OpenAI's spec marks its optional fields
     nullable and clients send them: LangChain's `"seed": null`); unknown fields are ignored, as
     OpenAI's own server ignores them, and each name is logged once."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -41,7 +58,9 @@ class Body(BaseModel):
         if not isinstance(data, dict):
             return data
         known = cls.model_fields
-        for key in sorted(data.keys() - known.keys() - IGNORED - UNKNOWN_LOGGED)[:100 - len(UNKNOWN_LOGGED)]:
+        for key in sorted(data.keys() - known.keys() - IGNORED - UNKNOWN_LOGGED)[
+            : 100 - len(UNKNOWN_LOGGED)
+        ]:
             UNKNOWN_LOGGED.add(key)
             log(f"ignoring the unknown request field {str(key)[:80]!r} (logged once)")
         return {k: v for k, v in data.items() if v is not None or k not in known}
@@ -49,28 +68,37 @@ class Body(BaseModel):
 
 class Sampling(Body):
     """Fields both endpoints share."""
+
     model: str = None
     max_tokens: int = Field(None, ge=0)  # 0 only with echo (completions): score the prompt
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(None, ge=1)  # an extension
-    min_p: float = Field(0.0, ge=0, le=1)  # an extension, as are top_k and repetition_penalty (sampling.py)
+    min_p: float = Field(
+        0.0, ge=0, le=1
+    )  # an extension, as are top_k and repetition_penalty (sampling.py)
     repetition_penalty: float = Field(1.0, gt=0)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] = None  # {"token id": bias}; JSON keys are strings
     n: int = Field(1, ge=1)
     stop: str | list[str] = None
-    seed: int = Field(None, ge=-2**63, lt=2**63)  # what torch.Generator takes
+    seed: int = Field(None, ge=-(2**63), lt=2**63)  # what torch.Generator takes
     stream: bool = False
     stream_options: dict = None
     ignore_eos: bool = False  # an extension, for benchmarks
-    response_format: dict = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
-    structured_outputs: dict = None  # vLLM's extension: one of json, json_object, regex, choice, grammar
+    response_format: dict = (
+        None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    )
+    structured_outputs: dict = (
+        None  # vLLM's extension: one of json, json_object, regex, choice, grammar
+    )
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # one prompt, or several (ids: not booleans)
+    prompt: (
+        str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    )  # one prompt, or several (ids: not booleans)
     logprobs: int = Field(None, ge=0, le=20)  # the chosen token's and this many alternatives
     echo: bool = False  # the prompt's text and log-probabilities first
     suffix: str = None  # refused unless empty: text after the completion (insertion) is not served
@@ -95,7 +123,9 @@ class Message(Body):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         if any(p.type != "text" or p.text is None for p in self.content):
-            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            raise ValueError(
+                'only text content parts ({"type": "text", "text": ...}) are supported'
+            )
         return "".join(p.text for p in self.content)
 
 
@@ -107,7 +137,9 @@ class ChatRequest(Sampling):
     tools: list[dict] = None  # OpenAI function tools (server/tool_calls.py)
     tool_choice: str | dict = None
     parallel_tool_calls: bool = True  # "required" may then write several calls
-    functions: list[dict] = None  # the legacy form of tools and tool_choice (tool_calls.legacy_tools)
+    functions: list[dict] = (
+        None  # the legacy form of tools and tool_choice (tool_calls.legacy_tools)
+    )
     function_call: str | dict = None
 
 
@@ -119,7 +151,9 @@ def template_messages(body) -> list:
     for m in body.messages:
         message = m.model_dump(exclude_none=True, exclude={"function_call"}) | {"content": m.text()}
         if m.function_call is not None:
-            message["tool_calls"] = [{"id": "call_legacy", "type": "function", "function": m.function_call}]
+            message["tool_calls"] = [
+                {"id": "call_legacy", "type": "function", "function": m.function_call}
+            ]
         if m.role == "function":
             message |= {"role": "tool", "tool_call_id": "call_legacy"}
         messages.append(message)
@@ -135,13 +169,19 @@ def refusal(body, chat: bool):
             return "max_tokens must be >= 1", "max_tokens"
         return None
     if body.suffix:
-        return "suffix (text after the completion) is not supported; send the prompt alone", "suffix"
+        return (
+            "suffix (text after the completion) is not supported; send the prompt alone",
+            "suffix",
+        )
     if body.best_of is not None and body.best_of > 1:
         return "best_of is not supported; n returns several samples", "best_of"
     if body.echo and body.stream:
         return "echo is not supported with stream; send the request without stream", "echo"
     if body.max_tokens == 0 and not body.echo:
-        return "max_tokens 0 generates nothing; it is allowed only with echo (to score the prompt)", "max_tokens"
+        return (
+            "max_tokens 0 generates nothing; it is allowed only with echo (to score the prompt)",
+            "max_tokens",
+        )
     if body.prompt == [] or body.prompt == [[]]:
         return "the prompt list is empty", "prompt"
     return None
@@ -164,9 +204,13 @@ def constraint_of(body):
             if kind == "json_schema":
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                    raise ValueError('json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
+                    raise ValueError(
+                        'json_schema must be {"name": ..., "schema": {...}, "strict": ...}'
+                    )
                 return Constraint("json_schema", spec.get("schema", {}))
-            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+            raise ValueError(
+                f"response_format type must be text, json_object or json_schema, got {kind!r}"
+            )
         if extra:
             given = {k: v for k, v in extra.items() if v is not None and v is not False}
             if len(given) != 1 or next(iter(given)) not in STRUCTURED:
@@ -178,8 +222,13 @@ def constraint_of(body):
     return None
 
 
-STRUCTURED = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
-              "grammar": "grammar"}  # vLLM's structured_outputs keys -> constrain.py's kinds
+STRUCTURED = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}  # vLLM's structured_outputs keys -> constrain.py's kinds
 
 
 def logprob_counts(body, chat: bool):
@@ -198,8 +247,14 @@ class Refused(Exception):
         self.response = response if response is not None else error(400, message, param=param)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str = None, headers=None,
-          code: str = None):
+def error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str = None,
+    headers=None,
+    code: str = None,
+):
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -210,7 +265,11 @@ def unavailable(message: str):
 
 def prompt_list(prompt) -> list:
     """A completions `prompt` (text, ids, or a list of either) -> a list of prompts."""
-    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return (
+        list(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        else [prompt]
+    )
 
 
 def encode(tokenizer, text: str, bos: bool = None, messages=None) -> list:
@@ -218,9 +277,17 @@ def encode(tokenizer, text: str, bos: bool = None, messages=None) -> list:
     token's literal in their content stays text: tokenizer.encode_rendered)."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
-        raise ValueError(f"the text is not valid Unicode ({e.reason} at character {e.start})") from None
-    return tokenizer.encode(text, bos=bos) if messages is None else tokenizer.encode_rendered(text, messages)
+    except (
+        UnicodeEncodeError
+    ) as e:  # a lone surrogate ("\ud800") that JSON allows and UTF-8 does not
+        raise ValueError(
+            f"the text is not valid Unicode ({e.reason} at character {e.start})"
+        ) from None
+    return (
+        tokenizer.encode(text, bos=bos)
+        if messages is None
+        else tokenizer.encode_rendered(text, messages)
+    )
 
 
 # -- log-probabilities -----------------------------------------------------------------------------
@@ -229,17 +296,19 @@ def token_texts(tokenizer, ids, start: int = 0, alternatives=None):
     [(id, logprob)]), also [(text, logprob)] of each alternative in the same place. A token that
     ends inside a character adds "" and the token completing it adds the whole character, so the
     texts join to the decoded text."""
+
     def complete(text):  # without a trailing incomplete character
         return text.rstrip("\ufffd")
 
     texts, tops = [], []
     for i in range(start, len(ids)):
-        context = list(ids[max(0, i - CONTEXT_TOKENS):i])
+        context = list(ids[max(0, i - CONTEXT_TOKENS) : i])
         before = complete(tokenizer.decode(context)) if context else ""
 
         def added(t):
             full = complete(tokenizer.decode(context + [t]))
-            return full[len(before):] if full.startswith(before) else full
+            return full[len(before) :] if full.startswith(before) else full
+
         texts.append(added(ids[i]))
         if alternatives is not None:
             alt = alternatives[i - start]
@@ -264,8 +333,12 @@ def completion_logprobs(tokenizer, ids, entries, start: int = 0, offset: int = 0
     for t in texts:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": texts, "token_logprobs": [e and e[0] for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [e and e[0] for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tokenizer, ids, entries, start: int = 0) -> dict:
@@ -274,8 +347,13 @@ def chat_logprobs(tokenizer, ids, entries, start: int = 0) -> dict:
 
     def item(text, logprob):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-    return {"content": [{**item(t, e[0]), "top_logprobs": [item(a, lp) for a, lp in top]}
-                        for t, e, top in zip(texts, entries, tops)]}
+
+    return {
+        "content": [
+            {**item(t, e[0]), "top_logprobs": [item(a, lp) for a, lp in top]}
+            for t, e, top in zip(texts, entries, tops)
+        ]
+    }
 
 
 class TokenizeRequest(Body):  # vLLM's /tokenize: a prompt, or chat messages
@@ -296,19 +374,43 @@ class Outputs:
     i // n. Holds each choice's text (as the engine decoded it: engine.Token's text), token ids and
     log-probability entries."""
 
-    def __init__(self, tokenizer, prompts, n: int, chat: bool, logprobs: bool, echo: bool, tools=None,
-                 parallel: bool = True, legacy: bool = False, channels: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompts,
+        n: int,
+        chat: bool,
+        logprobs: bool,
+        echo: bool,
+        tools=None,
+        parallel: bool = True,
+        legacy: bool = False,
+        channels: bool = False,
+    ):
         self.tokenizer, self.prompts, self.n, self.chat = tokenizer, prompts, n, chat
         self.logprobs, self.echo = logprobs, echo
         self.tools = tools  # (format, tools) when the reply may hold tool calls
-        self.parallel, self.legacy = parallel, legacy  # several calls allowed; the legacy function_call form
-        self.harmony = channels and chat  # gpt-oss's channels: final -> content, analysis -> reasoning_content
+        self.parallel, self.legacy = (
+            parallel,
+            legacy,
+        )  # several calls allowed; the legacy function_call form
+        self.harmony = (
+            channels and chat
+        )  # gpt-oss's channels: final -> content, analysis -> reasoning_content
         self.num_choices = len(prompts) * n
-        self.streams = [harmony.HarmonyStream(bool(tools), parallel) if self.harmony else CallStream(*tools, parallel)
-                        if tools else None for _ in range(self.num_choices)]
+        self.streams = [
+            harmony.HarmonyStream(bool(tools), parallel)
+            if self.harmony
+            else CallStream(*tools, parallel)
+            if tools
+            else None
+            for _ in range(self.num_choices)
+        ]
         self.calls_sent = [0] * self.num_choices
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
-        self.pieces = [[] for _ in range(self.num_choices)]  # each choice's text, in the pieces that arrived
+        self.pieces = [
+            [] for _ in range(self.num_choices)
+        ]  # each choice's text, in the pieces that arrived
         self.reasons = [None] * self.num_choices
         self.ids = [[] for _ in range(self.num_choices)]
         self.entries = [[] for _ in range(self.num_choices)]
@@ -337,8 +439,12 @@ class Outputs:
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(ids) for ids in self.ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def _logprobs(self, i: int, first: int, offset: int):
         """Log-probabilities of choice i's output tokens from the first-th on."""
@@ -352,7 +458,10 @@ class Outputs:
         """Choice i of a whole (not streamed) response."""
         if self.chat:
             message, reason = self.message(i)
-            body = {"message": message, "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None}
+            body = {
+                "message": message,
+                "logprobs": self._logprobs(i, 0, 0) if self.logprobs else None,
+            }
             return {"index": i, **body, "finish_reason": reason}
         text, logprobs = self.text(i), None
         if self.echo:
@@ -372,8 +481,9 @@ class Outputs:
         has fewer scores than tokens)."""
         if p not in self.prompt_arrays:
             prompt, scores = self.prompts[p], self.prompt_logprobs.get(p) or [None]
-            self.prompt_arrays[p] = completion_logprobs(self.tokenizer, prompt,
-                                                        scores + [None] * (len(prompt) - len(scores)))
+            self.prompt_arrays[p] = completion_logprobs(
+                self.tokenizer, prompt, scores + [None] * (len(prompt) - len(scores))
+            )
         return self.prompt_arrays[p]
 
     def message(self, i: int):
@@ -385,11 +495,23 @@ class Outputs:
             message["content"] = reply["content"]
             if reply["reasoning"]:
                 message["reasoning_content"] = reply["reasoning"]
-            calls = [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-                     for name, arguments in reply["calls"]] if self.tools else []
+            calls = (
+                [
+                    {
+                        "id": call_id(),
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                    for name, arguments in reply["calls"]
+                ]
+                if self.tools
+                else []
+            )
             calls = calls if self.parallel else calls[:1]
         elif self.tools:
-            message["content"], calls = parse_calls(self.text(i), *self.tools, parallel=self.parallel)
+            message["content"], calls = parse_calls(
+                self.text(i), *self.tools, parallel=self.parallel
+            )
         if not calls:
             return message, self.reasons[i]
         if self.legacy:  # the one call of the legacy `function_call`
@@ -426,8 +548,14 @@ class Outputs:
                 delta[key] = delta.get(key, "") + value[0]
             elif kind == "call":
                 self.calls_sent[i] += 1
-                calls.append({"index": self.calls_sent[i] - 1, "id": value[0] or call_id(), "type": "function",
-                              "function": {"name": value[1], "arguments": ""}})
+                calls.append(
+                    {
+                        "index": self.calls_sent[i] - 1,
+                        "id": value[0] or call_id(),
+                        "type": "function",
+                        "function": {"name": value[1], "arguments": ""},
+                    }
+                )
             elif calls and calls[-1]["index"] == self.calls_sent[i] - 1:
                 calls[-1]["function"]["arguments"] += value[0]
             else:

@@ -23,6 +23,7 @@ incomplete_details.reason "max_output_tokens", or a shutdown, with none; respons
 memory with the messages that led to it, the newest `--max_stored_responses` of them; an id never
 issued, or evicted, is a 400 naming the field.
 """
+
 import json
 import time
 import uuid
@@ -48,10 +49,14 @@ class ResponsesRequest(Body):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False
-    tools: list[dict] = None  # [{"type": "function", "name", "description", "parameters", "strict"}]
+    tools: list[dict] = (
+        None  # [{"type": "function", "name", "description", "parameters", "strict"}]
+    )
     tool_choice: str | dict = None  # "auto" | "none" | "required" | {"type": "function", "name"}
     parallel_tool_calls: bool = True
-    text: dict = None  # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}
+    text: dict = (
+        None  # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}
+    )
     previous_response_id: str = None
     store: bool = True
     metadata: dict = None
@@ -65,13 +70,18 @@ def text_of(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        raise ValueError(
+            f"{where}.content must be a string or a list of text parts", f"{where}.content"
+        )
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, "
-                             f"got type {kind!r}", f"{where}.content[{j}].type")
+            raise ValueError(
+                f"{where}.content[{j}]: only text parts ({', '.join(TEXT_PARTS)}) are supported, "
+                f"got type {kind!r}",
+                f"{where}.content[{j}].type",
+            )
         texts.append(part["text"])
     return "".join(texts)
 
@@ -88,33 +98,58 @@ def input_messages(items, history: list) -> list:
         kind = item.get("type", "message")
         if kind == "message":
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
-                raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
-                                 f"{where}.role")
-            messages.append({"role": ROLES[item["role"]], "content": text_of(item.get("content"), where)})
+                raise ValueError(
+                    f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
+                    f"{where}.role",
+                )
+            messages.append(
+                {"role": ROLES[item["role"]], "content": text_of(item.get("content"), where)}
+            )
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string", f"{where}.{key}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             calls.add(item["call_id"])
-            if messages and messages[-1]["role"] == "assistant":  # the calls of one reply: one message
+            if (
+                messages and messages[-1]["role"] == "assistant"
+            ):  # the calls of one reply: one message
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or item["call_id"] not in calls:
-                raise ValueError(f"{where}.call_id: no function_call with call_id {item.get('call_id')!r} comes "
-                                 "before this output (in input, or in previous_response_id's conversation)",
-                                 f"{where}.call_id")
+                raise ValueError(
+                    f"{where}.call_id: no function_call with call_id {item.get('call_id')!r} comes "
+                    "before this output (in input, or in previous_response_id's conversation)",
+                    f"{where}.call_id",
+                )
             output = item.get("output")
             if not isinstance(output, (str, list)):
-                raise ValueError(f"{where}.output must be a string or a list of text parts", f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else text_of(output, f"{where}.output")})
-        elif not isinstance(kind, str) or kind != "reasoning":  # (another model's reasoning, sent back by a client: not for this one)
-            raise ValueError(f"{where}.type: unknown input item type {kind!r}; this server takes message, "
-                             "function_call and function_call_output items", f"{where}.type")
+                raise ValueError(
+                    f"{where}.output must be a string or a list of text parts", f"{where}.output"
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": output
+                    if isinstance(output, str)
+                    else text_of(output, f"{where}.output"),
+                }
+            )
+        elif (
+            not isinstance(kind, str) or kind != "reasoning"
+        ):  # (another model's reasoning, sent back by a client: not for this one)
+            raise ValueError(
+                f"{where}.type: unknown input item type {kind!r}; this server takes message, "
+                "function_call and function_call_output items",
+                f"{where}.type",
+            )
     return messages
 
 
@@ -124,36 +159,62 @@ def chat_tools(tools) -> list:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else t
-            raise ValueError(f"tools[{i}]: only function tools are served here, got type {kind!r}", f"tools[{i}].type")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                                     if t.get(k) is not None}})
+            raise ValueError(
+                f"tools[{i}]: only function tools are served here, got type {kind!r}",
+                f"tools[{i}].type",
+            )
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    k: t[k]
+                    for k in ("name", "description", "parameters", "strict")
+                    if t.get(k) is not None
+                },
+            }
+        )
     return out
 
 
 def chat_fields(body: ResponsesRequest) -> dict:
     """The chat request's fields but its messages; ValueError (message, param)."""
-    fields = {"max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
-              "top_p": body.top_p, "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
+    fields = {
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
     if body.tools:
         fields["tools"] = chat_tools(body.tools)
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                             "tool_choice")
+            raise ValueError(
+                'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                "tool_choice",
+            )
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     fields["tool_choice"] = choice
     fmt = (body.text or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        fmt = {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")
-                                                      if fmt.get(k) is not None}}
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {
+                k: fmt.get(k) for k in ("name", "schema", "strict") if fmt.get(k) is not None
+            },
+        }
     if fmt is not None:
         fields["response_format"] = fmt
     return fields
 
 
 # chat's field names as a Responses client knows them, for errors found on the chat path
-RESPONSES_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+RESPONSES_NAMES = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+}
 
 
 def renamed(refused: Refused) -> Refused:
@@ -169,13 +230,18 @@ def chat_request(body: ResponsesRequest, history: list):
     """(ChatRequest, the conversation to keep: history + input, without instructions); Refused."""
     for name in ("background", "conversation"):
         if getattr(body, name):
-            raise Refused(f"{name} is not served here: replies are answered while the request waits, and a "
-                          "conversation continues by previous_response_id", name)
+            raise Refused(
+                f"{name} is not served here: replies are answered while the request waits, and a "
+                "conversation continues by previous_response_id",
+                name,
+            )
     try:
         conversation = history + input_messages(body.input, history)
         if not conversation:
             raise ValueError("input holds no message", "input")
-        instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        instructions = (
+            [{"role": "system", "content": body.instructions}] if body.instructions else []
+        )
         return ChatRequest(messages=instructions + conversation, **chat_fields(body)), conversation
     except ValidationError as e:
         first = e.errors()[0]
@@ -192,29 +258,53 @@ def text_part(text: str) -> dict:
 
 def message_item(text: str = None, status: str = "completed") -> dict:
     """A message item: with its text, or (text None) with no content part yet, as streaming adds it."""
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [] if text is None else [text_part(text)]}
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "status": status,
+        "role": "assistant",
+        "content": [] if text is None else [text_part(text)],
+    }
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def assistant_message(items) -> dict:
     """Output items as the chat message a later turn's template sees."""
     text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in items if it["type"] == "function_call"]
+    calls = [
+        {
+            "id": it["call_id"],
+            "type": "function",
+            "function": {"name": it["name"], "arguments": it["arguments"]},
+        }
+        for it in items
+        if it["type"] == "function_call"
+    ]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 def usage(out: Outputs) -> dict:
     prompt, output = len(out.prompts[0]), len(out.ids[0])
-    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "input_tokens_details": {"cached_tokens": out.cached_tokens,
-                                     "cache_write_tokens": prompt - out.cached_tokens},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "total_tokens": prompt + output,
+        "input_tokens_details": {
+            "cached_tokens": out.cached_tokens,
+            "cache_write_tokens": prompt - out.cached_tokens,
+        },
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 def ending(reason) -> tuple:
@@ -242,17 +332,28 @@ class Events:
                 yield from self.close()
                 yield from self._add(message_item(None, "in_progress"))
                 self.open["content"].append(text_part(""))
-                yield self.event("response.content_part.added", **self._at(), content_index=0, part=text_part(""))
+                yield self.event(
+                    "response.content_part.added", **self._at(), content_index=0, part=text_part("")
+                )
             if kind == "content":
                 self.open["content"][0]["text"] += value[0]
-                yield self.event("response.output_text.delta", **self._at(), content_index=0, delta=value[0],
-                                 logprobs=[])
+                yield self.event(
+                    "response.output_text.delta",
+                    **self._at(),
+                    content_index=0,
+                    delta=value[0],
+                    logprobs=[],
+                )
             elif kind == "call":
                 yield from self.close()
-                yield from self._add(call_item(value[0] or call_id(), value[1], "", "in_progress"))  # (harmony: no id)
+                yield from self._add(
+                    call_item(value[0] or call_id(), value[1], "", "in_progress")
+                )  # (harmony: no id)
             elif self.open is not None and self.open["type"] == "function_call":
                 self.open["arguments"] += value[0]
-                yield self.event("response.function_call_arguments.delta", **self._at(), delta=value[0])
+                yield self.event(
+                    "response.function_call_arguments.delta", **self._at(), delta=value[0]
+                )
 
     def close(self, status: str = "completed"):
         """Events that end the item being written, with its status."""
@@ -262,11 +363,17 @@ class Events:
         at = {"item_id": item["id"], "output_index": len(self.items) - 1}
         if item["type"] == "message":
             part = item["content"][0]
-            yield self.event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
+            yield self.event(
+                "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]
+            )
             yield self.event("response.content_part.done", **at, content_index=0, part=part)
         else:
-            yield self.event("response.function_call_arguments.done", **at, name=item["name"],
-                             arguments=item["arguments"])
+            yield self.event(
+                "response.function_call_arguments.done",
+                **at,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         item["status"] = status
         yield self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
 
@@ -294,29 +401,56 @@ class Responses:
             rids, events, _ = await self.server.submit(chat, [prompt], True, constraint)
         except Refused as e:
             raise renamed(e) from None
-        out = Outputs(self.server.tokenizer, [prompt], 1, True, False, False, tools, chat.parallel_tool_calls,
-                      channels=tool_format(self.server.tokenizer.chat_template) == "harmony")
-        meta = {"id": f"resp_{rids[0]}", "object": "response", "created_at": int(time.time()),
-                "model": self.server.model_name, **self.echoed(body)}
+        out = Outputs(
+            self.server.tokenizer,
+            [prompt],
+            1,
+            True,
+            False,
+            False,
+            tools,
+            chat.parallel_tool_calls,
+            channels=tool_format(self.server.tokenizer.chat_template) == "harmony",
+        )
+        meta = {
+            "id": f"resp_{rids[0]}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": self.server.model_name,
+            **self.echoed(body),
+        }
         if body.stream:
-            return StreamingResponse(self.sse(rids, events, out, meta, conversation, body.store),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.sse(rids, events, out, meta, conversation, body.store),
+                media_type="text/event-stream",
+            )
         failed = await self.server.collect(request, rids, events, out)
         if failed:
             return failed
         status, details = ending(out.reasons[0])
         items = self.items(out, status)
         self.keep(meta["id"], conversation + [assistant_message(items)], body.store)
-        return JSONResponse({**meta, "status": status, "incomplete_details": details, "error": None,
-                             "output": items, "usage": usage(out)})
+        return JSONResponse(
+            {
+                **meta,
+                "status": status,
+                "incomplete_details": details,
+                "error": None,
+                "output": items,
+                "usage": usage(out),
+            }
+        )
 
     def history(self, response_id) -> list:
         if response_id is None:
             return []
         if response_id not in self.stored:
-            raise Refused(f"previous_response_id {response_id!r} was never issued by this server or is no longer "
-                          f"kept (it keeps the newest {self.max_stored}, --max_stored_responses, and none sent "
-                          "with store: false)", "previous_response_id")
+            raise Refused(
+                f"previous_response_id {response_id!r} was never issued by this server or is no longer "
+                f"kept (it keeps the newest {self.max_stored}, --max_stored_responses, and none sent "
+                "with store: false)",
+                "previous_response_id",
+            )
         return self.stored[response_id]
 
     def keep(self, response_id: str, conversation: list, store: bool):
@@ -328,12 +462,20 @@ class Responses:
     @staticmethod
     def echoed(body: ResponsesRequest) -> dict:
         """The request's settings, as a response repeats them."""
-        return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-                "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
-                "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls,
-                "previous_response_id": body.previous_response_id, "store": body.store,
-                "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {},
-                "truncation": "disabled"}
+        return {
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tools": body.tools or [],
+            "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "store": body.store,
+            "text": body.text or {"format": {"type": "text"}},
+            "metadata": body.metadata or {},
+            "truncation": "disabled",
+        }
 
     @staticmethod
     def items(out: Outputs, status: str) -> list:
@@ -342,37 +484,66 @@ class Responses:
         message, _ = out.message(0)
         content, calls = message["content"], message.get("tool_calls", [])
         items = [message_item(content or "", status)] if content or not calls else []
-        return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
+        return items + [
+            call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status)
+            for c in calls
+        ]
 
     async def sse(self, rids, events, out: Outputs, meta: dict, conversation: list, store: bool):
         """The reply as Responses events; a client that goes away aborts its request."""
         writer, finished = Events(), False
-        response = {**meta, "status": "in_progress", "incomplete_details": None, "error": None, "output": [],
-                    "usage": None}
+        response = {
+            **meta,
+            "status": "in_progress",
+            "incomplete_details": None,
+            "error": None,
+            "output": [],
+            "usage": None,
+        }
         try:
             yield writer.event("response.created", response=response)
             yield writer.event("response.in_progress", response=response)
             async for event in events_of(rids, events, out):
                 if isinstance(event, str):  # the request failed: say so, and end
-                    failed = {**response, "status": "failed", "error": {"code": "server_error", "message": event}}
+                    failed = {
+                        **response,
+                        "status": "failed",
+                        "error": {"code": "server_error", "message": event},
+                    }
                     yield writer.event("response.failed", response=failed)
                     finished = True
                     return
                 _, text, reason = event
                 stream = out.streams[0]
-                parts = (stream.feed(text) + (stream.finish() if reason else [])) if stream else [("content", text)]
-                for e in writer.parts([p for p in parts if p[0] != "reasoning" and (p[0] != "content" or p[1])]):
+                parts = (
+                    (stream.feed(text) + (stream.finish() if reason else []))
+                    if stream
+                    else [("content", text)]
+                )
+                for e in writer.parts(
+                    [p for p in parts if p[0] != "reasoning" and (p[0] != "content" or p[1])]
+                ):
                     yield e
             status, details = ending(out.reasons[0])
-            for e in writer.parts([] if writer.items else [("content", "")]):  # (an empty reply: one empty message)
+            for e in writer.parts(
+                [] if writer.items else [("content", "")]
+            ):  # (an empty reply: one empty message)
                 yield e
             for e in writer.close(status):
                 yield e
             finished = True
             self.keep(meta["id"], conversation + [assistant_message(writer.items)], store)
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
-            yield writer.event(kind, response={**response, "status": status, "incomplete_details": details,
-                                               "output": writer.items, "usage": usage(out)})
+            yield writer.event(
+                kind,
+                response={
+                    **response,
+                    "status": status,
+                    "incomplete_details": details,
+                    "output": writer.items,
+                    "usage": usage(out),
+                },
+            )
         finally:
             if not finished:
                 for rid in rids:

@@ -12,6 +12,7 @@ request or reply of 256 KiB or more, and when the server falls idle and no reque
 half a second, the memory freed goes back to the system (give_back_freed_memory); threads share
 two malloc arenas (fewer_malloc_arenas).
 """
+
 import argparse
 import asyncio
 import contextlib
@@ -31,13 +32,14 @@ import uvicorn
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.openai_format import error, unavailable
 from runtime import log
+from server.openai_format import error, unavailable
 
 
 @dataclass
 class Limits:
     """What one request may ask for; each is a serve.py flag."""
+
     max_waiting: int = 256  # requests queued for a slot; more -> 503
     max_n: int = 16  # samples per prompt
     max_model_len: int = None  # prompt + max_tokens, when lower than the model's context
@@ -45,10 +47,18 @@ class Limits:
     max_prompts: int = 64  # prompts in one completions request
     max_stop: int = 16  # stop strings
     max_stored_responses: int = 256  # Responses API replies kept for previous_response_id (0: none)
-    max_logprob_entries: int = 2_000_000  # log-probabilities one response may hold (~100 MB of JSON)
-    constraint_timeout: float = 10.0  # seconds a new constraint may take to compile (0: not tried first)
-    header_timeout: float = 10.0  # seconds a request's headers and body may take to arrive (slowloris)
-    write_timeout: float = 30.0  # seconds a reply may wait on a client that reads nothing, before it is cut
+    max_logprob_entries: int = (
+        2_000_000  # log-probabilities one response may hold (~100 MB of JSON)
+    )
+    constraint_timeout: float = (
+        10.0  # seconds a new constraint may take to compile (0: not tried first)
+    )
+    header_timeout: float = (
+        10.0  # seconds a request's headers and body may take to arrive (slowloris)
+    )
+    write_timeout: float = (
+        30.0  # seconds a reply may wait on a client that reads nothing, before it is cut
+    )
 
 
 class TokenizerLanes:
@@ -56,6 +66,7 @@ class TokenizerLanes:
     LONG_TEXT characters or more waits for a thread of its own lane (one at a time), while shorter
     ones keep asyncio's default pool. Eight 4 MB prompts (3.8 s each to tokenize here) had taken
     every thread of that pool, and a short chat behind them waited 13 s instead of 0.65 s."""
+
     LONG_TEXT = 1 << 16
 
     def __init__(self, long_workers: int = 1):
@@ -69,11 +80,15 @@ class TokenizerLanes:
         """fn(*args, **kwargs) in a thread; size: the characters of the texts it works on."""
         if size < self.LONG_TEXT:
             return await asyncio.to_thread(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.long, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.long, functools.partial(fn, *args, **kwargs)
+        )
 
     async def compile(self, fn, *args):
         """fn(*args) on a constraint-compiling thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.compiling, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.compiling, functools.partial(fn, *args)
+        )
 
     def close(self):
         self.long.shutdown(wait=False, cancel_futures=True)
@@ -89,8 +104,12 @@ def text_size(value) -> int:
     return sum(map(text_size, value)) if isinstance(value, (list, tuple)) else 0
 
 
-LARGE_BYTES = 1 << 18  # a request body or reply this large: memory freed after it goes back to the system
-GIVE_BACK_DELAY_S = 0.5  # ... this long after it, or after the server fell idle and stayed so, once per burst
+LARGE_BYTES = (
+    1 << 18
+)  # a request body or reply this large: memory freed after it goes back to the system
+GIVE_BACK_DELAY_S = (
+    0.5  # ... this long after it, or after the server fell idle and stayed so, once per burst
+)
 
 
 def give_back_freed_memory():
@@ -118,7 +137,9 @@ def fewer_malloc_arenas(n: int = 2):
 def authorized(header: bytes, api_key: str) -> bool:
     """'Authorization: Bearer KEY', the scheme name in any case (RFC 7235)."""
     scheme, _, token = header.decode("latin-1").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
 
 
 class Guard:
@@ -127,9 +148,16 @@ class Guard:
     from Content-Length or while a chunked body arrives)."""
 
     def __init__(self, app, api_key, max_body_bytes, engine_loop):
-        self.app, self.api_key, self.max_body_bytes, self.engine_loop = app, api_key, max_body_bytes, engine_loop
+        self.app, self.api_key, self.max_body_bytes, self.engine_loop = (
+            app,
+            api_key,
+            max_body_bytes,
+            engine_loop,
+        )
         self.giving_back = False  # a give_back_freed_memory is due
-        self.active = self.started = 0  # requests being answered, and begun: idle, freed memory goes back too
+        self.active = self.started = (
+            0  # requests being answered, and begun: idle, freed memory goes back too
+        )
         self.large_freed = False  # a request or reply of LARGE_BYTES ended since the last give-back
 
     async def __call__(self, scope, receive, send):
@@ -137,8 +165,11 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and not authorized(headers.get(b"authorization", b""), self.api_key):
-            return await error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               "authentication_error")(scope, receive, send)
+            return await error(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+            )(scope, receive, send)
         if self.engine_loop.draining and scope["method"] == "POST":
             return await unavailable("the server is shutting down")(scope, receive, send)
         limit, length = self.max_body_bytes, headers.get(b"content-length", b"0")
@@ -182,34 +213,78 @@ class Guard:
         if self.large_freed or (not self.active and self.started == started):
             self.large_freed = False
             give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
-        elif not self.active:  # idle again after requests that came and went: wait for calm once more
+        elif (
+            not self.active
+        ):  # idle again after requests that came and went: wait for calm once more
             self._give_back_later()
 
 
 def add_limit_args(p: argparse.ArgumentParser):
     d = Limits()
-    p.add_argument("--max_waiting", type=int, default=d.max_waiting,
-                   help="requests that may wait for a slot; more get 503 with Retry-After")
+    p.add_argument(
+        "--max_waiting",
+        type=int,
+        default=d.max_waiting,
+        help="requests that may wait for a slot; more get 503 with Retry-After",
+    )
     p.add_argument("--max_n", type=int, default=d.max_n, help="most samples (n) per prompt")
-    p.add_argument("--max_model_len", type=int, default=None,
-                   help="most prompt + max_tokens per request (default: the model's context)")
-    p.add_argument("--max_body_bytes", type=int, default=d.max_body_bytes, help="largest request body; more get 413")
-    p.add_argument("--max_prompts", type=int, default=d.max_prompts, help="most prompts in one completions request")
+    p.add_argument(
+        "--max_model_len",
+        type=int,
+        default=None,
+        help="most prompt + max_tokens per request (default: the model's context)",
+    )
+    p.add_argument(
+        "--max_body_bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body; more get 413",
+    )
+    p.add_argument(
+        "--max_prompts",
+        type=int,
+        default=d.max_prompts,
+        help="most prompts in one completions request",
+    )
     p.add_argument("--max_stop", type=int, default=d.max_stop, help="most stop strings per request")
-    p.add_argument("--max_stored_responses", type=int, default=d.max_stored_responses,
-                   help="replies of /v1/responses kept in memory for previous_response_id (0 keeps none)")
-    p.add_argument("--max_logprob_entries", type=int, default=d.max_logprob_entries,
-                   help="most log-probabilities one response may hold (tokens x samples x (1 + alternatives))")
-    p.add_argument("--constraint_timeout", type=float, default=d.constraint_timeout,
-                   help="seconds a new constraint may take to compile in the checking process; 0 compiles it "
-                        "on the engine thread untried")
-    p.add_argument("--header_timeout", type=float, default=d.header_timeout,
-                   help="seconds a connection may take to send a whole request (headers and body); then it is closed")
-    p.add_argument("--write_timeout", type=float, default=d.write_timeout,
-                   help="seconds a reply may wait on a client whose socket takes no more; then the connection "
-                        "is closed and its request aborted")
-    p.add_argument("--shutdown_timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
+    p.add_argument(
+        "--max_stored_responses",
+        type=int,
+        default=d.max_stored_responses,
+        help="replies of /v1/responses kept in memory for previous_response_id (0 keeps none)",
+    )
+    p.add_argument(
+        "--max_logprob_entries",
+        type=int,
+        default=d.max_logprob_entries,
+        help="most log-probabilities one response may hold (tokens x samples x (1 + alternatives))",
+    )
+    p.add_argument(
+        "--constraint_timeout",
+        type=float,
+        default=d.constraint_timeout,
+        help="seconds a new constraint may take to compile in the checking process; 0 compiles it "
+        "on the engine thread untried",
+    )
+    p.add_argument(
+        "--header_timeout",
+        type=float,
+        default=d.header_timeout,
+        help="seconds a connection may take to send a whole request (headers and body); then it is closed",
+    )
+    p.add_argument(
+        "--write_timeout",
+        type=float,
+        default=d.write_timeout,
+        help="seconds a reply may wait on a client whose socket takes no more; then the connection "
+        "is closed and its request aborted",
+    )
+    p.add_argument(
+        "--shutdown_timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted",
+    )
 
 
 class GuardedH11(H11Protocol):
@@ -251,7 +326,9 @@ class GuardedH11(H11Protocol):
             self.stalled = None
 
     def _cut(self):
-        log(f"a client took no bytes for {self.write_timeout:g} s (--write_timeout): its connection is cut")
+        log(
+            f"a client took no bytes for {self.write_timeout:g} s (--write_timeout): its connection is cut"
+        )
         self.transport.abort()  # (close() would wait for the unread bytes to drain)
 
 
@@ -259,7 +336,9 @@ def server_config(app, host: str, port: int, limits: Limits = None) -> uvicorn.C
     """uvicorn's settings for serve.py: GuardedH11 with the limits' deadlines (None: Limits()), idle
     keep-alive 5 s."""
     limits = limits or Limits()
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=GuardedH11, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", http=GuardedH11, timeout_keep_alive=5
+    )
     config.header_timeout, config.write_timeout = limits.header_timeout, limits.write_timeout
     return config
 
@@ -269,6 +348,7 @@ class DrainingServer(uvicorn.Server):
     0), with --shutdown_timeout (plus GRACE_S to close) a hard bound; a second one exits at once
     (128 + the signal: 143, 130), without unwinding threads caught mid-step (that aborted the
     process with a traceback). It says its address once bound (with --port 0 the OS picks it)."""
+
     GRACE_S = 2.0
 
     def __init__(self, config: uvicorn.Config, engine_loop, shutdown_timeout: float):

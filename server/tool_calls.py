@@ -13,6 +13,7 @@ A template that never mentions `tools` (e.g. SmolLM2's) still gets them: a syste
 them and asks for the hermes format. tool_choice "none" renders no tools; "auto" lets the model
 choose and parses what it wrote.
 """
+
 import json
 import re
 import uuid
@@ -29,18 +30,28 @@ def check_tools(tools, tool_choice):
         raise ValueError("tools must be a non-empty list")
     for t in tools:
         f = t.get("function") if isinstance(t, dict) else None
-        if t.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise ValueError('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        if (
+            t.get("type") != "function"
+            or not isinstance(f, dict)
+            or not isinstance(f.get("name"), str)
+        ):
+            raise ValueError(
+                'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+            )
         if not isinstance(f.get("parameters") or {}, dict):
             raise ValueError(f"tool {f['name']}: parameters must be a JSON schema object")
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if name not in names(tools):
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+            raise ValueError(
+                f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
+            )
     elif tool_choice not in (None, "auto", "none", "required"):
-        raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
-                         "tool_choice")
+        raise ValueError(
+            'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
+            "tool_choice",
+        )
 
 
 def names(tools):
@@ -60,10 +71,14 @@ def render_args(messages, tools, tool_choice, chat_template):
     if chat_template and "tools" in chat_template:
         return messages, {"tools": tools}
     listing = "\n".join(json.dumps(t["function"]) for t in tools)
-    system = ("You can call these functions:\n" + listing + "\nTo call one, reply with "
-              '<tool_call>{"name": <function name>, "arguments": <arguments as JSON>}</tool_call>')
+    system = (
+        "You can call these functions:\n" + listing + "\nTo call one, reply with "
+        '<tool_call>{"name": <function name>, "arguments": <arguments as JSON>}</tool_call>'
+    )
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + system}] + messages[1:], {}
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + system}] + messages[
+            1:
+        ], {}
     return [{"role": "system", "content": system}] + messages, {}
 
 
@@ -75,8 +90,10 @@ def legacy_tools(functions, function_call):
     return tools, function_call
 
 
-SCHEMA_MAPS, SCHEMA_LISTS = ("properties", "patternProperties", "$defs", "definitions"), ("anyOf", "oneOf", "allOf",
-                                                                                       "prefixItems")
+SCHEMA_MAPS, SCHEMA_LISTS = (
+    ("properties", "patternProperties", "$defs", "definitions"),
+    ("anyOf", "oneOf", "allOf", "prefixItems"),
+)
 
 
 def strict(schema):
@@ -106,8 +123,16 @@ def call_schemas(tools, fmt: str) -> list:
     def schema_of(f):
         params = f.get("parameters") or {"type": "object"}
         return strict(params) if f.get("strict") else params
-    return [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: schema_of(t["function"])},
-             "required": ["name", key], "additionalProperties": False} for t in tools]
+
+    return [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, key: schema_of(t["function"])},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
 
 
 def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False, text: Constraint = None):
@@ -117,11 +142,23 @@ def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False, text: 
     (else the format's grammar would leave no room for a call)."""
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
     if fmt == "harmony" and forced:
-        raise ValueError("tool_choice 'required' or a named function is not enforced in gpt-oss's reply format "
-                         "(harmony); send tool_choice 'auto'", "tool_choice")
-    if fmt == "harmony" or not forced and (text is None or text.kind not in ("json_schema", "json_object")):
+        raise ValueError(
+            "tool_choice 'required' or a named function is not enforced in gpt-oss's reply format "
+            "(harmony); send tool_choice 'auto'",
+            "tool_choice",
+        )
+    if (
+        fmt == "harmony"
+        or not forced
+        and (text is None or text.kind not in ("json_schema", "json_object"))
+    ):
         return None
-    chosen = [t for t in tools if not isinstance(tool_choice, dict) or t["function"]["name"] == tool_choice["function"]["name"]]
+    chosen = [
+        t
+        for t in tools
+        if not isinstance(tool_choice, dict)
+        or t["function"]["name"] == tool_choice["function"]["name"]
+    ]
     calls = call_schemas(chosen, fmt)
     answer = None
     if not forced:
@@ -129,10 +166,18 @@ def call_constraint(tools, tool_choice, fmt: str, parallel: bool = False, text: 
         answer = answer if text.kind == "json_schema" else {"type": "object"}
     if fmt == "llama3":
         options = calls + ([answer] if answer is not None else [])
-        return Constraint("json_schema", {"x-guidance": JSON_LAYOUT, **(options[0] if len(options) == 1 else {"anyOf": options})})
+        return Constraint(
+            "json_schema",
+            {
+                "x-guidance": JSON_LAYOUT,
+                **(options[0] if len(options) == 1 else {"anyOf": options}),
+            },
+        )
     schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
     several = parallel and not isinstance(tool_choice, dict)
-    grammar = ('start: one ("\\n" one)*' if several else "start: one") + (" | answer" if answer is not None else "")
+    grammar = ('start: one ("\\n" one)*' if several else "start: one") + (
+        " | answer" if answer is not None else ""
+    )
     grammar += '\none: "<tool_call>" call "</tool_call>"\ncall: %json ' + json.dumps(schema)
     if answer is not None:
         grammar += "\nanswer: %json " + json.dumps({"x-guidance": JSON_LAYOUT, **answer})
@@ -167,13 +212,20 @@ def call_id() -> str:
 
 
 def _call(name, arguments) -> dict:
-    return {"id": call_id(), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
-HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*'),
-        "llama3": re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')}
+HEAD = {
+    "hermes": re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*'),
+    "llama3": re.compile(
+        r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+    ),
+}
 
 
 class CallStream:
@@ -187,7 +239,11 @@ class CallStream:
     def __init__(self, fmt: str, tools, parallel: bool = True):
         self.fmt, self.tools, self.known, self.parallel = fmt, tools, set(names(tools)), parallel
         self.state = "start" if fmt == "llama3" else "text"
-        self.pending, self.held, self.calls = "", "", 0  # text not yet passed on; whitespace after content
+        self.pending, self.held, self.calls = (
+            "",
+            "",
+            0,
+        )  # text not yet passed on; whitespace after content
         self.depth, self.in_string, self.escaped = 0, False, False  # the arguments' JSON scanner
 
     def feed(self, text: str) -> list:
@@ -213,17 +269,22 @@ class CallStream:
         body = text.rstrip()
         if body:
             parts.append(("content", body))
-        self.held = text[len(body):]
+        self.held = text[len(body) :]
 
     def _whole(self, parts, text: str):
         content, calls = parse_calls(text, self.fmt, self.tools)
         if content:
             self._content(parts, content)
-        for call in calls[:None if self.parallel else 1 - self.calls]:
+        for call in calls[: None if self.parallel else 1 - self.calls]:
             self.calls += 1
-            parts += [("call", call["id"], call["function"]["name"]), ("arguments", call["function"]["arguments"])]
+            parts += [
+                ("call", call["id"], call["function"]["name"]),
+                ("arguments", call["function"]["arguments"]),
+            ]
 
-    def _start(self, parts) -> bool:  # llama3: a reply that opens with JSON (or the python tag) may be a call
+    def _start(
+        self, parts
+    ) -> bool:  # llama3: a reply that opens with JSON (or the python tag) may be a call
         head = self.pending.lstrip()
         if not head or PYTHON_TAG.startswith(head) and head != PYTHON_TAG:
             return False
@@ -237,24 +298,28 @@ class CallStream:
             return False
         at = self.pending.find(OPEN)
         if at < 0:  # keep what may be the start of OPEN
-            keep = next((k for k in range(len(OPEN) - 1, 0, -1) if self.pending.endswith(OPEN[:k])), 0)
-            self._content(parts, self.pending[:len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
+            keep = next(
+                (k for k in range(len(OPEN) - 1, 0, -1) if self.pending.endswith(OPEN[:k])), 0
+            )
+            self._content(parts, self.pending[: len(self.pending) - keep])
+            self.pending = self.pending[len(self.pending) - keep :]
             return False
         self._content(parts, self.pending[:at])
-        self.pending = self.pending[at + len(OPEN):]
+        self.pending = self.pending[at + len(OPEN) :]
         self.state = "head"
         return True
 
     def _head(self, parts) -> bool:
         m = HEAD[self.fmt].match(self.pending)
-        if m and m.group(1) in self.known and self.calls and not self.parallel:  # a second call: dropped
+        if (
+            m and m.group(1) in self.known and self.calls and not self.parallel
+        ):  # a second call: dropped
             self.state = "tail"
             return True
         if m and m.group(1) in self.known:
             self.calls += 1
             parts.append(("call", call_id(), m.group(1)))
-            self.pending, self.state = self.pending[m.end():], "arguments"
+            self.pending, self.state = self.pending[m.end() :], "arguments"
             self.depth, self.in_string, self.escaped = 0, False, False
             return True
         if m or CLOSE in self.pending:
@@ -265,7 +330,9 @@ class CallStream:
     def _arguments(self, parts) -> bool:
         end, held = None, len(self.pending)
         for j, c in enumerate(self.pending):
-            if c == "<" and not self.in_string and self.fmt == "hermes":  # malformed: the call closes here
+            if (
+                c == "<" and not self.in_string and self.fmt == "hermes"
+            ):  # malformed: the call closes here
                 if self.pending.startswith(CLOSE, j):
                     end = j
                     break
@@ -296,15 +363,15 @@ class CallStream:
     def _tail(self, parts) -> bool:  # the rest of the call, up to and with its CLOSE
         at = -1 if self.fmt == "llama3" else self.pending.find(CLOSE)
         if at < 0:
-            self.pending = self.pending[-len(CLOSE):] if self.fmt == "hermes" else ""
+            self.pending = self.pending[-len(CLOSE) :] if self.fmt == "hermes" else ""
             return False
-        self.pending, self.state = self.pending[at + len(CLOSE):], "text"
+        self.pending, self.state = self.pending[at + len(CLOSE) :], "text"
         return True
 
     def _raw(self, parts) -> bool:
         at = self.pending.find(CLOSE)
         if at < 0:
             return False
-        self._whole(parts, OPEN + self.pending[:at + len(CLOSE)])
-        self.pending, self.state = self.pending[at + len(CLOSE):], "text"
+        self._whole(parts, OPEN + self.pending[: at + len(CLOSE)])
+        self.pending, self.state = self.pending[at + len(CLOSE) :], "text"
         return True

@@ -25,6 +25,7 @@ its machine that are gone, and exits 1, never hanging past the timeout. torchrun
 to every rank; the followers ignore it, and serve.py's rank 0 drains and then stops them, so all
 exit 0 (batch.py's rank 0 just ends, and its followers then exit 1).
 """
+
 import atexit
 import contextlib
 import os
@@ -38,28 +39,54 @@ import torch.distributed as dist
 
 import tp
 from engine import Engine
+from formats.tokenizer import load_tokenizer
 from kv_plan import plan_blocks
+from runtime import DTYPES, human, log, pick_device, weights_line
 from speedups.draft_model import DraftModel
 from speedups.prompt_lookup import PromptLookup
-from runtime import DTYPES, human, log, pick_device, weights_line
-from formats.tokenizer import load_tokenizer
 
 STEP, KEEPALIVE, STOP = 0, 1, 2
 KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
 TIMEOUT_S = 600.0  # the process group's: the longest any collective waits (loading included)
-CHECKED = ("checkpoint", "device", "dtype", "quantize", "dequantize", "block_size", "num_blocks", "kv_cache_memory",
-           "max_num_seqs", "max_num_batched_tokens", "schedule_policy", "compile", "prefix_caching")
+CHECKED = (
+    "checkpoint",
+    "device",
+    "dtype",
+    "quantize",
+    "dequantize",
+    "block_size",
+    "num_blocks",
+    "kv_cache_memory",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "schedule_policy",
+    "compile",
+    "prefix_caching",
+)
 
 
 def pack(copies, groups, tokens, pos, keep):
     """A step as (header [6], payload [L]) int64 tensors on the tokens' device."""
     device = tokens.device
     long = dict(dtype=torch.long, device=device)
-    meta = torch.tensor([(rows, T, table.shape[-1], table.numel() // (rows * table.shape[-1])) for rows, T, table in groups],
-                        **long).view(-1)  # (a hybrid's table is two: [2, rows, width])
-    parts = [tokens.view(-1), pos.view(-1), keep.view(-1), torch.tensor(copies, **long).view(-1), meta]
+    meta = torch.tensor(
+        [
+            (rows, T, table.shape[-1], table.numel() // (rows * table.shape[-1]))
+            for rows, T, table in groups
+        ],
+        **long,
+    ).view(-1)  # (a hybrid's table is two: [2, rows, width])
+    parts = [
+        tokens.view(-1),
+        pos.view(-1),
+        keep.view(-1),
+        torch.tensor(copies, **long).view(-1),
+        meta,
+    ]
     payload = torch.cat(parts + [table.reshape(-1) for _, _, table in groups])
-    header = torch.tensor([STEP, tokens.numel(), keep.numel(), len(copies), len(groups), payload.numel()], **long)
+    header = torch.tensor(
+        [STEP, tokens.numel(), keep.numel(), len(copies), len(groups), payload.numel()], **long
+    )
     return header, payload
 
 
@@ -71,9 +98,15 @@ def unpack(header, payload):
     groups, at = [], 0
     for rows, T, width, count in meta.view(g, 4).tolist():
         shape = (count, rows, width) if count > 1 else (rows, width)
-        groups.append((rows, T, tables[at:at + count * rows * width].view(shape)))
+        groups.append((rows, T, tables[at : at + count * rows * width].view(shape)))
         at += count * rows * width
-    return [tuple(p) for p in copies.view(c, 3).tolist()], groups, tokens.view(1, n), pos.view(1, n), keep
+    return (
+        [tuple(p) for p in copies.view(c, 3).tolist()],
+        groups,
+        tokens.view(1, n),
+        pos.view(1, n),
+        keep,
+    )
 
 
 class Link:
@@ -81,8 +114,18 @@ class Link:
     inside a step's collectives (the forward's all-reduces included)."""
 
     def __init__(self, device, peers):
-        self.device, self.peers, self.lock = device, peers, threading.RLock()  # peers: (host, pid) per rank
-        self.rank, self.last, self.steps, self.seconds, self.stopped = dist.get_rank(), time.monotonic(), 0, 0.0, False
+        self.device, self.peers, self.lock = (
+            device,
+            peers,
+            threading.RLock(),
+        )  # peers: (host, pid) per rank
+        self.rank, self.last, self.steps, self.seconds, self.stopped = (
+            dist.get_rank(),
+            time.monotonic(),
+            0,
+            0.0,
+            False,
+        )
 
     def send(self, header, payload=None):
         start = time.perf_counter()
@@ -115,7 +158,9 @@ class Link:
         watchdog aborts them after the timeout, with no word of which rank)."""
         while True:
             time.sleep(KEEPALIVE_S / 4)
-            with self.lock:  # (stop takes it too: after a stop, followers that ended are no failure)
+            with (
+                self.lock
+            ):  # (stop takes it too: after a stop, followers that ended are no failure)
                 if self.stopped:
                     return
                 if self.gone():
@@ -129,7 +174,11 @@ class Link:
     def gone(self) -> list:
         """The ranks on this machine whose process has ended."""
         here = socket.gethostname()
-        return [r for r, (host, pid) in enumerate(self.peers) if host == here and pid != os.getpid() and not alive(pid)]
+        return [
+            r
+            for r, (host, pid) in enumerate(self.peers)
+            if host == here and pid != os.getpid() and not alive(pid)
+        ]
 
     def stop(self):
         """Rank 0, at exit: the followers stop and exit 0; no step goes out after this."""
@@ -145,15 +194,23 @@ class Link:
             # ("terminate called without an active exception")
             dist.destroy_process_group()
             if self.steps:
-                log(f"tensor parallel: {self.steps} steps broadcast to {len(self.peers) - 1} ranks, "
-                    f"{1e6 * self.seconds / self.steps:.0f} us each")
+                log(
+                    f"tensor parallel: {self.steps} steps broadcast to {len(self.peers) - 1} ranks, "
+                    f"{1e6 * self.seconds / self.steps:.0f} us each"
+                )
 
     def fail(self, error):
         """A collective failed: say which ranks on this machine are gone, and exit 1 (never hang)."""
         time.sleep(0.5)  # a rank that failed is still exiting
         gone = self.gone()
-        who = f"rank {', '.join(map(str, gone))} stopped" if gone else "a rank stopped or failed (this one, or another)"
-        log(f"error: tensor parallel rank {self.rank}: {who} ({type(error).__name__}: {error}); exiting")
+        who = (
+            f"rank {', '.join(map(str, gone))} stopped"
+            if gone
+            else "a rank stopped or failed (this one, or another)"
+        )
+        log(
+            f"error: tensor parallel rank {self.rank}: {who} ({type(error).__name__}: {error}); exiting"
+        )
         os._exit(1)
 
 
@@ -202,18 +259,27 @@ class LeaderModel:
             if self.link.stopped:  # shutting down: the other ranks have gone
                 raise RuntimeError("the tensor-parallel ranks have been stopped")
             try:
-                keep = keep if keep is not None else torch.arange(tokens.shape[1], device=tokens.device)
+                keep = (
+                    keep
+                    if keep is not None
+                    else torch.arange(tokens.shape[1], device=tokens.device)
+                )
                 self.link.send(*pack(cache.copies, cache.groups, tokens, input_pos, keep))
                 cache.copies = []
                 return self.inner(tokens, input_pos, cache.inner, keep=keep)
-            except BaseException as e:  # (an interrupt too) the ranks are out of step now: nothing can go on
+            except (
+                BaseException
+            ) as e:  # (an interrupt too) the ranks are out of step now: nothing can go on
                 self.link.fail(e)
 
 
 def ignore_signals_unless_rank_zero():
     """A follower ignores SIGTERM and SIGINT (rank 0 drains, then stops it). Call it on the main
     thread (only it may set handlers): serve.py does before its engine thread loads the model."""
-    if int(os.environ.get("RANK", "0")) != 0 and threading.current_thread() is threading.main_thread():
+    if (
+        int(os.environ.get("RANK", "0")) != 0
+        and threading.current_thread() is threading.main_thread()
+    ):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
 
@@ -241,76 +307,173 @@ def check_same_options(options: dict):
     mine = {k: options.get(k) for k in CHECKED}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    differ = {k: [o[k] for o in everyone] for k in CHECKED if any(o[k] != mine[k] for o in everyone)}
+    differ = {
+        k: [o[k] for o in everyone] for k in CHECKED if any(o[k] != mine[k] for o in everyone)
+    }
     if differ:
-        raise ValueError("every rank must be started with the same engine flags; these differ (per rank): "
-                         + "; ".join(f"{k}: {v}" for k, v in differ.items()))
+        raise ValueError(
+            "every rank must be started with the same engine flags; these differ (per rank): "
+            + "; ".join(f"{k}: {v}" for k, v in differ.items())
+        )
 
 
-def build(model, tokenizer, num_blocks=None, block_size=16, kv_cache_memory=None, max_num_seqs=64,
-          max_num_batched_tokens=512, schedule_policy="fcfs", prefix_caching=True):
+def build(
+    model,
+    tokenizer,
+    num_blocks=None,
+    block_size=16,
+    kv_cache_memory=None,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    schedule_policy="fcfs",
+    prefix_caching=True,
+):
     """The engine on rank 0 of a parallelized model (tp.parallelize); on the other ranks, follow
     rank 0's steps and then end the process with exit code 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    mine, _, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
-                                max_tokens=max_num_seqs * model.config.max_position_embeddings, **sizes)
-    agreed = torch.tensor([mine], device=model.norm.weight.device)  # (NCCL reduces device tensors only)
+    mine, _, plan = plan_blocks(
+        model,
+        block_size,
+        num_blocks,
+        kv_cache_memory,
+        max_tokens=max_num_seqs * model.config.max_position_embeddings,
+        **sizes,
+    )
+    agreed = torch.tensor(
+        [mine], device=model.norm.weight.device
+    )  # (NCCL reduces device tensors only)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
     num_blocks = int(agreed.item())
     _, window_blocks, plan = plan_blocks(model, block_size, num_blocks, **sizes)
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer, window_blocks=window_blocks)
+    engine = Engine.for_model(
+        model,
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        prefix_caching,
+        schedule_policy,
+        tokenizer.stop_ids,
+        tokenizer,
+        window_blocks=window_blocks,
+    )
     link = Link(engine.device, peers)
     if rank != 0:
         follow(model, engine.cache, link)
         dist.destroy_process_group()  # (as Link.stop does on rank 0)
         raise SystemExit(0)
     per_rank = engine.cache.nbytes()
-    log(f"{plan}\ntensor parallel over {world} ranks (pids {', '.join(str(pid) for _, pid in peers)}): {num_blocks} "
-        f"blocks on each, {human(per_rank)} of KV per rank, {human(world * per_rank)} in all")
-    engine.model, engine.cache, engine.ranks = LeaderModel(model, link), LeaderCache(engine.cache), world
+    log(
+        f"{plan}\ntensor parallel over {world} ranks (pids {', '.join(str(pid) for _, pid in peers)}): {num_blocks} "
+        f"blocks on each, {human(per_rank)} of KV per rank, {human(world * per_rank)} in all"
+    )
+    engine.model, engine.cache, engine.ranks = (
+        LeaderModel(model, link),
+        LeaderCache(engine.cache),
+        world,
+    )
     atexit.register(link.stop)
     threading.Thread(target=link.keep_alive, daemon=True, name="tp-keepalive").start()
     return engine
 
 
-def load_one_process(checkpoint=None, device=None, dtype="bfloat16", compile=False, quantize=None, block_size=16,
-                     num_blocks=None, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
-                     schedule_policy="fcfs", prefix_caching=True, dequantize=False, batch_invariant=False,
-                     speculate=None, speculate_k=4, prompt_lookup_min=1, prompt_lookup_max=3, draft_checkpoint=None):
+def load_one_process(
+    checkpoint=None,
+    device=None,
+    dtype="bfloat16",
+    compile=False,
+    quantize=None,
+    block_size=16,
+    num_blocks=None,
+    kv_cache_memory=None,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    schedule_policy="fcfs",
+    prefix_caching=True,
+    dequantize=False,
+    batch_invariant=False,
+    speculate=None,
+    speculate_k=4,
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    draft_checkpoint=None,
+):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
     needed (weights.settle)."""
     from formats import weights
 
-    proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if speculate == "prompt_lookup" else None
-    model, info = weights.load_for_inference(checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log)
+    proposer = (
+        PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max)
+        if speculate == "prompt_lookup"
+        else None
+    )
+    model, info = weights.load_for_inference(
+        checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log
+    )
     tokenizer = load_tokenizer(info.source)
     draft = None
     if speculate == "draft":  # before the plan: its pool takes a share of the KV memory
-        draft, draft_info = weights.load_for_inference(draft_checkpoint, model.norm.weight.device, DTYPES[dtype], quantize,
-                                                       dequantize=dequantize, log=log)
+        draft, draft_info = weights.load_for_inference(
+            draft_checkpoint,
+            model.norm.weight.device,
+            DTYPES[dtype],
+            quantize,
+            dequantize=dequantize,
+            log=log,
+        )
     weights.settle()
-    num_blocks, window_blocks, plan = plan_blocks(model, block_size, num_blocks, kv_cache_memory,
-                                                  max_tokens=max_num_seqs * model.config.max_position_embeddings,
-                                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                                  draft=draft)
-    log(f"loaded {info.source} in {info.load_s:.2f} s" + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "") + f"\n{weights_line(model)}{plan}")
+    num_blocks, window_blocks, plan = plan_blocks(
+        model,
+        block_size,
+        num_blocks,
+        kv_cache_memory,
+        max_tokens=max_num_seqs * model.config.max_position_embeddings,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        draft=draft,
+    )
+    log(
+        f"loaded {info.source} in {info.load_s:.2f} s"
+        + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "")
+        + f"\n{weights_line(model)}{plan}"
+    )
     if draft is not None:
         proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
-        log(f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}its KV "
-            f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)")
-    engine = Engine.for_model(model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
-                              schedule_policy, tokenizer.stop_ids, tokenizer, compile in ("jit", True),
-                              batch_invariant=batch_invariant, window_blocks=window_blocks, speculate=proposer)
+        log(
+            f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}its KV "
+            f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)"
+        )
+    engine = Engine.for_model(
+        model,
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        prefix_caching,
+        schedule_policy,
+        tokenizer.stop_ids,
+        tokenizer,
+        compile in ("jit", True),
+        batch_invariant=batch_invariant,
+        window_blocks=window_blocks,
+        speculate=proposer,
+    )
     if compile in ("auto", "aot"):
-        refusal = ((speculate and "speculative steps compile with --compile") or (batch_invariant and "--batch_invariant "
-                   "runs eager steps") or (engine.device.type != "cpu" and "it runs on CPU; use --compile"))
-        engine.decode_fn = aot_step(engine, dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype),
-                                    compile, refusal)
+        refusal = (
+            (speculate and "speculative steps compile with --compile")
+            or (batch_invariant and "--batch_invariant runs eager steps")
+            or (engine.device.type != "cpu" and "it runs on CPU; use --compile")
+        )
+        engine.decode_fn = aot_step(
+            engine,
+            dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype),
+            compile,
+            refusal,
+        )
     return engine, tokenizer, info
 
 
@@ -338,22 +501,47 @@ def load_engine(**options):
     rank, world = tp.init(TIMEOUT_S)
     check_same_options(options)
     if options.get("compile") in ("jit", "aot", True):
-        raise ValueError("--compile does not run tensor-parallel engine steps; leave it out under torchrun")
+        raise ValueError(
+            "--compile does not run tensor-parallel engine steps; leave it out under torchrun"
+        )
     if options.get("speculate"):
-        raise ValueError("--speculate does not run tensor-parallel engine steps yet; leave it out under torchrun")
+        raise ValueError(
+            "--speculate does not run tensor-parallel engine steps yet; leave it out under torchrun"
+        )
     if options.get("batch_invariant"):
-        raise ValueError("--batch_invariant does not run tensor-parallel engine steps; leave it out under torchrun")
+        raise ValueError(
+            "--batch_invariant does not run tensor-parallel engine steps; leave it out under torchrun"
+        )
     device = pick_device(options.get("device"))
     device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
-    model, info = weights.load_for_inference(options.get("checkpoint"), device, DTYPES[options.get("dtype", "bfloat16")],
-                                             options.get("quantize"), dequantize=options.get("dequantize", False),
-                                             shard=(rank, world), log=log if rank == 0 else None)
+    model, info = weights.load_for_inference(
+        options.get("checkpoint"),
+        device,
+        DTYPES[options.get("dtype", "bfloat16")],
+        options.get("quantize"),
+        dequantize=options.get("dequantize", False),
+        shard=(rank, world),
+        log=log if rank == 0 else None,
+    )
     tp.check_same_checkpoint(model)
     tp.parallelize(model)
     tokenizer = load_tokenizer(info.source)
     weights.settle()
     if rank == 0:
-        log(f"loaded {info.source} in {info.load_s:.2f} s; this rank holds {human(model.weight_bytes())} of weights")
-    names = ("num_blocks", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-             "schedule_policy", "prefix_caching")
-    return build(model, tokenizer, **{k: options[k] for k in names if k in options}), tokenizer, info
+        log(
+            f"loaded {info.source} in {info.load_s:.2f} s; this rank holds {human(model.weight_bytes())} of weights"
+        )
+    names = (
+        "num_blocks",
+        "block_size",
+        "kv_cache_memory",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "schedule_policy",
+        "prefix_caching",
+    )
+    return (
+        build(model, tokenizer, **{k: options[k] for k in names if k in options}),
+        tokenizer,
+        info,
+    )

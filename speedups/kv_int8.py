@@ -8,6 +8,7 @@ step (`generate.py --kv_cache_dtype int8`, `perplexity.py --kv_cache_dtype int8`
 It is kv_cache.StaticKVCache with int8 buffers plus scale buffers; the reference path dequantizes
 and runs the same attention, and a compiled one-token step reads the int8 bytes directly.
 """
+
 import torch
 
 from cpu_kernels import decode_attention
@@ -28,9 +29,20 @@ class Int8KVCache(StaticKVCache):
     cache directly (Inductor fuses the int8 -> float conversion into its loops), so the step reads
     half the bytes of a bf16 cache."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
-                 decode=None):
-        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode)
+    def __init__(
+        self,
+        n_layers,
+        batch_size,
+        n_kv_heads,
+        max_seq_len,
+        head_dim,
+        dtype=torch.float32,
+        device=None,
+        decode=None,
+    ):
+        super().__init__(
+            n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode
+        )
         shape = (batch_size, n_kv_heads, max_seq_len, 1)
         self.k_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -47,12 +59,17 @@ class Int8KVCache(StaticKVCache):
             scales[layer][rows, :, input_pos] = xs
         L = self.attend_len
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]
-        k_cache, v_cache, k_scale, v_scale = (t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale))
+        k_cache, v_cache, k_scale, v_scale = (
+            t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale)
+        )
         if q.shape[1] == 1 and torch.compiler.is_compiling() and not softcap and sinks is None:
             # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
             # (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
-        k_cache, v_cache = k_cache.to(q.dtype) * k_scale, v_cache.to(q.dtype) * v_scale  # [B, Hkv, L, D]
+        k_cache, v_cache = (
+            k_cache.to(q.dtype) * k_scale,
+            v_cache.to(q.dtype) * v_scale,
+        )  # [B, Hkv, L, D]
         if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:
             return self.decode(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap, sinks)

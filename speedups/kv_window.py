@@ -21,6 +21,7 @@ an earlier use, not keys), then writes only its last R tokens.
     cache = WindowedKVCache.for_model(model, batch_size=1, max_seq_len=32768)
     logits = model(tokens, input_pos, cache)       # the model is unchanged; layers without a window use the plain path
 """
+
 import torch
 
 import cpu_kernels
@@ -36,12 +37,26 @@ def ring_size(window: int, max_seq_len: int) -> int:
 class WindowedKVCache(StaticKVCache):
     """StaticKVCache with ring buffers for the windowed layers (module docstring); windows[layer]: 0 or its window."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=torch.float32, device=None,
-                 decode=None, windows=()):
-        super().__init__(n_layers, batch_size, n_kv_heads, 1, head_dim, dtype, device, decode)  # rebuilt below
+    def __init__(
+        self,
+        n_layers,
+        batch_size,
+        n_kv_heads,
+        max_seq_len,
+        head_dim,
+        dtype=torch.float32,
+        device=None,
+        decode=None,
+        windows=(),
+    ):
+        super().__init__(
+            n_layers, batch_size, n_kv_heads, 1, head_dim, dtype, device, decode
+        )  # rebuilt below
         self.windows = list(windows) or [0] * n_layers
-        self.ring = [ring_size(w, max_seq_len) if w and ring_size(w, max_seq_len) < max_seq_len else 0
-                     for w in self.windows]
+        self.ring = [
+            ring_size(w, max_seq_len) if w and ring_size(w, max_seq_len) < max_seq_len else 0
+            for w in self.windows
+        ]
         self.k, self.v, self.held = [], [], []
         for R in self.ring:
             shape = (batch_size, n_kv_heads, R or max_seq_len, head_dim)
@@ -51,14 +66,27 @@ class WindowedKVCache(StaticKVCache):
         self.slots = torch.arange(max_seq_len, device=device)
         self.max_seq_len = self.attend_len = max_seq_len
         # how far a caller may move back (generate.py --interactive): the rings keep window keys behind it
-        self.rewind_limit = min((R - w for R, w in zip(self.ring, self.windows) if R), default=max_seq_len)
+        self.rewind_limit = min(
+            (R - w for R, w in zip(self.ring, self.windows) if R), default=max_seq_len
+        )
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
         a, w = model.config, model.norm.weight  # the activations' dtype and device
-        decode = cpu_kernels.static_decode if w.device.type == "cpu" else None  # as StaticKVCache.for_model
-        return cls(a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode,
-                   [layer.self_attn.window for layer in model.layers])
+        decode = (
+            cpu_kernels.static_decode if w.device.type == "cpu" else None
+        )  # as StaticKVCache.for_model
+        return cls(
+            a.n_layers,
+            batch_size,
+            a.n_kv_heads,
+            max_seq_len,
+            a.head_dim,
+            w.dtype,
+            w.device,
+            decode,
+            [layer.self_attn.window for layer in model.layers],
+        )
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
@@ -66,15 +94,18 @@ class WindowedKVCache(StaticKVCache):
         if not R:
             return super().attend(layer, q, k, v, input_pos, window, softcap, sinks)
         B, T = input_pos.shape
-        rows = self.rows[:B, None]
         k_ring, v_ring, held = self.k[layer], self.v[layer], self.held[layer]
         if T <= R - window + 1:  # writing first evicts no key these queries need
             self._write(layer, k, v, input_pos)
             keys, values, positions = k_ring, v_ring, held
         else:  # a long prefill: the ring and the step's own keys side by side
-            keys = torch.cat((k_ring, k.transpose(1, 2).to(k_ring.dtype)), dim=2)  # [B, Hkv, R + T, D]
+            keys = torch.cat(
+                (k_ring, k.transpose(1, 2).to(k_ring.dtype)), dim=2
+            )  # [B, Hkv, R + T, D]
             values = torch.cat((v_ring, v.transpose(1, 2).to(v_ring.dtype)), dim=2)
-            stale = held[:B] >= input_pos[:, :1]  # entries from an earlier use at or past this chunk: not keys
+            stale = (
+                held[:B] >= input_pos[:, :1]
+            )  # entries from an earlier use at or past this chunk: not keys
             positions = torch.cat((held[:B].masked_fill(stale, -1), input_pos), dim=1)  # [B, R + T]
         p, s = input_pos[:, None, :, None], positions[:B, None, None, :]
         mask = (s >= 0) & (s <= p) & (s > p - window)  # [B, 1, T, R (+ T)]

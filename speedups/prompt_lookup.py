@@ -26,7 +26,7 @@ class NgramIndex:
 
     def extend(self, tokens):
         for i in range(self.upto, len(tokens) - self.n):  # tokens only grow: index the new starts
-            self.starts.setdefault(tuple(tokens[i:i + self.n]), []).append(i)
+            self.starts.setdefault(tuple(tokens[i : i + self.n]), []).append(i)
         self.upto = max(self.upto, len(tokens) - self.n)
 
 
@@ -40,13 +40,17 @@ def find_draft(tokens, k: int, min_n: int, max_n: int, index: NgramIndex = None)
     tail, best, longest = len(tokens) - min_n, None, 0
     for start in reversed(index.starts.get(tuple(tokens[tail:]), [])[-MAX_CANDIDATES:]):
         n = min_n  # grow the match backwards, up to max_n
-        while n < max_n and start > n - min_n and tokens[start - (n - min_n) - 1] == tokens[tail - (n - min_n) - 1]:
+        while (
+            n < max_n
+            and start > n - min_n
+            and tokens[start - (n - min_n) - 1] == tokens[tail - (n - min_n) - 1]
+        ):
             n += 1
         if n > longest:
             best, longest = start, n
             if n == max_n:
                 break
-    return [] if best is None else tokens[best + min_n:best + min_n + k]
+    return [] if best is None else tokens[best + min_n : best + min_n + k]
 
 
 def check_k(k):
@@ -64,7 +68,9 @@ class PromptLookup:
     def __init__(self, k: int = 4, min_n: int = 1, max_n: int = 3, max_rows: int = 16):
         check_k(k)
         if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
-            raise ValueError(f"prompt lookup needs 1 <= --prompt_lookup_min <= --prompt_lookup_max, got {min_n} and {max_n}")
+            raise ValueError(
+                f"prompt lookup needs 1 <= --prompt_lookup_min <= --prompt_lookup_max, got {min_n} and {max_n}"
+            )
         self.k, self.min_n, self.max_n, self.max_rows = k, min_n, max_n, max_rows
 
     def propose(self, seqs, max_model_len: int):
@@ -75,7 +81,11 @@ class PromptLookup:
         if len(decoding) > self.max_rows:
             return
         for s in decoding:  # the tokens it may still emit, less the one the step adds anyway
-            room = min(self.k, s.request.params.max_new_tokens - len(s.output) - 1, max_model_len - len(s.tokens) - 1)
+            room = min(
+                self.k,
+                s.request.params.max_new_tokens - len(s.output) - 1,
+                max_model_len - len(s.tokens) - 1,
+            )
             if room > 0:
                 s.ngrams = s.ngrams or NgramIndex(self.min_n)
                 s.draft = find_draft(s.tokens, room, self.min_n, self.max_n, s.ngrams)
@@ -91,7 +101,9 @@ class PromptLookupDrafter:
         import torch  # (the engine's proposer above needs none)
 
         drafts = find_draft(tokens, k, 1, self.max_ngram)
-        return drafts, torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab_size).float() if drafts else None
+        return drafts, torch.nn.functional.one_hot(
+            torch.tensor(drafts), self.vocab_size
+        ).float() if drafts else None
 
     def rollback(self, confirmed):
         pass

@@ -1,17 +1,25 @@
 """Shared fixtures: no network, tiny random HF checkpoints, and the embedded model loaded once."""
+
 import os
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no test may reach the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ["TIKTOKEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiktoken-")  # never fetch or reuse a cache
-os.environ["LLM_AOT_CACHE"] = tempfile.mkdtemp(prefix="aot-")  # --compile aot's packages: compiled by the tests
-os.environ["LLM_COMPILE"] = "off"  # generate.py's default (auto) would build a package per model shape: eager unless asked
-os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"  # each package checks its inputs against the shapes it was built for
+os.environ["TIKTOKEN_CACHE_DIR"] = tempfile.mkdtemp(
+    prefix="tiktoken-"
+)  # never fetch or reuse a cache
+os.environ["LLM_AOT_CACHE"] = tempfile.mkdtemp(
+    prefix="aot-"
+)  # --compile aot's packages: compiled by the tests
+os.environ["LLM_COMPILE"] = (
+    "off"  # generate.py's default (auto) would build a package per model shape: eager unless asked
+)
+os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = (
+    "1"  # each package checks its inputs against the shapes it was built for
+)
 
 import pytest
 import torch
-
 from helpers import hf_reference_embedded
 
 

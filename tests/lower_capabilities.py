@@ -1,5 +1,6 @@
 """Print the x86 instruction sets below the one ATen uses on this CPU (default < avx2 < avx512),
 for make test to run the tests marked isa under each: `ATEN_CPU_CAPABILITY=avx2 pytest -m isa`."""
+
 import torch
 
 ORDER = ["default", "avx2", "avx512"]

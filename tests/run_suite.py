@@ -28,6 +28,7 @@ CPU kinds each run covers.
 Each lane's log is printed when it ends, with a progress line every minute before. The run exits
 1 if anything failed, after everything has run. Timings: RESULTS.md, "The test suite's wall time".
 """
+
 import os
 import re
 import shlex
@@ -39,9 +40,20 @@ import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LANE_A = ["test_aot.py", "test_quantize.py", "test_generate.py", "test_speculative.py"]
-SERIAL = ["test_serve.py", "test_serve_clients.py", "test_serve_constrain.py", "test_serve_lifecycle.py",
-          "test_serve_logprobs.py", "test_lm_eval.py", "test_tp.py", "test_tp_engine.py", "test_tokenizer.py",
-          "test_weights.py", "test_weights_fuzz.py", "test_batch_invariant.py"]
+SERIAL = [
+    "test_serve.py",
+    "test_serve_clients.py",
+    "test_serve_constrain.py",
+    "test_serve_lifecycle.py",
+    "test_serve_logprobs.py",
+    "test_lm_eval.py",
+    "test_tp.py",
+    "test_tp_engine.py",
+    "test_tokenizer.py",
+    "test_weights.py",
+    "test_weights_fuzz.py",
+    "test_batch_invariant.py",
+]
 
 
 AMX_OFF = "AVX512_CORE_BF16"  # oneDNN's widest instruction set below AMX
@@ -57,7 +69,9 @@ def run(args, capability=None, isa_only=None, extra_env=None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     env |= {"ATEN_CPU_CAPABILITY": capability} if capability else {}
     isa_only = bool(capability) if isa_only is None else isa_only
-    code = subprocess.call([sys.executable, "-m", "pytest", *args, *(["-m", "isa"] if isa_only else [])], env=env)
+    code = subprocess.call(
+        [sys.executable, "-m", "pytest", *args, *(["-m", "isa"] if isa_only else [])], env=env
+    )
     if code == 5 and isa_only:  # none of these files has a test marked isa
         return 0
     return code if code >= 0 else 128 - code  # killed by a signal: still a failure
@@ -78,11 +92,16 @@ def amx_off() -> list:
     with the batch where AVX-512's did not. Elsewhere nothing: there is no AMX to turn off."""
     if not has_amx():
         return []
-    print("== the tests marked isa and test_batch_invariant.py with AMX off "
-          f"(ONEDNN_MAX_CPU_ISA={AMX_OFF}) ==", flush=True)
+    print(
+        "== the tests marked isa and test_batch_invariant.py with AMX off "
+        f"(ONEDNN_MAX_CPU_ISA={AMX_OFF}) ==",
+        flush=True,
+    )
     env = {"ONEDNN_MAX_CPU_ISA": AMX_OFF}
-    return [run([TESTS], isa_only=True, extra_env=env),
-            run(here(["test_batch_invariant.py"]), isa_only=False, extra_env=env)]
+    return [
+        run([TESTS], isa_only=True, extra_env=env),
+        run(here(["test_batch_invariant.py"]), isa_only=False, extra_env=env),
+    ]
 
 
 def lane(args, capability, log) -> str:
@@ -91,8 +110,10 @@ def lane(args, capability, log) -> str:
     py, quoted = shlex.quote(sys.executable), " ".join(map(shlex.quote, args))
     line = f"a=0; b=0; {py} -m pytest {quoted} || a=1"
     if capability:
-        line += (f"; ATEN_CPU_CAPABILITY={shlex.quote(capability)} {py} -m pytest {quoted} -m isa; "
-                 "c=$?; [ $c -eq 0 ] || [ $c -eq 5 ] || b=1")  # 5: none of them marked isa
+        line += (
+            f"; ATEN_CPU_CAPABILITY={shlex.quote(capability)} {py} -m pytest {quoted} -m isa; "
+            "c=$?; [ $c -eq 0 ] || [ $c -eq 5 ] || b=1"
+        )  # 5: none of them marked isa
     return f"({line}; exit $((a | b))) > {shlex.quote(log)} 2>&1"
 
 
@@ -108,17 +129,26 @@ def lanes(lower) -> int:
     args = {"A": here(LANE_A), "B": [TESTS, *("--ignore=" + f for f in here(LANE_A + SERIAL))]}
     logs, start = tempfile.mkdtemp(prefix="lanes-"), time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    procs = {n: subprocess.Popen(["sh", "-c", lane(args[n], cap, os.path.join(logs, n))], env=env)
-             for n, cap in zip("AB", caps)}
+    procs = {
+        n: subprocess.Popen(["sh", "-c", lane(args[n], cap, os.path.join(logs, n))], env=env)
+        for n, cap in zip("AB", caps)
+    }
     report = start + 60
     while any(p.poll() is None for p in procs.values()):
         time.sleep(1)
         if time.perf_counter() > report:  # a line a minute: CI sees the run alive
             report += 60
-            print(f"lanes, {time.perf_counter() - start:.0f} s: " + ", ".join(
-                f"{n} {progress(os.path.join(logs, n))}" for n in procs), flush=True)
+            print(
+                f"lanes, {time.perf_counter() - start:.0f} s: "
+                + ", ".join(f"{n} {progress(os.path.join(logs, n))}" for n in procs),
+                flush=True,
+            )
     for n, cap in zip("AB", caps):
-        print(f"== lane {n}" + (f", then its isa tests under ATEN_CPU_CAPABILITY={cap}" if cap else "") + " ==")
+        print(
+            f"== lane {n}"
+            + (f", then its isa tests under ATEN_CPU_CAPABILITY={cap}" if cap else "")
+            + " =="
+        )
         with open(os.path.join(logs, n), errors="replace") as f:
             print(f.read(), flush=True)
     shutil.rmtree(logs, ignore_errors=True)
@@ -127,17 +157,27 @@ def lanes(lower) -> int:
 
 
 def main() -> int:
-    lower = subprocess.run([sys.executable, os.path.join(TESTS, "lower_capabilities.py")], capture_output=True,
-                           text=True, check=True).stdout.split()
+    lower = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "lower_capabilities.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     start = time.perf_counter()
-    if len(os.sched_getaffinity(0)) < 2 or len(lower) > 2:  # one core (or more sets than lanes): in turn
+    if (
+        len(os.sched_getaffinity(0)) < 2 or len(lower) > 2
+    ):  # one core (or more sets than lanes): in turn
         codes = [run([TESTS])] + [run([TESTS], cap) for cap in lower]
     else:
         codes = [lanes(lower), run(here(SERIAL))]
         codes += [run(here(SERIAL), cap) for cap in lower]
     codes += amx_off()
     failed = any(codes)
-    print("FAILED: see the runs above" if failed else f"the suite took {time.perf_counter() - start:.0f} s")
+    print(
+        "FAILED: see the runs above"
+        if failed
+        else f"the suite took {time.perf_counter() - start:.0f} s"
+    )
     return int(failed)
 
 

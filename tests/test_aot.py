@@ -1,24 +1,30 @@
 """speedups/aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step, at
 every attend length and cache length one package serves, without the compiler in the process."""
+
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import tiny_checkpoint
 
-from speedups import aot
 import generate
 import runtime
 from formats import weights
-from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache
+from speedups import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOAD = {"dtype": "float32", "quantize": None, "groupsize": 32, "quantize_head": False, "quantize_embedding": False,
-        "dequantize": False}
+LOAD = {
+    "dtype": "float32",
+    "quantize": None,
+    "groupsize": 32,
+    "quantize_head": False,
+    "quantize_embedding": False,
+    "dequantize": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +34,15 @@ def tiny(tmp_path_factory):
 
 def load(tiny, **changes):
     spec = {**LOAD, "checkpoint": str(tiny), **changes}
-    model, _ = weights.load_for_inference(spec["checkpoint"], "cpu", runtime.DTYPES[spec["dtype"]], spec["quantize"],
-                                          spec["groupsize"], spec["quantize_head"], spec["quantize_embedding"])
+    model, _ = weights.load_for_inference(
+        spec["checkpoint"],
+        "cpu",
+        runtime.DTYPES[spec["dtype"]],
+        spec["quantize"],
+        spec["groupsize"],
+        spec["quantize_head"],
+        spec["quantize_embedding"],
+    )
     return model, spec
 
 
@@ -37,7 +50,9 @@ def fill(model, cache, n):
     """The cache holding n positions of a fixed random sequence."""
     torch.manual_seed(1)
     with torch.no_grad():
-        runtime.prefill(model, cache, torch.randint(3, model.config.vocab_size, (cache.batch_size, n)))
+        runtime.prefill(
+            model, cache, torch.randint(3, model.config.vocab_size, (cache.batch_size, n))
+        )
 
 
 @pytest.mark.isa  # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
@@ -52,7 +67,11 @@ def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
     step = aot.decode_step(model, big, spec)
     assert set(step.loaders) == {"short", "long"}
     assert all(len(own) for own in step.kept)
-    for capacity, positions in ((1152, (3, 127, 130, 600, 1023, 1030, 1100, 1151)), (128, (5, 127)), (1025, (1024,))):
+    for capacity, positions in (
+        (1152, (3, 127, 130, 600, 1023, 1030, 1100, 1151)),
+        (128, (5, 127)),
+        (1025, (1024,)),
+    ):
         cache = StaticKVCache.for_model(model, 2, capacity)
         fill(model, cache, positions[-1])
         for p in positions:
@@ -60,31 +79,67 @@ def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
             assert L >= p + 1 and (L <= 1024) == (p < 1024 or capacity <= 1024)
             token, pos = torch.tensor([[5], [9]]), torch.full((2, 1), p)
             twin = StaticKVCache.for_model(model, 2, capacity)
-            twin.k, twin.v, twin.attend_len = [t.clone() for t in cache.k], [t.clone() for t in cache.v], L
+            twin.k, twin.v, twin.attend_len = (
+                [t.clone() for t in cache.k],
+                [t.clone() for t in cache.v],
+                L,
+            )
             with torch.no_grad():
                 ours = step(model, cache, token, pos)
                 eager = runtime.decode_one(model, twin, token, pos)
             torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
-            for a, b in zip(cache.k + cache.v, twin.k + twin.v):  # this step's K/V written in place alike
+            for a, b in zip(
+                cache.k + cache.v, twin.k + twin.v
+            ):  # this step's K/V written in place alike
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        assert cache.use_positions(positions[-1] + 1) == capacity  # the last step attended the whole cache
+        assert (
+            cache.use_positions(positions[-1] + 1) == capacity
+        )  # the last step attended the whole cache
     with pytest.raises(aot.AotError, match="another model, cache class or batch size"):
-        step(model, StaticKVCache.for_model(model, 1, 256), torch.tensor([[5]]), torch.tensor([[3]]))
+        step(
+            model, StaticKVCache.for_model(model, 1, 256), torch.tensor([[5]]), torch.tensor([[3]])
+        )
 
 
 def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_path):
     """generate.py --compile aot on an int4 model (the kernel's group size is a constant Inductor
     makes: recorded beside the package) with the int8 KV cache: greedy tokens equal eager's; the second run compiles
     nothing; the process never imports dynamo, sympy or Inductor's compiler."""
-    argv = ["--checkpoint", str(tiny), "--prompt", "hello world the", "--temperature", "0", "--max_new_tokens", "24",
-            "--ignore_eos", "--dtype", "float32", "--quantize", "int4", "--groupsize", "32", "--kv_cache_dtype", "int8", "--json"]
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello world the",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "24",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+        "--quantize",
+        "int4",
+        "--groupsize",
+        "32",
+        "--kv_cache_dtype",
+        "int8",
+        "--json",
+    ]
     env = {**os.environ, "LLM_AOT_CACHE": str(tmp_path)}
-    script = ("import sys, json, generate; code = generate.main(sys.argv[1:]); "
-              "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules])); "
-              "sys.exit(code)")
+    script = (
+        "import sys, json, generate; code = generate.main(sys.argv[1:]); "
+        "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules])); "
+        "sys.exit(code)"
+    )
 
     def run(*extra):
-        p = subprocess.run([sys.executable, "-c", script, *argv, *extra], cwd=ROOT, env=env, capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, "-c", script, *argv, *extra],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         lines = p.stdout.strip().splitlines()
         return json.loads(lines[0])["tokens"], json.loads(lines[-1]), p.stderr
@@ -94,30 +149,54 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
     assert first == eager and "compiling the decode step ahead of time" in err and imported == []
     again, imported, err = run("--compile", "auto")  # the default finds the same package
     assert again == eager and "compiling" not in err and "loaded in" in err and imported == []
-    folder = next(p for p in tmp_path.iterdir() if (p / "any.pt2").exists())  # the int8 cache: one package
-    own = json.loads(subprocess.run([sys.executable, "-c", "import sys, json; from safetensors.torch import load_file; "
-                                     "print(json.dumps({k: v.tolist() for k, v in load_file(sys.argv[1]).items()}))",
-                                     str(folder / "any.safetensors")], capture_output=True, text=True).stdout)
+    folder = next(
+        p for p in tmp_path.iterdir() if (p / "any.pt2").exists()
+    )  # the int8 cache: one package
+    own = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys, json; from safetensors.torch import load_file; "
+                "print(json.dumps({k: v.tolist() for k, v in load_file(sys.argv[1]).items()}))",
+                str(folder / "any.safetensors"),
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     assert 32 in own.values()  # the int4 kernel's group size, which no model tensor holds
 
     # a package whose recorded constants are gone is named, with what to do
     from safetensors.torch import save_file
 
     save_file({}, str(folder / "any.safetensors"))
-    p = subprocess.run([sys.executable, "generate.py", *argv, "--compile", "aot"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert p.returncode == 2 and "reads tensors this model lacks" in p.stderr and "delete that folder" in p.stderr
+    p = subprocess.run(
+        [sys.executable, "generate.py", *argv, "--compile", "aot"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        p.returncode == 2
+        and "reads tensors this model lacks" in p.stderr
+        and "delete that folder" in p.stderr
+    )
 
 
 def test_failed_compile_is_reported_with_its_log(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # Inductor's C++ compiler: every compile fails
     model, spec = load(tiny)
-    with pytest.raises(aot.AotError, match=r"(?s)a C\+\+ compile failed.*build\.log.*/bin/false") as failed:
+    with pytest.raises(aot.AotError, match=r"(?s)a C\+\+ compile failed.*build\.log.*/bin/false"):
         aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec)
     assert not [p for p in tmp_path.rglob(".short.*")]  # the half-built files are gone
 
 
-def test_default_falls_back_to_eager_with_the_reason_in_one_line(tiny, tmp_path, monkeypatch, capsys):
+def test_default_falls_back_to_eager_with_the_reason_in_one_line(
+    tiny, tmp_path, monkeypatch, capsys
+):
     """--compile auto (generate.py's default): a cache folder that cannot be made, or a build that
     fails, decodes eager after one line saying why; a read-only folder holding the packages loads them."""
     model, spec = load(tiny, quantize="int4")
@@ -126,27 +205,55 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(tiny, tmp_path,
     built = os.environ["LLM_AOT_CACHE"]  # conftest's folder
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path / "a-file" / "aot"))
     assert aot.decode_step(model, cache, spec, fallback=True) is runtime.decode_one
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")]
-    assert len(said) == 1 and "cannot write the package folder" in said[0] and "LLM_AOT_CACHE" in said[0]
+    said = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")
+    ]
+    assert (
+        len(said) == 1
+        and "cannot write the package folder" in said[0]
+        and "LLM_AOT_CACHE" in said[0]
+    )
 
     monkeypatch.setenv("LLM_AOT_CACHE", built)
-    aot.decode_step(model, cache, spec)  # the packages are there (built now if this test runs alone)
+    aot.decode_step(
+        model, cache, spec
+    )  # the packages are there (built now if this test runs alone)
     real_open = open
-    monkeypatch.setattr(aot, "open", lambda path, *a: (_ for _ in ()).throw(PermissionError(13, "read-only"))
-                        if path.endswith(".lock") else real_open(path, *a), raising=False)
+    monkeypatch.setattr(
+        aot,
+        "open",
+        lambda path, *a: (
+            (_ for _ in ()).throw(PermissionError(13, "read-only"))
+            if path.endswith(".lock")
+            else real_open(path, *a)
+        ),
+        raising=False,
+    )
     assert isinstance(aot.decode_step(model, cache, spec, fallback=True), aot.AotDecode)
     monkeypatch.delattr(aot, "open")
 
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path / "aot"))
     monkeypatch.setenv("CXX", "/bin/false")  # Inductor's C++ compiler: the build fails
     capsys.readouterr()
-    assert aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True) is runtime.decode_one
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")]
+    assert (
+        aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True)
+        is runtime.decode_one
+    )
+    said = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")
+    ]
     assert len(said) == 1 and "failed (a C++ compile failed" in said[0]
     # the failure is remembered: the next default run does not build again, and says how to retry
-    assert aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True) is runtime.decode_one
+    assert (
+        aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True)
+        is runtime.decode_one
+    )
     err = capsys.readouterr().err
-    assert "ahead of time (package" not in err and "the last build into" in err and "delete that folder to build again" in err
+    assert (
+        "ahead of time (package" not in err
+        and "the last build into" in err
+        and "delete that folder to build again" in err
+    )
 
 
 def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monkeypatch):
@@ -155,15 +262,23 @@ def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monk
     assert aot.choose(generate.parse_args([]), "cpu") == "auto"
     assert aot.choose(generate.parse_args(["--compile", "off"]), "cpu") is None
     assert aot.choose(generate.parse_args(["--compile"]), "cpu") == "jit"
-    for flags, device in (([], "cuda"), (["--cache", "paged"], "cpu"), (["--prompt_lookup", "2"], "cpu")):
-        assert aot.choose(generate.parse_args(flags), device) is None  # eager, as before, without a word
+    for flags, device in (
+        ([], "cuda"),
+        (["--cache", "paged"], "cpu"),
+        (["--prompt_lookup", "2"], "cpu"),
+    ):
+        assert (
+            aot.choose(generate.parse_args(flags), device) is None
+        )  # eager, as before, without a word
     with pytest.raises(aot.AotError, match="static KV cache"):
         aot.choose(generate.parse_args(["--compile", "aot", "--cache", "paged"]), "cpu")
     import argparse
 
     p = argparse.ArgumentParser()
     runtime.add_engine_args(p)
-    assert runtime.engine_options(p.parse_args([]))["compile"] == "auto"  # batch.py and serve.py alike
+    assert (
+        runtime.engine_options(p.parse_args([]))["compile"] == "auto"
+    )  # batch.py and serve.py alike
     monkeypatch.setenv("LLM_COMPILE", "1")
     with pytest.raises(SystemExit, match="LLM_COMPILE='1'"):
         generate.parse_args([])
@@ -173,8 +288,11 @@ def test_aot_refusals(monkeypatch):
     args = generate.parse_args(["--compile", "aot"])
     with pytest.raises(aot.AotError, match="pass --device cpu"):
         aot.check_usable(args, "cuda")
-    for flags, message in ((["--compile_prefill"], "--compile_prefill"), (["--cache", "paged"], "static KV cache"),
-                           (["--prompt_lookup", "2"], "speculative decoding")):
+    for flags, message in (
+        (["--compile_prefill"], "--compile_prefill"),
+        (["--cache", "paged"], "static KV cache"),
+        (["--prompt_lookup", "2"], "speculative decoding"),
+    ):
         with pytest.raises(aot.AotError, match=message):
             aot.check_usable(generate.parse_args(["--compile", "aot", *flags]), "cpu")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -183,7 +301,21 @@ def test_aot_refusals(monkeypatch):
 
 
 def test_cli_refusal_is_a_clear_error(tiny, capsys):
-    assert generate.main(["--checkpoint", str(tiny), "--compile", "aot", "--cache", "paged", "--max_new_tokens", "4"]) == 2
+    assert (
+        generate.main(
+            [
+                "--checkpoint",
+                str(tiny),
+                "--compile",
+                "aot",
+                "--cache",
+                "paged",
+                "--max_new_tokens",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "static KV cache" in capsys.readouterr().err
 
 
@@ -195,14 +327,27 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     pieces where a step has more rows than the package takes."""
     import random
 
-    from server import tp_engine
     from sequence import RequestParams
+    from server import tp_engine
 
     rng = random.Random(3)
     head = [rng.randrange(3, 200) for _ in range(9)]
-    prompts = [(head if i % 3 == 0 else []) + [rng.randrange(3, 200) for _ in range(rng.randint(2, 40))] for i in range(14)]
-    params = [RequestParams(max_new_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
-    flags = dict(checkpoint=str(tiny), dtype="float32", block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
+    prompts = [
+        (head if i % 3 == 0 else []) + [rng.randrange(3, 200) for _ in range(rng.randint(2, 40))]
+        for i in range(14)
+    ]
+    params = [
+        RequestParams(max_new_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True)
+        for _ in prompts
+    ]
+    flags = dict(
+        checkpoint=str(tiny),
+        dtype="float32",
+        block_size=4,
+        num_blocks=40,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
     eager, _, _ = tp_engine.load_one_process(compile="off", **flags)
     assert eager.decode_fn is None
     engine, _, _ = tp_engine.load_one_process(compile="aot", **flags)
@@ -210,7 +355,9 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     rows, package = [], engine.decode_fn
 
     def counted(model, cache, tokens, pos):
-        rows.append((tokens.shape[1], cache.groups[0][2].shape[1]))  # (rows, table width) of this compiled step
+        rows.append(
+            (tokens.shape[1], cache.groups[0][2].shape[1])
+        )  # (rows, table width) of this compiled step
         return package(model, cache, tokens, pos)
 
     class Runs:  # the C++ loader, counted: every compiled step must go through the package
@@ -219,20 +366,32 @@ def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
 
         def run(self, inputs):
             self.n += 1
-            assert 2 <= inputs[0].shape[1] <= max(2, package.max_rows)  # never more rows than it was built for
+            assert (
+                2 <= inputs[0].shape[1] <= max(2, package.max_rows)
+            )  # never more rows than it was built for
             return self.loader.run(inputs)
 
     engine.decode_fn, package.loaders["paged"] = counted, Runs(package.loaders["paged"])
     ours, theirs = engine.run_batch(prompts, params), eager.run_batch(prompts, params)
     assert [o["tokens"] for o in ours] == [o["tokens"] for o in theirs]
     assert package.loaders["paged"].n == len(rows) > 20
-    assert 1 in {r for r, _ in rows} and len({r for r, _ in rows}) >= 4 and len({w for _, w in rows}) >= 3
-    assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["prompt_tokens_hit"] > 0
+    assert (
+        1 in {r for r, _ in rows}
+        and len({r for r, _ in rows}) >= 4
+        and len({w for _, w in rows}) >= 3
+    )
+    assert (
+        engine.scheduler.stats["preemptions"] > 0
+        and engine.scheduler.stats["prompt_tokens_hit"] > 0
+    )
     # a step longer than the package's rows runs as pieces of them (here 3 rows a call)
     rows.clear()
     package.max_rows, package.loaders["paged"].n = 3, 0
     assert [o["tokens"] for o in engine.run_batch(prompts, params)] == [o["tokens"] for o in theirs]
-    assert package.loaders["paged"].n == sum(-(-r // 3) for r, _ in rows) > len(rows) and max(r for r, _ in rows) > 3
+    assert (
+        package.loaders["paged"].n == sum(-(-r // 3) for r, _ in rows) > len(rows)
+        and max(r for r, _ in rows) > 3
+    )
 
 
 def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
@@ -241,5 +400,14 @@ def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
     model, _ = load(tiny, quantize="int4")
     step = aot.Step(model, StaticKVCache.for_model(model, 1, 64))
     files = {os.path.relpath(f, ROOT) for f in aot.traced_files(step)}
-    assert {"model.py", "kv_cache.py", "quantize.py", "cpu_kernels.py", "runtime.py", "speedups/aot.py"} <= files
-    assert not [f for f in files if f.startswith(("server/", "tests/")) or f in ("serve.py", "batch.py")], files
+    assert {
+        "model.py",
+        "kv_cache.py",
+        "quantize.py",
+        "cpu_kernels.py",
+        "runtime.py",
+        "speedups/aot.py",
+    } <= files
+    assert not [
+        f for f in files if f.startswith(("server/", "tests/")) or f in ("serve.py", "batch.py")
+    ], files

@@ -1,22 +1,22 @@
 """batch_invariant.py: a greedy request's logits, bit for bit, and so its tokens do not depend on
 what runs beside it: alone, inside batches of every size 1-32, chunked by other budgets,
 preempted, or continued from its own output as a prompt."""
+
 import argparse
 import random
 
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
 
 import batch_invariant
-import helpers
-from formats import quant_groups
 import quantize
 import runtime
-from formats import weights
 from engine import Engine, Finished, RequestParams
-from server.tp_engine import load_engine
+from formats import quant_groups, weights
 from kv_cache import attention, bucket, visible
+from server.tp_engine import load_engine
 
 WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()
 
@@ -28,7 +28,9 @@ def invariant():  # the int4 layers' route is process-wide: undone after each te
     batch_invariant.disable()
 
 
-@pytest.mark.parametrize("start, n, bs", [(0, 1, 16), (0, 700, 16), (5, 300, 16), (40, 3, 4), (127, 2, 16), (47, 1, 16)])
+@pytest.mark.parametrize(
+    "start, n, bs", [(0, 1, 16), (0, 700, 16), (5, 300, 16), (40, 3, 4), (127, 2, 16), (47, 1, 16)]
+)
 def test_pieces_cut_a_chunk_where_the_width_changes(start, n, bs):
     got = [w for m, w in batch_invariant.pieces(start, n, bs) for _ in range(m)]
     assert got == [bucket(p // bs + 1) for p in range(start, start + n)]
@@ -43,12 +45,18 @@ def linear_layer(kind, K, N=192):
         return torch.nn.Linear(K, N, bias=False).to(torch.bfloat16).requires_grad_(False)
     if kind.startswith("int8 groups"):  # a GGUF Q8_0/Q4_1 layer at its own bits: two int4 halves
         q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-        layer = quant_groups.Int8GroupLinear(q, torch.rand(N, K // 32, generator=g) * 0.02, None, None, torch.bfloat16)
+        layer = quant_groups.Int8GroupLinear(
+            q, torch.rand(N, K // 32, generator=g) * 0.02, None, None, torch.bfloat16
+        )
         assert layer.pair is not None
-        if kind.endswith("dequantized"):  # as where the int4 kernel is missing: F.linear on dequantized values
+        if kind.endswith(
+            "dequantized"
+        ):  # as where the int4 kernel is missing: F.linear on dequantized values
             layer.weight, layer.pair = layer.int8_values(), None
         return layer
-    return quantize.make_layer(quantize.portable_tensors(w, kind, 64), None, kind, 64, torch.bfloat16, "cpu")
+    return quantize.make_layer(
+        quantize.portable_tensors(w, kind, 64), None, kind, 64, torch.bfloat16, "cpu"
+    )
 
 
 def mode_route(layer):
@@ -67,7 +75,7 @@ def test_every_linear_route_gives_a_row_the_same_bits_at_any_row_count(kind, K, 
     route = mode_route(layer)
     x = torch.randn(301, K, generator=torch.Generator().manual_seed(1)).bfloat16()
     with torch.no_grad():
-        alone = torch.cat([route(x[i:i + 1]) for i in range(0, 300, 37)])  # rows 0, 37, ...
+        alone = torch.cat([route(x[i : i + 1]) for i in range(0, 300, 37)])  # rows 0, 37, ...
         for rows in (2, 3, 16, 17, 37, 127, 128, 129, 300):  # 128: the default int4 route switches
             y = route(x[:rows])
             for j, i in enumerate(range(0, rows, 37)):
@@ -83,6 +91,7 @@ def test_fixed_rows_calls_the_layer_with_rows_blocks_only_and_equals_it():
     def spy(x):
         shapes.append(tuple(x.shape))
         return layer(x)
+
     x = torch.randn(2, 37, 64, dtype=torch.float64)
     with torch.no_grad():
         y = batch_invariant.fixed_rows(spy)(x)
@@ -99,7 +108,9 @@ def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.isa
-@pytest.mark.parametrize("H, Hkv, L", [(9, 3, 256), (4, 4, 2048)])  # grouped heads; one head per KV head, long
+@pytest.mark.parametrize(
+    "H, Hkv, L", [(9, 3, 256), (4, 4, 2048)]
+)  # grouped heads; one head per KV head, long
 def test_attention_gives_a_query_the_same_bits_alone_or_among_others(H, Hkv, L):
     """A query of a 100-token prefill chunk == the same query as a one-token row, alone or among 5 others."""
     q, k, v, mask = paged_rows(list(range(L - 160, L - 60)), L, H, Hkv)
@@ -107,8 +118,12 @@ def test_attention_gives_a_query_the_same_bits_alone_or_among_others(H, Hkv, L):
     for t in (0, 41, 99):
         for rows in ([t], [t, 3, 50, 77, 98, 12]):  # decode rows, t first
             R = len(rows)
-            y = batch_invariant.attention(q[0, rows][:, None], k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1),
-                                          mask[0, :, rows].transpose(0, 1)[:, :, None])
+            y = batch_invariant.attention(
+                q[0, rows][:, None],
+                k.expand(R, -1, -1, -1),
+                v.expand(R, -1, -1, -1),
+                mask[0, :, rows].transpose(0, 1)[:, :, None],
+            )
             assert torch.equal(y[0, 0], chunk[0, t]), (t, R)
 
 
@@ -122,10 +137,15 @@ def test_attention_products_have_rows_rows_and_a_batch_of_two_or_more(H, Hkv, T,
         y = matmul(a, b)
         shapes.append((a.shape[-2], y.numel() // (y.shape[-2] * y.shape[-1])))  # (rows, batch)
         return y
+
     monkeypatch.setattr(torch, "matmul", spy)
     q, k, v, mask = paged_rows(list(range(200 - T, 200)), 256, H, Hkv)
-    y = batch_invariant.attention(q.expand(R, -1, -1, -1), k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1),
-                                  mask.expand(R, -1, -1, -1))
+    y = batch_invariant.attention(
+        q.expand(R, -1, -1, -1),
+        k.expand(R, -1, -1, -1),
+        v.expand(R, -1, -1, -1),
+        mask.expand(R, -1, -1, -1),
+    )
     assert y.shape == (R, T, H, 64) and len(shapes) == 2
     assert all(rows == batch_invariant.ROWS and batch >= 2 for rows, batch in shapes), shapes
 
@@ -136,10 +156,16 @@ def test_attention_equals_the_reference(softcap, sinks):
     s = torch.randn(9, dtype=torch.float64) if sinks else None
     ref = attention(q, k, v, mask, softcap, s)  # with softcap or sinks its softmax runs in float32
     tol = 1e-6 if softcap or sinks else 1e-10
-    torch.testing.assert_close(batch_invariant.attention(q, k, v, mask, softcap, s), ref, rtol=tol, atol=tol)
-    plain = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(
+        batch_invariant.attention(q, k, v, mask, softcap, s), ref, rtol=tol, atol=tol
+    )
+    plain = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
     if not softcap and not sinks:
-        torch.testing.assert_close(batch_invariant.attention(q, k, v, mask), plain, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            batch_invariant.attention(q, k, v, mask), plain, rtol=1e-10, atol=1e-10
+        )
 
 
 class Probe:
@@ -151,16 +177,23 @@ class Probe:
         self.logits, sample = [], self.engine._sample
 
         def spy(plan, done, logits, events):
-            self.logits += [logits[i].clone() for i, s in enumerate(done) if s.request.id == "probe"]
+            self.logits += [
+                logits[i].clone() for i, s in enumerate(done) if s.request.id == "probe"
+            ]
             return sample(plan, done, logits, events)
+
         self.engine._sample = spy
 
     def run(self, prompt, others=(), new=8):
         """(the probe's logits [new, V], its tokens) with `others` (prompt, max_new_tokens) beside it."""
         self.logits.clear()
-        self.engine.add_request(prompt, RequestParams(max_new_tokens=new, temperature=0, ignore_eos=True), "probe")
+        self.engine.add_request(
+            prompt, RequestParams(max_new_tokens=new, temperature=0, ignore_eos=True), "probe"
+        )
         for j, (p, n) in enumerate(others):
-            self.engine.add_request(p, RequestParams(max_new_tokens=n, temperature=0, ignore_eos=True), f"other{j}")
+            self.engine.add_request(
+                p, RequestParams(max_new_tokens=n, temperature=0, ignore_eos=True), f"other{j}"
+            )
         tokens = None
         while self.engine.has_unfinished():
             for e in self.engine.step():
@@ -182,7 +215,10 @@ def test_greedy_logits_alone_equal_inside_batches_of_every_size_1_to_32(invarian
     prompt = words(rng, 40, probe.tokenizer)
     ref, tokens = probe.run(prompt, new=3)
     for size in range(1, 33):
-        others = [(words(rng, rng.randint(1, 8), probe.tokenizer), rng.randint(1, 3)) for _ in range(size - 1)]
+        others = [
+            (words(rng, rng.randint(1, 8), probe.tokenizer), rng.randint(1, 3))
+            for _ in range(size - 1)
+        ]
         if size % 4 == 2:  # a long prompt beside it: steps of more than 128 rows
             others.append((words(rng, 200, probe.tokenizer), 2))
         logits, got = probe.run(prompt, others, new=3)
@@ -190,20 +226,25 @@ def test_greedy_logits_alone_equal_inside_batches_of_every_size_1_to_32(invarian
 
 
 @pytest.mark.parametrize("dequantize", [False, True])  # the file's own bits; dense bf16 (F.linear)
-def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(dequantize, invariant,
-                                                                                 monkeypatch):
+def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt(
+    dequantize, invariant, monkeypatch
+):
     rows, linear = set(), F.linear  # the row counts of every float GEMM the engine makes
 
     def spy(x, w, b=None):
         rows.add(x.reshape(-1, x.shape[-1]).shape[0])
         return linear(x, w, b)
+
     monkeypatch.setattr(F, "linear", spy)
     rng = random.Random(1)
     alone = Probe(max_num_batched_tokens=512, num_blocks=40, dequantize=dequantize)
     prompt = words(rng, 150, alone.tokenizer)
     ref, tokens = alone.run(prompt, new=12)  # its decode steps have one row
     if dequantize:  # every float product in the mode has ROWS rows, whatever the step's
-        assert all(getattr(m.forward, "fixed_rows", False) for m in batch_invariant.float_layers(alone.engine.model))
+        assert all(
+            getattr(m.forward, "fixed_rows", False)
+            for m in batch_invariant.float_layers(alone.engine.model)
+        )
     # 39 blocks of 16 tokens for 6 requests of ~170
     tight = Probe(max_num_batched_tokens=48, max_num_seqs=8, num_blocks=40, dequantize=dequantize)
     others = [(words(rng, 150, tight.tokenizer), 16) for _ in range(5)]
@@ -211,7 +252,9 @@ def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt
     assert tight.engine.scheduler.stats["preemptions"] > 0
     assert torch.equal(logits, ref) and got == tokens
     rows.discard(0)  # the head of a step that samples nothing: no row to change
-    assert rows == ({batch_invariant.ROWS} if dequantize else set())  # one shape per layer, AMX or not
+    assert rows == (
+        {batch_invariant.ROWS} if dequantize else set()
+    )  # one shape per layer, AMX or not
     # its first 5 tokens computed as prompt rows (positions 144-154 in one chunk: the cache holds only
     # full blocks) instead of decode rows: the same K/V bits
     logits, got = alone.run(prompt + tokens[:5], new=7)
@@ -242,6 +285,9 @@ def test_without_the_mode_the_same_request_changes_beside_a_long_prompt():
 def test_the_mode_refuses_what_it_does_not_prove(tmp_path):
     folder = helpers.tiny_checkpoint(tmp_path)
     model, _ = weights.load(folder, dtype=torch.float32)
-    with pytest.raises(ValueError, match="proven on CPU in bfloat16 for dense models; this model runs on cpu in float32"):
+    with pytest.raises(
+        ValueError,
+        match="proven on CPU in bfloat16 for dense models; this model runs on cpu in float32",
+    ):
         Engine.for_model(model, num_blocks=16, batch_invariant=True)
     assert quantize.INT4_LARGE_M == 128  # refused before it changed anything

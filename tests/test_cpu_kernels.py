@@ -1,5 +1,6 @@
 """cpu_kernels.py: every CPU fast kernel against the plain reference it stands in for (a cache built
 with decode=None, SDPA, F.linear, the int4 formula), float64 where the kernel computes in it."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,8 +9,8 @@ import cpu_kernels
 import quantize
 import runtime
 from kv_cache import StaticKVCache
-from speedups.kv_int8 import Int8KVCache, quantize_per_token
 from paged import PagedKVCache
+from speedups.kv_int8 import Int8KVCache, quantize_per_token
 
 
 def rel_error(y, ref):
@@ -29,13 +30,17 @@ def test_decode_attention_equals_sdpa(int8):
     B, Hkv, H, S, D = 2, 2, 6, 40, 16
     q, k, v = torch.randn(B, 1, H, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     mask = torch.arange(S) <= torch.tensor([17, 39])[:, None, None, None]  # [B, 1, 1, S]
-    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True
+    )
     if int8:
         (kq, ks), (vq, vs) = quantize_per_token(k), quantize_per_token(v)
         y = cpu_kernels.decode_attention(q, kq, vq, mask, ks, vs)
         assert rel_error(y, ref.transpose(1, 2)) < 0.01
     else:
-        torch.testing.assert_close(cpu_kernels.decode_attention(q, k, v, mask), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cpu_kernels.decode_attention(q, k, v, mask), ref.transpose(1, 2), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.isa
@@ -50,14 +55,21 @@ def test_grouped_decode_attention_equals_sdpa(dtype):
     mask = torch.arange(S) <= torch.tensor([0, 17, 63])[:, None, None, None]  # [B, 1, 1, S]
     y = cpu_kernels.grouped_decode_attention(q, k[:, :, :S], v[:, :, :S], mask)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(1, 2), k[:, :, :S].double(), v[:, :, :S].double(), attn_mask=mask, enable_gqa=True)
+        q.double().transpose(1, 2),
+        k[:, :, :S].double(),
+        v[:, :, :S].double(),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
     tol = 1e-12 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(y.double(), ref.transpose(1, 2), atol=tol, rtol=tol)
 
 
 def static_pair(cls, B, Hkv, S, D, dtype):
     """The same cache twice: the reference (decode=None) and with the CPU kernel for_model picks."""
-    return cls(1, B, Hkv, S, D, dtype), cls(1, B, Hkv, S, D, dtype, decode=cpu_kernels.static_decode)
+    return cls(1, B, Hkv, S, D, dtype), cls(
+        1, B, Hkv, S, D, dtype, decode=cpu_kernels.static_decode
+    )
 
 
 @pytest.mark.isa
@@ -74,8 +86,12 @@ def test_static_decode_equals_the_cache_reference(cls, dtype):
     for c in caches:  # a prefill through the reference (T > 1): identical contents in both
         c.attend(0, q, k, v, torch.arange(100).expand(B, 100))
     starts, lengths = torch.tensor([[100], [110]]), set()
-    for step, (n, round_up) in enumerate([(128, True), (128, False), (None, True), (200, True)] * 2):
-        q, k, v = (torch.randn(B, 1, n_heads, D, generator=g).to(dtype) for n_heads in (H, Hkv, Hkv))
+    for step, (n, round_up) in enumerate(
+        [(128, True), (128, False), (None, True), (200, True)] * 2
+    ):
+        q, k, v = (
+            torch.randn(B, 1, n_heads, D, generator=g).to(dtype) for n_heads in (H, Hkv, Hkv)
+        )
         lengths |= {c.use_positions(n, round_up) for c in caches}
         ref, fast = (c.attend(0, q, k, v, starts + step) for c in caches)
         torch.testing.assert_close(fast.double(), ref.double(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -104,19 +120,32 @@ def test_compiled_one_token_kernels_equal_the_cache_reference(cls):
     g = torch.Generator().manual_seed(0)
     B, Hkv, H, S, D = 2, 2, 6, 192, 16
     ref, fast = static_pair(cls, B, Hkv, S, D, torch.float64)
-    q, k, v = torch.randn(B, 40, H, D, generator=g).double(), exact_int8((B, 40, Hkv, D), g, torch.float64), \
-        exact_int8((B, 40, Hkv, D), g, torch.float64)
+    q, k, v = (
+        torch.randn(B, 40, H, D, generator=g).double(),
+        exact_int8((B, 40, Hkv, D), g, torch.float64),
+        exact_int8((B, 40, Hkv, D), g, torch.float64),
+    )
     for c in (ref, fast):
         c.attend(0, q, k, v, torch.arange(40).expand(B, 40))
-    step = torch.compile(lambda c, q, k, v, pos: c.attend(0, q, k, v, pos), fullgraph=True, dynamic=False)
+    step = torch.compile(
+        lambda c, q, k, v, pos: c.attend(0, q, k, v, pos), fullgraph=True, dynamic=False
+    )
     with torch._inductor.config.patch({"cpp.simdlen": runtime.inductor_vector_bits()}):
         for n, at in ((128, [[40], [60]]), (None, [[41], [150]])):
             q = torch.randn(B, 1, H, D, generator=g).double()
-            k, v = exact_int8((B, 1, Hkv, D), g, torch.float64), exact_int8((B, 1, Hkv, D), g, torch.float64)
+            k, v = (
+                exact_int8((B, 1, Hkv, D), g, torch.float64),
+                exact_int8((B, 1, Hkv, D), g, torch.float64),
+            )
             ref.use_positions(n), fast.use_positions(n)
-            want, got = ref.attend(0, q, k, v, torch.tensor(at)), step(fast, q, k, v, torch.tensor(at))
+            want, got = (
+                ref.attend(0, q, k, v, torch.tensor(at)),
+                step(fast, q, k, v, torch.tensor(at)),
+            )
             assert all(torch.equal(a, b) for a, b in zip(ref.tensors(), fast.tensors()))
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # decode_attention computes in float32
+            torch.testing.assert_close(
+                got, want, atol=1e-5, rtol=1e-5
+            )  # decode_attention computes in float32
 
 
 # ---- one-token attention over a paged pool ----------------------------------------------------
@@ -162,12 +191,16 @@ def test_paged_decode_in_place_equals_the_cache_reference(dtype):
     g = torch.Generator().manual_seed(0)
     R, H, Hkv, D, bs, layers = 4, 6, 2, 8, 4, 3
     ref = PagedKVCache(layers, 1 + R * 8, bs, Hkv, D, dtype)
-    fast = PagedKVCache(layers, 1 + R * 8, bs, Hkv, D, dtype, decode=cpu_kernels.PagedDecodeInPlace())
+    fast = PagedKVCache(
+        layers, 1 + R * 8, bs, Hkv, D, dtype, decode=cpu_kernels.PagedDecodeInPlace()
+    )
     for a, b in zip(ref.tensors(), fast.tensors()):
         a.copy_(torch.randn(a.shape, generator=g))
         b.copy_(a)
     blocks = (1 + torch.randperm(R * 8, generator=g)).view(R, 8)
-    lengths = torch.tensor([1, 6, 13, 20])  # tokens already in each row; the new one goes at this position
+    lengths = torch.tensor(
+        [1, 6, 13, 20]
+    )  # tokens already in each row; the new one goes at this position
     for width in (8, 16, 8):  # 16: half the entries point at the null block
         table = torch.zeros(R, width, dtype=torch.long)
         table[:, :8] = blocks
@@ -179,7 +212,9 @@ def test_paged_decode_in_place_equals_the_cache_reference(dtype):
             for layer in range(layers):
                 q, k, v = (torch.randn(R, 1, n, D, generator=g).to(dtype) for n in (H, Hkv, Hkv))
                 want, got = ref.attend(layer, q, k, v, pos), fast.attend(layer, q, k, v, pos)
-                torch.testing.assert_close(got.double(), want.double(), atol=TOL[dtype], rtol=TOL[dtype])
+                torch.testing.assert_close(
+                    got.double(), want.double(), atol=TOL[dtype], rtol=TOL[dtype]
+                )
         lengths = lengths + 3
     assert all(torch.equal(a, b) for a, b in zip(ref.tensors(), fast.tensors()))
 
@@ -191,13 +226,29 @@ def test_paged_decode_in_place_reads_a_hybrids_two_tables_and_follows_their_edit
     tensor) for the step, and builds them again when the table is edited in place."""
     g = torch.Generator().manual_seed(0)
     R, H, Hkv, D, bs, layers, dtype = 3, 4, 2, 8, 4, 3, torch.float32
-    ref, fast = (PagedKVCache(layers, 1 + R * 4, bs, Hkv, D, dtype, decode=d, window_layers=(0, 2), window_blocks=1 + R * 3)
-                 for d in (None, cpu_kernels.PagedDecodeInPlace()))
+    ref, fast = (
+        PagedKVCache(
+            layers,
+            1 + R * 4,
+            bs,
+            Hkv,
+            D,
+            dtype,
+            decode=d,
+            window_layers=(0, 2),
+            window_blocks=1 + R * 3,
+        )
+        for d in (None, cpu_kernels.PagedDecodeInPlace())
+    )
     for a, b in zip(ref.tensors(), fast.tensors()):
         a.copy_(torch.randn(a.shape, generator=g))
         b.copy_(a)
-    table = torch.stack([(1 + torch.randperm(R * 4, generator=g)).view(R, 4),
-                         (1 + torch.randperm(R * 3, generator=g)).view(R, 3).repeat(1, 2)[:, :4]])  # [2, R, 4]
+    table = torch.stack(
+        [
+            (1 + torch.randperm(R * 4, generator=g)).view(R, 4),
+            (1 + torch.randperm(R * 3, generator=g)).view(R, 3).repeat(1, 2)[:, :4],
+        ]
+    )  # [2, R, 4]
     for step in range(3):
         if step == 2:  # edited in place: the windowed layers' rows swap
             table[1] = table[1].flip(0).clone()
@@ -205,7 +256,12 @@ def test_paged_decode_in_place_reads_a_hybrids_two_tables_and_follows_their_edit
         ref.groups = fast.groups = [(R, 1, table)]
         for layer in range(layers):
             q, k, v = (torch.randn(R, 1, n, D, generator=g) for n in (H, Hkv, Hkv))
-            torch.testing.assert_close(fast.attend(layer, q, k, v, pos), ref.attend(layer, q, k, v, pos), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                fast.attend(layer, q, k, v, pos),
+                ref.attend(layer, q, k, v, pos),
+                atol=1e-5,
+                rtol=1e-5,
+            )
         assert fast.decode._bag_cache[0] is table and len(fast.decode._bag_cache[2]) == 2
     assert all(torch.equal(a, b) for a, b in zip(ref.tensors(), fast.tensors()))
 
@@ -228,8 +284,14 @@ def test_large_gemms_see_few_row_counts():
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    layer = quantize.make_layer(quantize.portable_tensors(torch.randn(64, 256) * 0.05, "int4", 64), None, "int4", 64,
-                                torch.bfloat16, "cpu")
+    layer = quantize.make_layer(
+        quantize.portable_tensors(torch.randn(64, 256) * 0.05, "int4", 64),
+        None,
+        "int4",
+        64,
+        torch.bfloat16,
+        "cpu",
+    )
     w = layer.dequantize().to(torch.bfloat16)
     for rows in range(128, 161):
         x = torch.randn(rows, 256).to(torch.bfloat16)
@@ -243,8 +305,14 @@ def test_large_gemms_see_few_row_counts():
 def test_padded_linear_equals_f_linear(monkeypatch):
     """gemm_padding's rule (bf16/fp16 on CPU from 128 rows: up to a multiple of 16), and
     padded_linear against F.linear with the rule forced onto float64: each row its own product."""
-    assert [cpu_kernels.gemm_padding(n, torch.bfloat16, "cpu") for n in (1, 127, 128, 129, 143, 144)] == [0, 0, 0, 15, 1, 0]
-    assert cpu_kernels.gemm_padding(130, torch.float32, "cpu") == 0 == cpu_kernels.gemm_padding(130, torch.bfloat16, "cuda")
+    assert [
+        cpu_kernels.gemm_padding(n, torch.bfloat16, "cpu") for n in (1, 127, 128, 129, 143, 144)
+    ] == [0, 0, 0, 15, 1, 0]
+    assert (
+        cpu_kernels.gemm_padding(130, torch.float32, "cpu")
+        == 0
+        == cpu_kernels.gemm_padding(130, torch.bfloat16, "cuda")
+    )
     monkeypatch.setattr(cpu_kernels, "GEMM_PAD_DTYPES", (torch.float64,))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 32, generator=g, dtype=torch.float64)
@@ -266,7 +334,10 @@ def test_cpu_int4_kernel_passes_its_load_time_probe():
 def test_the_int4_probe_reports_a_wrong_or_missing_kernel(monkeypatch):
     """The probe is not vacuous: a kernel whose result is off by 1% fails it, and one that raises
     is reported by its error (uncached calls: the real kernel's verdict stays cached)."""
-    probe, real = cpu_kernels.cpu_int4_kernel_error.__wrapped__, torch.ops.aten._weight_int4pack_mm_for_cpu
+    probe, real = (
+        cpu_kernels.cpu_int4_kernel_error.__wrapped__,
+        torch.ops.aten._weight_int4pack_mm_for_cpu,
+    )
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: real(*a) * 1.01)
     assert probe("test") == "its result at 1 row(s) differs from the dequantized reference"
 

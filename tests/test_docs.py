@@ -4,6 +4,7 @@ snippet imports or reaches through a module exists, and each `make` target is in
 
 The commands are the indented lines of README.md, docs/, tests/README.md and
 benchmarks/README.md that start a Python program (`.venv/bin/python`, `python`, `torchrun`)."""
+
 import ast
 import functools
 import glob
@@ -17,7 +18,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "tests/README.md", "benchmarks/README.md", *sorted(glob.glob("docs/*.md", root_dir=ROOT))]
+DOCS = [
+    "README.md",
+    "tests/README.md",
+    "benchmarks/README.md",
+    *sorted(glob.glob("docs/*.md", root_dir=ROOT)),
+]
 START = re.compile(r"^    (?:\w+=\S* )*(?:\.venv/bin/)?(?:python3?|torchrun)\b")
 
 
@@ -31,7 +37,9 @@ def commands(doc: str) -> list:
                 i += 1
                 text = text.rstrip()[:-1] + " " + lines[i].strip()
             argv = shlex.split(text, comments=True)
-            found.append((start, [a for a in argv if not re.match(r"^\w+=", a) or a.startswith("-")]))
+            found.append(
+                (start, [a for a in argv if not re.match(r"^\w+=", a) or a.startswith("-")])
+            )
         i += 1
     return found
 
@@ -55,7 +63,9 @@ def program(argv: list):
 def help_text(kind: str, target: str) -> str:
     run = [sys.executable, target] if kind == "file" else [sys.executable, "-m", target]
     env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*run, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"{target} --help failed:\n{proc.stderr[-2000:]}"
     return proc.stdout
 
@@ -78,7 +88,11 @@ def check_code(code: str) -> list:
                         continue
                 modules[a.asname or a.name] = getattr(parent, a.name)
     for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
             if not hasattr(modules[node.value.id], node.attr):
                 missing.append(f"{node.value.id}.{node.attr}")
     return missing
@@ -100,7 +114,11 @@ def test_every_command_in_the_docs_names_what_exists(doc):
         if kind == "file" and not os.path.exists(os.path.join(ROOT, target)):
             problems.append(f"{where}: no file {target}")
             continue
-        source = os.path.join(ROOT, target) if kind == "file" else os.path.join(ROOT, *target.split(".")) + ".py"
+        source = (
+            os.path.join(ROOT, target)
+            if kind == "file"
+            else os.path.join(ROOT, *target.split(".")) + ".py"
+        )
         if not os.path.exists(source):
             problems.append(f"{where}: no module {target}")
         elif "argparse" in open(source).read():
@@ -119,6 +137,11 @@ def test_every_make_target_the_docs_name_is_in_the_makefile():
 def test_the_commands_are_found():
     """The extraction itself: the README's examples are read, flags and all."""
     found = [argv for _, argv in commands("README.md")]
-    assert ["generate.py", "--chat", "--prompt", "What is the capital of France?"] in [a[1:] for a in found]
-    assert program(["torchrun", "--nproc_per_node", "3", "serve.py", "--port", "8000"]) == \
-        ("file", "serve.py", ["--port", "8000"])
+    assert ["generate.py", "--chat", "--prompt", "What is the capital of France?"] in [
+        a[1:] for a in found
+    ]
+    assert program(["torchrun", "--nproc_per_node", "3", "serve.py", "--port", "8000"]) == (
+        "file",
+        "serve.py",
+        ["--port", "8000"],
+    )

@@ -1,4 +1,5 @@
 """The embedded SmolLM2-135M GGUF: our loader, tokenizer and generate.py against HF transformers."""
+
 import json
 
 import pytest
@@ -40,20 +41,43 @@ def test_greedy_tokens_match_hf_generate(embedded, hf_embedded, prompt):
     model, tok = embedded
     ids = tok.encode(prompt)
     cache = StaticKVCache.for_model(model, 1, 128)
-    rows, _ = generate.generate(model, cache, torch.tensor([ids]), NEW_TOKENS, SamplingParams(0.0), ignore_eos=True)
+    rows, _ = generate.generate(
+        model, cache, torch.tensor([ids]), NEW_TOKENS, SamplingParams(0.0), ignore_eos=True
+    )
     assert rows[0] == hf_greedy(hf_embedded, ids, NEW_TOKENS)
 
 
 def test_generate_cli_greedy_matches_hf(embedded, hf_embedded, capsys):
     _, tok = embedded
-    code = generate.main(["--prompt", PROMPTS[0], "--max_new_tokens", str(NEW_TOKENS), "--temperature", "0",
-                          "--ignore_eos", "--dtype", "float32", "--json"])
+    code = generate.main(
+        [
+            "--prompt",
+            PROMPTS[0],
+            "--max_new_tokens",
+            str(NEW_TOKENS),
+            "--temperature",
+            "0",
+            "--ignore_eos",
+            "--dtype",
+            "float32",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["prompt_tokens"] == tok.encode(PROMPTS[0])
     assert out["tokens"] == hf_greedy(hf_embedded, out["prompt_tokens"], NEW_TOKENS)
     assert out["text"] == tok.decode(out["tokens"])
-    for key in ("tokens_per_s", "bandwidth_gb_s", "time_to_first_token_s", "peak_memory_bytes", "model_bytes", "compile_s"):
+    for key in (
+        "tokens_per_s",
+        "bandwidth_gb_s",
+        "time_to_first_token_s",
+        "peak_memory_bytes",
+        "model_bytes",
+        "compile_s",
+    ):
         assert key in out["stats"]
     assert out["stats"]["tokens_per_s"] > 0
-    assert 100e6 < out["stats"]["model_bytes"] < 300e6  # the file's own bits (float32 would be 538 MB)
+    assert (
+        100e6 < out["stats"]["model_bytes"] < 300e6
+    )  # the file's own bits (float32 would be 538 MB)

@@ -2,17 +2,18 @@
 preemption, chunked prefill, prefix-cache hits and copy-on-write forks - and the engine really
 does change its batch mid-run, chunk long prompts and prefer cached prefixes under `lpm`.
 Exact comparisons run in float64, so a mismatch is a bug, never a near-tie."""
+
 import random
 
 import pytest
 import torch
+from helpers import alone, check_allocator, run_to_end, tiny_checkpoint
 
 import generate
+from engine import Engine, Finished, RequestParams
 from formats import weights
-from helpers import alone, check_allocator, run_to_end, tiny_checkpoint
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from engine import Engine, Finished, RequestParams
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,9 @@ def greedy(n):
 
 def random_requests(count, seed, max_prompt=60, max_new=24):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, max_prompt))] for _ in range(count)]
+    prompts = [
+        [rng.randrange(3, 250) for _ in range(rng.randint(1, max_prompt))] for _ in range(count)
+    ]
     return prompts, [rng.randint(1, max_new) for _ in prompts]
 
 
@@ -41,15 +44,24 @@ def workload(tiny64):
     return prompts, news, [alone(tiny64, p, n) for p, n in zip(prompts, news)]
 
 
-@pytest.mark.parametrize("num_blocks, max_batched, expect", [
-    (400, 512, "roomy"),  # everything fits: one batch, whole prompts
-    (30, 512, "preempt"),  # 29 usable blocks of 4 tokens for 14 requests: preemptions
-    (400, 8, "chunks"),  # 8 tokens per step: prompts prefill in chunks
-    (26, 12, "preempt"),  # both
-])
+@pytest.mark.parametrize(
+    "num_blocks, max_batched, expect",
+    [
+        (400, 512, "roomy"),  # everything fits: one batch, whole prompts
+        (30, 512, "preempt"),  # 29 usable blocks of 4 tokens for 14 requests: preemptions
+        (400, 8, "chunks"),  # 8 tokens per step: prompts prefill in chunks
+        (26, 12, "preempt"),  # both
+    ],
+)
 def test_batched_equals_alone(tiny64, workload, num_blocks, max_batched, expect):
     prompts, news, reference = workload
-    engine = Engine.for_model(tiny64, num_blocks=num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=max_batched)
+    engine = Engine.for_model(
+        tiny64,
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=max_batched,
+    )
     out = engine.run_batch(prompts, [greedy(n) for n in news])
     for i, (o, ref) in enumerate(zip(out, reference)):
         assert o["tokens"] == ref, f"request {i} differs from its alone-run"
@@ -79,7 +91,9 @@ def test_padded_steps_equal_unpadded(tiny64, workload, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "GEMM_PAD_DTYPES", (torch.float64,))
     monkeypatch.setattr(engine_module, "flat_forward", counting)
     prompts, news, reference = workload
-    engine = Engine.for_model(tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200)
+    engine = Engine.for_model(
+        tiny64, num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=200
+    )
     out = engine.run_batch(prompts, [greedy(n) for n in news])
     assert [o["tokens"] for o in out] == reference
     assert any(w >= 128 for w in widths) and all(w % 16 == 0 for w in widths if w >= 128), widths
@@ -92,14 +106,21 @@ def test_preemption_takes_the_newest_request(tiny64):
     block, the newer one is preempted (blocks freed, back to the front of the queue), and both
     still produce their alone-run tokens."""
     engine = Engine.for_model(tiny64, num_blocks=5, block_size=4, max_num_seqs=2)
-    old, new = [engine.add_request(p, greedy(6)) for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18])]
+    old, new = [
+        engine.add_request(p, greedy(6))
+        for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18])
+    ]
     engine.step()  # both prefill (2 blocks each) and sample their first token
     engine.step()  # position 7: both still fit
     assert engine.scheduler.stats["preemptions"] == 0
     engine.step()  # position 8 needs a fifth block
     assert engine.scheduler.stats["preemptions"] == 1
-    assert [s.request.id for s in engine.scheduler.running] == [old] and engine.scheduler.waiting[0].request.id == new
-    assert engine.scheduler.waiting[0].blocks == [] and engine.scheduler.waiting[0].num_computed == 0
+    assert [s.request.id for s in engine.scheduler.running] == [old] and engine.scheduler.waiting[
+        0
+    ].request.id == new
+    assert (
+        engine.scheduler.waiting[0].blocks == [] and engine.scheduler.waiting[0].num_computed == 0
+    )
     done = run_to_end(engine)
     for rid, prompt in ((old, [5, 6, 7, 8, 9, 10, 11]), (new, [12, 13, 14, 15, 16, 17, 18])):
         assert done[rid].result()["tokens"] == alone(tiny64, prompt, 6)
@@ -107,7 +128,9 @@ def test_preemption_takes_the_newest_request(tiny64):
 
 def test_running_set_changes_mid_run(tiny64):
     """Short requests finish and leave while long ones continue, and waiting ones join."""
-    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    engine = Engine.for_model(
+        tiny64, num_blocks=200, block_size=4, max_num_seqs=2, max_num_batched_tokens=64
+    )
     for prompt, n in [([5, 6, 7], 30), ([8, 9], 3), ([10, 11, 12], 3), ([13], 3)]:
         engine.add_request(prompt, greedy(n))
     history = []
@@ -115,15 +138,23 @@ def test_running_set_changes_mid_run(tiny64):
         engine.step()
         history.append({s.request.id for s in engine.scheduler.running})
     assert history[0] == {0, 1}
-    changed = [i for i in range(1, len(history)) if history[i] != history[i - 1] and 0 in history[i] and 0 in history[i - 1]]
-    assert any(history[i] - history[i - 1] for i in changed), "no request joined while request 0 ran"
+    changed = [
+        i
+        for i in range(1, len(history))
+        if history[i] != history[i - 1] and 0 in history[i] and 0 in history[i - 1]
+    ]
+    assert any(history[i] - history[i - 1] for i in changed), (
+        "no request joined while request 0 ran"
+    )
     assert {2, 3} <= set().union(*history[:-1]) and 0 in history[-2]
 
 
 def test_chunked_prefill_never_stalls_decodes(tiny64):
     """While a 2,000-token prompt prefills in chunks of at most 128 - 4 tokens, each of 4 running
     decodes gains exactly one token per step."""
-    engine = Engine.for_model(tiny64, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=128)
+    engine = Engine.for_model(
+        tiny64, num_blocks=600, block_size=16, max_num_seqs=8, max_num_batched_tokens=128
+    )
     small = [engine.add_request([3 + i, 4, 5], greedy(40)) for i in range(4)]
     engine.step()  # the four prompts prefill together
     big = engine.add_request([random.Random(1).randrange(3, 250) for _ in range(2000)], greedy(2))
@@ -154,7 +185,9 @@ def test_prefix_cache_reuses_exactly_the_full_shared_blocks(tiny64):
             n_before = sum(computed)
             second = engine.run_batch(prompts[1:2], greedy(5))
             n_second = sum(computed) - n_before
-            third = engine.run_batch(prompts[2:], greedy(5))  # the earlier requests have all finished
+            third = engine.run_batch(
+                prompts[2:], greedy(5)
+            )  # the earlier requests have all finished
         finally:
             hook.remove()
         results[caching] = (first + second + third, n_second, engine)
@@ -173,7 +206,14 @@ def test_lpm_gets_more_prefix_hits_than_fcfs(tiny64):
     prompts = [heads[i % 2] + [200 + i] for i in range(8)]
     hits = {}
     for policy in ("fcfs", "lpm"):
-        engine = Engine.for_model(tiny64, num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, policy=policy)
+        engine = Engine.for_model(
+            tiny64,
+            num_blocks=8,
+            block_size=4,
+            max_num_seqs=1,
+            max_num_batched_tokens=64,
+            policy=policy,
+        )
         out = engine.run_batch(prompts, greedy(4))
         hits[policy] = engine.scheduler.stats["prompt_tokens_hit"]
         assert [o["tokens"] for o in out] == [alone(tiny64, p, 4) for p in prompts]
@@ -188,7 +228,10 @@ def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
     params = dict(max_new_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     copies = []
-    engine.cache.copy_block = lambda src, dst, pool, f=engine.cache.copy_block: (copies.append((src, dst)), f(src, dst, pool))
+    engine.cache.copy_block = lambda src, dst, pool, f=engine.cache.copy_block: (
+        copies.append((src, dst)),
+        f(src, dst, pool),
+    )
     rid = engine.add_request(prompt, RequestParams(n=3, **params))
     engine.step()  # prefill, fork, first token of each sample
     blocks = [s.blocks for s in engine.requests[rid].seqs]
@@ -199,7 +242,9 @@ def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
     assert len(copies) == 2  # two samples copied the shared half-full block; the third owns it
     assert len({tuple(t) for t in forked}) == 3  # they diverged
     for k in range(3):
-        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
+            [prompt], RequestParams(**{**params, "seed": 7 + k})
+        )
         assert single[0]["tokens"] == forked[k]
     assert engine.scheduler.allocator.num_used() == 0
 
@@ -208,25 +253,34 @@ def test_sampled_output_does_not_depend_on_the_batch(tiny64):
     """Each sequence samples with its own generator: the same seeded request gives the same tokens
     alone and in a crowd."""
     params = RequestParams(max_new_tokens=15, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
-    solo = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([[5, 6, 7]], params)[0]["tokens"]
+    solo = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([[5, 6, 7]], params)[0][
+        "tokens"
+    ]
     prompts, news = random_requests(6, seed=5)
     crowd = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
-        prompts[:3] + [[5, 6, 7]] + prompts[3:], [greedy(n) for n in news[:3]] + [params] + [greedy(n) for n in news[3:]])
+        prompts[:3] + [[5, 6, 7]] + prompts[3:],
+        [greedy(n) for n in news[:3]] + [params] + [greedy(n) for n in news[3:]],
+    )
     assert crowd[3]["tokens"] == solo
-
 
 
 # -- sampling controls (sampling.py): per sequence, over its own tokens -----------------------------
 def penalised_alone(model, prompt, n_new, params):
     """The slow twin with penalties: generate.py's loop on a static cache."""
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
-    rows, _ = generate.generate(model, cache, torch.tensor([prompt]), n_new, params, ignore_eos=True)
+    rows, _ = generate.generate(
+        model, cache, torch.tensor([prompt]), n_new, params, ignore_eos=True
+    )
     return rows[0]
 
 
 def test_a_logit_bias_of_100_forces_its_token_and_leaves_the_neighbours_alone(tiny64):
-    forced = RequestParams(max_new_tokens=6, temperature=1.0, seed=0, logit_bias={"7": 100}, ignore_eos=True)
-    banned = RequestParams(max_new_tokens=6, temperature=0.0, logit_bias={177: -100}, ignore_eos=True)
+    forced = RequestParams(
+        max_new_tokens=6, temperature=1.0, seed=0, logit_bias={"7": 100}, ignore_eos=True
+    )
+    banned = RequestParams(
+        max_new_tokens=6, temperature=0.0, logit_bias={177: -100}, ignore_eos=True
+    )
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     out = engine.run_batch([[5, 6, 7], [30, 31, 32, 33], [9, 10]], [forced, banned, greedy(6)])
     assert out[0]["tokens"] == [7] * 6
@@ -239,13 +293,21 @@ def test_greedy_penalised_requests_in_a_crowd_equal_generate_alone(tiny64):
     each sequence's own tokens, through chunked prefill and preemption: every penalised request
     gives generate.py's tokens with the same penalties, which differ from its unpenalised ones."""
     prompts, news = random_requests(8, seed=11, max_prompt=30, max_new=16)
-    controls = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, presence_penalty=0.5),
-                dict(repetition_penalty=0.8, logit_bias={3: 2.0}, min_p=0.5)]
-    prompts += [[30, 31, 32, 33, 61, 50, 42, 205, 177, 177]] * 3  # its greedy continuation is 177 again
+    controls = [
+        dict(repetition_penalty=1.5),
+        dict(frequency_penalty=1.0, presence_penalty=0.5),
+        dict(repetition_penalty=0.8, logit_bias={3: 2.0}, min_p=0.5),
+    ]
+    prompts += [
+        [30, 31, 32, 33, 61, 50, 42, 205, 177, 177]
+    ] * 3  # its greedy continuation is 177 again
     news += [16] * 3
-    params = [greedy(n) for n in news[:8]] + [RequestParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, **c)
-                                              for c in controls]
-    engine = Engine.for_model(tiny64, num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16)
+    params = [greedy(n) for n in news[:8]] + [
+        RequestParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, **c) for c in controls
+    ]
+    engine = Engine.for_model(
+        tiny64, num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=16
+    )
     out = engine.run_batch(prompts, params)
     assert engine.scheduler.stats["preemptions"] > 0
     for i, c in enumerate(controls):
@@ -260,17 +322,34 @@ def test_penalised_samples_stay_independent_of_their_siblings_and_the_batch(tiny
     """n = 3 penalised samples: sample k equals a request of n = 1 seeded seed + k (so each counts
     only its own output), and the request gives the same samples in a crowd."""
     prompt = list(range(30, 40))
-    params = dict(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True, repetition_penalty=1.3,
-                  frequency_penalty=0.8, presence_penalty=0.4, min_p=0.05)
-    forked = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(n=3, **params))[0]["tokens"]
+    params = dict(
+        max_new_tokens=12,
+        temperature=1.0,
+        seed=7,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+        min_p=0.05,
+    )
+    forked = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
+        [prompt], RequestParams(n=3, **params)
+    )[0]["tokens"]
     assert len({tuple(t) for t in forked}) == 3
     for k in range(3):
-        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch([prompt], RequestParams(**{**params, "seed": 7 + k}))
+        single = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
+            [prompt], RequestParams(**{**params, "seed": 7 + k})
+        )
         assert single[0]["tokens"] == forked[k]
     others, news = random_requests(5, seed=4)
-    crowd = Engine.for_model(tiny64, num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=24).run_batch(
-        others[:2] + [prompt] + others[2:], [greedy(n) for n in news[:2]] + [RequestParams(n=3, **params)]
-        + [greedy(n) for n in news[2:]])
+    crowd = Engine.for_model(
+        tiny64, num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=24
+    ).run_batch(
+        others[:2] + [prompt] + others[2:],
+        [greedy(n) for n in news[:2]]
+        + [RequestParams(n=3, **params)]
+        + [greedy(n) for n in news[2:]],
+    )
     assert crowd[2]["tokens"] == forked
 
 
@@ -286,19 +365,32 @@ def test_penalties_never_write_the_steps_logits(tiny64, monkeypatch):
         return events
 
     monkeypatch.setattr(engine, "_sample", checking)
-    params = RequestParams(max_new_tokens=5, temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0,
-                           logit_bias={3: 50.0}, ignore_eos=True)
-    engine.run_batch([[5, 6, 7], [8, 9]], [params, RequestParams(**{**params.__dict__, "temperature": 1.0, "seed": 1})])
+    params = RequestParams(
+        max_new_tokens=5,
+        temperature=0.0,
+        repetition_penalty=2.0,
+        frequency_penalty=1.0,
+        logit_bias={3: 50.0},
+        ignore_eos=True,
+    )
+    engine.run_batch(
+        [[5, 6, 7], [8, 9]],
+        [params, RequestParams(**{**params.__dict__, "temperature": 1.0, "seed": 1})],
+    )
     assert checked and all(checked)
 
 
 def test_bad_sampling_controls_are_refused_at_add_request(tiny64):
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
     vocab = tiny64.config.vocab_size
-    for bad, message in [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-                         (dict(frequency_penalty=-3), "frequency_penalty"), (dict(presence_penalty=2.5), "presence_penalty"),
-                         (dict(logit_bias={str(vocab): 1}), rf"logit_bias keys must be token ids in \[0, {vocab}\)"),
-                         (dict(logit_bias={"one": 1}), "logit_bias keys")]:
+    for bad, message in [
+        (dict(min_p=1.5), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(logit_bias={str(vocab): 1}), rf"logit_bias keys must be token ids in \[0, {vocab}\)"),
+        (dict(logit_bias={"one": 1}), "logit_bias keys"),
+    ]:
         with pytest.raises(ValueError, match=message):
             engine.add_request([5, 6], RequestParams(**bad))
     assert not engine.has_unfinished() and not engine.requests
@@ -310,7 +402,9 @@ def test_soak_random_arrivals_and_aborts(tiny64):
     sample of the completed requests equals their alone-runs."""
     rng = random.Random(2)
     prompts, news = random_requests(200, seed=3, max_prompt=40, max_new=16)
-    engine = Engine.for_model(tiny64, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
+    engine = Engine.for_model(
+        tiny64, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32
+    )
     pending, results, aborted = list(range(200)), {}, set()
     while pending or engine.has_unfinished():
         for _ in range(rng.randint(0, 3)):
@@ -347,7 +441,9 @@ def test_compiled_decode_buckets_equal_eager(tiny64):
     torch._dynamo.reset()
     counters.clear()
     prompts, news = random_requests(5, seed=9, max_prompt=20, max_new=12)
-    eager = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(prompts, [greedy(n) for n in news])
+    eager = Engine.for_model(tiny64, num_blocks=100, block_size=4).run_batch(
+        prompts, [greedy(n) for n in news]
+    )
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4, compile=True)
     compiled = engine.run_batch(prompts, [greedy(n) for n in news])
     assert [o["tokens"] for o in compiled] == [o["tokens"] for o in eager]
@@ -372,17 +468,47 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
         {"id": "field", "prompt": "hello", "max_tokens": 3},
         {"id": "n", "prompt": "hello", "n": 0},
         {"id": "minp", "prompt": "hello", "min_p": 2},
-        {"id": "bias", "prompt": "hello", "max_new_tokens": 3, "logit_bias": {"5": 100}, "ignore_eos": True},
+        {
+            "id": "bias",
+            "prompt": "hello",
+            "max_new_tokens": 3,
+            "logit_bias": {"5": 100},
+            "ignore_eos": True,
+        },
         {"id": "ok2", "prompt": "the quick brown fox", "max_new_tokens": 6, "n": 2, "seed": 1},
     ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    assert batch.main(["--requests", str(path), "--checkpoint", str(folder), "--dtype", "float32",
-                       "--num_blocks", "10", "--block_size", "16"]) == 0
+    assert (
+        batch.main(
+            [
+                "--requests",
+                str(path),
+                "--checkpoint",
+                str(folder),
+                "--dtype",
+                "float32",
+                "--num_blocks",
+                "10",
+                "--block_size",
+                "16",
+            ]
+        )
+        == 0
+    )
     out = {o["id"]: o for o in map(json.loads, capsys.readouterr().out.strip().splitlines())}
     assert len(out) == len(lines)
-    errors = {"ctx": "context is 256", "pool": "whole KV pool holds 144", "temp": "temperature", "topp": "top_p",
-              "empty": "empty", "field": "unknown field", "n": "n must be", 2: "not valid JSON", "minp": "min_p"}
+    errors = {
+        "ctx": "context is 256",
+        "pool": "whole KV pool holds 144",
+        "temp": "temperature",
+        "topp": "top_p",
+        "empty": "empty",
+        "field": "unknown field",
+        "n": "n must be",
+        2: "not valid JSON",
+        "minp": "min_p",
+    }
     for rid, text in errors.items():
         assert text in out[rid]["error"], (rid, out[rid])
     assert len(out["ok1"]["tokens"]) <= 4 and "error" not in out["ok1"]
@@ -411,9 +537,14 @@ def test_a_fault_while_sampling_one_request_ends_only_that_request(tiny64, monke
 
     monkeypatch.setattr(engine, "_next_token", faulty)
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
-    out = engine.run_batch(prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)])
+    out = engine.run_batch(
+        prompts, [greedy(8), RequestParams(max_new_tokens=8, n=2, temperature=1.0), greedy(8)]
+    )
     assert "exploded" in out[1]["error"] and engine.scheduler.allocator.num_used() == 0
-    assert [out[0]["tokens"], out[2]["tokens"]] == [alone(tiny64, prompts[0], 8), alone(tiny64, prompts[2], 8)]
+    assert [out[0]["tokens"], out[2]["tokens"]] == [
+        alone(tiny64, prompts[0], 8),
+        alone(tiny64, prompts[2], 8),
+    ]
 
 
 def test_a_request_with_many_samples_shares_the_slots_fairly(tiny64):
@@ -421,7 +552,9 @@ def test_a_request_with_many_samples_shares_the_slots_fairly(tiny64):
     its first step instead of waiting for all 8 to end, and neither request's output changes."""
     sampled = dict(max_new_tokens=30, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
     big_prompt, small_prompt = list(range(20, 33)), [5, 6, 7]
-    engine = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = Engine.for_model(
+        tiny64, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64
+    )
     big = engine.add_request(big_prompt, RequestParams(n=8, **sampled))
     for _ in range(3):
         engine.step()
@@ -436,7 +569,9 @@ def test_a_request_with_many_samples_shares_the_slots_fairly(tiny64):
     done.update(run_to_end(engine))
     assert done[small].result()["tokens"] == alone(tiny64, small_prompt, 2)
     crowded = done[big].result()["tokens"]
-    solo = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8).run_batch([big_prompt], RequestParams(n=8, **sampled))
+    solo = Engine.for_model(tiny64, num_blocks=200, block_size=4, max_num_seqs=8).run_batch(
+        [big_prompt], RequestParams(n=8, **sampled)
+    )
     assert crowded == solo[0]["tokens"]
     assert engine.scheduler.allocator.num_used() == 0
 
@@ -450,7 +585,9 @@ def test_fair_share_never_preempts_a_request_down_to_nothing(tiny64):
     engine.step()
     ninth = engine.add_request([7, 8], greedy(3))
     engine.step()
-    assert engine.scheduler.stats["preemptions"] == 0 and not any(s.request.id == ninth for s in engine.scheduler.running)
+    assert engine.scheduler.stats["preemptions"] == 0 and not any(
+        s.request.id == ninth for s in engine.scheduler.running
+    )
 
 
 @pytest.fixture(scope="module")
@@ -466,12 +603,21 @@ def test_streamed_text_is_the_output_text_and_stop_strings_end_it(with_tokenizer
     """The Token events' text joins to the result's text (one decode, not two), which is the
     output's decode cut before the first stop string; an end token's text is never in it."""
     model, tok = with_tokenizer
-    engine = Engine.for_model(model, num_blocks=200, block_size=8, tokenizer=tok, stop_ids=tok.stop_ids)
-    free = engine.run_batch([tok.encode("hello world")], RequestParams(max_new_tokens=40, temperature=0.0))[0]
+    engine = Engine.for_model(
+        model, num_blocks=200, block_size=8, tokenizer=tok, stop_ids=tok.stop_ids
+    )
+    free = engine.run_batch(
+        [tok.encode("hello world")], RequestParams(max_new_tokens=40, temperature=0.0)
+    )[0]
     stop = free["text"][5:8]
     assert len(stop) == 3, free
-    rids = [engine.add_request(tok.encode("hello world"), RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop])),
-            engine.add_request(tok.encode("the quick"), RequestParams(max_new_tokens=30, seed=3, n=2))]
+    rids = [
+        engine.add_request(
+            tok.encode("hello world"),
+            RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop]),
+        ),
+        engine.add_request(tok.encode("the quick"), RequestParams(max_new_tokens=30, seed=3, n=2)),
+    ]
     texts, results = {}, {}
     while engine.has_unfinished():
         for e in engine.step():
@@ -480,7 +626,9 @@ def test_streamed_text_is_the_output_text_and_stop_strings_end_it(with_tokenizer
             else:
                 texts[e.request_id, e.index] = texts.get((e.request_id, e.index), "") + e.text
     cut = results[rids[0]].result
-    assert cut["finish_reason"] == "stop" and cut["text"] == free["text"][:free["text"].index(stop)]
+    assert (
+        cut["finish_reason"] == "stop" and cut["text"] == free["text"][: free["text"].index(stop)]
+    )
     assert texts[rids[0], 0] == cut["text"]
     sampled = results[rids[1]].result
     for k, seq in enumerate(results[rids[1]].request.seqs):
@@ -494,7 +642,9 @@ def test_abort_and_unknown_ids(tiny64):
     the request its Finished at the next step; a second abort does nothing; an id the engine
     does not hold is named in the error."""
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
-    rid = engine.add_request(list(range(10, 60)), RequestParams(max_new_tokens=5, n=3), request_id="a")
+    rid = engine.add_request(
+        list(range(10, 60)), RequestParams(max_new_tokens=5, n=3), request_id="a"
+    )
     with pytest.raises(ValueError, match="'b'"):
         engine.abort("b")
     engine.abort(rid)
@@ -502,7 +652,10 @@ def test_abort_and_unknown_ids(tiny64):
     assert engine.scheduler.allocator.num_used() == 0
     events = engine.step()
     assert sorted((e.index, e.finish_reason) for e in events if not isinstance(e, Finished)) == [
-        (0, "abort"), (1, "abort"), (2, "abort")]
+        (0, "abort"),
+        (1, "abort"),
+        (2, "abort"),
+    ]
     assert [e.result["finish_reason"] for e in events if isinstance(e, Finished)] == [["abort"]]
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="'a'"):
@@ -516,7 +669,9 @@ def test_an_engine_built_by_hand(tiny64):
     from scheduler import Scheduler
 
     cache = PagedKVCache.for_model(tiny64, 64, 4)
-    engine = Engine(tiny64, cache, Scheduler(BlockAllocator(64, 4), max_num_seqs=4, max_num_batched_tokens=32))
+    engine = Engine(
+        tiny64, cache, Scheduler(BlockAllocator(64, 4), max_num_seqs=4, max_num_batched_tokens=32)
+    )
     out = engine.run_batch([[5, 6, 7], [8, 9]], greedy(6))
     assert [o["tokens"] for o in out] == [alone(tiny64, [5, 6, 7], 6), alone(tiny64, [8, 9], 6)]
     with pytest.raises(ValueError, match="scores no prompts"):
@@ -533,14 +688,20 @@ def test_a_step_that_raises_loses_no_abort_event(tiny64, monkeypatch):
     engine.step()
     engine.abort(first)
     real = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda plan: (_ for _ in ()).throw(RuntimeError("a bug in the step")))
+    monkeypatch.setattr(
+        engine, "_forward", lambda plan: (_ for _ in ()).throw(RuntimeError("a bug in the step"))
+    )
     with pytest.raises(RuntimeError, match="a bug"):
         engine.step()
     monkeypatch.setattr(engine, "_forward", real)
     engine.abort(second, error="the engine failed during a step")
     events = engine.step()
-    assert sorted((e.request_id, e.finish_reason) for e in events if not isinstance(e, Finished)) == [
-        (first, "abort"), (second, "abort")]
+    assert sorted(
+        (e.request_id, e.finish_reason) for e in events if not isinstance(e, Finished)
+    ) == [(first, "abort"), (second, "abort")]
     results = {e.request_id: e.result for e in events if isinstance(e, Finished)}
-    assert results[first]["finish_reason"] == "abort" and "failed during a step" in results[second]["error"]
+    assert (
+        results[first]["finish_reason"] == "abort"
+        and "failed during a step" in results[second]["error"]
+    )
     assert engine.scheduler.allocator.num_used() == 0 and not engine.has_unfinished()

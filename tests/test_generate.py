@@ -1,4 +1,5 @@
 """generate.py: compiled decode equals eager decode, the CLI's flags and its errors."""
+
 import json
 import os
 import re
@@ -7,15 +8,15 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_checkpoint
 
 import generate
 import quantize
 import runtime
 from formats import weights
-from helpers import tiny_checkpoint
+from formats.tokenizer import load_tokenizer
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from formats.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,14 +41,20 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
     model, _ = weights.load(tiny)
     prompt = torch.tensor([[5, 9, 11, 3]] * 2)
     params = SamplingParams(0.0)
-    eager, _ = generate.generate(model, StaticKVCache.for_model(model, 2, 64), prompt, 21, params, ignore_eos=True)
+    eager, _ = generate.generate(
+        model, StaticKVCache.for_model(model, 2, 64), prompt, 21, params, ignore_eos=True
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled_fn = runtime.compile_decode("cpu")
         cache = StaticKVCache.for_model(model, 2, 64)
-        ours, _ = generate.generate(model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
+        ours, _ = generate.generate(
+            model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn
+        )
         # a fresh cache of the same shape reuses the compiled graph (no recompile)
         fresh = StaticKVCache.for_model(model, 2, 64)
-        again, _ = generate.generate(model, fresh, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn)
+        again, _ = generate.generate(
+            model, fresh, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn
+        )
     assert ours == eager == again
     assert len(ours[0]) == 21
 
@@ -80,7 +87,9 @@ def test_compile_lengths_mid_conversation_then_decode_equals_eager(tmp_path):
     eager's tokens (float64), and no compiling while it decodes."""
     import torch._dynamo
 
-    model, _ = weights.load(tiny_checkpoint(tmp_path, max_position_embeddings=512), dtype=torch.float64)
+    model, _ = weights.load(
+        tiny_checkpoint(tmp_path, max_position_embeddings=512), dtype=torch.float64
+    )
     g = torch.Generator().manual_seed(2)
     history, nxt = torch.randint(3, 250, (1, 120), generator=g), torch.tensor([[7]])
     replies = []
@@ -94,15 +103,34 @@ def test_compile_lengths_mid_conversation_then_decode_equals_eager(tmp_path):
             step = runtime.compile_decode("cpu", autotune=False)
             assert generate.compile_lengths(step, model, cache, 121, 121 + 19) == {128, 192}
         with torch._dynamo.config.patch(error_on_recompile=True):
-            rows, _ = generate.generate(model, cache, nxt, 20, SamplingParams(0.0), ignore_eos=True, decode_fn=step,
-                                        start_pos=120)
+            rows, _ = generate.generate(
+                model,
+                cache,
+                nxt,
+                20,
+                SamplingParams(0.0),
+                ignore_eos=True,
+                decode_fn=step,
+                start_pos=120,
+            )
         replies.append(rows[0])
     assert replies[0] == replies[1] and len(replies[0]) == 20
 
 
 def test_cli_compile_and_compile_prefill_match_eager(tiny, capsys):
-    argv = ["--checkpoint", str(tiny), "--prompt", "hello world the", "--temperature", "0", "--max_new_tokens", "10",
-            "--ignore_eos", "--dtype", "float32"]
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello world the",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "10",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+    ]
     eager = run_json(capsys, *argv)[0]
     compiled = run_json(capsys, *argv, "--compile", "--compile_prefill")[0]
     assert compiled["tokens"] == eager["tokens"]
@@ -110,43 +138,108 @@ def test_cli_compile_and_compile_prefill_match_eager(tiny, capsys):
 
 
 def test_greedy_batch_rows_equal_single_runs(tiny, capsys):
-    single = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello world", "--temperature", "0",
-                      "--max_new_tokens", "12", "--ignore_eos", "--dtype", "float32")
-    batch = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hello world", "--temperature", "0",
-                     "--max_new_tokens", "12", "--ignore_eos", "--dtype", "float32", "--batch_size", "3")
+    single = run_json(
+        capsys,
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello world",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "12",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+    )
+    batch = run_json(
+        capsys,
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello world",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "12",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+        "--batch_size",
+        "3",
+    )
     assert len(batch) == 3 and all(b["tokens"] == single[0]["tokens"] for b in batch)
 
 
 def test_seed_reproduces_and_samples_differ(tiny, capsys):
-    argv = ["--checkpoint", str(tiny), "--prompt", "the quick", "--temperature", "1.0", "--max_new_tokens", "16",
-            "--ignore_eos", "--seed", "3", "--batch_size", "4", "--top_k", "50"]
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "the quick",
+        "--temperature",
+        "1.0",
+        "--max_new_tokens",
+        "16",
+        "--ignore_eos",
+        "--seed",
+        "3",
+        "--batch_size",
+        "4",
+        "--top_k",
+        "50",
+    ]
     a, b = run_json(capsys, *argv), run_json(capsys, *argv)
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert len({tuple(r["tokens"]) for r in a}) > 1  # each row sampled on its own
 
 
 def test_num_samples_and_chat(tiny, capsys):
-    out = run_json(capsys, "--checkpoint", str(tiny), "--prompt", "hi", "--chat", "--num_samples", "2",
-                   "--max_new_tokens", "5", "--ignore_eos", "--temperature", "0")
+    out = run_json(
+        capsys,
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hi",
+        "--chat",
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "5",
+        "--ignore_eos",
+        "--temperature",
+        "0",
+    )
     tok = load_tokenizer(tiny)
     assert len(out) == 2
-    assert out[0]["prompt_tokens"] == tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert out[0]["prompt_tokens"] == tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_stops_at_stop_token(tiny, capsys):
     """Force the stop token to be the argmax; generation must end right after it."""
     model, _ = weights.load(tiny)
     with torch.no_grad():
-        model.lm_head.weight[2] += 100 * model.norm.weight.sign()  # <|im_end|> wins once hidden states align
+        model.lm_head.weight[2] += (
+            100 * model.norm.weight.sign()
+        )  # <|im_end|> wins once hidden states align
     prompt = torch.tensor([[5, 6, 7]])
-    rows, timing = generate.generate(model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0),
-                                     stop_ids={2})
-    ignored, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0),
-                                   stop_ids={2}, ignore_eos=True)
+    rows, timing = generate.generate(
+        model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0), stop_ids={2}
+    )
+    ignored, _ = generate.generate(
+        model,
+        StaticKVCache.for_model(model, 1, 64),
+        prompt,
+        20,
+        SamplingParams(0.0),
+        stop_ids={2},
+        ignore_eos=True,
+    )
     assert 2 in ignored[0] and len(ignored[0]) == 20
     first = ignored[0].index(2)
     assert rows[0] == ignored[0][: first + 1]
-
 
 
 def test_cli_penalties_reach_the_loop_and_follow_their_definitions(tiny, capsys):
@@ -155,12 +248,35 @@ def test_cli_penalties_reach_the_loop_and_follow_their_definitions(tiny, capsys)
     applies the definitions token by token; they differ from the unpenalised tokens."""
     from kv_cache import NoCache
 
-    argv = ["--checkpoint", str(tiny), "--temperature", "0", "--max_new_tokens", "12", "--ignore_eos", "--dtype",
-            "float32", "--batch_size", "2"]
-    head = "hello world" + run_json(capsys, *argv, "--prompt", "hello world")[0]["text"]  # a prompt the model repeats
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "12",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+        "--batch_size",
+        "2",
+    ]
+    head = (
+        "hello world" + run_json(capsys, *argv, "--prompt", "hello world")[0]["text"]
+    )  # a prompt the model repeats
     plain = run_json(capsys, *argv, "--prompt", head)[0]["tokens"]
-    rows = run_json(capsys, *argv, "--prompt", head, "--repetition_penalty", "1.5", "--frequency_penalty", "0.5",
-                    "--presence_penalty", "0.3")
+    rows = run_json(
+        capsys,
+        *argv,
+        "--prompt",
+        head,
+        "--repetition_penalty",
+        "1.5",
+        "--frequency_penalty",
+        "0.5",
+        "--presence_penalty",
+        "0.3",
+    )
     model, _ = weights.load(tiny, dtype=torch.float32)
     ids, out = rows[0]["prompt_tokens"], []
     for _ in range(12):
@@ -176,17 +292,45 @@ def test_cli_penalties_reach_the_loop_and_follow_their_definitions(tiny, capsys)
 
 
 def test_cli_logit_bias_forces_a_token_and_min_p_1_samples_only_the_argmax(tiny, capsys):
-    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--max_new_tokens", "8", "--ignore_eos", "--seed", "0",
-            "--dtype", "float32"]  # float32: no ties at the top for min_p = 1 to keep
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello",
+        "--max_new_tokens",
+        "8",
+        "--ignore_eos",
+        "--seed",
+        "0",
+        "--dtype",
+        "float32",
+    ]  # float32: no ties at the top for min_p = 1 to keep
     rows = run_json(capsys, *argv, "--temperature", "1.0", "--logit_bias", '{"5": 100}')
     assert rows[0]["tokens"] == [5] * 8
     greedy = run_json(capsys, *argv, "--temperature", "0")[0]["tokens"]
-    assert run_json(capsys, *argv, "--temperature", "2.0", "--min_p", "1", "--batch_size", "2")[1]["tokens"] == greedy
-    assert run_json(capsys, *argv, "--temperature", "2.0", "--batch_size", "2")[1]["tokens"] != greedy
+    assert (
+        run_json(capsys, *argv, "--temperature", "2.0", "--min_p", "1", "--batch_size", "2")[1][
+            "tokens"
+        ]
+        == greedy
+    )
+    assert (
+        run_json(capsys, *argv, "--temperature", "2.0", "--batch_size", "2")[1]["tokens"] != greedy
+    )
 
 
 def test_streamed_text_equals_json_text(tiny, capsys):
-    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "10", "--ignore_eos"]
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "10",
+        "--ignore_eos",
+    ]
     assert generate.main(argv) == 0
     streamed = capsys.readouterr().out
     text = run_json(capsys, *argv)[0]["text"]
@@ -197,8 +341,22 @@ def test_interactive_prefills_only_the_new_turn(tiny, capsys, monkeypatch):
     import io
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nthe fox\n\n"))
-    assert generate.main(["--checkpoint", str(tiny), "--interactive", "--max_new_tokens", "4", "--temperature", "0",
-                          "--max_seq_len", "128"]) == 0
+    assert (
+        generate.main(
+            [
+                "--checkpoint",
+                str(tiny),
+                "--interactive",
+                "--max_new_tokens",
+                "4",
+                "--temperature",
+                "0",
+                "--max_seq_len",
+                "128",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     turns = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) new prompt tokens of (\d+)", err)]
     assert len(turns) == 2
@@ -208,38 +366,59 @@ def test_interactive_prefills_only_the_new_turn(tiny, capsys, monkeypatch):
 
 def test_profile_writes_a_trace(tiny, tmp_path, capsys):
     trace = tmp_path / "trace.json"
-    assert generate.main(["--checkpoint", str(tiny), "--prompt", "hi", "--max_new_tokens", "3", "--profile", str(trace)]) == 0
+    assert (
+        generate.main(
+            [
+                "--checkpoint",
+                str(tiny),
+                "--prompt",
+                "hi",
+                "--max_new_tokens",
+                "3",
+                "--profile",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     assert trace.exists() and "traceEvents" in trace.read_text()[:10000]
 
 
 # --- bad input: a clear error and a non-zero exit --------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max_new_tokens", "300"], "exceeds this model's context of 256 tokens"),
-    (["--prompt", ""], "prompt is empty"),
-    (["--max_seq_len", "8"], "smaller than prompt"),
-    (["--device", "cuda"], "CUDA is not available"),
-    (["--logit_bias", '{"100000": 1}'], "logit_bias keys must be token ids in [0, "),
-    (["--prompt_lookup", "2", "--presence_penalty", "1"], "speculative decoding here takes no"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_new_tokens", "300"], "exceeds this model's context of 256 tokens"),
+        (["--prompt", ""], "prompt is empty"),
+        (["--max_seq_len", "8"], "smaller than prompt"),
+        (["--device", "cuda"], "CUDA is not available"),
+        (["--logit_bias", '{"100000": 1}'], "logit_bias keys must be token ids in [0, "),
+        (["--prompt_lookup", "2", "--presence_penalty", "1"], "speculative decoding here takes no"),
+    ],
+)
 def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
     assert generate.main(["--checkpoint", str(tiny), "--prompt", "hello", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--top_p", "0"], "top_p must be in (0, 1]"),
-    (["--top_p", "1.5"], "top_p must be in (0, 1]"),
-    (["--top_k", "0"], "top_k must be >= 1"),
-    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
-    (["--min_p", "1.5"], "min_p must be in [0, 1]"),
-    (["--repetition_penalty", "0"], "repetition_penalty must be in [0.001, 1000]"),
-    (["--frequency_penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
-    (["--presence_penalty", "3"], "presence_penalty must be in [-2, 2]"),
-    (["--logit_bias", "{5: 1}"], "--logit_bias is not JSON"),
-    (["--logit_bias", '{"five": 1}'], "logit_bias keys must be token ids"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top_p", "0"], "top_p must be in (0, 1]"),
+        (["--top_p", "1.5"], "top_p must be in (0, 1]"),
+        (["--top_k", "0"], "top_k must be >= 1"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+        (["--min_p", "1.5"], "min_p must be in [0, 1]"),
+        (["--repetition_penalty", "0"], "repetition_penalty must be in [0.001, 1000]"),
+        (["--frequency_penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
+        (["--presence_penalty", "3"], "presence_penalty must be in [-2, 2]"),
+        (["--logit_bias", "{5: 1}"], "--logit_bias is not JSON"),
+        (["--logit_bias", '{"five": 1}'], "logit_bias keys must be token ids"),
+    ],
+)
 def test_bad_flags_exit_with_a_usage_error(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         generate.main(argv)
@@ -255,8 +434,13 @@ def test_bad_checkpoints_exit_with_a_clear_error(tmp_path, capsys):
 
 
 def test_cli_process_exits_non_zero_without_a_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tmp_path / "missing.gguf")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "generate.py", "--checkpoint", str(tmp_path / "missing.gguf")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "error: checkpoint" in out.stderr and "Traceback" not in out.stderr
 
@@ -265,7 +449,15 @@ def test_a_chat_template_with_a_huge_loop_exits_with_a_clear_error(tiny, tmp_pat
     import shutil
 
     folder = shutil.copytree(tiny, tmp_path / "hostile")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "chat_template": "{% for i in range(10**9) %}{% endfor %}"}))
-    assert generate.main(["--checkpoint", str(folder), "--chat", "--prompt", "hi", "--max_new_tokens", "2"]) == 2
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"eos_token": "<|im_end|>", "chat_template": "{% for i in range(10**9) %}{% endfor %}"}
+        )
+    )
+    assert (
+        generate.main(
+            ["--checkpoint", str(folder), "--chat", "--prompt", "hi", "--max_new_tokens", "2"]
+        )
+        == 2
+    )
     assert "chat template failed" in capsys.readouterr().err

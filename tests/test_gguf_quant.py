@@ -1,22 +1,29 @@
 """GGUF weights at their own bits (gguf_weights.decode_blocks, formats/quant_groups.py): every mapped
 block type decodes bit for bit as gguf.quants does, the layers built from it equal a float model of
 that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path does."""
+
 import numpy as np
 import pytest
 import torch
+from helpers import GGUF_NAMES, hf_model, write_gguf
 
-from formats import gguf_weights
-from formats import quant_groups
 import quantize
 import runtime
-from formats import weights
-from helpers import GGUF_NAMES, hf_model, write_gguf
+from formats import gguf_weights, quant_groups, weights
 from kv_cache import NoCache
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 # byte offsets of each type's float16 fields: (scale fields, minimum fields)
-F16_FIELDS = {"Q8_0": ((0,), ()), "Q4_0": ((0,), ()), "Q5_0": ((0,), ()), "Q4_1": ((0,), (2,)), "Q5_1": ((0,), (2,)),
-              "Q4_K": ((0,), (2,)), "Q5_K": ((0,), (2,)), "Q6_K": ((208,), ())}
+F16_FIELDS = {
+    "Q8_0": ((0,), ()),
+    "Q4_0": ((0,), ()),
+    "Q5_0": ((0,), ()),
+    "Q4_1": ((0,), (2,)),
+    "Q5_1": ((0,), (2,)),
+    "Q4_K": ((0,), (2,)),
+    "Q5_K": ((0,), (2,)),
+    "Q6_K": ((208,), ()),
+}
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int, small: bool = False) -> np.ndarray:
@@ -31,7 +38,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int, small: bool = Fals
     for offsets, low, high in ((scales, low, high), (minimums, low_min, high_min)):
         for at in offsets:
             value = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
-            raw[:, :, at:at + 2] = value.view(np.uint8).reshape(*raw.shape[:2], 2)
+            raw[:, :, at : at + 2] = value.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
 
@@ -47,7 +54,9 @@ def test_decoded_blocks_equal_gguf_quants_bit_for_bit(kind):
     raw = random_blocks(kind, 24, 512, seed=1)
     q, scales, offsets = gguf_weights.decode_blocks(torch.from_numpy(raw), kind)
     assert q.dtype == torch.int8 and q.shape == (24, 512)
-    assert torch.equal(quant_groups.dequantize_groups(q, scales, offsets), gguf_reference(raw, kind))
+    assert torch.equal(
+        quant_groups.dequantize_groups(q, scales, offsets), gguf_reference(raw, kind)
+    )
 
 
 def write_random_gguf(tmp_path, kind: str, small: bool = False):
@@ -60,14 +69,25 @@ def write_random_gguf(tmp_path, kind: str, small: bool = False):
             continue
         parts = name.split(".")
         if parts[1] == "layers":
-            gname, ours = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight", ".".join(parts[1:])
+            gname, ours = (
+                f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight",
+                ".".join(parts[1:]),
+            )
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
             ours = name.removeprefix("model.")
         raw[gname] = (kind, random_blocks(kind, *t.shape, seed=i, small=small))
         w = gguf_reference(raw[gname][1], kind)
         if gname.endswith(("attn_q.weight", "attn_k.weight")):  # stored in llama.cpp's row order
-            w = gguf_weights.unpermute(w, hf.config.num_attention_heads if "attn_q" in gname else hf.config.num_key_value_heads)
+            w = gguf_weights.unpermute(
+                w,
+                hf.config.num_attention_heads
+                if "attn_q" in gname
+                else hf.config.num_key_value_heads,
+            )
         expected[ours] = w
     return write_gguf(hf, tmp_path / f"{kind}.gguf", raw_blocks=raw), expected
 
@@ -87,14 +107,23 @@ def test_kept_layers_equal_the_gguf_decoding_and_a_float_model_of_it(tmp_path, k
     int4 = kind in gguf_weights.INT4_TYPES
     for name, w in expected.items():
         module = at_bits.get_submodule(name.removesuffix(".weight"))
-        assert torch.equal(ref.state_dict()[name], w), name  # the float path decodes the same values
-        if name == "lm_head.weight" and not int4:  # an int8-group head runs in the activations' dtype
+        assert torch.equal(ref.state_dict()[name], w), (
+            name
+        )  # the float path decodes the same values
+        if (
+            name == "lm_head.weight" and not int4
+        ):  # an int8-group head runs in the activations' dtype
             assert isinstance(module, torch.nn.Linear) and torch.equal(module.weight, w)
             continue
         if name != "embed_tokens.weight":  # the int4 route wherever its zero is exact (always here)
-            assert isinstance(module, quantize.Int4Linear if int4 else quant_groups.Int8GroupLinear), name
-        got = module.dequantize() if hasattr(module, "dequantize") else quant_groups.dequantize_groups(
-            module.weight, module.scales, module.offsets)
+            assert isinstance(
+                module, quantize.Int4Linear if int4 else quant_groups.Int8GroupLinear
+            ), name
+        got = (
+            module.dequantize()
+            if hasattr(module, "dequantize")
+            else quant_groups.dequantize_groups(module.weight, module.scales, module.offsets)
+        )
         assert torch.equal(got, w), name
     assert kind in info.own_bits and at_bits.weight_bytes() < 0.5 * ref.weight_bytes()
     a, b = logits(at_bits), logits(ref)
@@ -110,15 +139,20 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
     N, K, G = 48, 128, 32
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
     scales = torch.rand(N, K // G, generator=g) * 0.02
-    layer = quant_groups.Int8GroupLinear(q, scales, torch.randn(N, K // G, generator=g) if offsets else None,
-                                         None, torch.float32)
+    layer = quant_groups.Int8GroupLinear(
+        q, scales, torch.randn(N, K // G, generator=g) if offsets else None, None, torch.float32
+    )
     w = layer.dequantize()
     for rows in (1, 3, 40):
         x = torch.randn(rows, K, generator=g)
         torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
-        xb = x.bfloat16()  # the weight rounded to bfloat16 once: within a few bf16 steps of the output's size
+        xb = (
+            x.bfloat16()
+        )  # the weight rounded to bfloat16 once: within a few bf16 steps of the output's size
         ref = xb.float() @ w.T
-        torch.testing.assert_close(layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+        torch.testing.assert_close(
+            layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item()
+        )
     runtime.configure_inductor_cpu()  # as generate.py --compile does (Inductor's vector width per capability)
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(2, K, generator=g)
@@ -135,29 +169,48 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
     take the interleaved layout, symmetric only: with offsets they keep int8."""
     g = torch.Generator().manual_seed(G)
     N, K = 80, 256
-    q = torch.randint(-32 if G == 16 else -128, 32 if G == 16 else 128, (N, K), generator=g, dtype=torch.int8)
-    scales, offs = torch.rand(N, K // G, generator=g) * 0.02, torch.randn(N, K // G, generator=g) * 0.1
+    q = torch.randint(
+        -32 if G == 16 else -128, 32 if G == 16 else 128, (N, K), generator=g, dtype=torch.int8
+    )
+    scales, offs = (
+        torch.rand(N, K // G, generator=g) * 0.02,
+        torch.randn(N, K // G, generator=g) * 0.1,
+    )
     monkeypatch.setattr(quant_groups, "PACK_ROWS", 64)  # packed in two pieces, 64 and 16 rows
     layer = quant_groups.Int8GroupLinear(q, scales, offs if offsets else None, None, torch.bfloat16)
     halves = not (G == 16 and offsets)
-    assert (layer.pair is not None) == halves and (layer.weight is None) == halves, runtime.cpu_capability()
+    assert (layer.pair is not None) == halves and (layer.weight is None) == halves, (
+        runtime.cpu_capability()
+    )
     assert torch.equal(layer.int8_values(), q)
-    idx = torch.tensor([0, 79, 64, 5, 5])  # rows of both packed pieces, the 16-row tail, repeated (an embedding's lookup)
+    idx = torch.tensor(
+        [0, 79, 64, 5, 5]
+    )  # rows of both packed pieces, the 16-row tail, repeated (an embedding's lookup)
     assert torch.equal(layer.int8_rows(idx), q[idx]) and layer.int8_rows(idx[:0]).shape == (0, K)
-    assert torch.equal(layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None))
+    assert torch.equal(
+        layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None)
+    )
     s = scales.bfloat16().float().repeat_interleave(G, 1)
     w = q.float() * s + (offs.bfloat16().float().repeat_interleave(G, 1) if offsets else 0)
     for rows in (1, 3, quantize.INT4_LARGE_M + 8):
         x = torch.randn(rows, K, generator=g).bfloat16()
         ref = x.float() @ (w if halves else layer.dequantize()).T
-        torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
+        torch.testing.assert_close(
+            layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item()
+        )
     runtime.configure_inductor_cpu()
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(1, K, generator=g).bfloat16()
-    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0 if halves else 1e-2 * layer(x).abs().max().item())
+    torch.testing.assert_close(
+        compiled(x), layer(x), rtol=0, atol=0 if halves else 1e-2 * layer(x).abs().max().item()
+    )
     float32 = quant_groups.Int8GroupLinear(q, scales, None, None, torch.float32)
-    assert float32.pair is None and float32.weight is not None  # the kernel has no fast float32 path
-    odd = quant_groups.Int8GroupLinear(q[:72], scales[:72], None, None, torch.bfloat16)  # 72 rows: not for the kernel
+    assert (
+        float32.pair is None and float32.weight is not None
+    )  # the kernel has no fast float32 path
+    odd = quant_groups.Int8GroupLinear(
+        q[:72], scales[:72], None, None, torch.bfloat16
+    )  # 72 rows: not for the kernel
     x = torch.randn(2, K, generator=g).bfloat16()
     ref = x.float() @ odd.dequantize().T
     assert odd.pair is None
@@ -179,10 +232,15 @@ def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
         assert isinstance(module, quant_groups.Int8GroupLinear) and module.pair is not None, name
         assert torch.equal(module.dequantize(), expected[f"{name}.weight"]), name
     assert "two int4 halves" in info.own_bits
-    bf16, _ = weights.load(path, dtype=torch.bfloat16, dequantize=True)  # the weights rounded to bf16 instead
+    bf16, _ = weights.load(
+        path, dtype=torch.bfloat16, dequantize=True
+    )  # the weights rounded to bf16 instead
     exact = logits(ref)
     error, bf16_error = ((logits(m).float() - exact).abs().max().item() for m in (at_bits, bf16))
-    assert error <= 2 * bf16_error, (error, bf16_error)  # bf16 scales cost no more than bf16 weights, within 2x
+    assert error <= 2 * bf16_error, (
+        error,
+        bf16_error,
+    )  # bf16 scales cost no more than bf16 weights, within 2x
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
@@ -194,7 +252,9 @@ def test_layers_with_biases_at_their_bits_equal_the_float_model(tmp_path, qtype)
     at_bits, info = weights.load(path)
     ref, _ = weights.load(path, dequantize=True)
     q = at_bits.layers[0].self_attn.q_proj
-    assert isinstance(q, quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear), info.own_bits
+    assert isinstance(
+        q, quant_groups.Int8GroupLinear if qtype == "Q8_0" else quantize.Int4Linear
+    ), info.own_bits
     assert torch.equal(q.bias, ref.layers[0].self_attn.q_proj.bias)
     a, b = logits(at_bits), logits(ref)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * b.abs().max().item())
@@ -223,8 +283,14 @@ def test_a_tied_embedding_reads_its_rows_from_the_heads_int4_halves(embedded):
     embedding reads its rows back from those halves (no second int8 copy), each value the file's."""
     model, info = weights.load(None, dtype=torch.bfloat16)
     emb, head = model.embed_tokens, model.lm_head
-    if isinstance(head, quant_groups.Int8GroupLinear) and head.pair is not None:  # the int4 kernel runs here
-        assert emb.weight is None and emb.head is head and "read from lm_head's halves" in info.own_bits
+    if (
+        isinstance(head, quant_groups.Int8GroupLinear) and head.pair is not None
+    ):  # the int4 kernel runs here
+        assert (
+            emb.weight is None
+            and emb.head is head
+            and "read from lm_head's halves" in info.own_bits
+        )
         assert model.weight_bytes() < 105 * 2**20  # 127.5 MiB with the int8 copy
     else:
         assert emb.weight is not None and emb.head is None
@@ -238,8 +304,17 @@ class Record:  # a stand-in for one GGUF tensor record
     def __init__(self, kind, data, name="blk.0.ffn_up.weight"):
         import gguf
 
-        self.name, self.tensor_type, self.data = name, getattr(gguf.GGMLQuantizationType, kind), data
-        self.shape = np.array([data.shape[1] // gguf_weights.BLOCKS[kind][0] * gguf_weights.BLOCKS[kind][1], data.shape[0]])
+        self.name, self.tensor_type, self.data = (
+            name,
+            getattr(gguf.GGMLQuantizationType, kind),
+            data,
+        )
+        self.shape = np.array(
+            [
+                data.shape[1] // gguf_weights.BLOCKS[kind][0] * gguf_weights.BLOCKS[kind][1],
+                data.shape[0],
+            ]
+        )
 
 
 def test_an_int4_group_whose_zero_is_not_exact_keeps_int8_groups(tmp_path):
@@ -247,7 +322,9 @@ def test_an_int4_group_whose_zero_is_not_exact_keeps_int8_groups(tmp_path):
     int8 groups (q * d + m), so no weight ever differs from the file's."""
     raw = random_blocks("Q4_1", 16, 64, seed=3)
     block = raw.reshape(16, 2, 20)[0, 0]
-    block[0:2], block[2:4] = (np.array([v], dtype=np.float16).view(np.uint8) for v in (1.0, 3e-7))  # 8d + m: 28 bits
+    block[0:2], block[2:4] = (
+        np.array([v], dtype=np.float16).view(np.uint8) for v in (1.0, 3e-7)
+    )  # 8d + m: 28 bits
     p = gguf_weights.packed(Record("Q4_1", raw), "layers.0.mlp.up_proj.weight", tmp_path / "x.gguf")
     assert p.kind == "int8g" and torch.equal(p.dequantize(), gguf_reference(raw, "Q4_1"))
     block[2:4] = np.array([-4.0], dtype=np.float16).view(np.uint8)
@@ -258,7 +335,9 @@ def test_an_int4_group_whose_zero_is_not_exact_keeps_int8_groups(tmp_path):
 def test_block_data_shorter_than_its_shape_is_named(tmp_path):
     record = Record("Q4_1", np.zeros((8, 20 * 16), dtype=np.uint8))
     record.data = record.data[:, : 20 * 15]  # 15 of the 16 blocks each row's shape implies
-    with pytest.raises(weights.CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q4_1.*truncated or corrupt"):
+    with pytest.raises(
+        weights.CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q4_1.*truncated or corrupt"
+    ):
         gguf_weights.packed(record, "layers.0.mlp.up_proj.weight", tmp_path / "x.gguf")
 
 

@@ -1,15 +1,16 @@
 """kv_cache.py: attending over the prefix of the slots in use gives the logits of attending over the
 whole cache; compiled steps keep one graph per attend length and pick the right one mid-loop."""
+
 import pytest
 import torch
+from helpers import tiny_checkpoint
 
 import generate
 import runtime
 from formats import weights
-from helpers import tiny_checkpoint
 from kv_cache import StaticKVCache, attend_len_for
-from speedups.kv_int8 import Int8KVCache
 from sampling import SamplingParams
+from speedups.kv_int8 import Int8KVCache
 
 CAPACITY = 1024  # large against the positions the tests use, so the prefix is what they read
 
@@ -23,8 +24,21 @@ def tiny64(tmp_path_factory):
 
 
 def test_attend_len_is_a_bucket_covering_the_positions():
-    assert [attend_len_for(n, 4096) for n in (1, 128, 129, 193, 1000, 1025, 4096)] == [128, 128, 192, 256, 1024, 1536, 4096]
-    assert attend_len_for(130, 192) == 192 and attend_len_for(150, 200) == 192 and attend_len_for(199, 200) == 200 and attend_len_for(9000, 8192) == 8192
+    assert [attend_len_for(n, 4096) for n in (1, 128, 129, 193, 1000, 1025, 4096)] == [
+        128,
+        128,
+        192,
+        256,
+        1024,
+        1536,
+        4096,
+    ]
+    assert (
+        attend_len_for(130, 192) == 192
+        and attend_len_for(150, 200) == 192
+        and attend_len_for(199, 200) == 200
+        and attend_len_for(9000, 8192) == 8192
+    )
     cache = StaticKVCache(1, 1, 1, 300, 8)
     assert cache.attend_len == 300  # no call yet: the whole cache
     assert cache.use_positions(5) == 128 == cache.attend_len and cache.use_positions(None) == 300
@@ -40,7 +54,9 @@ def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
     g = torch.Generator().manual_seed(0)
     prefix, eager, whole = (cache_cls.for_model(model, 2, CAPACITY) for _ in range(3))
     # (start, tokens): a prefill, decode steps across 128, a chunk reaching past 256, decode steps
-    steps = [(0, 40)] + [(p, 1) for p in range(40, 44)] + [(44, 84)] + [(p, 1) for p in range(128, 132)]
+    steps = (
+        [(0, 40)] + [(p, 1) for p in range(40, 44)] + [(44, 84)] + [(p, 1) for p in range(128, 132)]
+    )
     steps += [(132, 170)] + [(p, 1) for p in range(302, 306)]
     lengths = set()
     with torch.no_grad():
@@ -48,8 +64,14 @@ def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
             tokens = torch.randint(3, 250, (2, T), generator=g)
             pos = torch.arange(start, start + T).expand(2, T)
             lengths.add(prefix.use_positions(start + T))
-            assert eager.use_positions(start + T, round_up=False) == (256 if start + T <= 256 else 512)
-            a, b, c = model(tokens, pos, prefix), model(tokens, pos, eager), model(tokens, pos, whole)
+            assert eager.use_positions(start + T, round_up=False) == (
+                256 if start + T <= 256 else 512
+            )
+            a, b, c = (
+                model(tokens, pos, prefix),
+                model(tokens, pos, eager),
+                model(tokens, pos, whole),
+            )
             torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
             torch.testing.assert_close(b, c, rtol=0, atol=1e-10)
     assert whole.attend_len == CAPACITY and lengths == {128, 192, 384}
@@ -57,8 +79,12 @@ def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
 
 def greedy_across_a_boundary(model, cache_cls, decode_fn, prompt, n):
     cache = cache_cls.for_model(model, 2, CAPACITY)
-    rows, _ = generate.generate(model, cache, prompt, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
-    assert cache.attend_len == CAPACITY  # generate hands the cache back attending over all its slots
+    rows, _ = generate.generate(
+        model, cache, prompt, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+    )
+    assert (
+        cache.attend_len == CAPACITY
+    )  # generate hands the cache back attending over all its slots
     return rows
 
 

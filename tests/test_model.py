@@ -1,9 +1,10 @@
 """model.py against Hugging Face transformers on the same weights, for every architecture."""
+
 import pytest
 import torch
+from helpers import ARCHS, hf_model, save_hf, to_classic_config
 
 from formats import weights
-from helpers import ARCHS, hf_model, save_hf, to_classic_config
 from kv_cache import NoCache, StaticKVCache
 
 ATOL = 1e-4
@@ -43,7 +44,7 @@ def test_decode_through_static_cache_matches_hf(pair):
         prompt = 8
         out = [model(x[:, :prompt], torch.arange(prompt).expand(B, prompt), cache)]
         for t in range(prompt, T):  # then one token at a time
-            out.append(model(x[:, t:t + 1], torch.full((B, 1), t), cache))
+            out.append(model(x[:, t : t + 1], torch.full((B, 1), t), cache))
     torch.testing.assert_close(torch.cat(out, dim=1), ref, atol=ATOL, rtol=0)
 
 

@@ -1,14 +1,15 @@
 """formats/mxfp4.py: gpt-oss folders whose experts are MXFP4 blocks, written here in the published layout,
 decode to the values transformers' own dequantization gives, and the model equals transformers'."""
+
 import json
 
 import pytest
 import torch
+from helpers import hf_model, save_hf
 from safetensors.torch import load_file, save_file
 
 import moe
 from formats import weights
-from helpers import hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
 from runtime import CheckpointError
 
@@ -17,9 +18,13 @@ def mxfp4_values(E, N, K, seed):
     """Random codes and exponents, and the weights [E, N, K] they stand for (so packing loses nothing)."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (E, N, K), generator=g, dtype=torch.uint8)
-    scales = torch.randint(121, 126, (E, N, K // 32), generator=g, dtype=torch.uint8)  # 2^-6 .. 2^-2
+    scales = torch.randint(
+        121, 126, (E, N, K // 32), generator=g, dtype=torch.uint8
+    )  # 2^-6 .. 2^-2
     values = moe.E2M1[codes.long()] * torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
-    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(E, N, K // 32, 16)  # code 2j low, 2j + 1 high
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(
+        E, N, K // 32, 16
+    )  # code 2j low, 2j + 1 high
     return values, blocks, scales
 
 
@@ -32,7 +37,9 @@ def mxfp4_folder(tmp_path, dim=64, ff=32):
     E = hf.config.num_local_experts
     for layer in range(hf.config.num_hidden_layers):
         prefix = f"model.layers.{layer}.mlp.experts."
-        for i, (name, (N, K)) in enumerate((("gate_up_proj", (2 * ff, dim)), ("down_proj", (dim, ff)))):
+        for i, (name, (N, K)) in enumerate(
+            (("gate_up_proj", (2 * ff, dim)), ("down_proj", (dim, ff)))
+        ):
             values, blocks, scales = mxfp4_values(E, N, K, seed=10 * layer + i)
             del tensors[prefix + name]
             tensors[prefix + name + "_blocks"], tensors[prefix + name + "_scales"] = blocks, scales
@@ -40,8 +47,15 @@ def mxfp4_folder(tmp_path, dim=64, ff=32):
     out.mkdir()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -58,13 +72,28 @@ def test_blocks_decode_to_transformers_dequantization(tmp_path):
         assert type(experts) is moe.GroupExperts and experts.kinds["gate_proj"] == "e2m1"
         prefix = f"model.layers.{layer}.mlp.experts."
         ids = torch.arange(experts.n_experts)
-        for name, ours in (("gate_up_proj", torch.stack([experts.weights("gate_proj", ids, torch.float32),
-                                                         experts.weights("up_proj", ids, torch.float32)], 2)),
-                           ("down_proj", experts.weights("down_proj", ids, torch.float32))):
+        for name, ours in (
+            (
+                "gate_up_proj",
+                torch.stack(
+                    [
+                        experts.weights("gate_proj", ids, torch.float32),
+                        experts.weights("up_proj", ids, torch.float32),
+                    ],
+                    2,
+                ),
+            ),
+            ("down_proj", experts.weights("down_proj", ids, torch.float32)),
+        ):
             # transformers: [E, in, out], gate and up columns interleaved
-            ref = convert_moe_packed_tensors(tensors[prefix + name + "_blocks"], tensors[prefix + name + "_scales"],
-                                             dtype=torch.float32)
-            assert torch.equal(ours.flatten(1, 2) if name == "gate_up_proj" else ours, ref.transpose(1, 2))
+            ref = convert_moe_packed_tensors(
+                tensors[prefix + name + "_blocks"],
+                tensors[prefix + name + "_scales"],
+                dtype=torch.float32,
+            )
+            assert torch.equal(
+                ours.flatten(1, 2) if name == "gate_up_proj" else ours, ref.transpose(1, 2)
+            )
 
 
 def test_mxfp4_model_equals_transformers_on_the_same_folder(tmp_path):
@@ -81,9 +110,11 @@ def test_mxfp4_model_equals_transformers_on_the_same_folder(tmp_path):
     with torch.no_grad():
         ref = hf(x).logits
         ours = [model(x[:, :16], torch.arange(16)[None], cache)]
-        ours += [model(x[:, t:t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
+        ours += [model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
         torch.testing.assert_close(torch.cat(ours, 1), ref, atol=1e-4, rtol=0)
-        torch.testing.assert_close(plain(x, torch.arange(24)[None], NoCache()), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            plain(x, torch.arange(24)[None], NoCache()), ref, atol=1e-4, rtol=0
+        )
 
 
 def test_incomplete_or_misshapen_blocks_are_named(tmp_path):
@@ -92,8 +123,11 @@ def test_incomplete_or_misshapen_blocks_are_named(tmp_path):
     name = "model.layers.1.mlp.experts.down_proj_scales"
     broken = {k: v for k, v in tensors.items() if k != name}
     save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj_blocks has no "
-                                              r"layers\.1\.mlp\.experts\.down_proj_scales"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.1\.mlp\.experts\.down_proj_blocks has no "
+        r"layers\.1\.mlp\.experts\.down_proj_scales",
+    ):
         weights.load(folder)
     broken[name] = tensors[name].to(torch.int32)
     save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})

@@ -1,13 +1,15 @@
 """paged.py: the paged cache gives the static cache's logits; the block allocator's prefix cache
 (reference counts, chained hashes, leaf-first LRU eviction) keeps its invariants under random use."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from helpers import check_allocator, tiny_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import generate
 import runtime
 from formats import weights
-from helpers import check_allocator, tiny_checkpoint
 from kv_cache import StaticKVCache
 from kv_plan import plan_blocks
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, bucket
@@ -17,7 +19,9 @@ from sampling import SamplingParams
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory):
     """The tiny model in float64: exact comparisons never flip on near-ties."""
-    model, _ = weights.load(tiny_checkpoint(tmp_path_factory.mktemp("paged-tiny")), dtype=torch.float64)
+    model, _ = weights.load(
+        tiny_checkpoint(tmp_path_factory.mktemp("paged-tiny")), dtype=torch.float64
+    )
     return model
 
 
@@ -37,7 +41,9 @@ def test_ragged_flat_batch_equals_static_cache_per_request(tiny64):
         return torch.tensor([t[:width] for t in rows])
 
     with torch.no_grad():
-        cache.groups = [(1, len(p), table([t], bucket(-(-len(p) // bs)))) for p, t in zip(prompts, tables)]
+        cache.groups = [
+            (1, len(p), table([t], bucket(-(-len(p) // bs)))) for p, t in zip(prompts, tables)
+        ]
         tokens = torch.cat(prompts)[None]
         pos = torch.cat([torch.arange(len(p)) for p in prompts])[None]
         ends = torch.tensor([4, 4 + 19, 4 + 19 + 33])
@@ -60,7 +66,10 @@ def test_generate_paged_equals_static(tiny64):
     """generate.py's loop on PagedKVCache.for_batch: the static cache's tokens, batch of 2."""
     prompt = torch.tensor([[5, 9, 11, 3, 7], [8, 2, 6, 4, 1]])
     out = []
-    for cache in (StaticKVCache.for_model(tiny64, 2, 64), PagedKVCache.for_batch(tiny64, 2, 64, block_size=8)):
+    for cache in (
+        StaticKVCache.for_model(tiny64, 2, 64),
+        PagedKVCache.for_batch(tiny64, 2, 64, block_size=8),
+    ):
         rows, _ = generate.generate(tiny64, cache, prompt, 30, SamplingParams(0.0), ignore_eos=True)
         out.append(rows)
     assert out[0] == out[1] and len(out[0][0]) == 30
@@ -74,12 +83,25 @@ def test_compiled_paged_decode_equals_eager(tiny64):
 
     torch._dynamo.reset()
     prompt = torch.tensor([[5, 9, 11, 3, 7]] * 2)
-    eager, _ = generate.generate(tiny64, PagedKVCache.for_batch(tiny64, 2, 64, 8), prompt, 20,
-                                 SamplingParams(0.0), ignore_eos=True)
+    eager, _ = generate.generate(
+        tiny64,
+        PagedKVCache.for_batch(tiny64, 2, 64, 8),
+        prompt,
+        20,
+        SamplingParams(0.0),
+        ignore_eos=True,
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         fn = runtime.compile_decode("cpu", autotune=False)
-        compiled, _ = generate.generate(tiny64, PagedKVCache.for_batch(tiny64, 2, 64, 8), prompt, 20,
-                                        SamplingParams(0.0), ignore_eos=True, decode_fn=fn)
+        compiled, _ = generate.generate(
+            tiny64,
+            PagedKVCache.for_batch(tiny64, 2, 64, 8),
+            prompt,
+            20,
+            SamplingParams(0.0),
+            ignore_eos=True,
+            decode_fn=fn,
+        )
     assert compiled == eager
 
 
@@ -159,15 +181,20 @@ def test_a_windowed_pool_evicts_behind_the_window_and_hits_on_the_window_alone()
     tokens, chain, parent = list(range(30)), [], None
     for i in range(6):
         chain.append(a.allocate())
-        parent = a.register(chain[-1], parent, tokens[4 * i:4 * i + 4], chain[-2] if i else None)
+        parent = a.register(chain[-1], parent, tokens[4 * i : 4 * i + 4], chain[-2] if i else None)
     for b in chain:  # the sequence ends: all 6 cached, unused
         a.release(b)
     assert a.num_available() == 7
-    assert a.allocate_many(4) is not None  # the free block, then the 3 oldest though they have cached children
+    assert (
+        a.allocate_many(4) is not None
+    )  # the free block, then the 3 oldest though they have cached children
     check_allocator(a)
     hit, hashes = a.lookup_prefix(tokens, 7)
     assert hit == [0, 0, 0, 0] + chain[4:6] and len(hashes) == 6
-    assert a.lookup_prefix(tokens, 5) == ([0, 0, 0] + chain[3:5], hashes[:5])  # 20 tokens: blocks 3 and 4
+    assert a.lookup_prefix(tokens, 5) == (
+        [0, 0, 0] + chain[3:5],
+        hashes[:5],
+    )  # 20 tokens: blocks 3 and 4
     for b in (chain[3], chain[5]):  # used again: chain[4] is now the least recently used
         a.share(b)
         a.release(b)
@@ -188,11 +215,14 @@ def test_lookup_reuses_longest_cached_prefix_only():
     assert a.lookup_prefix([1, 2, 3, 4], 1)[0] == [1]  # capped
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("new"), st.lists(st.integers(0, 2), min_size=1, max_size=9)),
-    st.tuples(st.just("free"), st.integers(0, 20)),
-    st.tuples(st.just("fork"), st.integers(0, 20)),
-), max_size=40)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("new"), st.lists(st.integers(0, 2), min_size=1, max_size=9)),
+        st.tuples(st.just("free"), st.integers(0, 20)),
+        st.tuples(st.just("fork"), st.integers(0, 20)),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -219,11 +249,15 @@ def test_allocator_invariants_under_random_use(ops):
                 continue
             for _ in range(need):
                 b = a.allocate()
-                assert all(b not in owned for owned in live), "allocated a block a live sequence holds"
+                assert all(b not in owned for owned in live), (
+                    "allocated a block a live sequence holds"
+                )
                 blocks.append(b)
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), len(arg) // bs):  # register the full blocks just computed
-                parent = a.register(blocks[i], parent, arg[i * bs:(i + 1) * bs], blocks[i - 1] if i else None)
+                parent = a.register(
+                    blocks[i], parent, arg[i * bs : (i + 1) * bs], blocks[i - 1] if i else None
+                )
             live.append(blocks)
         elif live and op == "free":
             for b in live.pop(arg % len(live)):
@@ -251,10 +285,17 @@ def test_memory_plan_arithmetic(tiny64):
     a = tiny64.config
     per_block = 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 8
     n, window_blocks, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5)
-    assert n == 100 and window_blocks == 0 and f"{per_block} bytes per block" in line and f"{99 * 16} tokens" in line
+    assert (
+        n == 100
+        and window_blocks == 0
+        and f"{per_block} bytes per block" in line
+        and f"{99 * 16} tokens" in line
+    )
     assert plan_blocks(tiny64, 16, num_blocks=7)[0] == 7
     assert plan_blocks(tiny64, 16, max_tokens=40)[0] == 1 + 3  # capped at what 40 tokens can use
-    n, _, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5, draft=tiny64)  # a draft's pool beside it
+    n, _, line = plan_blocks(
+        tiny64, 16, memory_bytes=100 * per_block + 5, draft=tiny64
+    )  # a draft's pool beside it
     assert n == 50 and f"the draft model's pool: {per_block} bytes per block" in line
     with pytest.raises(ValueError, match="at least 2"):
         plan_blocks(tiny64, 16, memory_bytes=per_block)

@@ -1,23 +1,26 @@
 """quantize.py: each kernel path against the plain dequantized reference, checkpoints, perplexity."""
+
 import json
 
+import helpers
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_checkpoint
 
 import generate
-import helpers
-import runtime
 import int4_layout
 import quantize
+import runtime
 from formats import weights
-from helpers import tiny_checkpoint
 from kv_cache import NoCache, StaticKVCache
-from speedups.kv_int8 import Int8KVCache
 from perplexity import DEFAULT_TEXT, perplexity
+from speedups.kv_int8 import Int8KVCache
 
 # a tiny model whose every linear layer the int4 kernels take at group 64 (K % 64, N % 16)
-QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+QUANT_SIZES = dict(
+    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,9 @@ def test_layer_error_is_within_bound(mode, bound):
     # per group of 64 has steps ~range/15, i.e. an RMS error about 9% of the weights'.
     torch.manual_seed(0)
     w, x = torch.randn(256, 512), torch.randn(8, 512)
-    layer = quantize.make_layer(quantize.portable_tensors(w, mode, 64), None, mode, 64, torch.float32, "cpu")
+    layer = quantize.make_layer(
+        quantize.portable_tensors(w, mode, 64), None, mode, 64, torch.float32, "cpu"
+    )
     ref = x @ w.T
     assert rel_error(x @ layer.dequantize().T, ref) < bound
     assert rel_error(layer(x), ref) < bound
@@ -50,7 +55,9 @@ def test_kernel_path_equals_dequantized_reference(mode, rows, dtype):
     torch.manual_seed(rows)
     w, b = torch.randn(192, 256) * 0.05, torch.randn(192) * 0.1
     layer = quantize.make_layer(quantize.portable_tensors(w, mode, 64), b, mode, 64, dtype, "cpu")
-    x = torch.randn(1, rows, 256).to(dtype)  # (float32: the kernel for 1 row, unpacking from 2; bf16: from 128)
+    x = torch.randn(1, rows, 256).to(
+        dtype
+    )  # (float32: the kernel for 1 row, unpacking from 2; bf16: from 128)
     ref = x.float() @ layer.dequantize().T + layer.bias.float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: rounding of activations and output
     torch.testing.assert_close(layer(x).float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
@@ -67,17 +74,29 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     assert torch.equal(int4_layout.cpu_int4_unpack(packed, n, 128, *layout), q)
     # and a lookup of some rows (a tied head read as the embedding), the last ones (a tail past the
     # last whole block where n is not a multiple of it) always among them
-    rows = torch.cat([torch.randint(0, n, (32,), generator=torch.Generator().manual_seed(n)), torch.arange(n - 8, n)])
+    rows = torch.cat(
+        [
+            torch.randint(0, n, (32,), generator=torch.Generator().manual_seed(n)),
+            torch.arange(n - 8, n),
+        ]
+    )
     assert torch.equal(int4_layout.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
     torch.manual_seed(0)
-    w, x = torch.randn(64, 128), torch.randn(quantize.INT4_LARGE_M + 8, 128)  # the dequantize + GEMM route
-    known = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
+    w, x = (
+        torch.randn(64, 128),
+        torch.randn(quantize.INT4_LARGE_M + 8, 128),
+    )  # the dequantize + GEMM route
+    known = quantize.make_layer(
+        quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
+    )
     monkeypatch.setattr(int4_layout, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
-    unknown = quantize.make_layer(quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu")
+    unknown = quantize.make_layer(
+        quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
+    )
     assert "not one this file knows" in capsys.readouterr().err
     assert known.portable_weight is None and unknown.portable_weight is not None
     assert torch.equal(unknown.dequantize(), known.dequantize())
@@ -86,9 +105,14 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
 
 def test_int4_is_refused_where_the_cpu_kernel_is_wrong(monkeypatch, tiny, capsys):
     monkeypatch.setattr(quantize, "cpu_int4_kernel_error", lambda capability: "its result differs")
-    with pytest.raises(ValueError, match=f"under CPU capability {runtime.cpu_capability()} .*use --quantize int8"):
+    with pytest.raises(
+        ValueError, match=f"under CPU capability {runtime.cpu_capability()} .*use --quantize int8"
+    ):
         quantize.check_int4_device("cpu")
-    assert generate.main(["--checkpoint", str(tiny), "--quantize", "int4", "--max_new_tokens", "2"]) == 2
+    assert (
+        generate.main(["--checkpoint", str(tiny), "--quantize", "int4", "--max_new_tokens", "2"])
+        == 2
+    )
     assert "use --quantize int8" in capsys.readouterr().err
 
 
@@ -122,8 +146,10 @@ def test_int4_group32_reproduces_the_embedded_q4_1_weights(embedded):
     reader = gguf_config.read(weights.default_checkpoint())
     tensors = {t.name: t for t in reader.tensors}
     # ffn_down and attn_v are stored as is (llama.cpp permutes only Q and K rows)
-    for gguf_name, layer in [("blk.0.ffn_down.weight", model.layers[0].mlp.down_proj),
-                             ("blk.7.attn_v.weight", model.layers[7].self_attn.v_proj)]:
+    for gguf_name, layer in [
+        ("blk.0.ffn_down.weight", model.layers[0].mlp.down_proj),
+        ("blk.7.attn_v.weight", model.layers[7].self_attn.v_proj),
+    ]:
         t = tensors[gguf_name]
         assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
         values, d, m = q4_1_blocks(t)
@@ -131,8 +157,13 @@ def test_int4_group32_reproduces_the_embedded_q4_1_weights(embedded):
         assert torch.equal(quantize.unpack_int4(p["weight"]), values)
         torch.testing.assert_close(p["scales"], d, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(p["zeros"] - 8 * p["scales"], m, rtol=1e-5, atol=1e-6)
-    for name, m in model.named_modules():  # and every linear weight of a first, middle and last layer
-        if isinstance(m, torch.nn.Linear) and name.startswith(("layers.0.", "layers.15.", "layers.29.")):
+    for (
+        name,
+        m,
+    ) in model.named_modules():  # and every linear weight of a first, middle and last layer
+        if isinstance(m, torch.nn.Linear) and name.startswith(
+            ("layers.0.", "layers.15.", "layers.29.")
+        ):
             p = quantize.quantize_int4(m.weight, 32)
             w = quantize.dequantize_int4(quantize.unpack_int4(p["weight"]), p["scales"], p["zeros"])
             torch.testing.assert_close(w, m.weight, atol=2e-6, rtol=0, msg=name)
@@ -164,20 +195,50 @@ def test_quantizing_keeps_no_autograd_graph(tiny, mode):
     model = weights.Transformer(weights.ModelConfig(**dict(weights.load(tiny)[0].config.__dict__)))
     assert all(p.requires_grad for p in model.parameters())  # what a user's own module holds
     quantize.quantize_model(model, mode, 64, head=True, embedding=True)
-    held = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.grad_fn is not None]
+    held = [
+        n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.grad_fn is not None
+    ]
     assert not held, f"tensors holding an autograd graph: {held[:5]}"
 
 
-@pytest.mark.parametrize("shape", [
-    dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=32, intermediate_size=11008, vocab_size=32000),  # Llama-2-7B
-    dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256),  # Llama-3-8B
-    dict(dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, intermediate_size=8192, vocab_size=128256),  # Llama-3.2-1B
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(
+            dim=4096,
+            n_layers=2,
+            n_heads=32,
+            n_kv_heads=32,
+            intermediate_size=11008,
+            vocab_size=32000,
+        ),  # Llama-2-7B
+        dict(
+            dim=4096,
+            n_layers=2,
+            n_heads=32,
+            n_kv_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+        ),  # Llama-3-8B
+        dict(
+            dim=2048,
+            n_layers=2,
+            n_heads=32,
+            n_kv_heads=8,
+            intermediate_size=8192,
+            vocab_size=128256,
+        ),  # Llama-3.2-1B
+    ],
+)
 def test_int4_plan_covers_llama_shaped_models(shape):
     with torch.device("meta"):
         model = weights.Transformer(weights.ModelConfig(**shape))
     layers = quantize.plan(model, "int4", 64)
-    sizes = {n: m.weight.numel() for n, m in model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    sizes = {
+        n: m.weight.numel()
+        for n, m in model.layers.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     covered = sum(n for name, n in sizes.items() if layers[f"layers.{name}"] is None)
     assert covered / sum(sizes.values()) >= 0.99
 
@@ -185,14 +246,20 @@ def test_int4_plan_covers_llama_shaped_models(shape):
 def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=runtime.decode_one):
     cache = cache_cls.for_model(model, 1, 64)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
-    rows, _ = generate.generate(model, cache, prompt, n, generate.SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn)
+    rows, _ = generate.generate(
+        model, cache, prompt, n, generate.SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+    )
     return rows[0]
 
 
-@pytest.mark.parametrize("mode, extra", [("int8", ["--quantize_head", "--quantize_embedding"]), ("int4", [])])
+@pytest.mark.parametrize(
+    "mode, extra", [("int8", ["--quantize_head", "--quantize_embedding"]), ("int4", [])]
+)
 def test_saved_checkpoint_equals_quantizing_at_load(tiny, tmp_path, mode, extra):
     out = tmp_path / "q"
-    assert quantize.main(["--checkpoint", str(tiny), "--mode", mode, "--out", str(out), *extra]) == 0
+    assert (
+        quantize.main(["--checkpoint", str(tiny), "--mode", mode, "--out", str(out), *extra]) == 0
+    )
     loaded, info = weights.load(out)  # float32 activations, as the CLI quantized float32 weights
     assert info.format == f"safetensors {mode}"
     direct, _ = weights.load(tiny)
@@ -204,7 +271,12 @@ def test_saved_checkpoint_equals_quantizing_at_load(tiny, tmp_path, mode, extra)
     assert torch.equal(a, b)
     assert loaded.weight_bytes() == direct.weight_bytes()
     assert (out / "tokenizer.json").exists()  # generate.py runs on the folder as is
-    assert generate.main(["--checkpoint", str(out), "--prompt", "hello", "--max_new_tokens", "3", "--json"]) == 0
+    assert (
+        generate.main(
+            ["--checkpoint", str(out), "--prompt", "hello", "--max_new_tokens", "3", "--json"]
+        )
+        == 0
+    )
 
 
 def test_quantized_checkpoint_of_a_gguf_keeps_its_tokenizer(tmp_path, embedded):
@@ -215,7 +287,11 @@ def test_quantized_checkpoint_of_a_gguf_keeps_its_tokenizer(tmp_path, embedded):
     _, tokenizer = embedded
     text = "Quantized checkpoints keep the tokenizer: 12345 ok?"
     assert load_tokenizer(out).encode(text) == tokenizer.encode(text)
-    meta = json.loads(__import__("safetensors").safe_open(str(out / "model.safetensors"), "pt").metadata()["quantization"])
+    meta = json.loads(
+        __import__("safetensors")
+        .safe_open(str(out / "model.safetensors"), "pt")
+        .metadata()["quantization"]
+    )
     assert meta["mode"] == "int8" and len(meta["layers"]) == 7 * 30
 
 
@@ -244,7 +320,9 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
         with torch.no_grad():
             runtime.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
             logits.append(fn(model, cache, torch.tensor([[3]]), torch.tensor([[4]])))
-    torch.testing.assert_close(logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0)
+    torch.testing.assert_close(
+        logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0
+    )
 
 
 @pytest.mark.isa
@@ -261,7 +339,9 @@ def test_int8_kv_cache_attention_matches_the_float_cache():
             outs[i].append(c.attend(0, q, k, v, pos))
     for a, b in zip(*outs):
         assert rel_error(b, a) < 0.02
-    assert caches[1].nbytes() < 0.6 * caches[0].nbytes() * 2 / 4 * 2  # int8 + scales vs float32 halved twice
+    assert (
+        caches[1].nbytes() < 0.6 * caches[0].nbytes() * 2 / 4 * 2
+    )  # int8 + scales vs float32 halved twice
 
 
 @pytest.mark.isa
@@ -271,9 +351,13 @@ def test_compiled_int8_kv_decode_equals_eager(tiny):
     model, _ = weights.load(tiny)
     eager = greedy(model, cache_cls=Int8KVCache)
     torch._dynamo.reset()
-    compiled = greedy(model, cache_cls=Int8KVCache, decode_fn=runtime.compile_decode("cpu", autotune=False))
+    compiled = greedy(
+        model, cache_cls=Int8KVCache, decode_fn=runtime.compile_decode("cpu", autotune=False)
+    )
     assert compiled == eager
-    assert greedy(model) == eager  # on this tiny model the int8 cache does not change a greedy token
+    assert (
+        greedy(model) == eager
+    )  # on this tiny model the int8 cache does not change a greedy token
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +400,9 @@ def test_perplexity_int4(float_ppl, declaration):
     assert abs(perplexity(model, declaration) - float_ppl) < 1e-3 * float_ppl
 
 
-def test_perplexity_int4_regrouped(float_ppl, declaration):  # a quality bound: not rerun under each instruction set
+def test_perplexity_int4_regrouped(
+    float_ppl, declaration
+):  # a quality bound: not rerun under each instruction set
     model, _ = weights.load(None, dequantize=True)
     quantize.quantize_model(model, "int4", 64)
     # Re-quantizing Q4_1 groups of 32 into groups of 64 loses much more than quantizing float
@@ -339,19 +425,39 @@ def test_bad_input_gives_clear_errors(tiny, tmp_path, capsys):
     assert quantize.main(["--checkpoint", str(tiny), "--mode", "int4", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
-    with pytest.raises(weights.CheckpointError, match=r"tensor .layers.0.mlp.\w+.\w+. has shape \(\d+, \d+\), expected"):
+    with pytest.raises(
+        weights.CheckpointError,
+        match=r"tensor .layers.0.mlp.\w+.\w+. has shape \(\d+, \d+\), expected",
+    ):
         weights.load(out)
 
 
 def test_cli_quantize_and_int8_kv_cache(tiny, capsys):
-    argv = ["--checkpoint", str(tiny), "--prompt", "hello", "--temperature", "0", "--max_new_tokens", "6",
-            "--ignore_eos", "--json", "--max_seq_len", "64"]
+    argv = [
+        "--checkpoint",
+        str(tiny),
+        "--prompt",
+        "hello",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "6",
+        "--ignore_eos",
+        "--json",
+        "--max_seq_len",
+        "64",
+    ]
     assert generate.main(argv) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
-    assert generate.main(argv + ["--quantize", "int4", "--kv_cache_dtype", "int8", "--quantize_head"]) == 0
+    assert (
+        generate.main(argv + ["--quantize", "int4", "--kv_cache_dtype", "int8", "--quantize_head"])
+        == 0
+    )
     out = capsys.readouterr()
     quant = json.loads(out.out.strip().splitlines()[-1])["stats"]
-    assert "quantized 14 layers to int4 (groups of 64)" in out.err  # 2 layers x 7; the head is refused:
+    assert (
+        "quantized 14 layers to int4 (groups of 64)" in out.err
+    )  # 2 layers x 7; the head is refused:
     assert "lm_head: 299 output channels are not a multiple of 16 (int4 kernel)" in out.err
     assert quant["model_bytes"] < 0.6 * plain["model_bytes"]
     # head_dim 32: int8 K/V plus one bf16 scale per token and head is (32 + 2) / (32 * 2) of bf16

@@ -4,12 +4,12 @@ function of what the slots hold. A sequence that reads back anything but its own
 queries look (a block shared wrongly, a copy missed, a preempted sequence's stale blocks, a prefix
 hit on the wrong blocks, a windowed block freed too soon) fails at once; outputs must equal the
 function run alone."""
+
 import random
-from collections import Counter
 
 import pytest
-
 from helpers import check_allocator
+
 from paged import BlockAllocator
 from scheduler import Scheduler
 from sequence import Request, RequestParams
@@ -24,7 +24,7 @@ def alone(prompt, n_new: int, index: int = 0) -> list:
     tokens = list(prompt)
     for _ in range(n_new):
         tokens.append(next_token(tokens, index))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 class StandIn:
@@ -35,7 +35,9 @@ class StandIn:
         self.most_windowed = 0
 
     def add(self, prompt, n_new: int, n: int = 1):
-        req = Request(len(self.requests), prompt, RequestParams(max_new_tokens=n_new, n=n, seed=0), "cpu")
+        req = Request(
+            len(self.requests), prompt, RequestParams(max_new_tokens=n_new, n=n, seed=0), "cpu"
+        )
         self.requests[req.id] = req
         self.s.add(req.seqs[0])
         return req
@@ -52,9 +54,16 @@ class StandIn:
             self.computed += n
         for seq, n in plan.runs.items():  # what the step's queries see: all, or their windows
             for pool, (allocator, table) in enumerate(self.s._tables(seq)):
-                low, end = max(0, seq.num_computed - allocator.window + 1) if allocator.window else 0, seq.num_computed + n
-                seen = [self.kv.get((pool, table[p // bs]), {}).get(p % bs) for p in range(low, end)]
-                assert seen == seq.tokens[low:end], f"request {seq.request.id} sample {seq.index} reads back other tokens"
+                low, end = (
+                    max(0, seq.num_computed - allocator.window + 1) if allocator.window else 0,
+                    seq.num_computed + n,
+                )
+                seen = [
+                    self.kv.get((pool, table[p // bs]), {}).get(p % bs) for p in range(low, end)
+                ]
+                assert seen == seq.tokens[low:end], (
+                    f"request {seq.request.id} sample {seq.index} reads back other tokens"
+                )
             if seq.num_computed + n < len(seq.tokens):
                 continue
             samples = [seq]
@@ -70,7 +79,9 @@ class StandIn:
         for allocator in self.s.pools:
             check_allocator(allocator)
         held = [sum(map(bool, t)) for s in self.s.running for a, t in self.s._tables(s) if a.window]
-        self.most_windowed = max([self.most_windowed, *held])  # blocks a sequence holds in a windowed pool
+        self.most_windowed = max(
+            [self.most_windowed, *held]
+        )  # blocks a sequence holds in a windowed pool
         return plan
 
     def run(self):
@@ -79,11 +90,24 @@ class StandIn:
         assert self.s.blocks_used() == 0, "blocks leaked"
 
 
-def scheduler(num_blocks=400, block_size=4, max_num_seqs=8, max_num_batched_tokens=512, window=0, window_blocks=0, **kw):
+def scheduler(
+    num_blocks=400,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    window=0,
+    window_blocks=0,
+    **kw,
+):
     """window: every layer's (one pool); with window_blocks, a hybrid's windowed layers' (two pools)."""
     windows = BlockAllocator(window_blocks, block_size, window=window) if window_blocks else None
-    return Scheduler(BlockAllocator(num_blocks, block_size, window=0 if windows else window), max_num_seqs,
-                     max_num_batched_tokens, window_allocator=windows, **kw)
+    return Scheduler(
+        BlockAllocator(num_blocks, block_size, window=0 if windows else window),
+        max_num_seqs,
+        max_num_batched_tokens,
+        window_allocator=windows,
+        **kw,
+    )
 
 
 def random_workload(count: int, seed: int):
@@ -94,8 +118,10 @@ def random_workload(count: int, seed: int):
     return prompts, [rng.randint(1, 24) for _ in prompts]
 
 
-@pytest.mark.parametrize("num_blocks, max_batched, policy", [
-    (400, 512, "fcfs"), (30, 512, "fcfs"), (400, 8, "fcfs"), (26, 12, "fcfs"), (26, 12, "lpm")])
+@pytest.mark.parametrize(
+    "num_blocks, max_batched, policy",
+    [(400, 512, "fcfs"), (30, 512, "fcfs"), (400, 8, "fcfs"), (26, 12, "fcfs"), (26, 12, "lpm")],
+)
 def test_every_sequence_reads_back_exactly_its_own_tokens(num_blocks, max_batched, policy):
     prompts, news = random_workload(12, seed=0)
     stand_in = StandIn(scheduler(num_blocks, max_num_batched_tokens=max_batched, policy=policy))
@@ -111,15 +137,23 @@ def test_every_sequence_reads_back_exactly_its_own_tokens(num_blocks, max_batche
         assert stats["steps"] > sum(map(len, prompts)) / max_batched
 
 
-@pytest.mark.parametrize("num_blocks, window_blocks, max_batched", [
-    (400, 0, 512), (12, 0, 12), (400, 400, 512), (400, 12, 12), (30, 20, 8)])
-def test_windowed_pools_free_what_no_query_sees_and_keep_what_they_do(num_blocks, window_blocks, max_batched):
+@pytest.mark.parametrize(
+    "num_blocks, window_blocks, max_batched",
+    [(400, 0, 512), (12, 0, 12), (400, 400, 512), (400, 12, 12), (30, 20, 8)],
+)
+def test_windowed_pools_free_what_no_query_sees_and_keep_what_they_do(
+    num_blocks, window_blocks, max_batched
+):
     """Window 8, blocks of 4, on every layer (one pool) or on a hybrid's windowed layers (a pool of
     their own): every query reads back its window's tokens, n = 2 samples and prefix hits
     included, roomy and tight (preemptions); a sequence never holds more windowed blocks than its
     window and its chunk span, (8 + chunk) / 4 + 2, however long it grows."""
     prompts, news = random_workload(12, seed=1)
-    stand_in = StandIn(scheduler(num_blocks, max_num_batched_tokens=max_batched, window=8, window_blocks=window_blocks))
+    stand_in = StandIn(
+        scheduler(
+            num_blocks, max_num_batched_tokens=max_batched, window=8, window_blocks=window_blocks
+        )
+    )
     reqs = [stand_in.add(p, n, n=1 + (k == 3)) for k, (p, n) in enumerate(zip(prompts, news))]
     stand_in.run()
     for req, prompt, n in zip(reqs, prompts, news):
@@ -169,13 +203,20 @@ def test_preemption_takes_the_newest_sequence_and_recomputes_it():
     """4 usable blocks, two 7-token prompts: at position 8 the newer one is preempted (its blocks
     freed, first in the queue) and later recomputed; both outputs are still their alone-runs."""
     stand_in = StandIn(scheduler(5, max_num_seqs=2))
-    old, new = stand_in.add([5, 6, 7, 8, 9, 10, 11], 6), stand_in.add([12, 13, 14, 15, 16, 17, 18], 6)
+    old, new = (
+        stand_in.add([5, 6, 7, 8, 9, 10, 11], 6),
+        stand_in.add([12, 13, 14, 15, 16, 17, 18], 6),
+    )
     stand_in.step()
     stand_in.step()
     assert stand_in.s.stats["preemptions"] == 0
     stand_in.step()
     s = stand_in.s
-    assert s.stats["preemptions"] == 1 and [q.request for q in s.running] == [old] and s.waiting[0].request is new
+    assert (
+        s.stats["preemptions"] == 1
+        and [q.request for q in s.running] == [old]
+        and s.waiting[0].request is new
+    )
     assert s.waiting[0].blocks == [] and s.waiting[0].num_computed == 0
     stand_in.run()
     assert old.seqs[0].output == alone(old.prompt, 6) and new.seqs[0].output == alone(new.prompt, 6)
@@ -212,7 +253,9 @@ def test_a_large_n_yields_a_slot_to_a_newcomer_but_never_below_the_fair_share():
     stand_in.step()
     assert small.finished and stand_in.s.stats["preemptions"] >= 1
     stand_in.run()
-    assert [s.output for s in sorted(big.seqs, key=lambda s: s.index)] == [alone(big.prompt, 30, k) for k in range(8)]
+    assert [s.output for s in sorted(big.seqs, key=lambda s: s.index)] == [
+        alone(big.prompt, 30, k) for k in range(8)
+    ]
 
     fair = StandIn(scheduler(200, max_num_seqs=8))
     for k in range(8):
@@ -234,10 +277,14 @@ def test_prefill_tokens_are_shared_between_requests_and_the_budget_still_fills()
     assert plan.runs[small.seqs[0]] == 5 and plan.runs[huge.seqs[0]] == 64 - 5
     many = [stand_in.add([rng.randrange(3, 250) for _ in range(100)], 2) for _ in range(3)]
     while huge.seqs[0].num_computed < 1000:
-        need = sum(len(s.tokens) - s.num_computed for s in stand_in.s.running + list(stand_in.s.waiting))
+        need = sum(
+            len(s.tokens) - s.num_computed for s in stand_in.s.running + list(stand_in.s.waiting)
+        )
         plan = stand_in.step()
         assert sum(plan.runs.values()) == min(64, need)  # quotas never leave the budget idle
-    assert all(r.seqs[0].num_computed >= 100 for r in many)  # not held until the huge prompt is done
+    assert all(
+        r.seqs[0].num_computed >= 100 for r in many
+    )  # not held until the huge prompt is done
     stand_in.run()
     for req in [huge, small] + many:
         assert req.seqs[0].output == alone(req.prompt, req.params.max_new_tokens)

@@ -4,6 +4,7 @@ json_schema), `client.chat.completions.parse` with a pydantic model, vLLM's stru
 unconstrained ones; a stream's pace beside a 5,000-value enum with n = 8 and a prompt scored with
 echo; bad constraints get 400 while the server keeps serving. The model is the tiny random one: it
 never writes valid JSON on its own."""
+
 import asyncio
 import json
 import re
@@ -15,7 +16,6 @@ import httpx
 import jsonschema
 import pydantic
 import pytest
-
 from test_constrain import SCHEMAS
 from test_serve import AUTH, client, server, tiny  # noqa: F401 (fixtures)
 
@@ -30,17 +30,35 @@ def test_response_format_json_schema_and_object_streamed_or_not(server):
     url = server[0]
     schema = SCHEMAS[17]
     for seed in (0, 1):
-        out = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=seed,
-                                                  response_format=as_format(schema))
+        out = client(url).chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=200,
+            seed=seed,
+            response_format=as_format(schema),
+        )
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
-        chunks = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=seed,
-                                                     response_format=as_format(schema), stream=True)
+        chunks = client(url).chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=200,
+            seed=seed,
+            response_format=as_format(schema),
+            stream=True,
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == out.choices[0].message.content
-    obj = client(url).completions.create(model="tiny", prompt="JSON:", max_tokens=300, seed=3,
-                                         extra_body={"response_format": {"type": "json_object"}})
-    if obj.choices[0].finish_reason == "stop":  # an object whose strings a random model may never close
+    obj = client(url).completions.create(
+        model="tiny",
+        prompt="JSON:",
+        max_tokens=300,
+        seed=3,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    if (
+        obj.choices[0].finish_reason == "stop"
+    ):  # an object whose strings a random model may never close
         assert isinstance(json.loads(obj.choices[0].text), dict)
 
 
@@ -51,39 +69,67 @@ class Person(pydantic.BaseModel):
 
 
 def test_parse_with_a_pydantic_model(server):
-    out = client(server[0]).chat.completions.parse(model="tiny", messages=USER, response_format=Person,
-                                                   max_tokens=200, seed=4)
+    out = client(server[0]).chat.completions.parse(
+        model="tiny", messages=USER, response_format=Person, max_tokens=200, seed=4
+    )
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 120 and len(person.name) <= 6
 
 
 def test_vllm_structured_outputs_regex_choice_grammar(server):
     url = server[0]
-    cases = [({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
-             ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
-             ({"grammar": 'start: "(" /[0-9]/ ")"'}, lambda t: re.fullmatch(r"\([0-9]\)", t))]
+    cases = [
+        ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"grammar": 'start: "(" /[0-9]/ ")"'}, lambda t: re.fullmatch(r"\([0-9]\)", t)),
+    ]
     for spec, ok in cases:
         for seed in (0, 1):
-            out = client(url).completions.create(model="tiny", prompt="Answer:", max_tokens=40, seed=seed,
-                                                 extra_body={"structured_outputs": spec})
+            out = client(url).completions.create(
+                model="tiny",
+                prompt="Answer:",
+                max_tokens=40,
+                seed=seed,
+                extra_body={"structured_outputs": spec},
+            )
             assert ok(out.choices[0].text), (spec, out.choices[0].text)
-    chat = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=20, n=3, seed=2,
-                                               extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    chat = client(url).chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=20,
+        n=3,
+        seed=2,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert len(chat.choices) == 3 and all(c.message.content in ("yes", "no") for c in chat.choices)
 
 
 def test_32_concurrent_schemas_beside_unconstrained_requests(server):
     url, model, tokenizer, engine, _ = server
-    plain = dict(model="tiny", prompt="Once upon", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    plain = dict(
+        model="tiny",
+        prompt="Once upon",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     expected = client(url).completions.create(**plain).choices[0].text
 
     async def main():
         c = client(url, cls=__import__("openai").AsyncOpenAI)
-        constrained = [c.chat.completions.create(model="tiny", messages=USER, max_tokens=200, seed=i,
-                                                 response_format=as_format(SCHEMAS[i % len(SCHEMAS)], f"s{i}"))
-                       for i in range(32)]
+        constrained = [
+            c.chat.completions.create(
+                model="tiny",
+                messages=USER,
+                max_tokens=200,
+                seed=i,
+                response_format=as_format(SCHEMAS[i % len(SCHEMAS)], f"s{i}"),
+            )
+            for i in range(32)
+        ]
         free = [c.completions.create(**plain) for _ in range(4)]
         return await asyncio.gather(*constrained, *free)
+
     results = asyncio.run(main())
     for i, out in enumerate(results[:32]):
         jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS[i % len(SCHEMAS)])
@@ -92,8 +138,16 @@ def test_32_concurrent_schemas_beside_unconstrained_requests(server):
 
 async def stream_times(h, tokens=300) -> list:
     """The times (s) a greedy stream's chunks arrive."""
-    times, body = [], {"prompt": "Once upon a time", "max_tokens": tokens, "stream": True, "ignore_eos": True,
-                       "temperature": 0}
+    times, body = (
+        [],
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
     async with h.stream("POST", "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
@@ -116,45 +170,86 @@ def test_a_stream_keeps_its_pace_beside_a_huge_enum_with_n_and_a_long_echo(serve
     async def beside(h, body, echo: bool):
         sent = [asyncio.ensure_future(timed(h.post("/v1/chat/completions", json=body)))]
         deadline = time.perf_counter() + 60
-        while not any(r.params.n == 8 for r in list(engine.requests.values())):  # compiled and admitted
+        while not any(
+            r.params.n == 8 for r in list(engine.requests.values())
+        ):  # compiled and admitted
             assert time.perf_counter() < deadline and not sent[0].done(), "the 8 rows never started"
             await asyncio.sleep(0.005)
         if echo:
-            sent.append(asyncio.ensure_future(timed(h.post("/v1/completions", json={
-                "prompt": "word " * 220, "max_tokens": 1, "echo": True, "logprobs": 5}))))
+            sent.append(
+                asyncio.ensure_future(
+                    timed(
+                        h.post(
+                            "/v1/completions",
+                            json={
+                                "prompt": "word " * 220,
+                                "max_tokens": 1,
+                                "echo": True,
+                                "logprobs": 5,
+                            },
+                        )
+                    )
+                )
+            )
         times = await stream_times(h)
         replies = await asyncio.gather(*sent)
         return [b - a for a, b in zip(times, times[1:]) if b <= replies[0][1]], replies
 
     async def main():
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as h:
-            plain = await beside(h, {"messages": USER, "n": 8, "max_tokens": 100, "ignore_eos": True}, echo=False)
-            return plain, await beside(h, {"messages": USER, "n": 8, "max_tokens": 200, "response_format": enum}, True)
+            plain = await beside(
+                h, {"messages": USER, "n": 8, "max_tokens": 100, "ignore_eos": True}, echo=False
+            )
+            return plain, await beside(
+                h, {"messages": USER, "n": 8, "max_tokens": 200, "response_format": enum}, True
+            )
+
     (plain, _), (during, replies) = asyncio.run(main())
     assert [r.status_code for r, _ in replies] == [200, 200]
-    assert all(json.loads(c["message"]["content"]) in values for c in replies[0][0].json()["choices"])
+    assert all(
+        json.loads(c["message"]["content"]) in values for c in replies[0][0].json()["choices"]
+    )
     assert len(replies[1][0].json()["choices"][0]["logprobs"]["tokens"]) > 220
     assert len(during) >= 20 and len(plain) >= 20, "the stream ended before the other rows"
-    print(f"beside plain rows {statistics.mean(plain) * 1e3:.2f} ms, beside the enum and echo "
-          f"{statistics.mean(during) * 1e3:.2f} ms over {len(during)} gaps, longest {max(during) * 1e3:.1f} ms")
-    assert statistics.mean(during) < 2 * statistics.mean(plain) and max(during) < 0.5, (plain, during)
+    print(
+        f"beside plain rows {statistics.mean(plain) * 1e3:.2f} ms, beside the enum and echo "
+        f"{statistics.mean(during) * 1e3:.2f} ms over {len(during)} gaps, longest {max(during) * 1e3:.1f} ms"
+    )
+    assert statistics.mean(during) < 2 * statistics.mean(plain) and max(during) < 0.5, (
+        plain,
+        during,
+    )
 
 
-@pytest.mark.parametrize("extra", [
-    {"response_format": {"type": "xml"}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}},
-    {"response_format": {"type": "json_schema", "json_schema": "not an object"}},
-    {"structured_outputs": {"regex": "(unclosed"}},
-    {"structured_outputs": {"regex": "a", "choice": ["b"]}},
-    {"structured_outputs": {"choice": []}},
-    {"structured_outputs": {"grammar": "start: nowhere"}},
-    {"structured_outputs": {"grammar": "root ::= missing_rule"}},  # GBNF errors are plain Exceptions
-    {"structured_outputs": {"grammar": "hello world"}},
-    {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "xml"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": 12}},
+            }
+        },
+        {"response_format": {"type": "json_schema", "json_schema": "not an object"}},
+        {"structured_outputs": {"regex": "(unclosed"}},
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        {"structured_outputs": {"choice": []}},
+        {"structured_outputs": {"grammar": "start: nowhere"}},
+        {
+            "structured_outputs": {"grammar": "root ::= missing_rule"}
+        },  # GBNF errors are plain Exceptions
+        {"structured_outputs": {"grammar": "hello world"}},
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+    ],
+)
 def test_bad_constraints_get_400_and_the_server_keeps_serving(server, extra):
     url = server[0]
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": USER, **extra}, headers=AUTH)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": USER, **extra},
+        headers=AUTH,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] in ("response_format", "structured_outputs", None)
     ok = client(url).chat.completions.create(model="tiny", messages=USER, max_tokens=3)
@@ -169,14 +264,23 @@ def lark_chain(n: int) -> str:
 @pytest.mark.parametrize("rules", [3_000, 30_000])
 def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(server, rules):
     url = server[0]
-    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": lark_chain(rules)}})
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={"prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": lark_chain(rules)}},
+    )
     error = r.json()["error"]
     assert r.status_code == 400 and "crashed the grammar compiler" in error["message"], r.text
     assert error["param"] == "structured_outputs" and "Traceback" not in error["message"]
     assert httpx.get(url + "/health").json()["status"] == "ok"
-    out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=1,
-                                         extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    out = client(url).completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=8,
+        seed=1,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )
     assert out.choices[0].text in ("red", "blue")  # the checker came back for the next one
 
 
@@ -192,7 +296,9 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
     from server.constraint_check import ConstraintChecker
 
     _, model, tokenizer = tiny
-    checker = ConstraintChecker(tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=1.0)
+    checker = ConstraintChecker(
+        tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=1.0
+    )
     checker.check(Constraint("choice", ["yes", "no"]))
     with pytest.raises(ValueError, match="within 1 s"):
         checker.check(Constraint("grammar", parser_alternatives(100_000)))
@@ -222,16 +328,37 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
     def compiled_where(*args):  # a deep schema leaves megabytes of stack on each thread it ran on
         threads.add(threading.current_thread().name)
         return compile_constraint(*args)
+
     monkeypatch.setattr(engine, "add_request", recorded)
     monkeypatch.setattr(serve, "compile_constraint", compiled_where)
-    out = client(url).completions.create(model="tiny", prompt="x", max_tokens=8, seed=2,
-                                         extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
+    out = client(url).completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=8,
+        seed=2,
+        extra_body={"structured_outputs": {"regex": "[a-c]{3}"}},
+    )
     assert re.fullmatch("[a-c]{3}", out.choices[0].text) and seen == [Compiled]
-    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": parser_alternatives(20_000)}})
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={
+            "prompt": "x",
+            "max_tokens": 4,
+            "structured_outputs": {"grammar": parser_alternatives(20_000)},
+        },
+    )
     assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text[:300]
     assert "\n" not in r.json()["error"]["message"] and seen == [Compiled]  # one line; never queued
     with ThreadPool(4) as pool:  # concurrent compiles: still the lane's two threads
-        pool.map(lambda i: client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={
-            "structured_outputs": {"regex": f"[a-c]{{{i + 1}}}"}}), range(8))
+        pool.map(
+            lambda i: client(url).completions.create(
+                model="tiny",
+                prompt="x",
+                max_tokens=2,
+                extra_body={"structured_outputs": {"regex": f"[a-c]{{{i + 1}}}"}},
+            ),
+            range(8),
+        )
     assert threads <= {"constraint-compile_0", "constraint-compile_1"}, threads

@@ -1,6 +1,7 @@
 """serve.py as a process lives: overload refused at once with 503, the model loaded and stepped
 on one thread, SIGTERM draining running requests, and a short soak of mixed, malformed and
 disconnecting clients. The model is the tiny one of test_serve.py."""
+
 import asyncio
 import json
 import os
@@ -14,24 +15,33 @@ from multiprocessing.pool import ThreadPool
 
 import httpx
 import pytest
-
 from helpers import tiny_checkpoint
-from engine import Engine
-import serve
-from serve import Limits
 from test_serve import AUTH, KEY, client, start_server, tiny, wait_idle  # noqa: F401 (fixtures)
+
+import serve
+from engine import Engine
+from serve import Limits
 
 
 def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
     _, model, tokenizer = tiny
-    engine = Engine.for_model(model, num_blocks=200, block_size=8, max_num_seqs=2, max_num_batched_tokens=64,
-                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    engine = Engine.for_model(
+        model,
+        num_blocks=200,
+        block_size=8,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        stop_ids=tokenizer.stop_ids,
+        tokenizer=tokenizer,
+    )
     limits = Limits(max_waiting=4)
     url, _, stop = start_server(engine, tokenizer, limits)
 
     async def one(h):
         start = time.perf_counter()
-        r = await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True})
+        r = await h.post(
+            "/v1/completions", json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
+        )
         return r, time.perf_counter() - start
 
     async def burst():
@@ -45,7 +55,10 @@ def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
     refused = [(r, s) for r, s in results if r.status_code == 503]
     done = [r for r, _ in results if r.status_code == 200]
     assert len(refused) + len(done) == len(results) and len(refused) >= limits.max_waiting
-    assert all(r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable" for r, _ in refused)
+    assert all(
+        r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable"
+        for r, _ in refused
+    )
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in done)
     wait_idle(engine)
 
@@ -62,25 +75,35 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
     def load_engine(**options):
         loaded_on.append(threading.current_thread())
         raise ValueError("no checkpoint here")
+
     monkeypatch.setattr(tp_engine, "load_engine", load_engine)
-    assert serve.main(["--checkpoint", "nowhere"]) == 2  # the loader's error reaches the main thread
-    assert loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
+    assert (
+        serve.main(["--checkpoint", "nowhere"]) == 2
+    )  # the loader's error reaches the main thread
+    assert (
+        loaded_on and loaded_on[0] is not threading.main_thread() and loaded_on[0].name == "engine"
+    )
 
     thread = EngineThread()
     with pytest.raises(ZeroDivisionError):
         thread.call(lambda: 1 / 0).result()
     _, model, tokenizer = tiny
-    engine = thread.call(Engine.for_model, model, num_blocks=64, block_size=8, tokenizer=tokenizer).result()
+    engine = thread.call(
+        Engine.for_model, model, num_blocks=64, block_size=8, tokenizer=tokenizer
+    ).result()
     built_on = thread.call(threading.current_thread).result()
     stepped_on, step = set(), engine.step
 
     def recorded_step():
         stepped_on.add(threading.current_thread())
         return step()
+
     monkeypatch.setattr(engine, "step", recorded_step)
     url, _, stop = start_server(engine, tokenizer, engine_thread=thread)
     try:
-        r = client(url).completions.create(model="tiny", prompt="hello world", max_tokens=3, temperature=0)
+        r = client(url).completions.create(
+            model="tiny", prompt="hello world", max_tokens=3, temperature=0
+        )
         assert r.choices[0].text and stepped_on == {built_on}
     finally:
         stop()
@@ -89,15 +112,33 @@ def test_the_model_is_loaded_and_stepped_on_one_thread(tiny, monkeypatch):
 def test_a_second_sigterm_exits_at_once_without_a_traceback(tmp_path):
     folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
-                             "float32", "--num_blocks", "600", "--shutdown_timeout", "60"],
-                            cwd=root, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--checkpoint",
+            str(folder),
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--num_blocks",
+            "600",
+            "--shutdown_timeout",
+            "60",
+        ],
+        cwd=root,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while "serving on" not in (line := proc.stderr.readline()):
             assert line, "serve.py exited before serving"
         url = line.split("serving on ")[1].split()[0]
         body = {"prompt": "hello world", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60), daemon=True).start()
+        threading.Thread(
+            target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60), daemon=True
+        ).start()
         while "llm_requests_running 1" not in httpx.get(url + "/metrics").text:
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
@@ -106,7 +147,11 @@ def test_a_second_sigterm_exits_at_once_without_a_traceback(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == 128 + signal.SIGTERM and time.time() - start < 2
         rest = proc.stderr.read()
-        assert "again: exiting now" in rest and "Traceback" not in rest and "terminate called" not in rest, rest
+        assert (
+            "again: exiting now" in rest
+            and "Traceback" not in rest
+            and "terminate called" not in rest
+        ), rest
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -117,9 +162,27 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
     after --shutdown_timeout; meanwhile /health says draining and new requests get 503."""
     folder = tiny_checkpoint(tmp_path, max_position_embeddings=4096)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(folder), "--port", "0", "--dtype",
-                             "float32", "--num_blocks", "1200", "--shutdown_timeout", "1", "--api_key", KEY],
-                            cwd=root, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--checkpoint",
+            str(folder),
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--num_blocks",
+            "1200",
+            "--shutdown_timeout",
+            "1",
+            "--api_key",
+            KEY,
+        ],
+        cwd=root,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while "serving on" not in (line := proc.stderr.readline()):
             assert line, "serve.py exited before serving"
@@ -127,8 +190,15 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
         reasons, texts = {}, {}
 
         def stream(name, max_tokens):
-            body = {"prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            body = {
+                "prompt": "hello world",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         part = json.loads(line[6:])["choices"][0]
@@ -147,8 +217,13 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
         while httpx.get(url + "/health").status_code != 503:
             assert time.time() < deadline, "/health never said draining"
         assert httpx.get(url + "/health").json() == {"status": "draining", "ranks": 1}
-        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code == 503
-        assert proc.wait(timeout=1 + serve.DrainingServer.GRACE_S + 1) == 0  # --shutdown_timeout bounds the exit
+        assert (
+            httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH).status_code
+            == 503
+        )
+        assert (
+            proc.wait(timeout=1 + serve.DrainingServer.GRACE_S + 1) == 0
+        )  # --shutdown_timeout bounds the exit
         for t in threads:
             t.join(timeout=5)
         assert reasons == {"long0": "abort", "long1": "abort", "short": "length"}, reasons
@@ -162,12 +237,21 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
 def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
     """benchmarks/soak_serve.py at 40 requests: mixed, malformed and disconnecting clients on a
     pool small enough to preempt; greedy texts equal their alone-runs, no block or request left."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    )
     import soak_serve
 
     _, model, tokenizer = tiny
-    engine = Engine.for_model(model, num_blocks=40, block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
-                    stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    engine = Engine.for_model(
+        model,
+        num_blocks=40,
+        block_size=8,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        stop_ids=tokenizer.stop_ids,
+        tokenizer=tokenizer,
+    )
     report = soak_serve.soak(engine, tokenizer, 40, rate=200.0, seed=1)
     assert report["greedy_checked"] > 5 and report["mismatches"] == []
     assert report["blocks_in_use"] == 0 and report["requests_left"] == 0
@@ -177,8 +261,15 @@ def test_a_short_soak_keeps_greedy_texts_and_leaves_nothing_behind(tiny):
 
 def guarded_server(tiny, **limits):
     _, model, tokenizer = tiny
-    engine = Engine.for_model(model, num_blocks=600, block_size=8, max_num_seqs=16, max_num_batched_tokens=256,
-                              stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    engine = Engine.for_model(
+        model,
+        num_blocks=600,
+        block_size=8,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        stop_ids=tokenizer.stop_ids,
+        tokenizer=tokenizer,
+    )
     url, app, stop = start_server(engine, tokenizer, Limits(**limits))
     host, port = url.removeprefix("http://").split(":")
     return url, (host, int(port)), engine, app.state.engine_loop, stop
@@ -191,8 +282,10 @@ def test_a_request_that_never_finishes_arriving_is_closed(tiny):
 
     url, address, _, _, stop = guarded_server(tiny, header_timeout=1.0)
     try:
-        short_body = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                      "Content-Length: 100\r\n\r\n{\"pro").encode()
+        short_body = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            'Content-Length: 100\r\n\r\n{"pro'
+        ).encode()
         for partial in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", short_body):
             with socket.create_connection(address, timeout=10) as s:
                 start = time.monotonic()
@@ -211,19 +304,36 @@ def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
     import socket
 
     url, address, engine, loop, stop = guarded_server(tiny, write_timeout=1.0)
-    step = engine.step  # 20 ms a step: the whole request would take 9 s, so a cut is not a race with it
+    step = (
+        engine.step
+    )  # 20 ms a step: the whole request would take 9 s, so a cut is not a race with it
 
     def slow_step():
         time.sleep(0.02)
         return step()
+
     engine.step = slow_step
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 8,
-                       "max_tokens": 450, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "n": 8,
+            "max_tokens": 450,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     try:
         s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes little and then nothing
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
+        )  # a reader that takes little and then nothing
         s.connect(address)
         s.sendall(head + body)
         deadline = time.monotonic() + 5
@@ -233,7 +343,12 @@ def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
         wait_idle(engine, seconds=60)
         assert loop.tokens_generated < 8 * 450
         s.close()
-        r = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            url + "/v1/completions",
+            headers=AUTH,
+            json={"prompt": "hello", "max_tokens": 3},
+            timeout=30,
+        )
         assert r.status_code == 200
     finally:
         stop()
@@ -260,18 +375,26 @@ def test_long_prompts_being_tokenized_leave_threads_for_a_short_chat(tiny):
     pool has 6 threads on 2 cores, which they filled); a short chat is answered while they are held."""
     _, model, tokenizer = tiny
     slow = SlowOnLongTexts(tokenizer)
-    engine = Engine.for_model(model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    engine = Engine.for_model(
+        model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer
+    )
     url, _, stop = start_server(engine, slow)
     long_prompt = "word " * (serve.TokenizerLanes.LONG_TEXT // 5 + 1)
 
     async def run():
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as h:
-            longs = [asyncio.ensure_future(h.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}))
-                     for _ in range(7)]
+            longs = [
+                asyncio.ensure_future(
+                    h.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1})
+                )
+                for _ in range(7)
+            ]
             await asyncio.sleep(0.3)
             start = time.perf_counter()
-            short = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                               "max_tokens": 2})
+            short = await h.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
             seconds = time.perf_counter() - start
             slow.release.set()
             return short, seconds, await asyncio.gather(*longs)
@@ -293,16 +416,22 @@ def test_memory_freed_is_given_back_once_per_burst(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(server_limits, "give_back_freed_memory", lambda: calls.append(1))
     _, model, tokenizer = tiny
-    engine = Engine.for_model(model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer)
+    engine = Engine.for_model(
+        model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer
+    )
     url, _, stop = start_server(engine, tokenizer)
     wait = server_limits.GIVE_BACK_DELAY_S + 1
     try:
-        small = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2})
+        small = httpx.post(
+            url + "/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2}
+        )
         time.sleep(wait)
         assert small.status_code == 200 and calls == [1]  # idle
         big = {"prompt": "hi", "max_tokens": 2, "stop": ["x" * server_limits.LARGE_BYTES]}
         with ThreadPool(3) as pool:  # a burst, side by side: given back once
-            replies = pool.map(lambda _: httpx.post(url + "/v1/completions", headers=AUTH, json=big), range(3))
+            replies = pool.map(
+                lambda _: httpx.post(url + "/v1/completions", headers=AUTH, json=big), range(3)
+            )
         assert [r.status_code for r in replies] == [200] * 3
         time.sleep(wait)
         assert calls == [1, 1]
@@ -335,7 +464,12 @@ def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
 
         def start(name):
             events["/" + name] = asyncio.Event()
-            scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"0")], "path": "/" + name}
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "headers": [(b"content-length", b"0")],
+                "path": "/" + name,
+            }
             tasks[name] = asyncio.ensure_future(guard(scope, None, sent))
 
         async def finish(name, then=0.8):
@@ -343,6 +477,7 @@ def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
             await tasks[name]
             await asyncio.sleep(then)
             seen.append(len(calls))
+
         seen = []
         for name in "abc":
             start(name)
@@ -360,6 +495,7 @@ def test_memory_is_given_back_after_a_large_request_or_once_idle(monkeypatch):
         await asyncio.sleep(0.6)  # then half a second of calm: 2
         seen.append(len(calls))
         return seen
+
     assert asyncio.run(run()) == [0, 1, 1, 1, 1, 1, 2]
 
 
@@ -369,8 +505,11 @@ def test_threads_share_two_malloc_arenas_unless_the_environment_says(monkeypatch
     from server import server_limits
 
     calls = []
-    monkeypatch.setattr(server_limits.ctypes, "CDLL", lambda name: types.SimpleNamespace(
-        mallopt=lambda *args: calls.append(args)))
+    monkeypatch.setattr(
+        server_limits.ctypes,
+        "CDLL",
+        lambda name: types.SimpleNamespace(mallopt=lambda *args: calls.append(args)),
+    )
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     server_limits.fewer_malloc_arenas()
     assert calls == [(-8, 2)]

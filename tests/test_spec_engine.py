@@ -5,6 +5,7 @@ JSON-schema constraint; sampling, the speculative engine's token distribution eq
 one's (a chi-square test, with temperature, top-k and a repetition penalty); blocks hold only
 kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected drafts are free
 at the end of the step."""
+
 import copy
 import json
 import random
@@ -13,15 +14,15 @@ from collections import Counter
 import jsonschema
 import pytest
 import torch
-
-from formats import weights
-from constrain import Constraint
-from speedups.draft_model import DraftModel
-from engine import Engine, Finished, RequestParams
 from helpers import check_allocator, tiny_checkpoint
-from speedups.prompt_lookup import PromptLookup, find_draft
-from scheduler import blocks_for
+
+from constrain import Constraint
+from engine import Engine, Finished, RequestParams
+from formats import weights
 from formats.tokenizer import load_tokenizer
+from scheduler import blocks_for
+from speedups.draft_model import DraftModel
+from speedups.prompt_lookup import PromptLookup, find_draft
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +37,26 @@ class Oracle:
     a wrong one with probability `wrong` (so drafts are kept whole, in part and not at all)."""
 
     def __init__(self, plain: dict, k: int, wrong: float, seed: int = 0):
-        self.plain, self.k, self.wrong, self.rng, self.rejected = plain, k, wrong, random.Random(seed), []
+        self.plain, self.k, self.wrong, self.rng, self.rejected = (
+            plain,
+            k,
+            wrong,
+            random.Random(seed),
+            [],
+        )
 
     def propose(self, seqs, max_model_len):
         for s in seqs:
             s.draft = []
             if len(s.tokens) - s.num_computed == 1:
-                truth = self.plain[tuple(s.request.prompt)][len(s.output):][:self.k]
-                s.draft = [t if self.rng.random() > self.wrong else 3 + (t + 1) % 250 for t in truth]
+                truth = self.plain[tuple(s.request.prompt)][len(s.output) :][: self.k]
+                s.draft = [
+                    t if self.rng.random() > self.wrong else 3 + (t + 1) % 250 for t in truth
+                ]
                 if s.draft != truth:
-                    self.rejected.append(s.tokens + s.draft)  # a sequence that must never be hit as cached
+                    self.rejected.append(
+                        s.tokens + s.draft
+                    )  # a sequence that must never be hit as cached
 
 
 def workload(seed=0):
@@ -55,9 +66,12 @@ def workload(seed=0):
     prompts = []
     for _ in range(10):
         pattern = [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]
-        prompts.append((pattern * 12)[:rng.randint(3, 70)])
+        prompts.append((pattern * 12)[: rng.randint(3, 70)])
     prompts += [prompts[0][:20] + [7, 7, 7], prompts[0][:24] + [9]]
-    params = [RequestParams(max_new_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+    params = [
+        RequestParams(max_new_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=True)
+        for _ in prompts
+    ]
     params[3].n = 2
     return prompts, params
 
@@ -65,14 +79,23 @@ def workload(seed=0):
 def run(model, prompts, params, speculate=None, num_blocks=300, max_num_seqs=8, tokenizer=None):
     """Each request's result, after stepping an engine to the end while checking, after every step,
     that no sequence keeps blocks past its next token and that the pools stay consistent."""
-    engine = Engine.for_model(model, num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=64, speculate=speculate, tokenizer=tokenizer,
-                              stop_ids=tokenizer.stop_ids if tokenizer else ())
+    engine = Engine.for_model(
+        model,
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        speculate=speculate,
+        tokenizer=tokenizer,
+        stop_ids=tokenizer.stop_ids if tokenizer else (),
+    )
     ids, results = [engine.add_request(p, q) for p, q in zip(prompts, params)], {}
     while engine.has_unfinished():
         results.update((e.request_id, e.result) for e in engine.step() if isinstance(e, Finished))
         for s in engine.scheduler.running:
-            assert len(s.blocks) <= blocks_for(s.num_computed + 1, 4), "blocks of rejected drafts were kept"
+            assert len(s.blocks) <= blocks_for(s.num_computed + 1, 4), (
+                "blocks of rejected drafts were kept"
+            )
         check_allocator(engine.scheduler.allocator)
     assert engine.metrics()["kv_blocks_used"] == 0
     return [results[i] for i in ids], engine.metrics()
@@ -104,7 +127,10 @@ def proposer(name, plain, draft, model, num_blocks):
 def plain(tiny):
     prompts, params = workload()
     results, _ = run(tiny[0], prompts, params)
-    return {tuple(p): r["tokens"][0] if q.n > 1 else r["tokens"] for p, q, r in zip(prompts, params, results)}
+    return {
+        tuple(p): r["tokens"][0] if q.n > 1 else r["tokens"]
+        for p, q, r in zip(prompts, params, results)
+    }
 
 
 @pytest.mark.parametrize("name", ["lookup", "oracle", "draft"])
@@ -114,7 +140,9 @@ def test_greedy_tokens_equal_the_plain_engine(tiny, plain, draft, name, num_bloc
     speculate = proposer(name, plain, draft, tiny[0], num_blocks)
     results, m = run(tiny[0], prompts, params, speculate, num_blocks)
     for p, q, r in zip(prompts, params, results):
-        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), (
+            f"prompt {p}"
+        )
     assert 0 < m["draft_tokens_accepted"] < m["draft_tokens"], m
     assert m["prompt_tokens_hit"] > 0, m
     if num_blocks == 26:
@@ -127,7 +155,9 @@ def test_rejected_drafts_never_reach_the_prefix_cache(tiny, plain):
     model = tiny[0]
     prompts, params = workload()
     oracle = Oracle(plain, 6, wrong=0.5, seed=1)
-    engine = Engine.for_model(model, num_blocks=400, block_size=4, max_num_batched_tokens=64, speculate=oracle)
+    engine = Engine.for_model(
+        model, num_blocks=400, block_size=4, max_num_batched_tokens=64, speculate=oracle
+    )
     engine.run_batch(prompts, params)
     assert len(oracle.rejected) > 5
     probes = [list(t) for t in {tuple(t) for t in oracle.rejected}][:12]
@@ -142,18 +172,30 @@ def test_rejected_drafts_never_reach_the_prefix_cache(tiny, plain):
 
 def test_stop_strings_and_a_json_constraint_cut_where_plain_decoding_does(tiny):
     model, tok = tiny
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}}, "required": ["a"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 6}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     head = tok.encode("the quick brown fox jumps over the lazy dog, the quick brown fox jumps")
-    free = run(model, [head], [RequestParams(max_new_tokens=40, temperature=0.0)], tokenizer=tok)[0][0]
+    free = run(model, [head], [RequestParams(max_new_tokens=40, temperature=0.0)], tokenizer=tok)[
+        0
+    ][0]
     stop = free["text"][6:9]
     prompts = [head, head[:9], tok.encode('{"a": "fox"} {"a": "dog"} {"a": "')]
-    params = [RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop]),
-              RequestParams(max_new_tokens=30, temperature=0.0, n=2),
-              RequestParams(max_new_tokens=60, temperature=0.0, constraint=Constraint("json_schema", schema))]
+    params = [
+        RequestParams(max_new_tokens=40, temperature=0.0, stop=[stop]),
+        RequestParams(max_new_tokens=30, temperature=0.0, n=2),
+        RequestParams(
+            max_new_tokens=60, temperature=0.0, constraint=Constraint("json_schema", schema)
+        ),
+    ]
     want, _ = run(model, prompts, params, tokenizer=tok)
     got, m = run(model, prompts, params, PromptLookup(k=5), tokenizer=tok)
-    untimed = lambda results: [{k: v for k, v in r.items() if k != "time_to_first_token_s"} for r in results]
+    untimed = lambda results: [
+        {k: v for k, v in r.items() if k != "time_to_first_token_s"} for r in results
+    ]
     assert untimed(got) == untimed(want)
     assert got[0]["finish_reason"] == "stop" and stop not in got[0]["text"]
     jsonschema.validate(json.loads(got[2]["text"]), schema)
@@ -163,7 +205,10 @@ def test_stop_strings_and_a_json_constraint_cut_where_plain_decoding_does(tiny):
 def test_find_draft_takes_the_longest_match_and_its_latest_occurrence():
     tokens = [1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3, 7, 4, 2, 3]
     assert find_draft(tokens, 2, 1, 3) == [7, 4]  # "2 3": its latest occurrence
-    assert find_draft([1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3], 2, 1, 3) == [9, 5]  # "1 2 3" beats the later "2 3"
+    assert find_draft([1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3], 2, 1, 3) == [
+        9,
+        5,
+    ]  # "1 2 3" beats the later "2 3"
     assert find_draft([5, 6, 7], 3, 1, 3) == [] and find_draft([5, 6, 5], 3, 2, 3) == []
     assert find_draft([4, 4, 4, 4], 5, 1, 2) == [4]  # what follows, however little
 
@@ -178,7 +223,9 @@ def chi_square_p(a: Counter, b: Counter) -> float:
     """Two equal-sized samples over the same categories: the p-value of their being one distribution."""
     cells = [(a[c], b[c]) for c in set(a) | set(b)]
     stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
-    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0)))
+    return float(
+        torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), torch.tensor(stat / 2.0))
+    )
 
 
 class Resampler:
@@ -191,14 +238,44 @@ class Resampler:
     def propose(self, seqs, max_model_len):
         for s in seqs:
             out, s.draft = s.output, []
-            fits = [t for t in self.outputs if list(t[:len(out)]) == out] if len(s.tokens) - s.num_computed == 1 else []
-            s.draft = list(self.rng.choice(fits)[len(out):][:self.k]) if fits else []
+            fits = (
+                [t for t in self.outputs if list(t[: len(out)]) == out]
+                if len(s.tokens) - s.num_computed == 1
+                else []
+            )
+            s.draft = list(self.rng.choice(fits)[len(out) :][: self.k]) if fits else []
 
 
 # The tiny model continues this prompt's run of 231s about half the time, so prompt lookup's drafts
 # are kept in part (found by appending the plain engine's likeliest 3 tokens to [11, 12, 13, ...] six times).
-QUOTING = [11, 12, 13, 11, 12, 13, 11, 12, 2, 131, 182, 224, 155, 27, 40, 134, 57, 27, 188, 85, 126, 202, 253,
-           231, 231, 231]
+QUOTING = [
+    11,
+    12,
+    13,
+    11,
+    12,
+    13,
+    11,
+    12,
+    2,
+    131,
+    182,
+    224,
+    155,
+    27,
+    40,
+    134,
+    57,
+    27,
+    188,
+    85,
+    126,
+    202,
+    253,
+    231,
+    231,
+    231,
+]
 
 
 @pytest.mark.parametrize("proposer", ["lookup", "draft", "resampler"])
@@ -208,17 +285,36 @@ def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
     model, count = tiny[0], 1000
 
     def outputs(speculate, seed0):
-        params = [RequestParams(max_new_tokens=3, temperature=0.9, top_k=3, repetition_penalty=1.3, seed=seed0 + i,
-                                ignore_eos=True) for i in range(count)]
-        engine = Engine.for_model(model, num_blocks=800, block_size=4, max_num_seqs=64, speculate=speculate)
+        params = [
+            RequestParams(
+                max_new_tokens=3,
+                temperature=0.9,
+                top_k=3,
+                repetition_penalty=1.3,
+                seed=seed0 + i,
+                ignore_eos=True,
+            )
+            for i in range(count)
+        ]
+        engine = Engine.for_model(
+            model, num_blocks=800, block_size=4, max_num_seqs=64, speculate=speculate
+        )
         # in waves of 64, each run to the end: drafts take only the budget prompts leave, so none wait
-        results = [r for i in range(0, count, 64) for r in engine.run_batch([QUOTING] * len(params[i:i + 64]), params[i:i + 64])]
+        results = [
+            r
+            for i in range(0, count, 64)
+            for r in engine.run_batch([QUOTING] * len(params[i : i + 64]), params[i : i + 64])
+        ]
         return Counter(tuple(r["tokens"]) for r in results), engine.metrics()
 
     want, _ = outputs(None, 0)
-    speculate = {"lookup": lambda: PromptLookup(k=3, max_rows=64), "resampler": lambda: Resampler(want, 3),
-                 "draft": lambda: DraftModel(noisy_copy(model, 0.02), model, k=3, num_blocks=800, block_size=4,
-                                             max_rows=64)}[proposer]()  # (often rejected: the residual draws count)
+    speculate = {
+        "lookup": lambda: PromptLookup(k=3, max_rows=64),
+        "resampler": lambda: Resampler(want, 3),
+        "draft": lambda: DraftModel(
+            noisy_copy(model, 0.02), model, k=3, num_blocks=800, block_size=4, max_rows=64
+        ),
+    }[proposer]()  # (often rejected: the residual draws count)
     got, m = outputs(speculate, 10_000)
     assert 0.1 * m["draft_tokens"] < m["draft_tokens_accepted"] < m["draft_tokens"], m
     p = chi_square_p(want, got)
@@ -239,12 +335,18 @@ def test_compiled_verify_steps_equal_eager_within_few_graphs(tiny):
     oracle = Oracle({tuple(p): r["tokens"] for p, r in zip(prompts, want)}, 3, wrong=0.3)
     engine = Engine.for_model(model, num_blocks=30, block_size=16, compile=True, speculate=oracle)
     shapes, decode_fn = [], engine.decode_fn
-    engine.decode_fn = lambda *a: shapes.append([g[:2] for g in engine.cache.groups]) or decode_fn(*a)
+    engine.decode_fn = lambda *a: (
+        shapes.append([g[:2] for g in engine.cache.groups]) or decode_fn(*a)
+    )
     got = engine.run_batch(prompts, params)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
-    assert any(n == 4 for step in shapes for _, n in step), shapes  # verify steps ran compiled, 1 + k wide
+    assert any(n == 4 for step in shapes for _, n in step), (
+        shapes
+    )  # verify steps ran compiled, 1 + k wide
     assert 0 < engine.metrics()["draft_tokens_accepted"] < engine.metrics()["draft_tokens"]
-    assert counters["stats"]["unique_graphs"] <= 2 * 3 * 2, shapes  # {1, 1 + k} tokens x rows 1..3 x widths 1, 2
+    assert counters["stats"]["unique_graphs"] <= 2 * 3 * 2, (
+        shapes
+    )  # {1, 1 + k} tokens x rows 1..3 x widths 1, 2
 
 
 def test_a_draft_model_catches_up_a_long_prompt_in_pieces(tiny, plain, draft):
@@ -256,13 +358,17 @@ def test_a_draft_model_catches_up_a_long_prompt_in_pieces(tiny, plain, draft):
     drafter._forward = lambda tokens, *a: sizes.append(len(tokens)) or forward(tokens, *a)
     results, m = run(tiny[0], prompts, params, drafter)
     for p, q, r in zip(prompts, params, results):
-        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), (
+            f"prompt {p}"
+        )
     assert m["draft_tokens_accepted"] > 0 and 8 in sizes
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
     other, _ = weights.load(tiny_checkpoint(tmp_path, vocab_size=400), dtype=torch.float64)
-    with pytest.raises(ValueError, match=f"400 tokens and the target's {tiny[0].config.vocab_size}"):
+    with pytest.raises(
+        ValueError, match=f"400 tokens and the target's {tiny[0].config.vocab_size}"
+    ):
         DraftModel(other, tiny[0])
 
 
@@ -282,26 +388,51 @@ def test_a_draft_model_failing_mid_run_ends_speculation_not_the_requests(tiny, p
     with pytest.warns(UserWarning, match="draft model failed .*out of memory.*speculation is off"):
         results, m = run(tiny[0], prompts, params, drafter)
     for p, q, r in zip(prompts, params, results):
-        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), f"prompt {p}"
+        assert r["tokens"] == ([plain[tuple(p)]] * q.n if q.n > 1 else plain[tuple(p)]), (
+            f"prompt {p}"
+        )
     assert len(calls) == 9 and m["draft_tokens"] > 0 and not drafter.held
 
 
-def test_batch_py_speculates_with_a_draft_checkpoint_and_refuses_another_vocabulary(tmp_path, capsys):
+def test_batch_py_speculates_with_a_draft_checkpoint_and_refuses_another_vocabulary(
+    tmp_path, capsys
+):
     """batch.py --speculate draft: the same lines as without (its own checkpoint as the draft); a
     draft whose vocabulary differs is refused before any request runs, naming both sizes."""
     import batch
 
     target, other = tiny_checkpoint(tmp_path / "t"), tiny_checkpoint(tmp_path / "o", vocab_size=400)
-    lines = [{"id": i, "prompt": "the quick brown fox jumps over the lazy dog " * (i + 1), "max_new_tokens": 12,
-              "temperature": 0} for i in range(3)]
+    lines = [
+        {
+            "id": i,
+            "prompt": "the quick brown fox jumps over the lazy dog " * (i + 1),
+            "max_new_tokens": 12,
+            "temperature": 0,
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    base = ["--requests", str(path), "--checkpoint", str(target), "--dtype", "float32", "--num_blocks", "64"]
+    base = [
+        "--requests",
+        str(path),
+        "--checkpoint",
+        str(target),
+        "--dtype",
+        "float32",
+        "--num_blocks",
+        "64",
+    ]
     outputs = []
-    for extra in ([], ["--speculate", "draft", "--draft_checkpoint", str(target), "--speculate_k", "3"]):
+    for extra in (
+        [],
+        ["--speculate", "draft", "--draft_checkpoint", str(target), "--speculate_k", "3"],
+    ):
         assert batch.main(base + extra) == 0
         outputs.append(sorted(capsys.readouterr().out.splitlines()))
-    clean = lambda out: [{k: v for k, v in json.loads(o).items() if k not in ("time_to_first_token_s",)} for o in out]
+    clean = lambda out: [
+        {k: v for k, v in json.loads(o).items() if k not in ("time_to_first_token_s",)} for o in out
+    ]
     assert clean(outputs[1]) == clean(outputs[0])
     assert batch.main(base + ["--speculate", "draft", "--draft_checkpoint", str(other)]) == 2
     err = capsys.readouterr().err
@@ -323,15 +454,23 @@ class Recorded(DraftModel):
         return start
 
     def _ids(self, s, row):
-        return [1 + 32 * row + j for j in range(blocks_for(len(s.tokens) + self.k - 1, 4))] if self.fresh else super()._ids(s, row)
+        return (
+            [1 + 32 * row + j for j in range(blocks_for(len(s.tokens) + self.k - 1, 4))]
+            if self.fresh
+            else super()._ids(s, row)
+        )
 
     def propose(self, seqs, max_model_len):
         super().propose(seqs, max_model_len)
-        self.drafts.update(((s.request.id, s.index, len(s.tokens)), s.draft) for s in seqs if s.draft)
+        self.drafts.update(
+            ((s.request.id, s.index, len(s.tokens)), s.draft) for s in seqs if s.draft
+        )
 
 
 @pytest.mark.parametrize("num_blocks", [300, 26], ids=["roomy", "tight"])
-def test_a_draft_model_keeps_its_kv_in_the_target_blocks_and_trusts_only_what_it_wrote(tiny, draft, num_blocks):
+def test_a_draft_model_keeps_its_kv_in_the_target_blocks_and_trusts_only_what_it_wrote(
+    tiny, draft, num_blocks
+):
     """The draft's K/V sits in the target's blocks: kept from step to step and found again through
     the target's prefix cache (a request sharing request 0's head starts its catch-up past it), and
     never trusted in a block the target has given to other tokens (the tight pool preempts and
@@ -340,18 +479,31 @@ def test_a_draft_model_keeps_its_kv_in_the_target_blocks_and_trusts_only_what_it
     prompts, params = workload()
     prompts[10] = prompts[0][:40] + [7, 7, 7]
     twins = RequestParams(max_new_tokens=30, temperature=1.0, n=3, seed=5, ignore_eos=True)
-    waves = [(prompts[:10], params[:10]), (prompts[10:], params[10:]), ([prompts[3]], [twins])]  # 45 tokens: mid-block
+    waves = [
+        (prompts[:10], params[:10]),
+        (prompts[10:], params[10:]),
+        ([prompts[3]], [twins]),
+    ]  # 45 tokens: mid-block
     runs = []
     for fresh in (True, False):
         drafter = Recorded(draft, tiny[0], k=4, num_blocks=num_blocks, block_size=4, fresh=fresh)
-        engine = Engine.for_model(tiny[0], num_blocks=num_blocks, block_size=4, max_num_seqs=8,
-                                  max_num_batched_tokens=64, speculate=drafter)
+        engine = Engine.for_model(
+            tiny[0],
+            num_blocks=num_blocks,
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            speculate=drafter,
+        )
         for wave in waves:  # each after the one before has finished (request 0 is cached)
             ids = [engine.add_request(p, q) for p, q in zip(*wave)]
             while engine.has_unfinished():
                 engine.step()
             if len(wave[0]) == 2 and num_blocks == 300:
-                assert drafter.first[next(s for s in drafter.first if s.request.id == ids[0])] >= 40 or fresh
+                assert (
+                    drafter.first[next(s for s in drafter.first if s.request.id == ids[0])] >= 40
+                    or fresh
+                )
         runs.append(drafter)
     fresh, kept = runs
     assert len(kept.drafts) > 50 and kept.drafts == fresh.drafts

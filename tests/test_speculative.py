@@ -1,16 +1,17 @@
 """speculative.py: greedy output equals plain greedy decoding for every drafter, one target
 forward per round, and the accept/reject rule samples exactly the target distribution."""
+
 import pytest
 import torch
+from helpers import hf_model, save_hf
 
 import generate
 import runtime
 from formats import weights
-from helpers import hf_model, save_hf
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
-from speedups.prompt_lookup import PromptLookupDrafter
 from speculative import ModelDrafter, accept, speculative_generate
+from speedups.prompt_lookup import PromptLookupDrafter
 
 GREEDY = SamplingParams(0.0)
 PROMPT = [5, 9, 11, 3, 5, 9, 11, 3, 5, 9]  # repetitive, so prompt lookup finds matches
@@ -25,8 +26,14 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    rows, _ = generate.generate(target, StaticKVCache.for_model(target, 1, 64), torch.tensor([PROMPT]), NEW, GREEDY,
-                                ignore_eos=True)
+    rows, _ = generate.generate(
+        target,
+        StaticKVCache.for_model(target, 1, 64),
+        torch.tensor([PROMPT]),
+        NEW,
+        GREEDY,
+        ignore_eos=True,
+    )
     return rows[0]
 
 
@@ -49,7 +56,9 @@ class ScriptedDrafter:
 
     def propose(self, tokens, k, generator=None):
         done = len(tokens) - len(PROMPT)
-        drafts = [t if self.right else (t + 1) % self.vocab for t in self.reference[done:done + k]]
+        drafts = [
+            t if self.right else (t + 1) % self.vocab for t in self.reference[done : done + k]
+        ]
         return drafts, torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab).float()
 
     def rollback(self, confirmed):
@@ -58,8 +67,16 @@ class ScriptedDrafter:
 
 def run(target, drafter, k=4):
     counting = Counting(target)
-    out, stats = speculative_generate(counting, StaticKVCache.for_model(target, 1, 64), drafter, PROMPT, NEW, GREEDY,
-                                      k=k, ignore_eos=True)
+    out, stats = speculative_generate(
+        counting,
+        StaticKVCache.for_model(target, 1, 64),
+        drafter,
+        PROMPT,
+        NEW,
+        GREEDY,
+        k=k,
+        ignore_eos=True,
+    )
     assert counting.calls == stats["rounds"]  # exactly one target forward per round
     return out, stats
 
@@ -130,14 +147,33 @@ def chat_checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"), arch="llama3")
 
 
-@pytest.mark.parametrize("flags", [["--prompt_lookup", "2"], ["--draft_layers", "1"], ["--draft_checkpoint", "SELF"],
-                                   ["--draft_checkpoint", "SELF", "--draft_quantize", "int8"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--prompt_lookup", "2"],
+        ["--draft_layers", "1"],
+        ["--draft_checkpoint", "SELF"],
+        ["--draft_checkpoint", "SELF", "--draft_quantize", "int8"],
+    ],
+)
 def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
     import json
 
     flags = [str(chat_checkpoint) if f == "SELF" else f for f in flags]
-    argv = ["--checkpoint", str(chat_checkpoint), "--prompt", "the quick brown fox the quick brown", "--temperature", "0",
-            "--max_new_tokens", "16", "--ignore_eos", "--dtype", "float32", "--json"]
+    argv = [
+        "--checkpoint",
+        str(chat_checkpoint),
+        "--prompt",
+        "the quick brown fox the quick brown",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "16",
+        "--ignore_eos",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     assert generate.main(argv) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert generate.main(argv + flags + ["--speculate_k", "3"]) == 0
@@ -147,12 +183,18 @@ def test_cli_speculative_greedy_equals_plain(chat_checkpoint, capsys, flags):
     assert "acceptance" in captured.err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--draft_layers", "2"], "--draft_layers must be between 1 and 1"),
-    (["--prompt_lookup", "2", "--batch_size", "2"], "batch_size 1"),
-    (["--prompt_lookup", "2", "--speculate_k", "0"], "--speculate_k must be >= 1"),
-    (["--draft_layers", "1", "--draft_quantize", "int8"], "--draft_quantize applies to a --draft_checkpoint"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--draft_layers", "2"], "--draft_layers must be between 1 and 1"),
+        (["--prompt_lookup", "2", "--batch_size", "2"], "batch_size 1"),
+        (["--prompt_lookup", "2", "--speculate_k", "0"], "--speculate_k must be >= 1"),
+        (
+            ["--draft_layers", "1", "--draft_quantize", "int8"],
+            "--draft_quantize applies to a --draft_checkpoint",
+        ),
+    ],
+)
 def test_cli_speculative_bad_input(chat_checkpoint, capsys, flags, message):
     assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", *flags]) == 2
     assert message in capsys.readouterr().err
@@ -162,14 +204,27 @@ def test_cache_after_rejections_equals_a_plain_run(target, reference, tmp_path):
     """Rejected drafts leave nothing behind: the next logits from the speculative run's cache
     equal those from the plain run's cache."""
     other, _ = weights.load(save_hf(hf_model("llama3", seed=5), tmp_path / "draft"))
-    spec_cache, plain_cache = StaticKVCache.for_model(target, 1, 64), StaticKVCache.for_model(target, 1, 64)
-    out, stats = speculative_generate(target, spec_cache, ModelDrafter(other, 64, GREEDY), PROMPT, NEW, GREEDY, k=4,
-                                      ignore_eos=True)
+    spec_cache, plain_cache = (
+        StaticKVCache.for_model(target, 1, 64),
+        StaticKVCache.for_model(target, 1, 64),
+    )
+    out, stats = speculative_generate(
+        target,
+        spec_cache,
+        ModelDrafter(other, 64, GREEDY),
+        PROMPT,
+        NEW,
+        GREEDY,
+        k=4,
+        ignore_eos=True,
+    )
     assert 0 < stats["accepted"] < stats["drafted"]  # some drafts were rejected
     generate.generate(target, plain_cache, torch.tensor([PROMPT]), NEW, GREEDY, ignore_eos=True)
     last, pos = torch.tensor([[out[-1]]]), torch.tensor([[len(PROMPT) + NEW - 1]])
     with torch.no_grad():
-        torch.testing.assert_close(target(last, pos, spec_cache), target(last, pos, plain_cache), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            target(last, pos, spec_cache), target(last, pos, plain_cache), atol=1e-5, rtol=0
+        )
 
 
 def test_end_to_end_sampling_follows_the_target(target, tmp_path):
@@ -178,7 +233,11 @@ def test_end_to_end_sampling_follows_the_target(target, tmp_path):
     other, _ = weights.load(save_hf(hf_model("llama3", seed=5), tmp_path / "draft"))
     params = SamplingParams(1.0, top_k=8)
     with torch.no_grad():
-        logits = target(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], StaticKVCache.for_model(target, 1, 64))
+        logits = target(
+            torch.tensor([PROMPT]),
+            torch.arange(len(PROMPT))[None],
+            StaticKVCache.for_model(target, 1, 64),
+        )
     from sampling import probabilities
 
     p = probabilities(logits[0, -1], 1.0, 8)
@@ -187,12 +246,13 @@ def test_end_to_end_sampling_follows_the_target(target, tmp_path):
     cache, drafter = StaticKVCache.for_model(target, 1, 64), ModelDrafter(other, 64, params)
     counts = torch.zeros_like(p)
     for _ in range(2000):  # two new tokens: one drafted, verified, and the next one
-        out, _ = speculative_generate(target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True)
+        out, _ = speculative_generate(
+            target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True
+        )
         drafter.rollback(0)
         counts[out[0]] += 1
     assert counts.sum() == counts[support].sum()  # nothing outside the target's top-k
     assert chi_square(counts[support], p[support]) < 24.32  # 7 degrees of freedom, p-value 0.001
-
 
 
 def test_min_p_limits_the_verified_tokens_and_penalties_are_refused(target):
@@ -203,14 +263,25 @@ def test_min_p_limits_the_verified_tokens_and_penalties_are_refused(target):
 
     params = SamplingParams(1.0, min_p=0.2)
     with torch.no_grad():
-        logits = target(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], StaticKVCache.for_model(target, 1, 64))
+        logits = target(
+            torch.tensor([PROMPT]),
+            torch.arange(len(PROMPT))[None],
+            StaticKVCache.for_model(target, 1, 64),
+        )
     support = set(torch.nonzero(probabilities(logits[0, -1], 1.0, min_p=0.2)).flatten().tolist())
-    assert 1 < len(support) and probabilities(logits[0, -1], 1.0)[list(support)].sum() < 0.95  # min_p cuts real mass
+    assert (
+        1 < len(support) and probabilities(logits[0, -1], 1.0)[list(support)].sum() < 0.95
+    )  # min_p cuts real mass
     g = torch.Generator().manual_seed(0)
-    cache, drafter = StaticKVCache.for_model(target, 1, 64), ModelDrafter(target, 64, params, layers=1)
+    cache, drafter = (
+        StaticKVCache.for_model(target, 1, 64),
+        ModelDrafter(target, 64, params, layers=1),
+    )
     firsts = set()
     for _ in range(300):
-        out, _ = speculative_generate(target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True)
+        out, _ = speculative_generate(
+            target, cache, drafter, PROMPT, 2, params, k=2, generator=g, ignore_eos=True
+        )
         drafter.rollback(0)
         firsts.add(out[0])
     assert firsts <= support
@@ -220,8 +291,22 @@ def test_min_p_limits_the_verified_tokens_and_penalties_are_refused(target):
 
 
 def test_cli_draft_with_another_vocabulary_is_refused(chat_checkpoint, tmp_path, capsys):
-    draft = save_hf(hf_model("llama3"), tmp_path / "draft")  # 256 tokens; the target's tokenizer has more
-    assert generate.main(["--checkpoint", str(chat_checkpoint), "--prompt", "hello", "--draft_checkpoint", str(draft)]) == 2
+    draft = save_hf(
+        hf_model("llama3"), tmp_path / "draft"
+    )  # 256 tokens; the target's tokenizer has more
+    assert (
+        generate.main(
+            [
+                "--checkpoint",
+                str(chat_checkpoint),
+                "--prompt",
+                "hello",
+                "--draft_checkpoint",
+                str(draft),
+            ]
+        )
+        == 2
+    )
     assert "a draft must share the target's tokenizer" in capsys.readouterr().err
 
 
@@ -236,6 +321,15 @@ def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
     step = torch.compile(draft_forward, fullgraph=True, dynamic=False)
     drafter = ModelDrafter(target, 64, GREEDY, layers=1, step_fn=step)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out, stats = speculative_generate(target, StaticKVCache.for_model(target, 1, 64), drafter, PROMPT, NEW, GREEDY,
-                                          k=3, ignore_eos=True, verify_fns={4: verify})
+        out, stats = speculative_generate(
+            target,
+            StaticKVCache.for_model(target, 1, 64),
+            drafter,
+            PROMPT,
+            NEW,
+            GREEDY,
+            k=3,
+            ignore_eos=True,
+            verify_fns={4: verify},
+        )
     assert out == reference and stats["rounds"] > 2

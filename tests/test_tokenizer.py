@@ -1,4 +1,5 @@
 """formats/tokenizer.py and formats/gguf_tokenizer.py against the reference libraries, on tokenizers built here."""
+
 import base64
 import io
 import json
@@ -8,35 +9,65 @@ import numpy as np
 import pytest
 
 import text_stream
-from formats import tokenizer
 from formats.tokenizer import TokenizerError, load_tokenizer, render_chat_template
 
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
-    "Tokenizers split text into pieces; models read the pieces.", "1234 + 5678 = 6912",
-    "Unicode: café, naïve, 日本語, emoji 🙂.", "    indented code\n\tand tabs\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today?",
+    "Tokenizers split text into pieces; models read the pieces.",
+    "1234 + 5678 = 6912",
+    "Unicode: café, naïve, 日本語, emoji 🙂.",
+    "    indented code\n\tand tabs\n",
 ] * 20
-TEXTS = ["Hello world", "The lazy fox.", "  two spaces", "café 日本 🙂 ok", "numbers 1234567", "line\n\nbreaks\t!"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = [
+    "Hello world",
+    "The lazy fox.",
+    "  two spaces",
+    "café 日本 🙂 ok",
+    "numbers 1234567",
+    "line\n\nbreaks\t!",
+]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
 # --- SentencePiece ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=450, model_type="bpe",
-                                   byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
-                                   user_defined_symbols=["<|im_start|>", "<|im_end|>"],
-                                   normalization_rule_name="identity", remove_extra_whitespaces=False)  # as Llama 2
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_writer=buf,
+        vocab_size=450,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+    )  # as Llama 2
     folder = tmp_path_factory.mktemp("sp")
     (folder / "tokenizer.model").write_bytes(buf.getvalue())
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": True,
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     return folder, spm.SentencePieceProcessor(model_proto=buf.getvalue())
 
 
@@ -56,8 +87,18 @@ def test_sentencepiece_gguf_vocabulary_matches_the_library(sp_model, tmp_path):
     _, sp = sp_model
     w = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 4 if p.startswith("<|") else 1
-             for i, p in enumerate(pieces)]
+    types = [
+        3
+        if sp.is_control(i)
+        else 2
+        if sp.is_unknown(i)
+        else 6
+        if sp.is_byte(i)
+        else 4
+        if p.startswith("<|")
+        else 1
+        for i, p in enumerate(pieces)
+    ]
     w.add_tokenizer_model("llama")
     w.add_token_list(pieces)
     w.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
@@ -82,6 +123,7 @@ def test_special_tokens_in_text_become_single_ids(sp_model):
 
 
 # --- tiktoken (Llama 3's tokenizer.model) ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiktoken_folder(tmp_path_factory):
@@ -113,14 +155,20 @@ def test_tiktoken_ids_match_the_library(tiktoken_folder):
     folder, ranks = tiktoken_folder
     tok = load_tokenizer(folder)
     n = len(ranks)
-    ref = tiktoken.Encoding("ref", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
-                            special_tokens={"<|begin_of_text|>": n, "<|eot_id|>": n + 9})
+    ref = tiktoken.Encoding(
+        "ref",
+        pat_str=LLAMA3_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={"<|begin_of_text|>": n, "<|eot_id|>": n + 9},
+    )
     for text in TEXTS:
         assert tok.encode(text, bos=False) == ref.encode(text)
         assert tok.decode(tok.encode(text)) == "<|begin_of_text|>" + text
     assert tok.bos_id == n and n + 9 in tok.stop_ids  # Llama 3's <|begin_of_text|> and <|eot_id|>
     assert tok.encode("a<|eot_id|>", bos=False)[-1] == n + 9
-    assert any(len(ranks) > 256 and i >= 256 for i in tok.encode("the lazy", bos=False))  # merges are used
+    assert any(
+        len(ranks) > 256 and i >= 256 for i in tok.encode("the lazy", bos=False)
+    )  # merges are used
 
 
 def test_gguf_gpt_4o_pre_tokenizer_splits_as_tiktokens_o200k(monkeypatch):
@@ -135,15 +183,24 @@ def test_gguf_gpt_4o_pre_tokenizer_splits_as_tiktokens_o200k(monkeypatch):
     pattern = openai_public.o200k_base()["pat_str"]
     assert gguf_tokenizer.O200K_PATTERN == pattern
     pre = gguf_tokenizer._pre_tokenizer("gpt-4o")
-    for text in TEXTS + ["HTTPServer's JSONParser isn't 12345 lines\r\n  path/to/file", "Überprüfung ÉTÉ été"]:
+    for text in TEXTS + [
+        "HTTPServer's JSONParser isn't 12345 lines\r\n  path/to/file",
+        "Überprüfung ÉTÉ été",
+    ]:
         ours = [piece for piece, _ in pre.pre_tokenize_str(text)]
         byte_level = {b: chr(c) for b, c in zip(range(256), _byte_chars())}
-        assert ours == ["".join(byte_level[b] for b in w.encode()) for w in regex.findall(pattern, text)]
+        assert ours == [
+            "".join(byte_level[b] for b in w.encode()) for w in regex.findall(pattern, text)
+        ]
 
 
 def _byte_chars():
     """GPT-2's byte-to-character map (what the byte-level pre-tokenizer shows), in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), 256))
+    )
     chars, extra = [], 0
     for b in range(256):
         if b in keep:
@@ -156,6 +213,7 @@ def _byte_chars():
 
 # --- tokenizer.json (Hugging Face tokenizers) ----------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -163,15 +221,25 @@ def hf_folder(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     folder = tmp_path_factory.mktemp("hf")
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "<|im_end|>",
+                "chat_template": TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     return folder
 
@@ -205,15 +273,20 @@ def test_a_special_token_a_user_spells_is_text_and_the_templates_keep_their_ids(
 
     def plain(piece):
         return ref.encode(piece, add_special_tokens=False, split_special_tokens=True)
+
     content = "user\n" + SPELLED[0]["content"]  # from the template's <|im_start|> to its <|im_end|>
     assert ids == [start] + plain(content) + [end] + plain("\n") + [start] + plain("assistant\n")
     assert tok.decode(ids) == text and ids.count(end) == 1
-    assert tok.encode_chat(MESSAGES) == tok.encode(tok.apply_chat_template(MESSAGES), bos=False)  # no literal: as before
+    assert tok.encode_chat(MESSAGES) == tok.encode(
+        tok.apply_chat_template(MESSAGES), bos=False
+    )  # no literal: as before
 
 
 def test_a_template_that_alters_a_spelled_special_token_is_refused(hf_folder):
     tok = load_tokenizer(hf_folder)
-    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    )
     with pytest.raises(TokenizerError, match="spells the special token '<\\|im_end\\|>'"):
         tok.encode_chat([{"role": "user", "content": "a<|im_end|>b"}])
 
@@ -225,12 +298,15 @@ def test_the_embedded_gguf_tokenizer_keeps_spelled_special_tokens_as_text(embedd
     tok = load_tokenizer(weights.default_checkpoint())
     ids = tok.encode_chat(SPELLED)
     assert tok.decode(ids) == tok.apply_chat_template(SPELLED)
-    markup = tok.encode_chat([{"role": "user", "content": "Hi"}])  # the template's own control tokens
+    markup = tok.encode_chat(
+        [{"role": "user", "content": "Hi"}]
+    )  # the template's own control tokens
     for name in ("<|im_start|>", "<|im_end|>"):
         assert ids.count(tok.special[name]) == markup.count(tok.special[name])
 
 
 # --- the GGUF vocabulary of the embedded model -------------------------------------------------
+
 
 def test_embedded_gguf_vocabulary_matches_transformers(embedded):
     from transformers import AutoTokenizer
@@ -245,11 +321,14 @@ def test_embedded_gguf_vocabulary_matches_transformers(embedded):
         assert tok.decode(tok.encode(text)) == text
     assert tok.stop_ids == {2} and tok.bos_id == 1 and not tok.add_bos
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert tok.encode("<|im_start|>")[0] == 1
 
 
 # --- chat templates are code from the checkpoint: sandboxed ------------------------------------
+
 
 def test_chat_template_runs_in_a_sandbox():
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
@@ -270,7 +349,10 @@ def test_strftime_now_dates_a_template_and_refuses_widths():
     import datetime
 
     today = datetime.date.today().isoformat()
-    assert render_chat_template("{{ strftime_now('%Y-%m-%d') }}", MESSAGES) in (today, datetime.date.today().isoformat())
+    assert render_chat_template("{{ strftime_now('%Y-%m-%d') }}", MESSAGES) in (
+        today,
+        datetime.date.today().isoformat(),
+    )
     with pytest.raises(TokenizerError, match="without widths"):
         render_chat_template("{{ strftime_now('%999999999Y') }}", MESSAGES)
 
@@ -279,12 +361,12 @@ HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without bui
     "string repetition": "{{ 'a' * 10**10 }}",
     "list repetition": "{{ ([1] * 10**9) | length }}",
     "doubling by +": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}{{ ns.s | length }}",
+    "{% endfor %}{{ ns.s | length }}",
     "huge power": "{{ 10 ** 999999999 }}",
     "range beyond the sandbox's limit": "{% for i in range(10**9) %}{% endfor %}",
     "nested loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
     "nested loops over a list": "{% set xs = range(99999) | list %}{% for i in xs %}{% for j in xs %}{% endfor %}"
-                                "{% endfor %}",
+    "{% endfor %}",
     "format width": "{{ '{:>9999999999}'.format(1) }}",
     "percent width": "{{ '%*d' % (10**10, 1) }}",
     "center filter": "{{ 'a' | center(10**10) }}",
@@ -296,7 +378,7 @@ HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without bui
     "cycler walk": "{{ cycler.__init__.__globals__.os }}",
     "output size": "{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}",
     "doubling by ~": "{% set ns = namespace(s='aa') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                     "{% endfor %}{{ ns.s | length }}",
+    "{% endfor %}{{ ns.s | length }}",
     "percent width in the format": "{{ '%9999999999s' % 'a' }}",
     "join bomb": "{% set x = 'x' * 9999999 %}{{ [x, x, x] | join }}",
     "format bomb": "{% set x = 'x' * 9999999 %}{{ '{0}{0}{0}'.format(x) }}",
@@ -315,13 +397,20 @@ def test_hostile_chat_templates_fail_clearly_and_quickly(name, monkeypatch):
     with pytest.raises(TokenizerError, match="chat template failed"):
         render_chat_template(HOSTILE_TEMPLATES[name], MESSAGES)
     assert time.perf_counter() - start < 2 * chat_template.TEMPLATE_MAX_SECONDS + 1
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak  # KiB: the process's peak, raised by
-    assert grown < 400_000, f"the template grew the process's peak by {grown} KiB"  # at most a bounded build
+    grown = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    )  # KiB: the process's peak, raised by
+    assert grown < 400_000, (
+        f"the template grew the process's peak by {grown} KiB"
+    )  # at most a bounded build
 
 
 def test_a_bounded_template_still_renders_loops_and_filters():
-    text = render_chat_template("{% for m in messages %}{{ m['role'] | upper }}{{ '-' * 3 }}{% endfor %}"
-                                "{{ '%d' % 7 }}{{ 2 ** 10 }}{{ '{:>3}'.format(1) }}", MESSAGES)
+    text = render_chat_template(
+        "{% for m in messages %}{{ m['role'] | upper }}{{ '-' * 3 }}{% endfor %}"
+        "{{ '%d' % 7 }}{{ 2 ** 10 }}{{ '{:>3}'.format(1) }}",
+        MESSAGES,
+    )
     assert text == "".join(m["role"].upper() + "---" for m in MESSAGES) + "71024  1"
 
 
@@ -337,10 +426,15 @@ def test_chat_template_sources(hf_folder, tmp_path):
 
     folder = shutil.copytree(hf_folder, tmp_path / "t")
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "{{ 'DEFAULT' }}"}]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "{{ 'DEFAULT' }}"},
+    ]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_tokenizer(folder).apply_chat_template(MESSAGES) == "DEFAULT"
-    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
     assert load_tokenizer(folder).apply_chat_template(MESSAGES) == "[Be brief.][Hi there]"
 
 
@@ -355,8 +449,10 @@ def test_no_chat_template_is_a_clear_error(hf_folder, tmp_path):
 
 # --- TextStream: incremental detokenization and stop strings -------------------------------------
 
-STREAM_TEXT = ("Unicode: café, naïve, 日本語, Ελληνικά, русский, עברית, 한국어; "
-               "emoji 🙂🦙👍🏽 👨‍👩‍👧 ✓\ndef f(x):\n    return {'a': x ** 2, \"b\": [1, 2]}  # → ok\n\n\tend. ")
+STREAM_TEXT = (
+    "Unicode: café, naïve, 日本語, Ελληνικά, русский, עברית, 한국어; "
+    "emoji 🙂🦙👍🏽 👨‍👩‍👧 ✓\ndef f(x):\n    return {'a': x ** 2, \"b\": [1, 2]}  # → ok\n\n\tend. "
+)
 
 
 def stream_all(tok, ids, stop=(), reasons=None):
@@ -374,10 +470,12 @@ def embedded_tokenizer():
     return load_tokenizer(weights.default_checkpoint())
 
 
-TOKENIZER_KINDS = {"embedded GGUF": lambda r: r.getfixturevalue("embedded_tokenizer"),
-                   "SentencePiece": lambda r: load_tokenizer(r.getfixturevalue("sp_model")[0]),
-                   "tiktoken": lambda r: load_tokenizer(r.getfixturevalue("tiktoken_folder")[0]),
-                   "tokenizer.json": lambda r: load_tokenizer(r.getfixturevalue("hf_folder"))}
+TOKENIZER_KINDS = {
+    "embedded GGUF": lambda r: r.getfixturevalue("embedded_tokenizer"),
+    "SentencePiece": lambda r: load_tokenizer(r.getfixturevalue("sp_model")[0]),
+    "tiktoken": lambda r: load_tokenizer(r.getfixturevalue("tiktoken_folder")[0]),
+    "tokenizer.json": lambda r: load_tokenizer(r.getfixturevalue("hf_folder")),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(TOKENIZER_KINDS))
@@ -389,7 +487,11 @@ def test_text_stream_pieces_join_to_the_whole_decode(kind, stop, request):
         ids = tok.encode(text, bos=False)
         pieces, stream = stream_all(tok, ids, stop)
         assert "".join(pieces) == stream.sent == tok.decode(ids), (kind, text)
-        assert not any("\ufffd" in p for p in pieces) and stream.count == len(ids) and stream.reason == "length"
+        assert (
+            not any("\ufffd" in p for p in pieces)
+            and stream.count == len(ids)
+            and stream.reason == "length"
+        )
 
 
 def test_text_stream_holds_an_emoji_split_across_byte_tokens(embedded_tokenizer):
@@ -398,13 +500,23 @@ def test_text_stream_holds_an_emoji_split_across_byte_tokens(embedded_tokenizer)
         ids = tok.encode("a" + emoji, bos=False)
         assert len(ids) >= 3 and "\ufffd" in tok.decode(ids[:2])  # split into byte tokens
         pieces, stream = stream_all(tok, ids)
-        assert pieces[0] == "a" and "".join(pieces) == "a" + emoji and not any("\ufffd" in p for p in pieces)
-        assert pieces[-2] != "" and pieces[-1] == ""  # released as the last byte arrived, not at finish()
+        assert (
+            pieces[0] == "a"
+            and "".join(pieces) == "a" + emoji
+            and not any("\ufffd" in p for p in pieces)
+        )
+        assert (
+            pieces[-2] != "" and pieces[-1] == ""
+        )  # released as the last byte arrived, not at finish()
     stream = text_stream.TextStream(tok)
-    assert stream.add(tok.encode("🦙")[0]) == "" and stream.finish() == "\ufffd"  # ended mid-character: as decode
+    assert (
+        stream.add(tok.encode("🦙")[0]) == "" and stream.finish() == "\ufffd"
+    )  # ended mid-character: as decode
 
 
-def test_text_stream_holds_what_could_begin_a_stop_string_and_finish_releases_it(embedded_tokenizer):
+def test_text_stream_holds_what_could_begin_a_stop_string_and_finish_releases_it(
+    embedded_tokenizer,
+):
     tok = embedded_tokenizer
     ids = tok.encode("Hello world, the end is near", bos=False)
     stream = text_stream.TextStream(tok, ["xyz", "never"])  # the last 4 characters are held
@@ -415,27 +527,37 @@ def test_text_stream_holds_what_could_begin_a_stop_string_and_finish_releases_it
     assert stream.reason == "length" and stream.stop_string is None
 
 
-@pytest.mark.parametrize("stop", ["ld, t", "world, the", "o", "near"])  # the tokens: "Hello", " world", ",", " the"
+@pytest.mark.parametrize(
+    "stop", ["ld, t", "world, the", "o", "near"]
+)  # the tokens: "Hello", " world", ",", " the"
 def test_text_stream_cuts_before_a_stop_string_straddling_tokens(embedded_tokenizer, stop):
     tok = embedded_tokenizer
     text = "Hello world, the end is near, they said"
     ids = tok.encode(text, bos=False)
     pieces, stream = stream_all(tok, ids, [stop])
-    assert "".join(pieces) == stream.sent == text[:text.index(stop)]
+    assert "".join(pieces) == stream.sent == text[: text.index(stop)]
     assert stream.reason == "stop" and stream.stop_string == stop and stream.count == len(ids)
-    ended = next(k for k in range(len(ids)) if stop in tok.decode(ids[:k + 1]))
-    assert all(p == "" for p in pieces[ended + 1:])  # nothing after the stop string's token
+    ended = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
+    assert all(p == "" for p in pieces[ended + 1 :])  # nothing after the stop string's token
 
 
 OVERLAPPING_STOPS = [  # stop strings, the text released, the stop string that ended it (tokens "hello", " world")
-    (["o w", "wor"], "hell", "o w"), (["wor", "o w"], "hell", "o w"),  # both whole in " world": the first to start
-    (["lo", "hel", "ell"], "", "hel"), (["world", "o"], "hell", "o"),
-    (["hello world", "lo"], "hel", "lo"),  # "lo" appeared a token before the earlier-starting one was whole
+    (["o w", "wor"], "hell", "o w"),
+    (["wor", "o w"], "hell", "o w"),  # both whole in " world": the first to start
+    (["lo", "hel", "ell"], "", "hel"),
+    (["world", "o"], "hell", "o"),
+    (
+        ["hello world", "lo"],
+        "hel",
+        "lo",
+    ),  # "lo" appeared a token before the earlier-starting one was whole
 ]
 
 
 @pytest.mark.parametrize("stops, text, stop", OVERLAPPING_STOPS)
-def test_text_stream_earliest_of_overlapping_stop_strings_wins(embedded_tokenizer, stops, text, stop):
+def test_text_stream_earliest_of_overlapping_stop_strings_wins(
+    embedded_tokenizer, stops, text, stop
+):
     tok = embedded_tokenizer
     ids = tok.encode("hello world", bos=False)
     assert [tok.decode([t]) for t in ids] == ["hello", " world"]
@@ -444,20 +566,29 @@ def test_text_stream_earliest_of_overlapping_stop_strings_wins(embedded_tokenize
 
 
 LAST_TOKEN_STOPS = [  # text (its last token " END"), the text released, reason, stop string
-    ("the answer END", "the answer ", "stop", "END"), ("the answer END", "the answer ", "stop", "EN"),
-    ("the answer END", "the an", "stop", "swer E"), ("the answer", "the answer", "length", None)]
+    ("the answer END", "the answer ", "stop", "END"),
+    ("the answer END", "the answer ", "stop", "EN"),
+    ("the answer END", "the an", "stop", "swer E"),
+    ("the answer", "the answer", "length", None),
+]
 
 
 @pytest.mark.parametrize("text, released, reason, stop", LAST_TOKEN_STOPS)
-def test_text_stream_stop_string_in_the_last_token_wins_over_length(embedded_tokenizer, text, released, reason,
-                                                                      stop):
+def test_text_stream_stop_string_in_the_last_token_wins_over_length(
+    embedded_tokenizer, text, released, reason, stop
+):
     """The token that ends the sequence ("length") completes a stop string: the text ends before it,
     reason "stop", and what follows it in that token is never returned."""
     tok = embedded_tokenizer
     ids = tok.encode(text, bos=False)
     assert stop is None or stop not in tok.decode(ids[:-1])
-    pieces, stream = stream_all(tok, ids, ["END"] + ([stop] if stop else []), {len(ids) - 1: "length"})
-    assert "".join(pieces) == stream.sent == released and (stream.reason, stream.stop_string) == (reason, stop)
+    pieces, stream = stream_all(
+        tok, ids, ["END"] + ([stop] if stop else []), {len(ids) - 1: "length"}
+    )
+    assert "".join(pieces) == stream.sent == released and (stream.reason, stream.stop_string) == (
+        reason,
+        stop,
+    )
     assert stream.add(ids[0]) == stream.finish() == "" and stream.count == len(ids) + 1
 
 
@@ -479,8 +610,12 @@ def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
     from pathlib import Path
 
     tok = embedded_tokenizer
-    text = tok.encode((Path(__file__).parents[1] / "data" / "declaration.txt").read_text(), bos=False)
-    lone_byte = tok.encode("🦙", bos=False)[0]  # an emoji's first bytes: U+FFFD, however many times repeated
+    text = tok.encode(
+        (Path(__file__).parents[1] / "data" / "declaration.txt").read_text(), bos=False
+    )
+    lone_byte = tok.encode("🦙", bos=False)[
+        0
+    ]  # an emoji's first bytes: U+FFFD, however many times repeated
     decode, windows = tok.decode, []
     monkeypatch.setattr(tok, "decode", lambda ids: windows.append(len(ids)) or decode(ids))
     for ids in [(text * 5)[:5000], [lone_byte] * 5000]:
@@ -490,7 +625,9 @@ def test_text_stream_work_per_token_is_bounded(embedded_tokenizer, monkeypatch):
             stream.add(t)
             calls.append(len(windows) - start)
         stream.finish()
-        assert max(calls) <= 2 and max(windows) <= 2 * (text_stream.TextStream.HELD_TOKENS + 1), max(windows)
+        assert max(calls) <= 2 and max(windows) <= 2 * (text_stream.TextStream.HELD_TOKENS + 1), (
+            max(windows)
+        )
         assert stream.sent == decode(ids)
         windows.clear()
 
@@ -505,12 +642,20 @@ def test_printer_prints_until_the_stop_token(embedded_tokenizer):
     assert out.getvalue() == printer.text.sent == tok.decode(ids)
 
 
-@pytest.mark.parametrize("tokens, merges, extra, message", [
-    (["a", "b", "ab"], ["a b", "ab"], {}, r"merges\[1\] \('ab'\) is not two tokens"),
-    (["a", "b"], ["a b"], {}, r"merges\[0\] \('a b'\) is not two tokens of the vocabulary \(2 tokens\)"),
-    (["a", "b", "ab"], ["a b"], {"types": [1, 1]}, "token_type has 2 entries for 3 tokens"),
-    (["a", "b", "ab"], ["a b"], {"eos": 7}, "eos_token_id 7 is not a token of its 3"),
-])
+@pytest.mark.parametrize(
+    "tokens, merges, extra, message",
+    [
+        (["a", "b", "ab"], ["a b", "ab"], {}, r"merges\[1\] \('ab'\) is not two tokens"),
+        (
+            ["a", "b"],
+            ["a b"],
+            {},
+            r"merges\[0\] \('a b'\) is not two tokens of the vocabulary \(2 tokens\)",
+        ),
+        (["a", "b", "ab"], ["a b"], {"types": [1, 1]}, "token_type has 2 entries for 3 tokens"),
+        (["a", "b", "ab"], ["a b"], {"eos": 7}, "eos_token_id 7 is not a token of its 3"),
+    ],
+)
 def test_a_malformed_gguf_vocabulary_is_named(tmp_path, tokens, merges, extra, message):
     """Merges that are not two tokens joining into a third (or a vocabulary shorter than its
     merges), metadata lists of the wrong length, token ids outside the vocabulary: TokenizerError."""

@@ -1,17 +1,18 @@
 """tp.py: ranks spawned here with gloo on CPU give the logits and tokens of one process."""
+
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import hf_model, save_hf
+from tp_worker import PROMPT, run_rank
 
 import generate
 import tp
 from formats import weights
-from helpers import hf_model, save_hf
 from kv_cache import NoCache, StaticKVCache
 from sampling import SamplingParams
-from tp_worker import PROMPT, run_rank
 
 NEW_TOKENS = 12
 
@@ -27,15 +28,33 @@ def start_ranks(fn, args, world: int, timeout_s: float):
             pytest.fail(f"tensor-parallel ranks did not finish within {timeout_s} s")
 
 
-def spawn(checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None):
+def spawn(
+    checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None
+):
     """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
     world = len(checkpoints)
-    start_ranks(run_rank, (world, [str(c) if c else None for c in checkpoints], str(tmp_path / "rendezvous"),
-                           str(tmp_path), new_tokens, compile_decode, quantize), world, timeout_s)
+    start_ranks(
+        run_rank,
+        (
+            world,
+            [str(c) if c else None for c in checkpoints],
+            str(tmp_path / "rendezvous"),
+            str(tmp_path),
+            new_tokens,
+            compile_decode,
+            quantize,
+        ),
+        world,
+        timeout_s,
+    )
     results = []
     for rank in range(world):
         err = tmp_path / f"rank{rank}.err"
-        results.append(err.read_text() if err.exists() else torch.load(tmp_path / f"rank{rank}.pt", weights_only=True))
+        results.append(
+            err.read_text()
+            if err.exists()
+            else torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        )
     return results
 
 
@@ -44,22 +63,36 @@ def single_process(checkpoint):
     x = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(x, torch.arange(x.shape[1])[None], NoCache())
-    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
-                                ignore_eos=True)
+    rows, _ = generate.generate(
+        model,
+        StaticKVCache.for_model(model, 1, 64),
+        x,
+        NEW_TOKENS,
+        SamplingParams(0.0),
+        ignore_eos=True,
+    )
     return model, logits, rows[0]
 
 
 def check_ranks(results, model, logits, tokens, world, atol):
-    replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                     if not any(k in n for k in tp.COLUMN_PARALLEL + tp.ROW_PARALLEL))
+    replicated = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not any(k in n for k in tp.COLUMN_PARALLEL + tp.ROW_PARALLEL)
+    )
     sharded = model.weight_bytes() - replicated
-    row_biases = sum(p.numel() * p.element_size() for n, p in model.named_parameters()  # (zeros but on rank 0)
-                     if n.endswith(("o_proj.bias", "down_proj.bias", "down_proj_bias")))
+    row_biases = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()  # (zeros but on rank 0)
+        if n.endswith(("o_proj.bias", "down_proj.bias", "down_proj_bias"))
+    )
     for r in results:
         assert isinstance(r, dict), r  # an error text otherwise
         torch.testing.assert_close(r["logits"], logits, atol=atol, rtol=0)
         assert r["tokens"] == tokens
-        assert r["weight_bytes"] <= sharded / world + replicated + row_biases  # each rank holds those whole
+        assert (
+            r["weight_bytes"] <= sharded / world + replicated + row_biases
+        )  # each rank holds those whole
 
 
 def test_tiny_gqa_model_on_two_ranks_equals_one_process(tmp_path):
@@ -73,7 +106,14 @@ def test_compiled_decode_on_two_ranks_equals_one_process(tmp_path):
     """The compiled decode step (fullgraph, with the all-reduces inside) on each rank."""
     folder = save_hf(hf_model("llama3"), tmp_path / "ckpt")
     model, logits, tokens = single_process(folder)
-    check_ranks(spawn([folder, folder], tmp_path, compile_decode=True, timeout_s=600), model, logits, tokens, 2, atol=1e-5)
+    check_ranks(
+        spawn([folder, folder], tmp_path, compile_decode=True, timeout_s=600),
+        model,
+        logits,
+        tokens,
+        2,
+        atol=1e-5,
+    )
 
 
 def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):
@@ -81,8 +121,14 @@ def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):
     x = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(x, torch.arange(x.shape[1])[None], NoCache())
-    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
-                                ignore_eos=True)
+    rows, _ = generate.generate(
+        model,
+        StaticKVCache.for_model(model, 1, 64),
+        x,
+        NEW_TOKENS,
+        SamplingParams(0.0),
+        ignore_eos=True,
+    )
     check_ranks(spawn([None] * 3, tmp_path), model, logits, rows[0], 3, atol=1e-4)
 
 
@@ -113,8 +159,14 @@ def test_int4_quantized_shards_equal_one_process(tmp_path):
     x = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(x, torch.arange(x.shape[1])[None], NoCache())
-    rows, _ = generate.generate(model, StaticKVCache.for_model(model, 1, 64), x, NEW_TOKENS, SamplingParams(0.0),
-                                ignore_eos=True)
+    rows, _ = generate.generate(
+        model,
+        StaticKVCache.for_model(model, 1, 64),
+        x,
+        NEW_TOKENS,
+        SamplingParams(0.0),
+        ignore_eos=True,
+    )
     for r in results:
         assert not isinstance(r, str), r
         torch.testing.assert_close(r["logits"], logits, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
 """formats/weights.py and formats/gguf_weights.py: every checkpoint format gives the same model, bad files clear errors."""
+
 import json
 import os
 import shutil
@@ -8,18 +9,23 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from formats import hf_folder
-from formats import weights
 from helpers import hf_model, save_hf, write_gguf
-from kv_cache import NoCache
+
+from formats import hf_folder, weights
 from formats.weights import CheckpointError
+from kv_cache import NoCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 1e4,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +80,16 @@ def test_eager_runs_never_import_the_compiler_stack(tiny):
     """Loading (the model built on the meta device, RoPE set up) and eager steps leave torch._dynamo
     and sympy unimported: about 100 MiB resident that only --compile needs. nn.Embedding's normal_
     on meta tensors imported them until weights.build skipped initialisers."""
-    code = ("import sys, torch, runtime; from formats import weights; from kv_cache import StaticKVCache\n"
-            f"m, _ = weights.load_for_inference({str(tiny[1])!r}, dtype=torch.bfloat16)\n"
-            "c = StaticKVCache.for_model(m, 1, 64); runtime.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
-            "runtime.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
-            "print([n for n in ('torch._dynamo', 'sympy') if n in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, torch, runtime; from formats import weights; from kv_cache import StaticKVCache\n"
+        f"m, _ = weights.load_for_inference({str(tiny[1])!r}, dtype=torch.bfloat16)\n"
+        "c = StaticKVCache.for_model(m, 1, 64); runtime.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
+        "runtime.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
+        "print([n for n in ('torch._dynamo', 'sympy') if n in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
@@ -95,12 +105,16 @@ def test_hub_id_through_a_real_offline_cache(tiny, tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     code = "from formats import weights; m, info = weights.load('tiny-org/tiny-llama'); print(info.source)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(f"snapshots/{commit}")
     # and a repo that is not cached gives the clear offline error, not a network attempt
     code = "from formats import weights; weights.load('tiny-org/not-there')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0 and "not in the Hugging Face cache" in out.stderr
 
 
@@ -119,8 +133,12 @@ def test_gguf_quantized_types_load_close_to_float(tiny, tmp_path, qtype):
     """Each type is quantized by the gguf package from known floats; what we load must be those
     floats within the type's rounding (relative to each row's largest weight)."""
     hf = hf_model("tinyllama_mqa")
-    model, _ = weights.load(write_gguf(hf, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype), dequantize=True)
-    bound = {"F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_1": 4e-2, "Q4_1": 8e-2, "Q4_0": 1.5e-1}[qtype]
+    model, _ = weights.load(
+        write_gguf(hf, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype), dequantize=True
+    )
+    bound = {"F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_1": 4e-2, "Q4_1": 8e-2, "Q4_0": 1.5e-1}[
+        qtype
+    ]
     ours = model.state_dict()
     for name, w in hf.state_dict().items():
         name = name.removeprefix("model.")
@@ -144,8 +162,13 @@ def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
     # overwrite each block's float16 scale fields with small finite values
     view = raw.reshape(rows, -1, block_bytes)
     half = np.array([0.01], dtype=np.float16).view(np.uint8)
-    for offset in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (block_bytes - 2,), "Q2_K": (block_bytes - 4, block_bytes - 2),
-                   "Q3_K": (block_bytes - 2,)}[kind]:
+    for offset in {
+        "Q4_K": (0, 2),
+        "Q5_K": (0, 2),
+        "Q6_K": (block_bytes - 2,),
+        "Q2_K": (block_bytes - 4, block_bytes - 2),
+        "Q3_K": (block_bytes - 2,),
+    }[kind]:
         view[:, :, offset], view[:, :, offset + 1] = half[0], half[1]
     expected = torch.from_numpy(dequantize(raw, qtype))  # [rows, 256]
     assert torch.isfinite(expected).all()
@@ -154,6 +177,7 @@ def test_gguf_k_quants_decode_to_the_reference_values(tmp_path, kind):
 
     class T:  # a stand-in for one GGUF tensor record
         name, tensor_type, data, shape = "blk.0.attn_v.weight", qtype, raw, np.array([cols_k, rows])
+
     got = gguf_weights.dequantize(T, tmp_path / "x.gguf")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert got.shape == (rows, cols_k)
@@ -174,11 +198,14 @@ def test_saved_hf_folder_loads_in_transformers(tmp_path):
     for arch in ("qwen2", "qwen3", "llama3"):
         hf = hf_model(arch)
         model, _ = weights.load(save_hf(hf, tmp_path / arch))
-        again = AutoModelForCausalLM.from_pretrained(hf_folder.save_hf_folder(model, tmp_path / f"{arch}-copy")).eval()
+        again = AutoModelForCausalLM.from_pretrained(
+            hf_folder.save_hf_folder(model, tmp_path / f"{arch}-copy")
+        ).eval()
         torch.testing.assert_close(hf_logits(again), hf_logits(hf), atol=1e-5, rtol=0)
 
 
 # --- bad checkpoints: one clear error naming the file and the problem -------------------------
+
 
 def test_missing_path():
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -222,8 +249,12 @@ def test_missing_tensor_is_named(tiny, tmp_path):
 def test_misshaped_tensor_is_named(tiny, tmp_path):
     def edit(s):
         s["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+
     _edit_state(tiny, tmp_path, edit)
-    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.k_proj\.weight' has shape \(3, 64\), expected \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.0\.self_attn\.k_proj\.weight' has shape \(3, 64\), expected \(32, 64\)",
+    ):
         weights.load(tmp_path)
 
 
@@ -232,7 +263,9 @@ def test_unknown_architecture(tiny, tmp_path):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="architecture 'gpt2'.*not a family this project runs.*gemma2"):
+    with pytest.raises(
+        CheckpointError, match="architecture 'gpt2'.*not a family this project runs.*gemma2"
+    ):
         weights.load(tmp_path / "m")
 
 
@@ -257,9 +290,15 @@ def test_unsupported_gguf_type_is_named(tiny, tmp_path):
     hf = tiny[0]
     kind = gguf.GGMLQuantizationType.IQ4_NL
     elems, size = gguf.GGML_QUANT_SIZES[kind]
-    raw = np.zeros((hf.config.intermediate_size, hf.config.hidden_size // elems * size), dtype=np.uint8)
-    path = write_gguf(hf, tmp_path / "iq.gguf", raw_blocks={"blk.0.ffn_gate.weight": ("IQ4_NL", raw)})
-    with pytest.raises(CheckpointError, match="'blk.0.ffn_gate.weight' has type IQ4_NL, which is not supported"):
+    raw = np.zeros(
+        (hf.config.intermediate_size, hf.config.hidden_size // elems * size), dtype=np.uint8
+    )
+    path = write_gguf(
+        hf, tmp_path / "iq.gguf", raw_blocks={"blk.0.ffn_gate.weight": ("IQ4_NL", raw)}
+    )
+    with pytest.raises(
+        CheckpointError, match="'blk.0.ffn_gate.weight' has type IQ4_NL, which is not supported"
+    ):
         weights.load(path)
 
 
@@ -269,20 +308,40 @@ def test_default_model_not_installed_says_how(monkeypatch):
         weights.load(None)
 
 
-@pytest.mark.parametrize("edit, message", [
-    ({"num_hidden_layers": 100000}, "100000 layers"),
-    ({"max_position_embeddings": 2**40}, "context of 1099511627776 tokens"),
-    ({"hidden_size": "64"}, "positive integer"),
-    ({"num_attention_heads": 0}, "n_heads must be a positive integer|do not make a model"),
-    ({"intermediate_size": -5}, "positive integer"),
-    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_theta must be a positive number"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "linear RoPE scaling needs a positive number factor"),
-    ({"rope_parameters": {**LLAMA3_ROPE, "factor": "x"}}, "needs a positive number factor, got 'x'"),
-    ({"rope_parameters": {**LLAMA3_ROPE, "factor": 0}}, "needs a positive number factor, got 0"),
-    ({"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 4}}, "high_freq_factor above low_freq_factor"),
-])
-def test_a_config_is_checked_against_bounds_and_the_weights_before_building(tiny, tmp_path, edit, message):
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"num_hidden_layers": 100000}, "100000 layers"),
+        ({"max_position_embeddings": 2**40}, "context of 1099511627776 tokens"),
+        ({"hidden_size": "64"}, "positive integer"),
+        ({"num_attention_heads": 0}, "n_heads must be a positive integer|do not make a model"),
+        ({"intermediate_size": -5}, "positive integer"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": -1}},
+            "rope_theta must be a positive number",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+            "linear RoPE scaling needs a positive number factor",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3_ROPE, "factor": "x"}},
+            "needs a positive number factor, got 'x'",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3_ROPE, "factor": 0}},
+            "needs a positive number factor, got 0",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3_ROPE, "low_freq_factor": 4}},
+            "high_freq_factor above low_freq_factor",
+        ),
+    ],
+)
+def test_a_config_is_checked_against_bounds_and_the_weights_before_building(
+    tiny, tmp_path, edit, message
+):
     import time
 
     shutil.copytree(tiny[1], tmp_path / "m")
@@ -308,7 +367,9 @@ def test_a_deep_config_nan_weights_and_overlapping_gguf_tensors_are_named(tiny, 
     name = sorted(tensors)[3]
     tensors[name].view(-1)[7] = float("nan")
     save_file(tensors, file)
-    with pytest.raises(CheckpointError, match=f"tensor '{weights._hf_name(name)}' holds NaN or infinite values"):
+    with pytest.raises(
+        CheckpointError, match=f"tensor '{weights._hf_name(name)}' holds NaN or infinite values"
+    ):
         weights.load(tmp_path / "nan")
     path = write_gguf(tiny[0], tmp_path / "overlap.gguf")
     reader = gguf.GGUFReader(str(path), "r+")  # the second tensor's data offset set to the first's
@@ -326,7 +387,10 @@ def test_gguf_file_reads_what_the_gguf_package_reads(tiny, tmp_path):
 
     from formats import gguf_file
 
-    for path in (weights.default_checkpoint(), write_gguf(tiny[0], tmp_path / "q.gguf", qtype="Q4_1")):
+    for path in (
+        weights.default_checkpoint(),
+        write_gguf(tiny[0], tmp_path / "q.gguf", qtype="Q4_1"),
+    ):
         ours, ref = gguf_file.GGUFFile(path), gguf.GGUFReader(str(path))
         fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
         assert fields.keys() == ours.fields.keys()

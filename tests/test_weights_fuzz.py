@@ -3,6 +3,7 @@ safetensors, config.json and tokenizer.json files (truncation, flipped bytes, hu
 wrong dtypes, negative shapes, duplicate names, absurd counts). Loading must either give a model
 that runs or raise CheckpointError / TokenizerError with a message, quickly, without allocating
 much more than the file holds. Derandomised, so a failure reproduces."""
+
 import json
 import resource
 import shutil
@@ -11,16 +12,22 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import hf_model, tiny_checkpoint, write_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from formats import weights
-from helpers import hf_model, tiny_checkpoint, write_gguf
+from formats.tokenizer import load_tokenizer
 from kv_cache import NoCache
 from runtime import CheckpointError, TokenizerError
-from formats.tokenizer import load_tokenizer
 
-FUZZ = settings(derandomize=True, max_examples=25, deadline=None, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    derandomize=True,
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 SECONDS = 10  # per load
 MARGIN = 300 * 2**20  # bytes of RSS growth allowed beyond the file's size
 
@@ -55,8 +62,12 @@ def check_load(path, size: int):
 MUTATIONS = st.one_of(
     st.tuples(st.just("truncate"), st.floats(0, 1)),
     st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
-    st.tuples(st.just("huge"), st.floats(0, 0.2), st.sampled_from([2**40, 2**63 - 1, 2**64 - 1, 2**32 - 1])),
-    st.tuples(st.just("negative"), st.floats(0, 0.2), st.integers(-2**31, -1)),
+    st.tuples(
+        st.just("huge"),
+        st.floats(0, 0.2),
+        st.sampled_from([2**40, 2**63 - 1, 2**64 - 1, 2**32 - 1]),
+    ),
+    st.tuples(st.just("negative"), st.floats(0, 0.2), st.integers(-(2**31), -1)),
 )
 
 
@@ -66,11 +77,10 @@ def mutate(data: bytes, mutation) -> bytes:
     if kind == "truncate":
         return data[:i]
     if kind == "flip":
-        return data[:i] + bytes([data[i] ^ rest[0]]) + data[i + 1:]
+        return data[:i] + bytes([data[i] ^ rest[0]]) + data[i + 1 :]
     if kind == "huge":  # a declared count or size (GGUF: u64 little-endian) made enormous
-        return data[:i] + struct.pack("<Q", rest[0]) + data[i + 8:]
-    return data[:i] + struct.pack("<q", rest[0]) + data[i + 8:]
-
+        return data[:i] + struct.pack("<Q", rest[0]) + data[i + 8 :]
+    return data[:i] + struct.pack("<q", rest[0]) + data[i + 8 :]
 
 
 def fresh_copy(files, name: str):
@@ -80,6 +90,7 @@ def fresh_copy(files, name: str):
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(folder, target)
     return target
+
 
 @FUZZ
 @given(MUTATIONS)
@@ -108,13 +119,17 @@ def test_mutated_safetensors_header_loads_or_fails_clearly(files, data):
     path = target / "model.safetensors"
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    header, body = json.loads(raw[8:8 + n]), raw[8 + n:]
+    header, body = json.loads(raw[8 : 8 + n]), raw[8 + n :]
     name = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")))
     field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", "duplicate"]))
-    value = data.draw({"dtype": st.sampled_from(["F8", "I64", "BOOL", "X", "F64", 7]),
-                       "shape": st.sampled_from([[-1, 4], [2**40], [2**31, 2**31], [], [0], "x"]),
-                       "data_offsets": st.sampled_from([[0, 2**40], [10, 5], [-4, 8], [0, len(body) + 1]]),
-                       "duplicate": st.just(None)}[field])
+    value = data.draw(
+        {
+            "dtype": st.sampled_from(["F8", "I64", "BOOL", "X", "F64", 7]),
+            "shape": st.sampled_from([[-1, 4], [2**40], [2**31, 2**31], [], [0], "x"]),
+            "data_offsets": st.sampled_from([[0, 2**40], [10, 5], [-4, 8], [0, len(body) + 1]]),
+            "duplicate": st.just(None),
+        }[field]
+    )
     if field == "duplicate":  # raw JSON with the name twice
         entry = json.dumps(header[name])
         text = json.dumps(header)[:-1] + f', "{name}": {entry}' + "}"
@@ -126,7 +141,9 @@ def test_mutated_safetensors_header_loads_or_fails_clearly(files, data):
     check_load(target, len(raw))
 
 
-CONFIG_VALUES = st.sampled_from([0, -1, 1, 2**40, 2**63, 1e308, float("nan"), "2", None, [], {}, True])
+CONFIG_VALUES = st.sampled_from(
+    [0, -1, 1, 2**40, 2**63, 1e308, float("nan"), "2", None, [], {}, True]
+)
 
 
 @FUZZ
@@ -147,11 +164,15 @@ def test_mutated_tokenizer_json_loads_or_fails_clearly(files, data):
     path = target / "tokenizer.json"
     raw = path.read_text()
     if data.draw(st.booleans()):
-        text = raw[:data.draw(st.integers(0, len(raw)))]
+        text = raw[: data.draw(st.integers(0, len(raw)))]
     else:
         tok = json.loads(raw)
-        section = data.draw(st.sampled_from(["model", "added_tokens", "pre_tokenizer", "decoder", "post_processor"]))
-        tok[section] = data.draw(st.sampled_from([None, 5, "x", [], {"type": "Nope"}, {"type": "BPE", "vocab": 3}]))
+        section = data.draw(
+            st.sampled_from(["model", "added_tokens", "pre_tokenizer", "decoder", "post_processor"])
+        )
+        tok[section] = data.draw(
+            st.sampled_from([None, 5, "x", [], {"type": "Nope"}, {"type": "BPE", "vocab": 3}])
+        )
         text = json.dumps(tok)
     path.write_text(text)
     start = time.perf_counter()
@@ -169,7 +190,7 @@ def test_a_gguf_tensor_claiming_huge_sizes_fails_before_allocating(files, dim):
     name = b"token_embd.weight"
     at = data.index(name) + len(name) + 4  # then: n_dims (u32), dims (u64 each)
     path = root / "huge.gguf"
-    path.write_bytes(data[:at] + struct.pack("<Q", dim) + data[at + 8:])
+    path.write_bytes(data[:at] + struct.pack("<Q", dim) + data[at + 8 :])
     before = peak_rss()
     with pytest.raises(CheckpointError):
         weights.load(path)
