@@ -18,13 +18,13 @@ too): the events carry the text a server streams. A fault while sampling one req
 request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, then `positions`,
 `score` and `remember` around the forward.
 """
+
 import itertools
 import time
 from typing import NamedTuple
 
 import torch
 
-import batch_invariant as invariant
 from cpu_kernels import gemm_padding
 from kv_cache import bucket
 from kv_plan import pools
@@ -60,45 +60,107 @@ class Engine:
     """model, cache (paged.PagedKVCache), scheduler (over the cache's blocks; scoring.PromptScores to score
     prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: steps that only decode or verify drafts."""
 
-    def __init__(self, model, cache, scheduler, tokenizer=None, stop_ids=(), compile=False, batch_invariant=False,
-                 speculate=None):
-        mine, theirs = [cache.num_blocks] + [cache.window_blocks] * bool(cache.window_blocks), [a.num_blocks for a in scheduler.pools]
+    def __init__(
+        self,
+        model,
+        cache,
+        scheduler,
+        tokenizer=None,
+        stop_ids=(),
+        compile=False,
+        batch_invariant=False,
+        speculate=None,
+    ):
+        mine, theirs = (
+            [cache.num_blocks] + [cache.window_blocks] * bool(cache.window_blocks),
+            [a.num_blocks for a in scheduler.pools],
+        )
         if (mine, cache.block_size) != (theirs, scheduler.block_size):
-            raise ValueError(f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the scheduler's "
-                             f"allocators {theirs} of {scheduler.block_size}")
+            raise ValueError(
+                f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the scheduler's "
+                f"allocators {theirs} of {scheduler.block_size}"
+            )
         self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
-        self.requests, self.pending, self.next_id = {}, [], 0  # pending: abort's events, for the next step
-        self.speculate, self.drafted = speculate, dict(draft_tokens=0, draft_tokens_accepted=0)  # speedups/prompt_lookup.py
-        self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
-        self.batch_invariant = batch_invariant  # batch_invariant.py: one route and one attention for every row
+        self.requests, self.pending, self.next_id = (
+            {},
+            [],
+            0,
+        )  # pending: abort's events, for the next step
+        self.speculate, self.drafted = (
+            speculate,
+            dict(draft_tokens=0, draft_tokens_accepted=0),
+        )  # speedups/prompt_lookup.py
+        self.decode_fn = (
+            compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
+        )
+        # batch_invariant.py: one route and one attention for every row; `pieces` cuts prefill chunks
+        self.batch_invariant, self.pieces = batch_invariant, None
         if batch_invariant:
             if compile:
-                raise ValueError("--batch_invariant runs eager steps (a compiled step's kernels follow its "
-                                 "batch); leave out --compile")
+                raise ValueError(
+                    "--batch_invariant runs eager steps (a compiled step's kernels follow its "
+                    "batch); leave out --compile"
+                )
+            import batch_invariant as invariant  # an option: imported where it is switched on
+
             invariant.enable(model, cache)
+            self.pieces = invariant.pieces
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
-                  max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "fcfs",
-                  stop_ids=(), tokenizer=None, compile: bool = False, reserve_tokens: int = None,
-                  batch_invariant: bool = False, window_blocks: int = None, speculate=None):
+    def for_model(
+        cls,
+        model,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        prefix_caching: bool = True,
+        policy: str = "fcfs",
+        stop_ids=(),
+        tokenizer=None,
+        compile: bool = False,
+        reserve_tokens: int = None,
+        batch_invariant: bool = False,
+        window_blocks: int = None,
+        speculate=None,
+    ):
         """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
         (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets each
         seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
-        allocator, windows, cache = pools(model, num_blocks, block_size, prefix_caching and not reserve_tokens,
-                                          window_blocks, max_num_seqs, max_num_batched_tokens)
+        allocator, windows, cache = pools(
+            model,
+            num_blocks,
+            block_size,
+            prefix_caching and not reserve_tokens,
+            window_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+        )
         # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
-        scores = PromptScores(block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0)
-        scheduler = Scheduler(allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, windows)
-        return cls(model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate)
+        scores = PromptScores(
+            block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0
+        )
+        scheduler = Scheduler(
+            allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, windows
+        )
+        return cls(
+            model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate
+        )
 
     # -- the request lifecycle -----------------------------------------------------------------
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
         """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
         params = params or RequestParams()
-        check_request(prompt, params, self.model.config.vocab_size, self.max_model_len, self.scheduler, self.tokenizer)
+        check_request(
+            prompt,
+            params,
+            self.model.config.vocab_size,
+            self.max_model_len,
+            self.scheduler,
+            self.tokenizer,
+        )
         if request_id is None:
             request_id, self.next_id = self.next_id, self.next_id + 1
         if request_id in self.requests:
@@ -107,8 +169,13 @@ class Engine:
         req.seqs[0].stream = self._stream(params)
         if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
             from constrain import compile_constraint
-            req.seqs[0].matcher = compile_constraint(params.constraint, self.tokenizer, self.model.config.vocab_size,
-                                                     self.stop_ids | set(params.stop_token_ids))
+
+            req.seqs[0].matcher = compile_constraint(
+                params.constraint,
+                self.tokenizer,
+                self.model.config.vocab_size,
+                self.stop_ids | set(params.stop_token_ids),
+            )
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return request_id
@@ -117,33 +184,51 @@ class Engine:
         return TextStream(self.tokenizer, params.stop) if self.tokenizer else None
 
     @staticmethod
-    def _ended(seq, reason: str) -> Token:  # a sample ends without a token: the text its stream held back
-        return Token(seq.request.id, seq.index, None, seq.stream and seq.stream.finish(reason), reason, None)
+    def _ended(
+        seq, reason: str
+    ) -> Token:  # a sample ends without a token: the text its stream held back
+        return Token(
+            seq.request.id, seq.index, None, seq.stream and seq.stream.finish(reason), reason, None
+        )
 
     def abort(self, request_id, error: str = None):
         """End a request now (`error`: as failed), its blocks free at once; its "abort" events and
         Finished come with the next step. Aborting it again does nothing."""
         if request_id not in self.requests:
-            raise ValueError(f"no request {request_id!r} here: never added, or already returned as Finished")
+            raise ValueError(
+                f"no request {request_id!r} here: never added, or already returned as Finished"
+            )
         req = self.requests[request_id]
         req.error = req.error or error
         for seq in req.seqs:
             if not seq.finish_reason:
                 self.scheduler.finish(seq, "abort")
                 self.pending.append(self._ended(seq, "abort"))
-        for k in range(len(req.seqs), req.params.n if req.needs_fork else 0):  # samples not forked yet
-            self.pending.append(Token(req.id, k, None, "" if self.tokenizer else None, "abort", None))
+        for k in range(
+            len(req.seqs), req.params.n if req.needs_fork else 0
+        ):  # samples not forked yet
+            self.pending.append(
+                Token(req.id, k, None, "" if self.tokenizer else None, "abort", None)
+            )
         req.needs_fork = False
 
-    def has_unfinished(self) -> bool:  # pending events belong to requests not yet returned as Finished
+    def has_unfinished(
+        self,
+    ) -> bool:  # pending events belong to requests not yet returned as Finished
         return bool(self.requests)
 
     def metrics(self) -> dict:
         """A snapshot (plain numbers, safe to read from another thread)."""
         s = self.scheduler
-        return {**s.stats, **self.drafted, "requests": len(self.requests), "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
-                "running": len({q.request.id for q in s.running}), "kv_blocks_used": s.blocks_used(),
-                "waiting": len({q.request.id for q in s.waiting})}
+        return {
+            **s.stats,
+            **self.drafted,
+            "requests": len(self.requests),
+            "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
+            "running": len({q.request.id for q in s.running}),
+            "kv_blocks_used": s.blocks_used(),
+            "waiting": len({q.request.id for q in s.waiting}),
+        }
 
     def run_batch(self, prompts, params) -> list:
         """Offline: every prompt (ids) with its params (one, or one per prompt) -> its result, in order."""
@@ -155,9 +240,14 @@ class Engine:
 
     def step(self) -> list:
         """One iteration: a Token per new token (or sample ended without one), then a Finished per request over."""
-        if self.speculate and self.scheduler.draft_budget() > 0:  # drafts for the sequences that decode, verified by this step's forward
+        if (
+            self.speculate and self.scheduler.draft_budget() > 0
+        ):  # drafts for the sequences that decode, verified by this step's forward
             self.speculate.propose(self.scheduler.running, self.max_model_len)
-        plan, events = self.scheduler.schedule(), []  # pending stays until returned (a step may raise)
+        plan, events = (
+            self.scheduler.schedule(),
+            [],
+        )  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst, pool)
@@ -178,19 +268,36 @@ class Engine:
         each sequence's last token). Decodes (and 1-token tails), drafted rows, then prefill chunks."""
         ones = [s for s, n in plan.runs.items() if n == 1]
         drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
-        chunks = [s for s, n in plan.runs.items() if n > 1 and (self.batch_invariant or s not in plan.drafts)]
+        chunks = [
+            s
+            for s, n in plan.runs.items()
+            if n > 1 and (self.batch_invariant or s not in plan.drafts)
+        ]
         tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
         # the blocks a row attends: its sequence's, or (batch_invariant) those its own position needs
-        need = (lambda s: s.num_computed // bs + 1) if self.batch_invariant else (lambda s: len(s.blocks))
+        need = (
+            (lambda s: s.num_computed // bs + 1)
+            if self.batch_invariant
+            else (lambda s: len(s.blocks))
+        )
         if compiled:  # one group, its rows padded to a bucket (and each to 1 + k tokens when any drafts): few graphs
             rects = [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
         else:  # rows of similar context together, so each group's gather is close to its own length; drafted by length
             ones.sort(key=lambda s: -need(s))
-            rects = [(list(g), 1) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))]
-            rects += [(list(g), n) for n, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])]
-        for group, n in rects:  # a row: [its next token, its drafts, padding whose K/V no query sees yet]
+            rects = [
+                (list(g), 1) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))
+            ]
+            rects += [
+                (list(g), n) for n, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])
+            ]
+        for (
+            group,
+            n,
+        ) in rects:  # a row: [its next token, its drafts, padding whose K/V no query sees yet]
             width = bucket(max(max(need(s), (s.num_computed + n - 1) // bs + 1) for s in group))
-            pad = bucket(len(group)) - len(group) if compiled else 0  # padding rows: the null block's first slots
+            pad = (
+                bucket(len(group)) - len(group) if compiled else 0
+            )  # padding rows: the null block's first slots
             for s in group:
                 d = plan.drafts.get(s, [])
                 tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
@@ -200,14 +307,18 @@ class Engine:
             groups.append((len(group) + pad, n, self._table(group, width, pad)))
         for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
             n, start = plan.runs[s], s.num_computed
-            for m, width in invariant.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]:
+            for m, width in (
+                self.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]
+            ):
                 groups.append((1, m, self._table([s], width)))
             tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
         # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
         # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
-        pad = 0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
+        pad = (
+            0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
+        )
         if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
             groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
             tokens, pos = tokens + [0] * pad, pos + [0] * pad
@@ -215,29 +326,46 @@ class Engine:
 
     def _table(self, seqs, width: int, pad: int = 0):
         """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R, width]."""
-        tables = [[t[:width] + [0] * (width - len(t)) for t in ts] + [[0] * width] * pad
-                  for ts in ([s.blocks for s in seqs], [s.window_blocks for s in seqs])[:len(self.scheduler.pools)]]
+        tables = [
+            [t[:width] + [0] * (width - len(t)) for t in ts] + [[0] * width] * pad
+            for ts in ([s.blocks for s in seqs], [s.window_blocks for s in seqs])[
+                : len(self.scheduler.pools)
+            ]
+        ]
         return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
 
     def _forward(self, plan):
         """The step's one forward -> (sequences that sample now, their logits [1 + drafts each, V])."""
         scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
-        compiled = self.decode_fn is not None and all((n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items())
+        compiled = self.decode_fn is not None and all(
+            (n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items()
+        )
         order, tokens, pos, groups, ends = self._layout(plan, compiled)
-        done = [s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)]  # these sample
+        done = [
+            s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)
+        ]  # these sample
         sampling = set(done)
-        sampled = [i for s, e in zip(order, ends) if s in sampling for i in range(e - drafts(s), e + 1)]
-        scored = scores.positions(order, ends, plan.runs) if scores else []  # (request, flat index, token)
-        tokens, pos = torch.tensor([tokens], device=self.device), torch.tensor([pos], device=self.device)
+        sampled = [
+            i for s, e in zip(order, ends) if s in sampling for i in range(e - drafts(s), e + 1)
+        ]
+        scored = (
+            scores.positions(order, ends, plan.runs) if scores else []
+        )  # (request, flat index, token)
+        tokens, pos = (
+            torch.tensor([tokens], device=self.device),
+            torch.tensor([pos], device=self.device),
+        )
         with torch.no_grad(), self.cache.step_groups(groups):
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[sampled]
             else:
-                keep = torch.tensor(sampled + [e for _, e, _ in scored], dtype=torch.long, device=self.device)
+                keep = torch.tensor(
+                    sampled + [e for _, e, _ in scored], dtype=torch.long, device=self.device
+                )
                 logits = flat_forward(self.model, self.cache, tokens, pos, keep)
         if scored:
-            scores.score(scored, logits[len(sampled):])
-        return done, logits[:len(sampled)]
+            scores.score(scored, logits[len(sampled) :])
+        return done, logits[: len(sampled)]
 
     def _sample(self, plan, done, logits, events) -> list:
         """The next token(s) of each sequence in `done` (n samples fork at the first): [(sequence, token,
@@ -263,16 +391,23 @@ class Engine:
                 continue
             draft = plan.drafts.get(seq, [])
             try:  # a fault here (sampling, a constraint, detokenizing) ends this request only
-                new = self._verify(seq, logits[i:i + 1 + len(draft)], greedy[i:i + 1 + len(draft)], draft, now)
+                new = self._verify(
+                    seq, logits[i : i + 1 + len(draft)], greedy[i : i + 1 + len(draft)], draft, now
+                )
             except Exception as e:
                 self._fail(req, e)
                 continue
             results += [(seq, token, reason) for token, _, reason in new]
-            events += [Token(req.id, seq.index, *t, lp) for t, lp in zip(new, seq.logprobs[-len(new):] or [None] * len(new))]
+            events += [
+                Token(req.id, seq.index, *t, lp)
+                for t, lp in zip(new, seq.logprobs[-len(new) :] or [None] * len(new))
+            ]
             if draft:  # its K/V is valid up to the last token it kept
                 plan.runs[seq] = len(new)
                 self.drafted["draft_tokens"] += len(draft)
-                self.drafted["draft_tokens_accepted"] += sum(t == d for (t, _, _), d in zip(new, draft))
+                self.drafted["draft_tokens_accepted"] += sum(
+                    t == d for (t, _, _), d in zip(new, draft)
+                )
         return results
 
     def _verify(self, seq, rows, greedy: list, draft: list, now: float) -> list:
@@ -282,7 +417,9 @@ class Engine:
         new, q = [], seq.draft_probs
         for j in range(len(draft) + 1):
             drafted = (q[j], draft[j]) if q is not None and j < len(draft) else ()
-            token, text, reason = self._next_token(seq, rows[j], greedy[j], now, [t for t, _, _ in new], drafted)
+            token, text, reason = self._next_token(
+                seq, rows[j], greedy[j], now, [t for t, _, _ in new], drafted
+            )
             new.append((token, text, reason))
             if reason or j == len(draft) or token != draft[j]:
                 return new
@@ -291,20 +428,41 @@ class Engine:
         """seq's next token from its row [V], after `new` this step (drafted: (q, token) to keep or
         replace) -> (token, text made final, reason or None)."""
         req, p = seq.request, seq.request.params
-        if req.sampling.temperature == 0 and seq.matcher is None and not req.sampling.adjusts_logits:
+        if (
+            req.sampling.temperature == 0
+            and seq.matcher is None
+            and not req.sampling.adjusts_logits
+        ):
             token = greedy
         else:  # the constraint's mask, bias and penalties make new tensors: `row` stays raw
             allowed = row if seq.matcher is None else seq.matcher.mask_logits(row)
-            token = int(sample(allowed[None], req.sampling, seq.generator, [req.prompt], [seq.output + list(new)], *drafted))
+            token = int(
+                sample(
+                    allowed[None],
+                    req.sampling,
+                    seq.generator,
+                    [req.prompt],
+                    [seq.output + list(new)],
+                    *drafted,
+                )
+            )
         if p.logprobs is not None:  # the model's own distribution: before any of that
             seq.logprobs += token_logprobs(row[None], [token], [p.logprobs])
         seq.token_times.append(now)
-        reason = "stop" if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos) else None
+        reason = (
+            "stop"
+            if token in p.stop_token_ids or (token in self.stop_ids and not p.ignore_eos)
+            else None
+        )
         length = len(seq.tokens) + len(new) + 1
-        if not reason and (length - len(req.prompt) >= p.max_new_tokens or length >= self.max_model_len):
+        if not reason and (
+            length - len(req.prompt) >= p.max_new_tokens or length >= self.max_model_len
+        ):
             reason = "length"
         text = seq.stream.add(token, reason) if seq.stream else None
-        reason = "stop" if seq.stream and seq.stream.stop_string else reason  # a stop string wins over "length"
+        reason = (
+            "stop" if seq.stream and seq.stream.stop_string else reason
+        )  # a stop string wins over "length"
         if seq.matcher is not None and not reason:
             seq.matcher.advance(token)
             if seq.matcher.error:

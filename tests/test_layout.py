@@ -1,6 +1,7 @@
 """The house's floors (docs/files.md): files import only downward, the core never from a folder,
 nothing imports in a circle, and each core file still works when copied alone (with what it
 imports) into another project."""
+
 import ast
 import os
 import re
@@ -16,11 +17,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The places, lowest first: the root's core, then each folder. A file imports only files on lower
 # floors of its own place and files of lower places (docs/files.md prints these floors).
 PLACES = ["", "formats", "speedups", "server"]
-ENTRY = ["generate", "batch", "serve", "perplexity"]  # on top of everything: they wire the parts together
+ENTRY = [
+    "generate",
+    "batch",
+    "serve",
+    "perplexity",
+]  # on top of everything: they wire the parts together
 FLOORS = {
     "": {
-        1: ["constrain", "cpu_kernels", "int4_layout", "moe", "rope", "runtime", "sampling", "scheduler", "scoring",
-            "text_stream", "tp"],
+        1: [
+            "constrain",
+            "cpu_kernels",
+            "int4_layout",
+            "moe",
+            "rope",
+            "runtime",
+            "sampling",
+            "scheduler",
+            "scoring",
+            "text_stream",
+            "tp",
+        ],
         2: ["kv_cache", "model", "quantize", "sequence"],
         3: ["batch_invariant", "paged", "speculative"],
         4: ["kv_plan"],
@@ -46,9 +63,24 @@ def module(place: str, name: str) -> str:
     return f"{place}.{name}" if place else name
 
 
-FLOOR = {module(p, n): floor for p, floors in FLOORS.items() for floor, names in floors.items() for n in names}
+FLOOR = {
+    module(p, n): floor
+    for p, floors in FLOORS.items()
+    for floor, names in floors.items()
+    for n in names
+}
 ORDER = list(FLOOR) + ENTRY
-TORCH_ONLY = {"runtime", "cpu_kernels", "rope", "moe", "model", "sampling", "tp", "int4_layout", "scheduler"}
+TORCH_ONLY = {
+    "runtime",
+    "cpu_kernels",
+    "rope",
+    "moe",
+    "model",
+    "sampling",
+    "tp",
+    "int4_layout",
+    "scheduler",
+}
 NO_TORCH = {"scheduler", "text_stream"}  # host bookkeeping only: the standard library
 STDLIB = set(sys.stdlib_module_names)
 
@@ -61,16 +93,17 @@ def path_of(name: str) -> str:
     return os.path.join(ROOT, *name.split(".")) + ".py"
 
 
-def imports(path: str) -> set:
+def imports(path: str, top_only: bool = False) -> set:
     """Modules a file imports ("formats.weights" for `from formats import weights`), leaving out
     its command line: the body of `main()` and of `if __name__ == "__main__":` (a CLI's main may
-    import anything)."""
+    import anything). top_only: only what it imports when it is imported, not what a function
+    imports where an option is used."""
     tree = ast.parse(open(path).read())
     found = set()
 
     def visit(node):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.FunctionDef) and child.name == "main":
+            if isinstance(child, ast.FunctionDef) and (child.name == "main" or top_only):
                 continue
             if isinstance(child, ast.If) and "__main__" in ast.unparse(child.test):
                 continue
@@ -101,7 +134,9 @@ def project_files() -> list:
 
 
 def test_every_file_has_a_floor():
-    assert set(project_files()) == set(ORDER), "add new files to FLOORS (or ENTRY) and to docs/files.md"
+    assert set(project_files()) == set(ORDER), (
+        "add new files to FLOORS (or ENTRY) and to docs/files.md"
+    )
 
 
 def test_the_root_holds_the_core_and_the_entry_points_only():
@@ -113,13 +148,17 @@ def test_every_python_file_parses_on_this_python():
     """Benchmarks and tests too, which nothing imports: an f-string nesting its own quotes (a
     Python 3.12 feature) once broke a benchmark on 3.11 while the suite passed."""
     bad = []
-    for folder in [os.path.join(ROOT, p) for p in PLACES] + [os.path.join(ROOT, f) for f in ("benchmarks", "tests")]:
+    for folder in [os.path.join(ROOT, p) for p in PLACES] + [
+        os.path.join(ROOT, f) for f in ("benchmarks", "tests")
+    ]:
         for f in sorted(os.listdir(folder)):
             if f.endswith(".py"):
                 try:
                     ast.parse(open(os.path.join(folder, f)).read(), filename=f)
                 except SyntaxError as e:
-                    bad.append(f"{os.path.relpath(os.path.join(folder, f), ROOT)}:{e.lineno}: {e.msg}")
+                    bad.append(
+                        f"{os.path.relpath(os.path.join(folder, f), ROOT)}:{e.lineno}: {e.msg}"
+                    )
     assert not bad, f"Python {sys.version.split()[0]} cannot parse:\n" + "\n".join(bad)
 
 
@@ -138,7 +177,9 @@ def test_files_import_only_lower_floors_and_lower_places():
     for name in ORDER:
         for dep in sorted(project_imports(name) & set(ORDER)):
             if not allowed(name, dep):
-                where = lambda m: "entry point" if m in ENTRY else f"{place_of(m) or 'root'} floor {FLOOR[m]}"
+                where = lambda m: (
+                    "entry point" if m in ENTRY else f"{place_of(m) or 'root'} floor {FLOOR[m]}"
+                )
                 problems.append(f"{path_of(name)} ({where(name)}) imports {dep} ({where(dep)})")
     assert not problems, "\n".join(problems)
 
@@ -147,38 +188,87 @@ def test_no_core_file_imports_from_a_folder():
     for names in FLOORS[""].values():
         for name in names:
             outside = {m for m in imports(path_of(name)) if m.split(".")[0] in PLACES[1:]}
-            assert not outside, f"{name}.py imports {outside}: a core file never imports from a folder"
+            assert not outside, (
+                f"{name}.py imports {outside}: a core file never imports from a folder"
+            )
 
 
 def test_the_file_table_prints_these_floors():
     text = open(os.path.join(ROOT, "docs", "files.md")).read()
     rows = re.findall(r"^\| (\d+|top) \| `([\w/]+)\.py` \|", text, re.M)
     table = {path.replace("/", "."): floor for floor, path in rows}
-    assert table == {**{m: str(f) for m, f in FLOOR.items()}, **{m: "top" for m in ENTRY}}, \
+    assert table == {**{m: str(f) for m, f in FLOOR.items()}, **{m: "top" for m in ENTRY}}, (
         "docs/files.md's tables and FLOORS differ"
+    )
 
 
-def test_no_file_over_500_lines_and_no_library_function_over_60():
-    long = []
+# Over a cap since the code was formatted (ruff, 100 columns), each to be split by idea (issue 51):
+# a file's formatted lines at most, or the functions still over 60 lines. The test fails on any
+# other file or function over a cap, on growth, and on an entry no longer needed here.
+OVER_500 = {
+    "generate": 780,
+    "speedups.aot": 651,
+    "serve": 639,
+    "server.openai_format": 569,
+    "server.responses": 550,
+    "server.tp_engine": 547,
+    "formats.weights": 516,
+}
+OVER_60 = {
+    "runtime": {"add_engine_args"},
+    "speculative": {"speculative_generate"},
+    "kv_plan": {"plan_blocks"},
+    "formats.families": {"_config_from_hf"},
+    "formats.gguf_file": {"__init__"},
+    "formats.gguf_config": {"family_switches"},
+    "formats.gguf_tokenizer": {"from_gguf"},
+    "formats.weights": {"load", "build"},
+    "formats.hf_folder": {"save_quantized"},
+    "speedups.aot": {"build"},
+    "server.tp_engine": {"build", "load_one_process"},
+    "server.responses": {"input_messages"},
+    "server.server_limits": {"add_limit_args"},
+    "generate": {"generate", "parse_args", "run", "interactive", "run_speculative"},
+    "serve": {"main"},
+}
+
+
+def test_no_file_over_500_lines_and_no_function_over_60():
+    """Formatted lines (the formatter's test below keeps them formatted)."""
+    problems = []
     for name in ORDER:
         text = open(path_of(name)).read()
-        if text.count("\n") > 500:
-            long.append(f"{name}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                long.append(f"{name}: {node.name} is {node.end_lineno - node.lineno + 1} lines")
-    assert not long, "\n".join(long)
+        lines, cap = text.count("\n"), OVER_500.get(name, 500)
+        if lines > cap or (name in OVER_500 and lines <= 500):
+            problems.append(f"{name}: {lines} lines (its cap: {cap})")
+        long = {
+            node.name
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno >= 60
+        }
+        if long != OVER_60.get(name, set()):
+            problems.append(
+                f"{name}: functions over 60 lines {sorted(long)}, listed {sorted(OVER_60.get(name, []))}"
+            )
+    assert not problems, "\n".join(problems)
 
 
-def test_the_teaching_core_stays_within_2200_lines():
-    core = ["model", "kv_cache", "paged", "scheduler", "engine", "quantize", "speculative", "tp", "sampling"]
-    total = sum(open(path_of(n)).read().count("\n") for n in core)
-    assert total <= 2200, f"the teaching core has {total} lines"
+def test_the_code_is_formatted_and_lint_free():
+    """ruff (pyproject.toml's settings): `ruff format --check` and `ruff check` over the project."""
+    ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
+    for args in (["format", "--check", "."], ["check", "."]):
+        proc = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (
+            f"ruff {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
+        )
 
 
 def test_the_bottom_floor_needs_only_torch():
     for name in TORCH_ONLY:
-        outside = {m.split(".")[0] for m in imports(path_of(name))} - STDLIB - TORCH_ONLY - {"torch"}
+        outside = (
+            {m.split(".")[0] for m in imports(path_of(name))} - STDLIB - TORCH_ONLY - {"torch"}
+        )
         assert not outside, f"{name}.py imports {outside}"
     for name in NO_TORCH:
         outside = {m.split(".")[0] for m in imports(path_of(name))} - STDLIB
@@ -212,7 +302,10 @@ model = Transformer(config).eval()
 """
 
 USES = {
-    "model": (["model.py", "rope.py", "moe.py", "kv_cache.py", "cpu_kernels.py"], TINY + """
+    "model": (
+        ["model.py", "rope.py", "moe.py", "kv_cache.py", "cpu_kernels.py"],
+        TINY
+        + """
 from kv_cache import NoCache, StaticKVCache
 tokens = torch.tensor([[1, 5, 9, 3]])
 cache = StaticKVCache.for_model(model, 1, 16)
@@ -221,8 +314,11 @@ with torch.no_grad():
     model(tokens[:, :3], torch.arange(3)[None], cache)
     step = model(tokens[:, 3:], torch.tensor([[3]]), cache)
 assert torch.allclose(step[0, -1], full[0, -1], atol=1e-5)
-"""),
-    "cpu_kernels": (["cpu_kernels.py"], """
+""",
+    ),
+    "cpu_kernels": (
+        ["cpu_kernels.py"],
+        """
 import torch
 import cpu_kernels
 q, k, v = torch.randn(2, 1, 4, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
@@ -231,8 +327,11 @@ ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, 
 for kernel in (cpu_kernels.static_decode, cpu_kernels.decode_attention, cpu_kernels.grouped_decode_attention):
     assert torch.allclose(kernel(q, k, v, mask), ref.transpose(1, 2), atol=1e-5)
 assert cpu_kernels.gemm_padding(130, torch.bfloat16, "cpu") == 14
-"""),
-    "paged": (None, """
+""",
+    ),
+    "paged": (
+        None,
+        """
 import torch
 from paged import BlockAllocator, PagedKVCache
 allocator = BlockAllocator(8, block_size=4)
@@ -244,8 +343,11 @@ y = cache.attend(0, q, k, v, torch.arange(6)[None])
 ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        is_causal=True, enable_gqa=True).transpose(1, 2)
 assert torch.allclose(y, ref, atol=1e-5)
-"""),
-    "quantize": (["quantize.py", "moe.py", "int4_layout.py", "cpu_kernels.py"], """
+""",
+    ),
+    "quantize": (
+        ["quantize.py", "moe.py", "int4_layout.py", "cpu_kernels.py"],
+        """
 import torch
 import quantize
 torch.manual_seed(0)
@@ -253,8 +355,20 @@ w, x = torch.randn(64, 128), torch.randn(3, 128)
 for mode in ("int8", "int4"):
     layer = quantize.make_layer(quantize.portable_tensors(w, mode, 64), None, mode, 64, torch.float32, "cpu")
     assert torch.allclose(layer(x), x @ layer.dequantize().T, atol=1e-3)
-"""),
-    "speculative": (["speculative.py", "model.py", "rope.py", "moe.py", "kv_cache.py", "cpu_kernels.py", "sampling.py"], TINY + """
+""",
+    ),
+    "speculative": (
+        [
+            "speculative.py",
+            "model.py",
+            "rope.py",
+            "moe.py",
+            "kv_cache.py",
+            "cpu_kernels.py",
+            "sampling.py",
+        ],
+        TINY
+        + """
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
 from speculative import ModelDrafter, speculative_generate
@@ -271,15 +385,21 @@ with torch.no_grad():
         logits = model(torch.tensor([[plain[-1]]]), torch.tensor([[pos]]), cache)[0, -1]
         pos += 1
 assert tokens == plain and stats["drafted"] > 0, (tokens, plain)
-"""),
-    "sampling": (["sampling.py"], """
+""",
+    ),
+    "sampling": (
+        ["sampling.py"],
+        """
 import torch
 from sampling import SamplingParams, sample
 logits = torch.tensor([[0.0, 5.0, 1.0]])
 assert int(sample(logits, SamplingParams(0.0))) == 1
 assert int(sample(logits, SamplingParams(1.0, top_k=1), torch.Generator().manual_seed(0))) == 1
-"""),
-    "scheduler": (["scheduler.py"], """
+""",
+    ),
+    "scheduler": (
+        ["scheduler.py"],
+        """
 import sys
 
 class Req:  # stands in for sequence.Sequence and Request: their fields, hashable by identity
@@ -322,35 +442,59 @@ scheduler.update(plan, [(seqs[0], 9, None), (seqs[1], 9, "stop")])
 plan = scheduler.schedule()
 assert list(plan.runs.items()) == [(seqs[0], 1)] and scheduler.allocator.num_used() == 1
 assert "torch" not in sys.modules
-"""),
-    "engine": (None, TINY + """
+""",
+    ),
+    "engine": (
+        None,
+        TINY
+        + """
 from engine import Engine, Finished, RequestParams
 engine = Engine.for_model(model, num_blocks=16, block_size=4)
 out = engine.run_batch([[1, 5, 9], [2, 7]], RequestParams(max_new_tokens=5, temperature=0.0))
 assert [len(r["tokens"]) for r in out] == [5, 5], out
-"""),
+""",
+    ),
 }
 
 
 def closure(name: str) -> list:
-    """name.py and every project file it imports, directly or not."""
+    """name.py and every project file it imports when imported, directly or not (an option a
+    function imports where it is used, such as --batch_invariant's file, is left out)."""
     todo, seen = [name], set()
     while todo:
         f = todo.pop()
         if f not in seen:
             seen.add(f)
-            todo += sorted(project_imports(f) & set(ORDER))
+            todo += sorted(imports(path_of(f), top_only=True) & set(ORDER))
     return [os.path.relpath(path_of(f), ROOT) for f in sorted(seen)]
+
+
+@pytest.mark.parametrize("name, files, lines", [("engine", 12, 3500), ("model", 5, 1500)])
+def test_a_core_file_with_what_it_imports_stays_small(name, files, lines):
+    """What a reader copies to lift a core file into another project (formatted lines)."""
+    copied = closure(name)
+    total = sum(open(os.path.join(ROOT, f)).read().count("\n") for f in copied)
+    assert len(copied) <= files and total <= lines, (
+        f"{name}.py takes {len(copied)} files, {total} lines: {copied}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(USES))
 def test_a_core_file_copied_alone_still_runs(name, tmp_path):
     files, use = USES[name]
-    files = files or sorted(set(closure(name)) | set(closure("model") if "from model import" in use else []))
+    files = files or sorted(
+        set(closure(name)) | set(closure("model") if "from model import" in use else [])
+    )
     for f in files:
         (tmp_path / f).parent.mkdir(exist_ok=True)
         shutil.copy(os.path.join(ROOT, f), tmp_path / f)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(use)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(use)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{name}.py with {files} alone:\n{proc.stderr[-3000:]}"
