@@ -112,32 +112,37 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Plan:
-        plan, prefilling = (
-            Plan(),
-            {s.request for s in self.running if len(s.tokens) - s.num_computed > 1},
-        )
-        share = max(
-            1,
-            self.max_num_batched_tokens
-            // max(1, len(prefilling | {s.request for s in self.waiting})),
-        )
-        quota = Counter(
-            dict.fromkeys(prefilling, share)
-        )  # prompt tokens each may take before admission
-        self._top_up(plan, self._admit(plan, self._schedule_running(plan, quota)))
-        plan.drafts = {
-            s: d for s, d in plan.drafts.items() if s in plan.runs
-        }  # (not the preempted)
+        """This step's plan, in three phases that share one budget of max_num_batched_tokens:
+        1. the running sequences: decodes first, then prompts still prefilling, each within its
+           request's share of prompt tokens (preempting the newest when blocks run out);
+        2. admission: waiting requests join while blocks, sequence slots and the budget allow;
+        3. top-up: what the shares left unused goes to the prefills that want more."""
+        plan = Plan()
+        quota = self._prompt_quota()
+        budget = self._schedule_running(plan, quota)  # phase 1
+        budget = self._admit(plan, budget)  # phase 2
+        self._top_up(plan, budget)  # phase 3
+        plan.drafts = {s: d for s, d in plan.drafts.items() if s in plan.runs}  # not the preempted
         if plan.runs:
-            st = self.stats
-            st["steps"] += 1
-            st["peak_blocks"] = max(st["peak_blocks"], self.blocks_used())
-            st["peak_running"] = max(st["peak_running"], len(self.running))
+            self._count_step()
         return plan
 
-    def draft_budget(
-        self,
-    ) -> int:  # drafts take only what decodes and prompts (running or waiting) leave
+    def _prompt_quota(self) -> Counter:
+        """Prompt tokens each prefilling request may take before any waiting one is admitted: an
+        equal share of the budget among them and the waiting (fair prefill)."""
+        prefilling = {s.request for s in self.running if len(s.tokens) - s.num_computed > 1}
+        asking = len(prefilling | {s.request for s in self.waiting})
+        share = max(1, self.max_num_batched_tokens // max(1, asking))
+        return Counter(dict.fromkeys(prefilling, share))
+
+    def _count_step(self):
+        stats = self.stats
+        stats["steps"] += 1
+        stats["peak_blocks"] = max(stats["peak_blocks"], self.blocks_used())
+        stats["peak_running"] = max(stats["peak_running"], len(self.running))
+
+    def draft_budget(self) -> int:
+        """Drafts take only what decodes and prompts (running or waiting) leave."""
         return (
             self.max_num_batched_tokens
             - sum(len(s.tokens) - s.num_computed for s in self.running)
@@ -153,9 +158,9 @@ class Scheduler:
             n = min(need, budget, quota[seq.request] if need > 1 else 1)
             if seq not in self.running or n <= 0:
                 continue
-            draft = (
-                seq.draft[: max(0, spare)] if need == 1 and not seq.request.needs_fork else []
-            )  # (twins copy a forking prompt's state)
+            # drafts only for a decode (twins copy a forking prompt's state)
+            forking = seq.request.needs_fork
+            draft = seq.draft[: max(0, spare)] if need == 1 and not forking else []
             draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
                 victim = self.running[-1]  # the most recently admitted
@@ -169,11 +174,11 @@ class Scheduler:
                     break
             if seq in self.running:
                 runs[seq], spare = n + len(draft), spare - len(draft)
-                plan.drafts.update({seq: draft} if draft else {})
-                budget, quota[seq.request] = (
-                    budget - n - len(draft),
-                    quota[seq.request] - n * (need > 1),
-                )
+                if draft:
+                    plan.drafts[seq] = draft
+                budget -= n + len(draft)
+                if need > 1:  # a prefill spends its request's share
+                    quota[seq.request] -= n
         return budget
 
     def _top_up(self, plan, budget: int):
@@ -186,9 +191,7 @@ class Scheduler:
     def _admit(self, plan, budget: int) -> int:
         while self.waiting and budget > 0:
             seq = self._next_waiting()
-            if (
-                seq is None
-            ):  # all that wait are prompts to score whose head another request computes now
+            if seq is None:  # all that wait are prompts to score whose head another computes now
                 break
             req = seq.request
             need = req.params.n if req.needs_fork else 1  # room for all its samples once it forks
@@ -289,10 +292,11 @@ class Scheduler:
         written first made private (copy-on-write); all or none."""
         tables, first, bs = self._tables(seq), seq.num_computed // self.block_size, self.block_size
         cows = [first < len(t) and a.ref[t[first]] > 1 for a, t in tables]
-        needs = [
-            max(0, blocks_for(seq.num_computed + max(n, reserve * (k == 0)), bs) - len(t)) + cows[k]
-            for k, (_, t) in enumerate(tables)
-        ]
+        needs = []
+        for k, (_, table) in enumerate(tables):
+            tokens = max(n, reserve) if k == 0 else n  # the reserve holds in pool 0 only
+            need = max(0, blocks_for(seq.num_computed + tokens, bs) - len(table))
+            needs.append(need + 1 if cows[k] else need)  # a shared block written first: its copy
         if any(
             need > a.num_available() for (a, _), need in zip(tables, needs)
         ):  # so that no pool evicts for nothing
