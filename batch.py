@@ -28,7 +28,8 @@ import sys
 import time
 
 from engine import Finished, RequestParams
-from runtime import add_engine_args, check_engine_args, engine_options, log
+from runtime import log
+from server.engine_flags import add_engine_args, check_engine_args, engine_options
 from server.tp_engine import load_engine  # one process, or tensor-parallel under torchrun
 
 REQUEST_KEYS = (

@@ -1,5 +1,5 @@
-"""What every entry point shares: the model's steps, compiling them, devices, dtypes, memory, and the
-engine's flags (batch.py, serve.py).
+"""What every entry point shares: the model's steps, compiling them, devices, dtypes and memory
+(the engine's command-line flags are server/engine_flags.py's).
 
     logits = prefill(model, cache, tokens[B, T])               # -> [B, V], the next token's logits
     logits = decode_one(model, cache, token[B, 1], pos[B, 1])  # -> [B, V], the step --compile compiles
@@ -7,8 +7,8 @@ engine's flags (batch.py, serve.py).
 
 A decode step has static shapes (positions are tensors, so advancing them never recompiles), so it
 compiles once per attend length of the static cache (kv_cache.py: a bucket of the positions in
-use, which generate.generate sets before each step): on CUDA it then replays as a CUDA Graph (mode "reduce-overhead"); on CPU the weights
-are frozen as constants and GEMMs autotuned against Inductor's C++ templates. Inductor's C++ code
+use, which generate.generate sets before each step): on CUDA it then replays as a CUDA Graph
+(mode "reduce-overhead"); on CPU the weights are frozen as constants and GEMMs autotuned against Inductor's C++ templates. Inductor's C++ code
 and ATen's kernels both depend on the CPU's instruction set (AVX2, AVX-512, AMX), which
 ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in step.
 
@@ -337,142 +337,3 @@ def memory_plan(model, cache) -> str:
         weights
         + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} = {human(cache.nbytes())}"
     )
-
-
-# -- the engine's flags, which batch.py and serve.py share (tp_engine.load_engine takes their values) ----
-def add_engine_args(p):
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="HF folder, .gguf file or Hub id (default: embedded SmolLM2-135M)",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="jit",
-        choices=COMPILE_MODES,
-        default=compile_default(),
-        help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
-        "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
-        "on disk (CPU; speedups/aot.py), or an error saying why not",
-    )
-    p.add_argument(
-        "--quantize",
-        default=None,
-        choices=("int8", "int4"),
-        help="weight-only quantization at load time (a GGUF file is dequantized first)",
-    )
-    p.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)",
-    )
-    p.add_argument("--block_size", type=int, default=16, help="tokens per KV block")
-    p.add_argument(
-        "--num_blocks",
-        type=int,
-        default=None,
-        help="KV blocks in the pool (overrides --kv_cache_memory; "
-        "a hybrid model's full layers' pool: kv_plan.py sizes its windowed layers' own)",
-    )
-    p.add_argument(
-        "--kv_cache_memory",
-        type=parse_size,
-        default=None,
-        help="memory for the KV pool, e.g. 2GiB "
-        "(default: 20%% of free memory, at most what max_num_seqs full contexts need)",
-    )
-    p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
-    p.add_argument(
-        "--max_num_batched_tokens",
-        type=int,
-        default=512,
-        help="most tokens per step (the prefill chunk)",
-    )
-    p.add_argument(
-        "--no_prefix_caching",
-        action="store_true",
-        help="do not reuse the KV of shared prompt heads",
-    )
-    p.add_argument(
-        "--schedule_policy",
-        default="fcfs",
-        choices=("fcfs", "lpm"),
-        help="admission order: arrival, or longest cached prefix first",
-    )
-    p.add_argument(
-        "--batch_invariant",
-        action="store_true",
-        help="a request's tokens the same whatever runs beside it "
-        "(batch_invariant.py; eager steps, slower prefill)",
-    )
-    p.add_argument(
-        "--speculate",
-        default=None,
-        choices=("prompt_lookup", "draft"),
-        help="draft tokens by prompt lookup "
-        "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model (speedups/draft_model.py) and "
-        "verify them in each step: the output is exactly the target's",
-    )
-    p.add_argument(
-        "--draft_checkpoint",
-        default=None,
-        help="--speculate draft: the draft model (HF folder, .gguf file "
-        "or Hub id) with the target's tokenizer, loaded at --dtype",
-    )
-    p.add_argument(
-        "--speculate_k",
-        type=int,
-        default=4,
-        help="most tokens drafted per sequence and step (1..16)",
-    )
-    p.add_argument(
-        "--prompt_lookup_min", type=int, default=1, help="shortest n-gram prompt lookup matches"
-    )
-    p.add_argument(
-        "--prompt_lookup_max", type=int, default=3, help="longest n-gram prompt lookup matches"
-    )
-
-
-def check_engine_args(p, args):
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.speculate and not 1 <= args.speculate_k <= 16:
-        p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
-    if (args.speculate == "draft") != bool(args.draft_checkpoint):
-        p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
-    if args.batch_invariant and args.compile in ("jit", "aot"):
-        p.error(
-            "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile"
-        )
-
-
-def engine_options(args) -> dict:
-    """The values of add_engine_args' flags, as load_engine's keywords."""
-    names = (
-        "checkpoint",
-        "device",
-        "dtype",
-        "quantize",
-        "dequantize",
-        "block_size",
-        "num_blocks",
-        "kv_cache_memory",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "schedule_policy",
-        "batch_invariant",
-        "speculate",
-        "speculate_k",
-        "prompt_lookup_min",
-        "prompt_lookup_max",
-        "draft_checkpoint",
-    )
-    return {
-        **{n: getattr(args, n) for n in names},
-        "compile": args.compile,
-        "prefix_caching": not args.no_prefix_caching,
-    }

@@ -571,7 +571,7 @@ def make_app(
 
 
 def main(argv=None) -> int:
-    from runtime import add_engine_args, check_engine_args, engine_options
+    from server.engine_flags import add_engine_args, check_engine_args, engine_options
     from server.tp_engine import (  # tensor-parallel under torchrun
         ignore_signals_unless_rank_zero,
         load_engine,

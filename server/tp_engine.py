@@ -402,7 +402,7 @@ def load_one_process(
     draft_checkpoint=None,
 ):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
-    runtime.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
+    engine_flags.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
     needed (weights.settle)."""
     from formats import weights
 

@@ -14,6 +14,7 @@ import generate
 import runtime
 from formats import weights
 from kv_cache import StaticKVCache
+from server import engine_flags
 from speedups import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -275,9 +276,9 @@ def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monk
     import argparse
 
     p = argparse.ArgumentParser()
-    runtime.add_engine_args(p)
+    engine_flags.add_engine_args(p)
     assert (
-        runtime.engine_options(p.parse_args([]))["compile"] == "auto"
+        engine_flags.engine_options(p.parse_args([]))["compile"] == "auto"
     )  # batch.py and serve.py alike
     monkeypatch.setenv("LLM_COMPILE", "1")
     with pytest.raises(SystemExit, match="LLM_COMPILE='1'"):

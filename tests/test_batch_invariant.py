@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import batch_invariant
 import quantize
-import runtime
 from engine import Engine, Finished, RequestParams
 from formats import quant_groups, weights
 from kv_cache import attention, bucket, visible
+from server import engine_flags
 from server.tp_engine import load_engine
 
 WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()
@@ -263,12 +263,12 @@ def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt
 
 def test_the_flag_reaches_the_engine_and_refuses_compiled_steps(capsys):
     p = argparse.ArgumentParser()
-    runtime.add_engine_args(p)
+    engine_flags.add_engine_args(p)
     args = p.parse_args(["--batch_invariant"])
-    runtime.check_engine_args(p, args)
-    assert runtime.engine_options(args)["batch_invariant"] is True
+    engine_flags.check_engine_args(p, args)
+    assert engine_flags.engine_options(args)["batch_invariant"] is True
     with pytest.raises(SystemExit):
-        runtime.check_engine_args(p, p.parse_args(["--batch_invariant", "--compile"]))
+        engine_flags.check_engine_args(p, p.parse_args(["--batch_invariant", "--compile"]))
     assert "--batch_invariant runs eager steps" in capsys.readouterr().err
 
 

@@ -52,7 +52,14 @@ FLOORS = {
     },
     "speedups": {1: ["kv_int8", "kv_window", "prompt_lookup"], 2: ["aot", "draft_model"]},
     "server": {
-        1: ["constraint_check", "engine_loop", "harmony", "tool_calls", "tp_engine"],
+        1: [
+            "constraint_check",
+            "engine_flags",
+            "engine_loop",
+            "harmony",
+            "tool_calls",
+            "tp_engine",
+        ],
         2: ["openai_format"],
         3: ["responses", "server_limits"],
     },
@@ -215,7 +222,6 @@ OVER_500 = {
     "formats.weights": 516,
 }
 OVER_60 = {
-    "runtime": {"add_engine_args"},
     "speculative": {"speculative_generate"},
     "kv_plan": {"plan_blocks"},
     "formats.families": {"_config_from_hf"},
