@@ -151,7 +151,8 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        lines = []  # under torchrun only rank 0 reads them (the others follow its steps inside load_engine)
+        # under torchrun only rank 0 reads them (the others follow its steps inside load_engine)
+        lines = []
         if int(os.environ.get("RANK", "0")) == 0:
             lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
         engine, tokenizer, _ = load_engine(**engine_options(args))

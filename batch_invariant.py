@@ -22,9 +22,9 @@ the row alone, on every CPU kind:
     (nn.Linear, GGUF groups dequantized for F.linear) runs in blocks of exactly ROWS rows, the
     last padded with zeros (`fixed_rows`): one shape per layer, so one kernel and one blocking,
     whatever the step's rows (ROWS x the weight's bytes are re-read per block: the cost);
-  - every query row, decode or prompt, attends with the same `attention` (its products in
-    blocks of ROWS rows too), over a width that follows its own position: kv_cache.bucket(p // block_size + 1) blocks. engine.py groups
-    decode rows by it and cuts prefill chunks where it changes (`pieces`).
+  - every query row, decode or prompt, attends with the same `attention` (its products in blocks of
+    ROWS rows too), over a width that follows its own position: kv_cache.bucket(p // block_size + 1)
+    blocks. engine.py groups decode rows by it and cuts prefill chunks where it changes (`pieces`).
 
 A token's K/V then has the same bits whether it was computed as a decode or inside any prefill
 chunk, so preemption and prefix-cache hits keep the invariance too. Proven for CPU in bfloat16
@@ -73,7 +73,8 @@ def enable(model, cache):
 
 
 def float_layers(model) -> list:
-    """The modules whose product is a float GEMM: nn.Linear, or int8 groups dequantized for F.linear."""
+    """The modules whose product is a float GEMM: nn.Linear, or int8 groups dequantized for
+    F.linear."""
     kernel = (quantize.Int4Linear, quantize.Int8Linear)
     return [
         m

@@ -106,7 +106,8 @@ def token_table(tokenizer, vocab_size: int, stop_ids: tuple):
 
 
 class _SentencePieceTokens:
-    """What llguidance's TokenizerWrapper reads from a tokenizer: each token's bytes and encode()."""
+    """What llguidance's TokenizerWrapper reads from a tokenizer: each token's bytes and
+    encode()."""
 
     def __init__(self, sp, eos):
         self.sp = sp
@@ -191,7 +192,8 @@ def compile_constraint(c: Constraint, tokenizer, vocab_size: int, stop_ids=()) -
     return Matcher(m, table.vocab_size)
 
 
-# -- generate.py's flags and its decode loop (a batch of rows, one matcher each) --------------------
+# -- generate.py's flags and its decode loop (a batch of rows, one matcher each)
+# --------------------
 def add_args(p):
     g = p.add_argument_group("constrained output (constrain.py)")
     g.add_argument(

@@ -64,7 +64,8 @@ def static_decode(q, k_cache, v_cache, mask):
     """StaticKVCache's one-token step on CPU (for_model picks it): the reference's maths,
     softmax(q k^T / sqrt(D) + mask) v, by the fastest route for the step.
 
-    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, L, D] (a prefix view); mask [B, 1, 1, L] -> [B, 1, H, D]"""
+    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, L, D] (a prefix view); mask [B, 1, 1, L] -> [B, 1, H,
+    D]"""
     if torch.compiler.is_compiling() and k_cache.shape[2] <= FUSED_DECODE_MAX_SLOTS:
         # compiled: the same maths as SDPA, written as two reductions Inductor fuses
         return decode_attention(q, k_cache, v_cache, mask)
@@ -105,7 +106,8 @@ def grouped_decode_attention(q, k_cache, v_cache, mask):
     bf16 SDPA's kernel at one query token ran several times slower than this; in float32 about as
     fast, so float32 keeps SDPA (benchmarks/RESULTS.md, "bf16 one-token steps without SDPA").
 
-    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D] (views are fine); mask [B, 1, 1, S] -> [B, 1, H, D]"""
+    q [B, 1, H, D]; k_cache, v_cache [B, Hkv, S, D] (views are fine); mask [B, 1, 1, S] -> [B, 1, H,
+    D]"""
     B, _, H, D = q.shape
     Hkv = k_cache.shape[1]
     qg = q.reshape(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
@@ -205,7 +207,8 @@ GEMM_ROWS, GEMM_PAD_FROM, GEMM_PAD_DTYPES = 16, 128, (torch.bfloat16, torch.floa
 
 
 def gemm_padding(rows: int, dtype, device) -> int:
-    """Rows to add to a GEMM of `rows` rows so that its shape is one of few (see above); 0 if none."""
+    """Rows to add to a GEMM of `rows` rows so that its shape is one of few (see above); 0 if
+    none."""
     if rows < GEMM_PAD_FROM or torch.device(device).type != "cpu" or dtype not in GEMM_PAD_DTYPES:
         return 0
     return -rows % GEMM_ROWS

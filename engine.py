@@ -1,7 +1,8 @@
 """The serving engine: one step of continuous batching, run on the model. scheduler.py decides who
 runs; the Engine turns its Plan into ONE forward over every scheduled token, flattened to [1, N]
 (paged.py says why), samples, decides stops once and returns the step's events. It owns the
-requests: batch.py and server/engine_loop.py call only add_request, abort, step, has_unfinished, metrics.
+requests: batch.py and server/engine_loop.py call only add_request, abort, step, has_unfinished,
+metrics.
 
     engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
     rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
@@ -57,8 +58,9 @@ def flat_forward(model, cache, tokens, input_pos, keep=None):
 
 
 class Engine:
-    """model, cache (paged.PagedKVCache), scheduler (over the cache's blocks; scoring.PromptScores to score
-    prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: steps that only decode or verify drafts."""
+    """model, cache (paged.PagedKVCache), scheduler (over the cache's blocks; scoring.PromptScores
+    to score prompts); stop_ids: end tokens; tokenizer: for text and stop strings; compile: steps
+    that only decode or verify drafts."""
 
     def __init__(
         self,
@@ -95,7 +97,8 @@ class Engine:
         self.decode_fn = (
             compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
         )
-        # batch_invariant.py: one route and one attention for every row; `pieces` cuts prefill chunks
+        # batch_invariant.py: one route and one attention for every row; `pieces` cuts prefill
+        # chunks
         self.batch_invariant, self.pieces = batch_invariant, None
         if batch_invariant:
             if compile:
@@ -127,8 +130,8 @@ class Engine:
         speculate=None,
     ):
         """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
-        (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets each
-        seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
+        (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets
+        each seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
         allocator, windows, cache = pools(
             model,
             num_blocks,
@@ -138,7 +141,8 @@ class Engine:
             max_num_seqs,
             max_num_batched_tokens,
         )
-        # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart from the pool
+        # prompt scores by prefix block: host memory (~40 KB a block at top-20), so bounded apart
+        # from the pool
         scores = PromptScores(
             block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0
         )
@@ -231,7 +235,8 @@ class Engine:
         }
 
     def run_batch(self, prompts, params) -> list:
-        """Offline: every prompt (ids) with its params (one, or one per prompt) -> its result, in order."""
+        """Offline: every prompt (ids) with its params (one, or one per prompt) -> its result, in
+        order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids, results = [self.add_request(p, q) for p, q in zip(prompts, params)], {}
         while self.has_unfinished():
@@ -239,7 +244,8 @@ class Engine:
         return [results[i] for i in ids]
 
     def step(self) -> list:
-        """One iteration: a Token per new token (or sample ended without one), then a Finished per request over."""
+        """One iteration: a Token per new token (or sample ended without one), then a Finished per
+        request over."""
         if (
             self.speculate and self.scheduler.draft_budget() > 0
         ):  # drafts for the sequences that decode, verified by this step's forward
@@ -264,8 +270,9 @@ class Engine:
 
     # -- running a step ------------------------------------------------------------------------
     def _layout(self, plan, compiled: bool):
-        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat index of
-        each sequence's last token). Decodes (and 1-token tails), drafted rows, then prefill chunks."""
+        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
+        index of each sequence's last token). Decodes (and 1-token tails), drafted rows, then
+        prefill chunks."""
         ones = [s for s, n in plan.runs.items() if n == 1]
         drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
         chunks = [
@@ -274,15 +281,20 @@ class Engine:
             if n > 1 and (self.batch_invariant or s not in plan.drafts)
         ]
         tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
-        # the blocks a row attends: its sequence's, or (batch_invariant) those its own position needs
+        # the blocks a row attends: its sequence's, or (batch_invariant) those its own position
+        # needs
         need = (
             (lambda s: s.num_computed // bs + 1)
             if self.batch_invariant
             else (lambda s: len(s.blocks))
         )
-        if compiled:  # one group, its rows padded to a bucket (and each to 1 + k tokens when any drafts): few graphs
+        # one group, its rows padded to a bucket (and each to 1 + k tokens when any drafts): few
+        # graphs
+        if compiled:
             rects = [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
-        else:  # rows of similar context together, so each group's gather is close to its own length; drafted by length
+        # rows of similar context together, so each group's gather is close to its own length;
+        # drafted by length
+        else:
             ones.sort(key=lambda s: -need(s))
             rects = [
                 (list(g), 1) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))
@@ -314,8 +326,8 @@ class Engine:
             tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
             pos += range(start, start + n)
             ends.append(len(tokens) - 1)
-        # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding: few
-        # shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
+        # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding:
+        # few shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
         pad = (
             0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
         )
@@ -325,7 +337,8 @@ class Engine:
         return [s for group, _ in rects for s in group] + chunks, tokens, pos, groups, ends
 
     def _table(self, seqs, width: int, pad: int = 0):
-        """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R, width]."""
+        """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R,
+        width]."""
         tables = [
             [t[:width] + [0] * (width - len(t)) for t in ts] + [[0] * width] * pad
             for ts in ([s.blocks for s in seqs], [s.window_blocks for s in seqs])[
@@ -335,7 +348,8 @@ class Engine:
         return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
 
     def _forward(self, plan):
-        """The step's one forward -> (sequences that sample now, their logits [1 + drafts each, V])."""
+        """The step's one forward -> (sequences that sample now, their logits [1 + drafts each,
+        V])."""
         scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
         compiled = self.decode_fn is not None and all(
             (n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items()
@@ -368,8 +382,9 @@ class Engine:
         return done, logits[: len(sampled)]
 
     def _sample(self, plan, done, logits, events) -> list:
-        """The next token(s) of each sequence in `done` (n samples fork at the first): [(sequence, token,
-        finish reason or None)] for the scheduler (plan.runs: a drafted one's kept); appends the events."""
+        """The next token(s) of each sequence in `done` (n samples fork at the first): [(sequence,
+        token, finish reason or None)] for the scheduler (plan.runs: a drafted one's kept); appends
+        the events."""
         now, rows, results, i = time.perf_counter(), [], [], 0
         for seq in done:
             rows.append((seq, i))
@@ -411,9 +426,9 @@ class Engine:
         return results
 
     def _verify(self, seq, rows, greedy: list, draft: list, now: float) -> list:
-        """seq's tokens from its rows [1 + len(draft), V], each sampled as plain decoding would (given
-        seq.draft_probs, the distributions the drafts were drawn from: by sampling.sample's rule for
-        them), while they equal the draft's -> [(token, text, reason)]."""
+        """seq's tokens from its rows [1 + len(draft), V], each sampled as plain decoding would
+        (given seq.draft_probs, the distributions the drafts were drawn from: by sampling.sample's
+        rule for them), while they equal the draft's -> [(token, text, reason)]."""
         new, q = [], seq.draft_probs
         for j in range(len(draft) + 1):
             drafted = (q[j], draft[j]) if q is not None and j < len(draft) else ()

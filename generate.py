@@ -11,17 +11,17 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 
     bandwidth = bytes of weights read per step * tokens/s   (KV cache reads reported apart)
 
-By default (`--compile auto`) a CPU run decodes with an AOTInductor package (speedups/aot.py): compiled
-once per model shape, torch version, CPU and source by a child process, cached on disk, loaded in
-a fraction of a second later, with no compiler in this process; where none can serve (CUDA,
-speculation, torchrun, a failed build) it decodes eager, and says why if a build failed.
+By default (`--compile auto`) a CPU run decodes with an AOTInductor package (speedups/aot.py):
+compiled once per model shape, torch version, CPU and source by a child process, cached on disk,
+loaded in a fraction of a second later, with no compiler in this process; where none can serve
+(CUDA, speculation, torchrun, a failed build) it decodes eager, and says why if a build failed.
 `--compile off` is eager. `--compile` (jit) compiles the step in process once per attend length
-(fullgraph, static shapes, a few graphs per run; on CUDA each replays as a CUDA Graph); compile
-time is reported apart and never counted in tokens/s.
-`--json` prints one JSON object per sample instead of text, for scripts and tests.
-`--interactive` is a chat that prefills only each turn's new tokens; `--draft_checkpoint`,
-`--draft_layers` and `--prompt_lookup` decode through speculative.py. This file is the command
-line on top of the library (runtime.py holds the prefill and decode steps and compiling them).
+(fullgraph, static shapes, a few graphs per run; on CUDA each replays as a CUDA Graph); compile time
+is reported apart and never counted in tokens/s. `--json` prints one JSON object per sample instead
+of text, for scripts and tests. `--interactive` is a chat that prefills only each turn's new tokens;
+`--draft_checkpoint`, `--draft_layers` and `--prompt_lookup` decode through speculative.py. This
+file is the command line on top of the library (runtime.py holds the prefill and decode steps and
+compiling them).
 """
 
 import argparse
@@ -358,7 +358,8 @@ def make_cache(
     kv_dtype: str = "model",
     block_size: int = 16,
 ):
-    """kind "static" (kv_cache.py; kv_dtype "int8": speedups/kv_int8.py; windowed layers: speedups/kv_window.py's rings) or "paged"."""
+    """kind "static" (kv_cache.py; kv_dtype "int8": speedups/kv_int8.py; windowed layers:
+    speedups/kv_window.py's rings) or "paged"."""
     if kind == "paged":
         from paged import PagedKVCache
 
@@ -635,7 +636,8 @@ def run_speculative(args, model, tokenizer, device) -> int:
 
 
 def make_drafter(args, model, seq_len, params, device, tune):
-    """(drafter, label) for the flags: prompt lookup, the target's first layers, or a draft model."""
+    """(drafter, label) for the flags: prompt lookup, the target's first layers, or a draft
+    model."""
     from formats import weights
 
     step_fn = (
@@ -674,7 +676,8 @@ def make_drafter(args, model, seq_len, params, device, tune):
 
 
 def warm_up_speculative(args, model, cache, drafter, ids, params, verify_fns, device) -> float:
-    """Compile now, on the real prompt, so compile time stays out of tokens/s; returns its seconds."""
+    """Compile now, on the real prompt, so compile time stays out of tokens/s; returns its
+    seconds."""
     start = time.perf_counter()
     speculative_generate(
         model,
@@ -719,7 +722,8 @@ def warm_up(args, model, cache, device, prompt_len):
 
 
 def load_flags(args) -> dict:
-    """The flags that say how weights.load_for_inference builds the model (besides device and dtype)."""
+    """The flags that say how weights.load_for_inference builds the model (besides device and
+    dtype)."""
     names = (
         "checkpoint",
         "quantize",

@@ -17,8 +17,8 @@ import torch
 # The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
 # torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
 # and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
-# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored as
-# [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
+# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored
+# as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
 # packed weight with each candidate and keeps the one that gives its values back (a round trip on
 # the running machine), else it keeps the portable values too.
 CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
@@ -27,7 +27,8 @@ CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
 def cpu_int4_unpack(
     packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves"
 ) -> torch.Tensor:
-    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see CPU_INT4_LAYOUTS)."""
+    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see
+    CPU_INT4_LAYOUTS)."""
     flat, full = packed.reshape(-1), N // block * block
     b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
     if pairing == "halves":  # byte j holds rows j and j + block / 2
@@ -73,7 +74,8 @@ def cpu_int4_rows(
 
 
 def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
-    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or None."""
+    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or
+    None."""
     for layout in CPU_INT4_LAYOUTS:
         if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
             return layout

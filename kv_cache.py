@@ -13,13 +13,14 @@ Its size is the number every user should be able to compute:
 e.g. Llama-3-8B in bf16: 2 * 32 * 8 * 128 * 2 = 128 KiB per token, 1 GiB per 8K-token sequence.
 The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
 
-`attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a
-mask that hides slots after each query's position (unwritten slots are zero, and masked). A query
-at position p sees slots 0..p, which is causal attention within the step and full attention to
-the past; a layer with a sliding window w sees only p - w < s <= p (`visible`; speedups/kv_window.py keeps
-such layers as rings of their window instead). GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
-That is the reference. A cache may be given a faster one-token kernel where it is built
-(`decode`): `for_model` on CPU passes cpu_kernels.static_decode, the same maths by other routes.
+`attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a mask
+that hides slots after each query's position (unwritten slots are zero, and masked). A query at
+position p sees slots 0..p, which is causal attention within the step and full attention to the
+past; a layer with a sliding window w sees only p - w < s <= p (`visible`; speedups/kv_window.py
+keeps such layers as rings of their window instead). GQA is handled by SDPA's `enable_gqa`, so K/V
+are never repeated per query head. That is the reference. A cache may be given a faster one-token
+kernel where it is built (`decode`): `for_model` on CPU passes cpu_kernels.static_decode, the same
+maths by other routes.
 
 Cost follows the tokens in use, not the capacity. Before a step its caller (generate.generate,
 which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
@@ -42,7 +43,8 @@ Without a call (or after `use_positions(None)`) attention reads all S slots: the
 tests compare against. A caller that writes positions >= attend_len without raising it gets wrong
 attention, silently: it is the caller's promise, because checking it would cost a host sync.
 
-`Int8KVCache` (speedups/kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8 beside it.
+`Int8KVCache` (speedups/kv_int8.py, `generate.py --kv_cache_dtype int8`) stores K and V as int8
+beside it.
 """
 
 import torch
@@ -106,7 +108,8 @@ class StaticKVCache:
         self.rows = torch.arange(batch_size, device=device)  # [B]
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.attend_len = max_seq_len  # the prefix of the slots attend reads (use_positions)
-        self.decode = decode  # None, or a one-token kernel (q, k_cache, v_cache, mask) -> y replacing `attention`
+        # None, or a one-token kernel (q, k_cache, v_cache, mask) -> y replacing `attention`
+        self.decode = decode
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
@@ -128,7 +131,8 @@ class StaticKVCache:
         """The next steps use positions < n_positions (None: any): attend reads only the prefix
         attend_len_for(n_positions) of the slots, or without round_up (eager steps: no graphs to
         keep few) n_positions rounded up to a multiple of EAGER_SLOTS. Returns that length. Under
-        torch.compile the length is a constant of the graph, so each length compiles its own graph."""
+        torch.compile the length is a constant of the graph, so each length compiles its own
+        graph."""
         if n_positions is None:
             self.attend_len = self.max_seq_len
         elif round_up:
@@ -147,7 +151,8 @@ class StaticKVCache:
         )  # an in-place index_put_ of [B, T, Hkv, D]
         self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
-        # narrow, not [:, :, :L]: the same view, and torch.export (speedups/aot.py) derives L <= S from it, not L < S
+        # narrow, not [:, :, :L]: the same view, and torch.export (speedups/aot.py) derives L <= S
+        # from it, not L < S
         k_cache, v_cache = (
             self.k[layer].narrow(2, 0, L),
             self.v[layer].narrow(2, 0, L),
@@ -165,8 +170,8 @@ class StaticKVCache:
 
 
 def visible(slots, input_pos, window=0):
-    """[B, 1, T, S]: slot s (holding position s) is visible to the query at p when s <= p and,
-    under a sliding window w, p - w < s (Hugging Face's convention: w keys, the query's own included).
+    """[B, 1, T, S]: slot s (holding position s) is visible to the query at p when s <= p and, under
+    a sliding window w, p - w < s (Hugging Face's convention: w keys, the query's own included).
 
     slots [S]; input_pos [B, T]"""
     p = input_pos[:, None, :, None]

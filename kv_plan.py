@@ -73,7 +73,8 @@ def pools(
     cache = PagedKVCache.for_model(
         model, num_blocks, block_size, window_blocks
     )  # (its window_blocks: 0 unless hybrid)
-    # a window on every layer, or a hybrid's windowed pool: blocks behind the window are freed as sequences grow
+    # a window on every layer, or a hybrid's windowed pool: blocks behind the window are freed as
+    # sequences grow
     window = c.sliding_window if len(windowed_layers(c)) == c.n_layers else 0
     allocator = BlockAllocator(num_blocks, block_size, prefix_caching, window)
     n = cache.window_blocks

@@ -1,21 +1,23 @@
 """The Llama-family transformer, written to be read top to bottom.
 
-One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama, SmolLM2, Qwen2 / 2.5 / 3 (and their
-MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in `ModelConfig`: grouped-query attention,
-a head_dim that need not be dim / n_heads, q/k/v bias (Qwen2), RMSNorm on q and k (Qwen3, Gemma 3), tied heads, how RoPE
-is stretched (rope.py: llama3, linear, yarn, longrope, dynamic), sliding windows per layer, Gemma's (1 + w) norms,
-sqrt(dim) embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers (moe.py),
-gpt-oss's attention sinks.
+One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama, SmolLM2, Qwen2 /
+2.5 / 3 (and their MoE), Phi-3 / Phi-4-mini and Gemma 2 / 3. They differ only in switches, all in
+`ModelConfig`: grouped-query attention, a head_dim that need not be dim / n_heads, q/k/v bias
+(Qwen2), RMSNorm on q and k (Qwen3, Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3,
+linear, yarn, longrope, dynamic), sliding windows per layer, Gemma's (1 + w) norms, sqrt(dim)
+embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers
+(moe.py), gpt-oss's attention sinks.
 
-The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q
-and k by RoPE at `input_pos`, and hands them to the cache with the layer's window, soft cap and sinks:
+The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q and k
+by RoPE at `input_pos`, and hands them to the cache with the layer's window, soft cap and sinks:
 
     logits = model(tokens[B, T], input_pos[B, T], cache)
     y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T], window, softcap, sinks)
 
 A query at p then sees keys at p - window < s <= p (window 0: all s <= p). The positions are the
 only per-step fact the model passes along; anything else a cache needs (block tables) its caller
-writes into the cache before the forward. kv_cache.py holds the static cache; paged.py the paged one.
+writes into the cache before the forward. kv_cache.py holds the static cache; paged.py the paged
+one.
 
 Parameter names follow Hugging Face's Llama layout without the leading "model." (so an HF
 checkpoint loads by name); formats/weights.py turns every checkpoint format into this layout.
@@ -53,7 +55,8 @@ class ModelConfig:
     sliding_window: int = (
         0  # keys a windowed layer still sees (Mistral, Qwen2, Gemma, Phi-3); 0: none
     )
-    layer_types: tuple = ()  # per layer "sliding_attention" or "full_attention"; (): every layer windowed if a window is set
+    # per layer "sliding_attention" or "full_attention"; (): every layer windowed if a window is set
+    layer_types: tuple = ()
     rotary_dim: int = (
         0  # the leading dims RoPE rotates (Phi-4-mini's partial_rotary_factor); 0: head_dim
     )
@@ -70,7 +73,8 @@ class ModelConfig:
     )
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: none
     logit_softcap: float = 0.0  # the same on the final logits
-    attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (kv_cache.attention)
+    # gpt-oss: a learned logit per head in each softmax's denominator (kv_cache.attention)
+    attn_sinks: bool = False
     moe: MoEConfig | None = (
         None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
     )
@@ -109,7 +113,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, H, D]; cos, sin [B, T, R] -> broadcast over heads; dims past R (partial rotary) pass through
+    # x [B, T, H, D]; cos, sin [B, T, R] -> broadcast over heads; dims past R (partial rotary) pass
+    # through
     if cos.shape[-1] < x.shape[-1]:
         rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
         return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
@@ -123,7 +128,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, then scale in the input dtype, as the reference does (Gemma: by 1 + w in float32).
+        # Normalise in float32, then scale in the input dtype, as the reference does (Gemma: by 1 +
+        # w in float32).
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -249,7 +255,8 @@ class Transformer(nn.Module):
         self.make_rope(self.norm.weight.device)
 
     def make_rope(self, device):
-        """The RoPE tables (rope.py): buffers, not parameters, rebuilt from the config, never loaded."""
+        """The RoPE tables (rope.py): buffers, not parameters, rebuilt from the config, never
+        loaded."""
         c = self.config
         self.rotary = RotaryEmbedding(
             c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
@@ -269,8 +276,11 @@ class Transformer(nn.Module):
         return x
 
     def forward_layers(self, x, input_pos, cache, layers):
-        """x [B, T, dim] through `layers`, each rotating q, k by its RoPE's cos/sin [B, T, D] at input_pos."""
-        tables = {}  # one cos/sin pair per distinct RoPE (Gemma 3's sliding layers have their own), once per step
+        """x [B, T, dim] through `layers`, each rotating q, k by its RoPE's cos/sin [B, T, D] at
+        input_pos."""
+        # one cos/sin pair per distinct RoPE (Gemma 3's sliding layers have their own), once per
+        # step
+        tables = {}
         for layer in layers:
             local = self.local_rotary is not None and layer.self_attn.window > 0
             if local not in tables:  # in the activations' dtype (the embedding may be int8)
@@ -310,7 +320,8 @@ class Transformer(nn.Module):
 
     def bytes_read_per_token(self) -> int:
         """Weight bytes one decode step reads: an embedding table that is not also the output head
-        is only indexed (one row), so it does not count; nor do the experts a token's router passes over."""
+        is only indexed (one row), so it does not count; nor do the experts a token's router passes
+        over."""
         total, head = self.weight_bytes(), getattr(self.lm_head, "weight", None)
         if (
             head is None or head is not self.embed_tokens.weight

@@ -77,7 +77,8 @@ class MoEConfig:
         )
 
     def sharded(self, world: int) -> "MoEConfig":
-        """One rank's slice (tp.py): every expert keeps its router slot with 1/world of its width."""
+        """One rank's slice (tp.py): every expert keeps its router slot with 1/world of its
+        width."""
         return replace(
             self,
             intermediate_size=self.intermediate_size // world,
@@ -89,7 +90,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, each down(glu(gate(x), up(x))), with their weights stacked (and gpt-oss's biases)."""
+    """E SwiGLU experts, each down(glu(gate(x), up(x))), with their weights stacked (and gpt-oss's
+    biases)."""
 
     def __init__(self, n_experts: int, dim: int, ff: int, act, bias=False, limit=0.0, alpha=1.702):
         super().__init__()
@@ -131,8 +133,8 @@ class Experts(nn.Module):
         return F.linear(x, getattr(self, name)[e])
 
     def biased(self, name: str, y: torch.Tensor, ids) -> torch.Tensor:
-        """y plus the biases of the experts that made it, if any: y [n, out] from expert ids (an int),
-        or y [n, 1, out] from experts ids [n]."""
+        """y plus the biases of the experts that made it, if any: y [n, out] from expert ids (an
+        int), or y [n, 1, out] from experts ids [n]."""
         bias = getattr(self, f"{name}_bias")
         if bias is None:
             return y
@@ -224,12 +226,14 @@ E2M1 = torch.tensor(
 
 
 def nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] bytes -> [..., K] 4-bit codes: byte j holds code 2j (low nibble) and 2j + 1 (high)."""
+    """[..., K/2] bytes -> [..., K] 4-bit codes: byte j holds code 2j (low nibble) and 2j + 1
+    (high)."""
     return torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
 
 
 def e2m1_weights(q: torch.Tensor, scales: torch.Tensor, values=E2M1) -> torch.Tensor:
-    """MXFP4: codes q [..., K/2] (nibbles) and powers of two scales [..., K/32] -> float32 [..., K]."""
+    """MXFP4: codes q [..., K/2] (nibbles) and powers of two scales [..., K/32] -> float32 [...,
+    K]."""
     w = values.float()[nibbles(q).long()]  # [..., K]
     return (w.unflatten(-1, (scales.shape[-1], -1)) * scales[..., None].float()).flatten(-2)
 
@@ -247,8 +251,8 @@ class GroupExperts(Experts):
 
     def __init__(self, experts: Experts, parts: dict, dtype):
         """experts: the float (or meta) module this stands for; parts: {projection: ("int4", q uint8
-        [E, N, K/2], scales, offsets [E, N, K/G]), ("e2m1", q uint8 [E, N, K/2], scales [E, N, K/32]),
-        ("int8", q int8 [E, N, K], scales, offsets or None) or ("float", w [E, N, K])}."""
+        [E, N, K/2], scales, offsets [E, N, K/G]), ("e2m1", q uint8 [E, N, K/2], scales [E, N,
+        K/32]), ("int8", q int8 [E, N, K], scales, offsets or None) or ("float", w [E, N, K])}."""
         self.like(experts)
         self.kinds = {}
         for name, (kind, q, *groups) in parts.items():
@@ -296,12 +300,14 @@ def portable(experts: Experts, quantize_weight) -> dict:
 
 
 def quantized(experts: Experts, mode: str, quantize_weight) -> Experts:
-    """The experts at 8 bits (Int8Experts) or 4 (GroupExperts), quantized by quantize_weight (above)."""
+    """The experts at 8 bits (Int8Experts) or 4 (GroupExperts), quantized by quantize_weight
+    (above)."""
     return from_portable(experts, mode, portable(experts, quantize_weight), experts.gate_proj.dtype)
 
 
 def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts:
-    """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints store them."""
+    """Int8Experts or (int4) GroupExperts from portable() tensors, as quantize.py's checkpoints
+    store them."""
     if mode == "int8":
         return Int8Experts(
             experts, {k: (v["weight"], v["scales"]) for k, v in portable.items()}, dtype
@@ -311,7 +317,8 @@ def from_portable(experts: Experts, mode: str, portable: dict, dtype) -> Experts
 
 
 def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:
-    """{projection: {tensor: (shape, dtype)}} of quantized experts in a checkpoint (formats/quant_files.py)."""
+    """{projection: {tensor: (shape, dtype)}} of quantized experts in a checkpoint
+    (formats/quant_files.py)."""
     out = {}
     for name in PROJECTIONS:
         E, N, K = getattr(experts, name).shape
@@ -347,7 +354,8 @@ class SparseMoE(nn.Module):
 
     @classmethod
     def for_layer(cls, config, layer: int, mlp, act):
-        """The layer's sparse MLP, or None where the config keeps it dense; `mlp` builds a dense one."""
+        """The layer's sparse MLP, or None where the config keeps it dense; `mlp` builds a dense
+        one."""
         moe = config.moe
         if moe is None or layer in moe.dense_layers:
             return None

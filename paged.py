@@ -95,7 +95,8 @@ class BlockAllocator:
         self.ref = [0] * num_blocks
         self.free = deque(range(1, num_blocks))  # block 0 is the null block
         self.cached = {}  # hash -> block
-        self.key = {}  # cached block -> (parent hash, token ids): checked on lookup, so a hash collision is a miss
+        # cached block -> (parent hash, token ids): checked on lookup, so a hash collision is a miss
+        self.key = {}
         self.hash_of = {}  # cached block -> hash
         self.parent = {}  # cached block -> the cached block holding its parent hash (or None)
         self.children = [0] * num_blocks  # cached blocks whose parent is this block
@@ -271,7 +272,8 @@ class PagedKVCache:
         ]  # layer -> 0 or 1
         sizes = (num_blocks, window_blocks)
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
-        # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place (PagedDecodeInPlace)
+        # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place
+        # (PagedDecodeInPlace)
         self.k = [
             torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device)
             for p in self.pool_of
@@ -281,7 +283,8 @@ class PagedKVCache:
             for p in self.pool_of
         ]
         self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
-        self.groups = None  # per step, inside step_groups: [(rows, T, block_table[rows, W] or [2, rows, W]), ...]
+        # per step, inside step_groups: [(rows, T, block_table[rows, W] or [2, rows, W]), ...]
+        self.groups = None
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
@@ -329,7 +332,8 @@ class PagedKVCache:
 
     @contextlib.contextmanager
     def step_groups(self, groups):
-        """The step's rectangles of the flat token axis (module docstring), for the forward inside."""
+        """The step's rectangles of the flat token axis (module docstring), for the forward
+        inside."""
         self.groups = groups
         try:
             yield self
@@ -337,7 +341,8 @@ class PagedKVCache:
             self.groups = None
 
     def copy_block(self, src: int, dst: int, pool: int = 0):
-        """Copy-on-write: dst gets src's K/V in every layer of that pool (1: a hybrid's windowed layers)."""
+        """Copy-on-write: dst gets src's K/V in every layer of that pool (1: a hybrid's windowed
+        layers)."""
         for layer in (i for i, p in enumerate(self.pool_of) if p == pool):
             self.k[layer][dst], self.v[layer][dst] = self.k[layer][src], self.v[layer][src]
 
@@ -392,7 +397,8 @@ class PagedKVCache:
         )  # in-place index_put_ of [R, T, Hkv, D]
         pool_v[block, offset] = v.to(pool_v.dtype)
         T, H, D = q.shape[1:]
-        # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than the prefill's)
+        # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than
+        # the prefill's)
         if T == 1 and window and self.attention is attention and window // bs + 2 < table.shape[1]:
             first = (pos - window + 1).clamp(min=0) // bs  # [R, 1]: the window's first block
             table = table.gather(
@@ -413,8 +419,8 @@ class PagedKVCache:
             T == 1 and self.decode is not None and not softcap and sinks is None
         ):  # picked at build time
             return self.decode(q, pool_k, pool_v, table, mask)
-        # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L, D].
-        # F.embedding is the gather, several times faster than pool[table] on CPU.
+        # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L,
+        # D]. F.embedding is the gather, several times faster than pool[table] on CPU.
         k_ctx = F.embedding(table, pool_k.view(len(pool_k), -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)

@@ -43,8 +43,8 @@ from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
-# rows from which the CPU int4 path dequantizes and runs a GEMM instead: the kernel's time grows with
-# the rows, unpacking its layout costs the same at any, and the two meet near this many rows
+# rows from which the CPU int4 path dequantizes and runs a GEMM instead: the kernel's time grows
+# with the rows, unpacking its layout costs the same at any, and the two meet near this many rows
 # (benchmarks/RESULTS.md, "The engine at a GGUF's own bits")
 INT4_LARGE_M = 128
 INT4_LARGE_M_FLOAT32 = (
@@ -192,7 +192,9 @@ class Int4Linear(nn.Module):
                     "file knows; each layer keeps a second, portable copy of its values for prefill"
                 )
                 self.portable_weight = portable["weight"].contiguous()
-        else:  # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k tiles
+        # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k
+        # tiles
+        else:
             dtype, tiles = (
                 torch.bfloat16,
                 max(t for t in (2, 4, 8) if K % (16 * t) == 0),
@@ -325,7 +327,8 @@ def _set(model, name: str, module):
 def quantize_model(
     model, mode: str, groupsize: int = 64, head: bool = False, embedding: bool = False
 ) -> dict:
-    """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes before/after}."""
+    """Replace the planned layers in place; returns {"quantized": [...], "kept": {...}, bytes
+    before/after}."""
     if any(hasattr(m, "dequantize") for m in model.modules()):
         raise ValueError(
             "the checkpoint is already quantized; drop --quantize, or quantize its float original"

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) and the ways checkpoints stretch them past their trained context.
+"""Rotary position embeddings (RoPE) and the ways checkpoints stretch them past their trained
+context.
 
 RoPE rotates each pair of q/k dimensions i by the angle `position * inv_freq[i]`, so the dot
 product of q at p and k at s depends only on p - s. A model trained on `original` positions has
@@ -43,7 +44,8 @@ def kind_of(scaling: dict) -> str:
 
 
 def pair_exponents(d: int) -> torch.Tensor:
-    """2i / d for the d / 2 pairs, on the CPU (on meta tensors this arithmetic would import the compiler)."""
+    """2i / d for the d / 2 pairs, on the CPU (on meta tensors this arithmetic would import the
+    compiler)."""
     return torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
 
 
@@ -68,8 +70,9 @@ def llama3_inv_freq(inv_freq, s: dict) -> torch.Tensor:
 
 
 def yarn_inv_freq(theta: float, d: int, s: dict, context: int):
-    """(inv_freq, attention factor): pairs that turn more than beta_fast times in the original context
-    keep their speed, those turning fewer than beta_slow times are interpolated, a linear ramp between."""
+    """(inv_freq, attention factor): pairs that turn more than beta_fast times in the original
+    context keep their speed, those turning fewer than beta_slow times are interpolated, a linear
+    ramp between."""
     factor = s.get("factor") or context / s["original_max_position_embeddings"]
     old = s["original_max_position_embeddings"]
 
@@ -98,7 +101,8 @@ def yarn_inv_freq(theta: float, d: int, s: dict, context: int):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for one RoPE (module docstring); buffers only, rebuilt from the config, never loaded.
+    """cos/sin tables for one RoPE (module docstring); buffers only, rebuilt from the config, never
+    loaded.
 
     rotary_dim: the leading dims rotated (Phi-4-mini's partial_rotary_factor); context: the model's
     max_position_embeddings (yarn and longrope derive their factor from it when none is given)."""
@@ -149,7 +153,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("exponents", pair_exponents(d), persistent=False)
 
     def per_token_inv_freq(self, input_pos: torch.Tensor) -> torch.Tensor:
-        """[B, T, d/2] speeds of each token, for the scalings that depend on the sequence's length."""
+        """[B, T, d/2] speeds of each token, for the scalings that depend on the sequence's
+        length."""
         if self.kind == "longrope":  # past the original context: the long factors
             return torch.where(
                 input_pos[..., None] >= self.original, self.long_inv_freq, self.inv_freq
@@ -163,7 +168,8 @@ class RotaryEmbedding(nn.Module):
         return 1.0 / (base[..., None] ** self.exponents)
 
     def forward(self, input_pos: torch.Tensor, dtype: torch.dtype):
-        # input_pos [B, T] -> cos, sin [B, T, rotary_dim], computed in float32 then cast like the reference
+        # input_pos [B, T] -> cos, sin [B, T, rotary_dim], computed in float32 then cast like the
+        # reference
         inv_freq = (
             self.per_token_inv_freq(input_pos)
             if self.kind in ("longrope", "dynamic")

@@ -6,11 +6,12 @@
     step = compile_decode("cpu")                               # the same step, compiled once
 
 A decode step has static shapes (positions are tensors, so advancing them never recompiles), so it
-compiles once per attend length of the static cache (kv_cache.py: a bucket of the positions in
-use, which generate.generate sets before each step): on CUDA it then replays as a CUDA Graph
-(mode "reduce-overhead"); on CPU the weights are frozen as constants and GEMMs autotuned against Inductor's C++ templates. Inductor's C++ code
-and ATen's kernels both depend on the CPU's instruction set (AVX2, AVX-512, AMX), which
-ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers: compile_decode keeps the two in step.
+compiles once per attend length of the static cache (kv_cache.py: a bucket of the positions in use,
+which generate.generate sets before each step): on CUDA it then replays as a CUDA Graph (mode
+"reduce-overhead"); on CPU the weights are frozen as constants and GEMMs autotuned against
+Inductor's C++ templates. Inductor's C++ code and ATen's kernels both depend on the CPU's
+instruction set (AVX2, AVX-512, AMX), which ATEN_CPU_CAPABILITY=default|avx2|avx512 lowers:
+compile_decode keeps the two in step.
 
 This file imports only torch, so any other file of the project can use it.
 """
@@ -91,7 +92,8 @@ def inductor_vector_bits():
     (ATEN_CPU_CAPABILITY): 512 (AVX-512, or AMX where present), 256 (AVX2). Left to Inductor, parts
     of it use the CPU's widest set while its loops follow ATEN_CPU_CAPABILITY, and under avx2 on an
     AVX-512 CPU that mix computed NaNs. Under "default" (no SIMD in ATen) Inductor's code still uses
-    AVX2 where the CPU has it: its scalar fallback fails to compile some masked loads (torch 2.13)."""
+    AVX2 where the CPU has it: its scalar fallback fails to compile some masked loads (torch
+    2.13)."""
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
     widths = sorted({isa.bit_width() for isa in valid_vec_isa_list()})
@@ -126,15 +128,17 @@ def autotune(model) -> bool:
 
 
 def compiled_message(seconds: float, model, device) -> str:
-    """The line generate.py prints after compiling: its time, and on CPU whether max-autotune ran."""
+    """The line generate.py prints after compiling: its time, and on CPU whether max-autotune
+    ran."""
     return f"compiled in {seconds:.1f} s" + (
         f" (max-autotune {'on' if autotune(model) else 'off'})" if device == "cpu" else ""
     )
 
 
 def static_cache(cache):
-    """Mark the cache's tensors as living at fixed addresses: a CUDA Graph may then write them in place.
-    Unmarked, Inductor sees a mutated graph input and skips CUDA Graphs for the whole step."""
+    """Mark the cache's tensors as living at fixed addresses: a CUDA Graph may then write them in
+    place. Unmarked, Inductor sees a mutated graph input and skips CUDA Graphs for the whole
+    step."""
     if getattr(cache, "static_marked", False):  # once per cache
         return cache
     cache.static_marked = True
@@ -166,11 +170,13 @@ def compile_decode(device: str, fn=decode_one, autotune: bool = True):
     launch cost. On CPU: weights frozen as constants (prepacked for oneDNN) and, with autotune,
     GEMMs autotuned against Inductor's C++ templates, which use AMX where the CPU has it: at batch 1
     bf16 this is well ahead of eager, whose bf16 matrix-vector products are slow on CPU
-    (benchmarks/RESULTS.md, "Batch-1 decode on CPU: generate.py against Hugging Face transformers")."""
+    (benchmarks/RESULTS.md, "Batch-1 decode on CPU: generate.py against Hugging Face
+    transformers")."""
     import torch._dynamo
 
-    # one graph per attend length of a static cache (kv_cache.py: 13 for the 8192 slots of a whole context)
-    # per cache shape: more than dynamo's default of 8 per function, past which it runs eagerly
+    # one graph per attend length of a static cache (kv_cache.py: 13 for the 8192 slots of a whole
+    # context) per cache shape: more than dynamo's default of 8 per function, past which it runs
+    # eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if str(device).startswith("cuda"):
         step = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
@@ -300,7 +306,8 @@ def peak_memory_bytes(device: str) -> int:
 
 
 def weights_line(model) -> str:
-    """Weight bytes and the bytes a decode step reads (with experts: parameters, total and active)."""
+    """Weight bytes and the bytes a decode step reads (with experts: parameters, total and
+    active)."""
     line = f"weights {human(model.weight_bytes())} ({human(model.bytes_read_per_token())} read per step) | "
     if model.config.moe:  # moe.py: a step reads only the experts its tokens chose
         m, (total, active) = model.config.moe, model.config.moe.parameter_counts(model.config)

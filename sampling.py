@@ -58,7 +58,8 @@ class SamplingParams:
 
     @classmethod
     def from_fields(cls, obj) -> "SamplingParams":
-        """The sampling fields of any object that has them (argparse's args, scheduler.RequestParams)."""
+        """The sampling fields of any object that has them (argparse's args,
+        scheduler.RequestParams)."""
         return cls(**{name: getattr(obj, name) for name in cls.__dataclass_fields__})
 
     @property

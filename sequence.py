@@ -90,8 +90,8 @@ class RequestParams:
 
 
 def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int, s, tokenizer):
-    """ValueError naming what is wrong with a request for an engine (s: its scheduler.Scheduler), before
-    anything is queued."""
+    """ValueError naming what is wrong with a request for an engine (s: its scheduler.Scheduler),
+    before anything is queued."""
     params.check()
     if len(prompt) == 0:
         raise ValueError("the prompt is empty")
@@ -135,9 +135,12 @@ class Sequence:
             stream  # text_stream.TextStream: its text, decoded once per token (None: no tokenizer)
         )
         self.matcher = None  # constrain.Matcher, when the request has a constraint
-        self.logprobs = []  # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
-        self.draft = []  # tokens proposed to follow it, verified in the next step (speedups/prompt_lookup.py)
-        self.draft_probs = None  # [len(draft), V]: what each was drawn from (speedups/draft_model.py), or None: chosen
+        # per output token, when asked: (its log-probability, [(id, log-probability)] most likely)
+        self.logprobs = []
+        # tokens proposed to follow it, verified in the next step (speedups/prompt_lookup.py)
+        self.draft = []
+        # [len(draft), V]: what each was drawn from (speedups/draft_model.py), or None: chosen
+        self.draft_probs = None
         self.ngrams = None  # prompt_lookup.NgramIndex of its tokens, once it speculates
 
     def fork(self, index: int, stream=None):
@@ -163,7 +166,8 @@ class Request:
         self.needs_fork = params.n > 1  # its other samples start once the prompt is computed
         self.prompt_tokens_hit, self.blocks_remembered = 0, 0  # blocks_remembered: scoring.py's
         self.error = None  # why it failed, if a fault ended it (the other requests go on)
-        # per prompt token, when asked: None for the first (nothing predicts it), then as Sequence.logprobs
+        # per prompt token, when asked: None for the first (nothing predicts it), then as
+        # Sequence.logprobs
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
 
     @property

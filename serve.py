@@ -11,17 +11,19 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": 
 server-sent events), POST /v1/responses (server/responses.py), GET /v1/models[/{id}], GET /health,
 GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
 
-This file only translates. server/engine_loop.py runs the engine in one background thread; HTTP handlers
-(FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue per
-request, so every concurrent HTTP request is batched into the same steps. `Server` holds what the
-handlers share and has one method per step (check, encode, params, respond, ...); make_app routes.
+This file only translates. server/engine_loop.py runs the engine in one background thread; HTTP
+handlers (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio queue
+per request, so every concurrent HTTP request is batched into the same steps. `Server` holds what
+the handlers share and has one method per step (check, encode, params, respond, ...); make_app
+routes.
 
 A server left running meets hostile traffic, so every request is checked against `Limits`
 (server/server_limits.py) before any work is queued (body size -> 413; n, stop strings, prompts per
 request, context -> 400; a full waiting queue -> 503 with Retry-After), text is tokenized off the
 event loop, and a client that goes away (streaming or not) aborts its request, which frees its KV
-blocks. SIGTERM or SIGINT drain: new requests get 503, /health says "draining", running requests have
---shutdown_timeout seconds to finish, the rest end with finish_reason "abort", the process exits 0.
+blocks. SIGTERM or SIGINT drain: new requests get 503, /health says "draining", running requests
+have --shutdown_timeout seconds to finish, the rest end with finish_reason "abort", the process
+exits 0.
 """
 
 import argparse
@@ -116,7 +118,8 @@ def chunk(obj) -> str:
 
 
 class Server:
-    """What the routes share (engine loop, tokenizer, model name, limits, context), one method per step."""
+    """What the routes share (engine loop, tokenizer, model name, limits, context), one method per
+    step."""
 
     def __init__(self, engine, tokenizer, model_name: str, limits: Limits, thread=None):
         self.engine, self.tokenizer, self.model_name, self.limits = (
@@ -222,7 +225,8 @@ class Server:
         )
 
     async def chat_prompt(self, body: ChatRequest):
-        """(prompt ids, (format, tools) when the reply may hold calls, the grammar a tool_choice imposes)."""
+        """(prompt ids, (format, tools) when the reply may hold calls, the grammar a tool_choice
+        imposes)."""
         self.check(body, 1, chat=True)
         messages = self.messages(body)
         tools = self.tools(body)
@@ -245,7 +249,8 @@ class Server:
         return prompt, tools, tool_constraint
 
     def check(self, body, num_prompts: int, chat: bool):
-        """The limits (and logit_bias ids) that need no tokens; Refused naming the first one broken."""
+        """The limits (and logit_bias ids) that need no tokens; Refused naming the first one
+        broken."""
         limits, stop = (
             self.limits,
             [body.stop] if isinstance(body.stop, str) else list(body.stop or []),
@@ -272,8 +277,9 @@ class Server:
             raise Refused(*refused)
 
     async def encode(self, prompts, param: str, bos: bool = None, messages=None) -> list:
-        """Texts -> token ids (ids pass through), off the event loop: /health answers while a long text
-        encodes. A rendered chat comes with its messages (their special-token literals stay text)."""
+        """Texts -> token ids (ids pass through), off the event loop: /health answers while a long
+        text encodes. A rendered chat comes with its messages (their special-token literals stay
+        text)."""
         try:
             return await self.lanes.run(
                 text_size(prompts),
@@ -325,8 +331,9 @@ class Server:
             raise Refused(f"the chat template failed on these messages: {e}", "messages") from None
 
     def params(self, body, prompts, chat: bool, tool_constraint=None) -> RequestParams:
-        """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the constraint.
-        The tools' grammar (a forced call; calls or the JSON answer under "auto") takes response_format's place."""
+        """The engine's parameters; Refused if a prompt + max_tokens exceeds the context, or for the
+        constraint. The tools' grammar (a forced call; calls or the JSON answer under "auto") takes
+        response_format's place."""
         lengths = [len(p) for p in prompts]
         default_max = self.context - max(lengths) if chat else 16
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -375,7 +382,8 @@ class Server:
 
     @staticmethod
     def constraint(body):
-        """The output constraint response_format or structured_outputs asks for, or None; Refused."""
+        """The output constraint response_format or structured_outputs asks for, or None;
+        Refused."""
         try:
             return constraint_of(body)
         except ValueError as e:
@@ -383,8 +391,8 @@ class Server:
 
     async def compiled(self, constraint, body, tool_constraint):
         """The constraint tried in the checker's process (where a crash or a stall harms no one),
-        then compiled here on a thread of its lane (TokenizerLanes.compile): constrain.Compiled; Refused
-        naming the field."""
+        then compiled here on a thread of its lane (TokenizerLanes.compile): constrain.Compiled;
+        Refused naming the field."""
         try:
             await asyncio.to_thread(self.checker.check, constraint)
             vocab, stops = self.engine.model.config.vocab_size, self.engine.stop_ids
@@ -405,8 +413,8 @@ class Server:
             raise Refused(f"{param}: {e}", param) from None
 
     async def submit(self, body, prompts, chat: bool, tool_constraint=None):
-        """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400) for a
-        request the engine refuses, 503 when it cannot take more now."""
+        """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400)
+        for a request the engine refuses, 503 when it cannot take more now."""
         params = self.params(body, prompts, chat, tool_constraint)
         if params.constraint is not None and self.checker:
             params.constraint = await self.compiled(params.constraint, body, tool_constraint)
@@ -452,7 +460,8 @@ class Server:
         if failed:
             return failed
 
-        def build():  # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
+        # plain JSON types already: JSONResponse skips FastAPI's encoder walking every logprob
+        def build():
             return JSONResponse(
                 {
                     **meta,
@@ -486,7 +495,8 @@ class Server:
         return None
 
     async def sse(self, rids, events, out: Outputs, meta: dict, include_usage: bool):
-        """A chunk per new text, usage if asked, then [DONE]; a client that goes away aborts its requests."""
+        """A chunk per new text, usage if asked, then [DONE]; a client that goes away aborts its
+        requests."""
         kind = "chat.completion.chunk" if out.chat else "text_completion"
         finished = False
         try:
@@ -624,7 +634,8 @@ def main(argv=None) -> int:
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
     app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
     gc.collect()  # loading's garbage first: what gc.freeze keeps is never collected
-    gc.freeze()  # what loading made is kept: give_back_freed_memory's collections skip it (285 ms -> 0)
+    # what loading made is kept: give_back_freed_memory's collections skip it (285 ms -> 0)
+    gc.freeze()
     server = DrainingServer(
         server_config(app, args.host, args.port, limits),
         app.state.engine_loop,

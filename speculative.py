@@ -101,7 +101,8 @@ class ModelDrafter:
 
 
 def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
-    """The target's first n_layers, then its final norm and output head: a draft in the same weights."""
+    """The target's first n_layers, then its final norm and output head: a draft in the same
+    weights."""
     x = model.forward_layers(model.embed(tokens), input_pos, cache, model.layers[:n_layers])
     return model.head(x[:, -1:])
 

@@ -25,7 +25,8 @@ class TextStream:
     when released (L: the longest), so an occurrence starting in released text was whole, and
     searched, by then. generate.py prints with it, serve.py streams."""
 
-    HELD_TOKENS = 8  # a window still ending in U+FFFD after this many tokens is released: the character is real
+    # a window still ending in U+FFFD after this many tokens is released: the character is real
+    HELD_TOKENS = 8
 
     def __init__(self, tokenizer, stop=()):
         self.tokenizer, self.stop = tokenizer, list(stop)

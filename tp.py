@@ -95,7 +95,8 @@ def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torc
 
 
 class RowParallel(nn.Module):
-    """A row-parallel linear (or a whole sparse MLP): each rank's partial product, summed across ranks."""
+    """A row-parallel linear (or a whole sparse MLP): each rank's partial product, summed across
+    ranks."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

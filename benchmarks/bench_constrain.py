@@ -7,8 +7,8 @@ generate.py's decode loop on the embedded model.
 
 Per library and JSON schema: compile time (schema -> a matcher at its start; the vocabulary's
 one-time preparation reported apart), then the time to compute one token mask and advance, walking
-the tokens of a valid instance of the schema: at batch 1, and for 32 matchers at once (each
-computed in turn; llguidance also with its parallel executor). Medians. Finally generate.py's decode tok/s
+the tokens of a valid instance of the schema: at batch 1, and for 32 matchers at once (each computed
+in turn; llguidance also with its parallel executor). Medians. Finally generate.py's decode tok/s
 with and without a --json_schema style constraint (greedy, bf16, eager, batch 1).
 """
 

@@ -84,7 +84,8 @@ def hf_cache(hf, cache, in_use):
 
 
 def run_hf(hf, dc, last, in_use, n):
-    """The same n greedy steps with HF's forward: the first (the prompt's last token) untimed, as ours."""
+    """The same n greedy steps with HF's forward: the first (the prompt's last token) untimed, as
+    ours."""
     extra = dc.get_seq_length() - (in_use - 1)  # the previous run's tokens
     if extra:
         dc.crop(-extra)  # this version of transformers takes the number of tokens to drop, negated
@@ -103,7 +104,8 @@ def run_hf(hf, dc, last, in_use, n):
 
 
 def attend_range(first: int, last: int, slots: int, eager: bool) -> str:
-    """The slots a run's steps attend over (kv_cache.py): eager_attend_len, or a bucket if compiled."""
+    """The slots a run's steps attend over (kv_cache.py): eager_attend_len, or a bucket if
+    compiled."""
     length = eager_attend_len if eager else attend_len_for
     return "-".join(sorted({str(length(first, slots)), str(length(last, slots))}, key=int))
 

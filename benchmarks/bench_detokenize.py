@@ -1,4 +1,5 @@
-"""Cost per token of streaming detokenization (text_stream.TextStream) against decoding every id so far.
+"""Cost per token of streaming detokenization (text_stream.TextStream) against decoding every id so
+far.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_detokenize.py [--tokens 8192] [--rounds 5]
 

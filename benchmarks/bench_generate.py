@@ -56,7 +56,8 @@ def read_bandwidth(nbytes: int) -> float:
 
 
 class Clock:
-    """A streamer for HF generate that records when each token arrives (the first put is the prompt)."""
+    """A streamer for HF generate that records when each token arrives (the first put is the
+    prompt)."""
 
     def __init__(self):
         self.times = []

@@ -9,17 +9,18 @@ the copies hold the Q4_1 values requantized, which is what their speed and size 
 a fresh process, batch 1, greedy, a 16-token prompt then exactly --new_tokens tokens (EOS ignored),
 the machine's threads (2 here) for both; rounds alternate ours and llama.cpp. llama.cpp runs the CPU
 variant ggml picks (printed below the table), except `sapphirerapids` on CPUs with AMX tiles: its
-tile kernels fault with SIGILL in these VMs, so it is set aside and ggml picks its next best. Columns:
+tile kernels fault with SIGILL in these VMs, so it is set aside and ggml picks its next best.
+Columns:
 - decode tok/s: tokens after the first over the time after the first (best of the rounds);
 - load s: from process start of the weights' read to a model ready (ours: weights.load's own
   timing, the "loaded ... in X s" line; llama.cpp: the Llama() constructor);
 - peak RSS: the child's maximum resident set (os.wait4), and for ours the same less a bare
   `python -c "import torch"` (measured in the same run), the figure the goal compares.
-Ours runs eager (--compile off), --compile and --compile aot (generate.py's default) (bf16 activations all). The
-aot package is compiled by the first round's run (in a child process of generate.py, into a fresh
-cache folder): that run's peak RSS and compile time are printed below the table; the table's
-figures are the best rounds (with --rounds 2 or more, a round whose package was already compiled,
-as every later run of a user finds it; with --rounds 1, the compiling run).
+Ours runs eager (--compile off), --compile and --compile aot (generate.py's default) (bf16
+activations all). The aot package is compiled by the first round's run (in a child process of
+generate.py, into a fresh cache folder): that run's peak RSS and compile time are printed below the
+table; the table's figures are the best rounds (with --rounds 2 or more, a round whose package was
+already compiled, as every later run of a user finds it; with --rounds 1, the compiling run).
 """
 
 import argparse
@@ -42,8 +43,8 @@ FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 # A build with GGML_BACKEND_DL=ON installs its per-CPU backends in site-packages/bin; they are
 # loaded through libllama's own handle (the same ggml instance the model uses), best variant first.
-# On a CPU with AMX tiles the best is `sapphirerapids`, whose tile kernels fault with SIGILL in these
-# VMs: the others are loaded from a folder of links without it, so ggml picks its next best.
+# On a CPU with AMX tiles the best is `sapphirerapids`, whose tile kernels fault with SIGILL in
+# these VMs: the others are loaded from a folder of links without it, so ggml picks its next best.
 AMX = "amx_tile" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
 LOAD_BACKENDS = r"""
 import glob, os, tempfile, llama_cpp, llama_cpp.llama_cpp
@@ -91,7 +92,8 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 
 
 def run_rss(cmd, env=None) -> tuple:
-    """(stdout, stderr, peak resident bytes) of a child process (with its own children, os.wait4)."""
+    """(stdout, stderr, peak resident bytes) of a child process (with its own children,
+    os.wait4)."""
     aside = {"GGML_SET_ASIDE": "sapphirerapids"} if AMX else {}
     p = subprocess.Popen(
         cmd,

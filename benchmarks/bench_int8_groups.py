@@ -74,7 +74,8 @@ def timed(fn, reps):
 
 
 def reduction(x, q, scales):
-    """Int8GroupLinear's few-row compiled path (formats/quant_groups.py): a fused reduction over each group."""
+    """Int8GroupLinear's few-row compiled path (formats/quant_groups.py): a fused reduction over
+    each group."""
     N, K = q.shape
     xg = x.float().reshape(-1, 1, K // G, G)  # [M, 1, K/G, G]
     return ((q.reshape(N, K // G, G).float() * xg).sum(-1) * scales).sum(-1).to(x.dtype)

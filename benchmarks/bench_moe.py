@@ -119,7 +119,8 @@ def hf_decode(hf, prompt, n):
 
 
 def ours_prefill(model, n):
-    """() -> prefill tokens/s of n tokens into a fresh static cache (the next token's logits only)."""
+    """() -> prefill tokens/s of n tokens into a fresh static cache (the next token's logits
+    only)."""
     x = torch.randint(3, SIZES["vocab_size"], (1, n), generator=torch.Generator().manual_seed(2))
 
     def run():
@@ -133,7 +134,8 @@ def ours_prefill(model, n):
 
 
 def expert_paths(dtype, rounds: int):
-    """ms per call of one layer's experts (64 of 1024 x 384, top 8), gathered and grouped, by tokens."""
+    """ms per call of one layer's experts (64 of 1024 x 384, top 8), gathered and grouped, by
+    tokens."""
     from moe import Experts
 
     torch.manual_seed(0)

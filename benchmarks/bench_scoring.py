@@ -73,7 +73,8 @@ def write_task(folder: str, questions: int, question_tokens: int, seed: int = 0)
 
 
 def evaluate(manager, model, model_args, batch_size=1):
-    """(seconds, per-choice log-likelihoods, accuracy); the model is built before the clock starts."""
+    """(seconds, per-choice log-likelihoods, accuracy); the model is built before the clock
+    starts."""
     import lm_eval
     from lm_eval.api.registry import get_model
 

@@ -1,12 +1,12 @@
-"""Serving benchmarks for paged.py + scheduler.py + engine.py on the embedded SmolLM2-135M, one process, with
-Hugging Face transformers' static batching in the same run.
+"""Serving benchmarks for paged.py + scheduler.py + engine.py on the embedded SmolLM2-135M, one
+process, with Hugging Face transformers' static batching in the same run.
 
     .venv/bin/python benchmarks/bench_serving.py                      # everything (~15 min)
     .venv/bin/python benchmarks/bench_serving.py --only prefix,chunked
 
-Prompts are windows of data/declaration.txt's tokens (fixed seeds); every request sets
-ignore_eos, so each produces exactly its output length; greedy; bf16; eager engine (on CPU,
-compiled steps gain about 20% at 64 rows but compile one graph per batch bucket, under a minute each).
+Prompts are windows of data/declaration.txt's tokens (fixed seeds); every request sets ignore_eos,
+so each produces exactly its output length; greedy; bf16; eager engine (on CPU, compiled steps gain
+about 20% at 64 rows but compile one graph per batch bucket, under a minute each).
 
 0. batch 1: generate.py's loop on the static and on the paged cache, eager and compiled.
 1. throughput: 64 requests at once, prompts 50-500 tokens, outputs 32-128. Output tokens/s over

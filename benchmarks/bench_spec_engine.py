@@ -9,17 +9,17 @@ Workloads (greedy, 128 new tokens each, EOS ignored; the embedded SmolLM2-135M):
              words) followed by "The passage again, word for word:" and its first words; every
              fourth one a code file to repeat with a name changed
   free text  windows of the same text (32-256 tokens) to continue
-For each concurrency c, c requests are added at once and stepped to the end, speculation off and
-on, rounds interleaved (the median of --rounds). The table gives output tokens/s
-over the run, the speed-up, the acceptance rate (kept / drafted), the mean tokens a drafted row
-gained per step, the speed-up those predict from one step's measured cost (a step of c rows each
-verifying k drafts that are all rejected, over a plain step of c rows), and how many requests'
-tokens equal the run without speculation. --max_rows sets PromptLookup's cut-off (speculation off
-for a step with more decoding rows); 64 keeps it on everywhere, to find where it stops paying.
---draft int8|int4 speculates with a draft model instead (speedups/draft_model.py): a quantized copy of the
-target (group 64, head quantized), as a smaller checkpoint with the same vocabulary would be.
---profile instead times a plain step and a verify step (every row k drafts) of c quoting requests
-and prints torch.profiler's top ops of each: where a verify step's cost goes.
+For each concurrency c, c requests are added at once and stepped to the end, speculation off and on,
+rounds interleaved (the median of --rounds). The table gives output tokens/s over the run, the
+speed-up, the acceptance rate (kept / drafted), the mean tokens a drafted row gained per step, the
+speed-up those predict from one step's measured cost (a step of c rows each verifying k drafts that
+are all rejected, over a plain step of c rows), and how many requests' tokens equal the run without
+speculation. --max_rows sets PromptLookup's cut-off (speculation off for a step with more decoding
+rows); 64 keeps it on everywhere, to find where it stops paying. --draft int8|int4 speculates with a
+draft model instead (speedups/draft_model.py): a quantized copy of the target (group 64, head
+quantized), as a smaller checkpoint with the same vocabulary would be. --profile instead times a
+plain step and a verify step (every row k drafts) of c quoting requests and prints torch.profiler's
+top ops of each: where a verify step's cost goes.
 """
 
 import argparse
@@ -158,7 +158,8 @@ def measure(model, prompts, k, max_rows, min_n, compile, rounds, draft=None):
 
 
 def profile_steps(model, prompts, k, compile):
-    """A plain and a verify step of `prompts` decoding together: median ms of 10, then the top ops of 5."""
+    """A plain and a verify step of `prompts` decoding together: median ms of 10, then the top ops
+    of 5."""
     for speculate in (None, Rejected(k)):
         engine = Engine.for_model(
             model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile

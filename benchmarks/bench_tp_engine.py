@@ -1,6 +1,6 @@
-"""batch.py in one process against batch.py under torchrun (server/tp_engine.py), on the same requests:
-throughput, and what rank 0's per-step broadcast of the step (two int64 tensors) costs. The
-outputs are checked equal (greedy, float32).
+"""batch.py in one process against batch.py under torchrun (server/tp_engine.py), on the same
+requests: throughput, and what rank 0's per-step broadcast of the step (two int64 tensors) costs.
+The outputs are checked equal (greedy, float32).
 
     .venv/bin/python benchmarks/bench_tp_engine.py                  # the embedded model, 3 ranks
     .venv/bin/python benchmarks/bench_tp_engine.py --ranks 2 --checkpoint HF_FOLDER

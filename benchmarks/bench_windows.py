@@ -10,10 +10,10 @@ N-th layer sees the whole context (Gemma 3's pattern is 6: five windowed layers 
 For each multiple m a prompt of m * window random tokens is prefilled (untimed),
 then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
 
-- ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step):
-  "ring" is speedups/kv_window.py (what generate.py uses for windowed models: each layer keeps window + 64
-  slots, a step reads them all), so its cost should follow the window, not the context; "masked"
-  is kv_cache.py, its slow twin, which keeps every position and masks the old ones;
+- ours, static cache (generate.py's loop), eager and compiled (generate.py --compile's step): "ring"
+  is speedups/kv_window.py (what generate.py uses for windowed models: each layer keeps window + 64
+  slots, a step reads them all), so its cost should follow the window, not the context; "masked" is
+  kv_cache.py, its slow twin, which keeps every position and masks the old ones;
 - ours, paged cache through the engine (batch.py's path): blocks behind the window are freed, and
   the step reads only the window's blocks; the most blocks the sequence held in the windowed
   layers is printed against the bound window / block_size + 2. A hybrid model runs it twice:
@@ -83,7 +83,8 @@ def build(args):
 
 
 def static_run(model, prompt, n, decode_fn, kind, kv_bytes):
-    """() -> tokens/s of n greedy steps after prefilling `prompt` into a fresh static cache of `kind`."""
+    """() -> tokens/s of n greedy steps after prefilling `prompt` into a fresh static cache of
+    `kind`."""
     cache = kind.for_model(model, 1, len(prompt) + n)
     kv_bytes[kind.__name__, len(prompt)] = cache.nbytes()
     x = torch.tensor([prompt])

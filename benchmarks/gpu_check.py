@@ -157,8 +157,9 @@ def graph_launches(model, fn, device, steps=5) -> int:
 
 
 def portable_dequantized(portable, mode) -> torch.Tensor:
-    """The weight from the portable tensors (quantize.py's own formulas, no device kernel): the reference
-    for the int8 / int4 kernels (on CUDA Int4Linear.dequantize goes through the kernel itself)."""
+    """The weight from the portable tensors (quantize.py's own formulas, no device kernel): the
+    reference for the int8 / int4 kernels (on CUDA Int4Linear.dequantize goes through the kernel
+    itself)."""
     if mode == "int8":
         return portable["weight"].float() * portable["scales"].float()[:, None]
     return quantize.dequantize_int4(

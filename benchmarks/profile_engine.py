@@ -165,7 +165,8 @@ def main():
             any(s.num_computed < len(s.request.prompt) for s in engine.scheduler.running)
             or engine.scheduler.waiting
         ):
-            engine.step()  # prefill everything (and a first token each): what follows is pure decode
+            # prefill everything (and a first token each): what follows is pure decode
+            engine.step()
         for _ in range(3):  # (compiles the step's graph, with --compile)
             engine.step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

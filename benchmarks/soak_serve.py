@@ -333,7 +333,8 @@ def tiny_engine(num_blocks: int, max_num_seqs: int):
 
 
 def embedded_engine(num_blocks: int, max_num_seqs: int, batch_invariant: bool):
-    """The embedded model as serve.py runs it by default (bf16 at the file's own bits), blocks of 16."""
+    """The embedded model as serve.py runs it by default (bf16 at the file's own bits), blocks of
+    16."""
     from server.tp_engine import load_engine
 
     engine, tokenizer, _ = load_engine(

@@ -1,4 +1,5 @@
-"""Model families: an HF config.json (and its tensor names) turned into model.py's ModelConfig and layout.
+"""Model families: an HF config.json (and its tensor names) turned into model.py's ModelConfig and
+layout.
 
 Each family the model runs is a set of switches (model.py's ModelConfig); this file reads them
 from the keys each family's config.json uses, with that family's defaults for keys a published
@@ -136,7 +137,8 @@ def rope_of(cfg: dict, kind: str):
 
 
 def layer_types_of(cfg: dict, kind: str, n_layers: int, window):
-    """Which layers are windowed, from `layer_types` or each family's older keys; () means all of them."""
+    """Which layers are windowed, from `layer_types` or each family's older keys; () means all of
+    them."""
     types = _layer_types(cfg, kind, n_layers, window)
     return () if all(t == "sliding_attention" for t in types) else types
 
@@ -237,7 +239,8 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
 
 
 def experts_of(cfg: dict, kind: str) -> dict:
-    """ModelConfig's mixture-of-experts fields from Mixtral's and Qwen-MoE's keys ({} for a dense model)."""
+    """ModelConfig's mixture-of-experts fields from Mixtral's and Qwen-MoE's keys ({} for a dense
+    model)."""
     if kind == "mixtral":
         return dict(
             moe=MoEConfig(
@@ -311,9 +314,10 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
 
 
 def gpt_oss_experts(file, name, t):
-    """gpt-oss's router (mlp.router) as mlp.gate, and its experts stored as x @ W: gate_up_proj [E, dim, 2 ff]
-    with gate and up columns interleaved (and their bias [E, 2 ff]), down_proj [E, ff, dim], as moe.py's
-    [E, out, in] projections; MXFP4 blocks and scales pass on to formats/hf_quant.py."""
+    """gpt-oss's router (mlp.router) as mlp.gate, and its experts stored as x @ W: gate_up_proj [E,
+    dim, 2 ff] with gate and up columns interleaved (and their bias [E, 2 ff]), down_proj [E, ff,
+    dim], as moe.py's [E, out, in] projections; MXFP4 blocks and scales pass on to
+    formats/hf_quant.py."""
     name = name.replace(".mlp.router.", ".mlp.gate.")
     if (
         name.endswith(("_blocks", "_scales"))
@@ -348,9 +352,10 @@ MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def stacked_experts(config: ModelConfig, tensors):
-    """(file, name, tensor) with each layer's per-expert weights (`mlp.experts.{e}.gate_proj.weight`,
-    Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) stacked into moe.py's `mlp.experts.gate_proj`
-    [E, ff, dim] as soon as all E have arrived; transformers' own stacked `gate_up_proj` split."""
+    """(file, name, tensor) with each layer's per-expert weights
+    (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) stacked
+    into moe.py's `mlp.experts.gate_proj` [E, ff, dim] as soon as all E have arrived; transformers'
+    own stacked `gate_up_proj` split."""
     pending = {}  # stacked name -> {expert: tensor}
     for file, name, t in tensors:
         name = name.replace(".block_sparse_moe.", ".mlp.")

@@ -104,5 +104,6 @@ def fuse_projections(model) -> int:
             if gate_up is not None:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = gate_up, None, None
                 fused += 1
-        release_memory()  # the repacking's temporaries, layer by layer, so the peak stays the model's size
+        # the repacking's temporaries, layer by layer, so the peak stays the model's size
+        release_memory()
     return fused

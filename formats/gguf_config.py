@@ -1,12 +1,12 @@
 """GGUF metadata into model.py's ModelConfig: what llama.cpp's converters write, per architecture.
 
-A GGUF file names its architecture (`general.architecture`) and keeps the model's sizes under
-keys prefixed by it (`llama.block_count`, `qwen3moe.expert_count`, ...). This file reads them, with
-what each converter leaves out (Gemma's layer pattern and query_pre_attn_scalar, gpt-oss's SwiGLU
-limit: llama.cpp keeps those in its code), RoPE scaling from `rope.scaling.*` and the factor
-tensors, sliding windows, and the experts of a mixture (`expert_*`, a router tensor per sparse
-layer). formats/gguf_weights.py reads the tensors; formats/gguf_tokenizer.py the vocabulary; both through `read`,
-which keeps the last files' parsed metadata.
+A GGUF file names its architecture (`general.architecture`) and keeps the model's sizes under keys
+prefixed by it (`llama.block_count`, `qwen3moe.expert_count`, ...). This file reads them, with what
+each converter leaves out (Gemma's layer pattern and query_pre_attn_scalar, gpt-oss's SwiGLU limit:
+llama.cpp keeps those in its code), RoPE scaling from `rope.scaling.*` and the factor tensors,
+sliding windows, and the experts of a mixture (`expert_*`, a router tensor per sparse layer).
+formats/gguf_weights.py reads the tensors; formats/gguf_tokenizer.py the vocabulary; both through
+`read`, which keeps the last files' parsed metadata.
 
     python -c "import sys; from formats import gguf_config as g; print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
 """
@@ -103,9 +103,10 @@ def config_from_gguf(reader, path) -> ModelConfig:
 
 
 def experts_of(reader, arch, path, get, names):
-    """moe.MoEConfig from `expert_*` metadata (Mixtral's files are arch llama), or None for a dense model.
-    Layers without a router tensor (ffn_gate_inp) keep a dense MLP. llama.cpp renormalises the chosen
-    weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's, unless `expert_weights_norm` says."""
+    """moe.MoEConfig from `expert_*` metadata (Mixtral's files are arch llama), or None for a dense
+    model. Layers without a router tensor (ffn_gate_inp) keep a dense MLP. llama.cpp renormalises
+    the chosen weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's, unless `expert_weights_norm`
+    says."""
     from moe import MoEConfig
 
     count = field(reader, f"{arch}.expert_count", 0)
@@ -195,8 +196,9 @@ def rope_scaling(reader, arch, path) -> dict:
 
 def family_switches(reader, arch, path, get) -> dict:
     """Sliding windows, partial rotary and Gemma's switches, as llama.cpp's converter writes them:
-    Gemma's layer pattern and local RoPE base are not stored (every 2nd / 6th layer full, base 10000),
-    nor query_pre_attn_scalar (head_dim, or dim / heads for the 27B models: 46 or 62 layers)."""
+    Gemma's layer pattern and local RoPE base are not stored (every 2nd / 6th layer full, base
+    10000), nor query_pre_attn_scalar (head_dim, or dim / heads for the 27B models: 46 or 62
+    layers)."""
     window = field(reader, f"{arch}.attention.sliding_window", 0)
     if not isinstance(window, int) or window < 0:
         raise CheckpointError(
@@ -258,7 +260,8 @@ def family_switches(reader, arch, path, get) -> dict:
 
 
 def _number(value, key, path) -> float:
-    """A positive number, or one repeated per layer (a list of equal numbers), else a CheckpointError."""
+    """A positive number, or one repeated per layer (a list of equal numbers), else a
+    CheckpointError."""
     values = value if isinstance(value, list) else [value]
     if (
         not values

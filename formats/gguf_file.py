@@ -82,7 +82,8 @@ class Tensor:
 
 
 class GGUFFile:
-    """A parsed GGUF file: .fields {key: Field} and .tensors [Tensor] over .map (the file, mapped read-only)."""
+    """A parsed GGUF file: .fields {key: Field} and .tensors [Tensor] over .map (the file, mapped
+    read-only)."""
 
     def __init__(self, path):
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -115,7 +115,8 @@ def _llama(tokens, scores, unk_id, add_space_prefix):
 
 
 def from_gguf(path: Path) -> dict:
-    """{"tokenizer": a tokenizers.Tokenizer, "bos_id", "stop_ids", "add_bos", "chat_template", "special"}."""
+    """{"tokenizer": a tokenizers.Tokenizer, "bos_id", "stop_ids", "add_bos", "chat_template",
+    "special"}."""
     from tokenizers import AddedToken
 
     reader = read(path)

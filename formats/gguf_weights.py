@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format) into model.py's layout: tensors and blocks to layers (formats/gguf_config.py
-reads the metadata into a config).
+"""GGUF files (llama.cpp's format) into model.py's layout: tensors and blocks to layers
+(formats/gguf_config.py reads the metadata into a config).
 
 A GGUF file carries metadata (architecture, sizes, RoPE base, tokenizer, chat template) and
 tensors, many of them block-quantized (Q4_1: blocks of 32 weights sharing a scale and a minimum).
@@ -23,12 +23,12 @@ into integers and per-group scales without passing through float:
       (experts stacked [E, N, K])  MXFP4 (gpt-oss) as its 4-bit floats, the other block types as
                                    8-bit groups, the rest float
 
-formats/gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file uses
-gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter (write_tokenizer_only).
-The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj, ..."). With dequantize
-(generate.py --dequantize) every tensor becomes float32 (decode_blocks' integers times their
-scales, the same values) and formats/weights.py casts it to the dtype asked for; quantize.py may then
-quantize it again in its own layout.
+formats/gguf_file.py reads the container itself, over a memory map; of the `gguf` package this file
+uses gguf.quants (float32 from F32, F16, BF16, Q2_K and Q3_K tensors) and GGUFWriter
+(write_tokenizer_only). The load line prints the plan per tensor kind ("Q4_1 -> int4 g32: q_proj,
+..."). With dequantize (generate.py --dequantize) every tensor becomes float32 (decode_blocks'
+integers times their scales, the same values) and formats/weights.py casts it to the dtype asked
+for; quantize.py may then quantize it again in its own layout.
 
 Two facts a reader needs:
 - llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
@@ -37,8 +37,8 @@ Two facts a reader needs:
   Phi-3 files use the other RoPE kind and are stored unpermuted. Gemma's norms are stored as 1 + w
   (model.py adds the 1 itself, so it is taken off here) and Phi-3's attn_qkv and ffn_up hold fused
   projections (split here).
-- GGUF lists shapes innermost first; formats/gguf_file.py hands arrays in PyTorch order (block-quantized
-  ones as bytes [rows, row_bytes]).
+- GGUF lists shapes innermost first; formats/gguf_file.py hands arrays in PyTorch order
+  (block-quantized ones as bytes [rows, row_bytes]).
 """
 
 from pathlib import Path
@@ -80,7 +80,8 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    # experts (moe.py): the router, each projection stacked [E, out, in], Qwen2-MoE's gated shared expert
+    # experts (moe.py): the router, each projection stacked [E, out, in], Qwen2-MoE's gated shared
+    # expert
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
@@ -160,8 +161,9 @@ def _k_scales(s: torch.Tensor):
 
 
 def decode_blocks(blocks: torch.Tensor, kind: str):
-    """[rows, n_blocks * block_bytes] uint8 -> (q int8 [rows, K], scales float32 [rows, K/g], offsets
-    float32 [rows, K/g] or None) with weight = q * scale + offset, exactly as gguf.quants computes it:
+    """[rows, n_blocks * block_bytes] uint8 -> (q int8 [rows, K], scales float32 [rows, K/g],
+    offsets float32 [rows, K/g] or None) with weight = q * scale + offset, exactly as gguf.quants
+    computes it:
       Q8_0  d (f16), 32 int8                          q * d                      g = 32
       Q4_0  d, 16 bytes of nibbles                    (q - 8) * d                g = 32
       Q4_1  d, m (f16), 16 bytes of nibbles           q * d + m                  g = 32
@@ -251,9 +253,10 @@ def packed(t, name: str, path):
 
 
 def _mxfp4_experts(t, path):
-    """An MXFP4 expert tensor (gpt-oss) as formats/mxfp4.py's e2m1 Packed [E, N, K]. A GGUF block is 17 bytes: the
-    E8M0 exponent, then 16 bytes whose low nibbles hold values 0-15 and high nibbles 16-31; Packed's
-    bytes hold values 2j (low) and 2j + 1 (high), as the published safetensors do."""
+    """An MXFP4 expert tensor (gpt-oss) as formats/mxfp4.py's e2m1 Packed [E, N, K]. A GGUF block is
+    17 bytes: the E8M0 exponent, then 16 bytes whose low nibbles hold values 0-15 and high nibbles
+    16-31; Packed's bytes hold values 2j (low) and 2j + 1 (high), as the published safetensors
+    do."""
     from formats import quant_groups
 
     E, N, K = (int(n) for n in reversed(t.shape))
@@ -292,8 +295,9 @@ def _packed_rows(q, scales, offsets, kind, name, int4_rows: bool):
 
 
 def dequantize(t, path) -> torch.Tensor:
-    """A tensor as float32 in PyTorch order: decode_blocks' values for the types it reads, gguf.quants'
-    for the others (F32, F16, BF16, Q2_K, Q3_K); a CheckpointError for a type not supported."""
+    """A tensor as float32 in PyTorch order: decode_blocks' values for the types it reads,
+    gguf.quants' for the others (F32, F16, BF16, Q2_K, Q3_K); a CheckpointError for a type not
+    supported."""
     from gguf import quants
 
     from formats import quant_groups
@@ -319,9 +323,9 @@ def dequantize(t, path) -> torch.Tensor:
 
 
 def open_gguf(path: Path, keep_quantized: bool = True):
-    """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file, under model.py's
-    names (llama's Q/K rows unpermuted). The tensors are float32, or with keep_quantized a
-    quant_groups.Packed for each weight matrix of a type decode_blocks reads."""
+    """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file, under
+    model.py's names (llama's Q/K rows unpermuted). The tensors are float32, or with keep_quantized
+    a quant_groups.Packed for each weight matrix of a type decode_blocks reads."""
     reader = read(path)
     config = config_from_gguf(reader, path)
     arch = field(reader, "general.architecture")
@@ -385,7 +389,8 @@ def split_fused(path, name, w, config):
 
 
 def write_tokenizer_only(src: Path, dst: Path):
-    """Copy a GGUF file's tokenizer.* and general.architecture fields into a GGUF with no tensors."""
+    """Copy a GGUF file's tokenizer.* and general.architecture fields into a GGUF with no
+    tensors."""
     import gguf
 
     reader = read(src)

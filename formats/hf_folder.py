@@ -53,8 +53,9 @@ MIXTRAL_NAMES = {
 
 
 def _gpt_oss_layout(state: dict) -> dict:
-    """gpt-oss's names and layout (families.gpt_oss_experts read back): the router as mlp.router, experts
-    as x @ W, gate and up interleaved in gate_up_proj [E, dim, 2 ff] (and its bias), down_proj [E, ff, dim]."""
+    """gpt-oss's names and layout (families.gpt_oss_experts read back): the router as mlp.router,
+    experts as x @ W, gate and up interleaved in gate_up_proj [E, dim, 2 ff] (and its bias),
+    down_proj [E, ff, dim]."""
     out = {}
     for k, v in state.items():
         k = k.replace(".mlp.gate.", ".mlp.router.")
@@ -97,7 +98,8 @@ def _kind(a) -> str:
 
 
 def hf_config(model) -> dict:
-    """config.json for the model's family (formats/families.py reads it back to the same ModelConfig)."""
+    """config.json for the model's family (formats/families.py reads it back to the same
+    ModelConfig)."""
     a = model.config
     if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
         raise ValueError(

@@ -219,7 +219,8 @@ def _convert(method, c: dict, layer: str, parts: dict, source, dequantize: bool)
 
 
 def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> uint8 [R, 8C], nibble i of word [r, c] at [r, 8c + i] (packed along the last dim)."""
+    """int32 [R, C] -> uint8 [R, 8C], nibble i of word [r, c] at [r, 8c + i] (packed along the last
+    dim)."""
     R, C = words.shape
     return ((words.to(torch.int32)[:, :, None] >> SHIFTS) & 15).to(torch.uint8).reshape(R, 8 * C)
 
@@ -276,7 +277,8 @@ def _awq(c, layer, t, file):
 
 
 def _unscramble_awq(words: torch.Tensor) -> torch.Tensor:
-    """int32 [R, N/8] in AWQ's order -> uint8 [R, N]: nibble i of word j holds column 8j + AWQ_ORDER[i]."""
+    """int32 [R, N/8] in AWQ's order -> uint8 [R, N]: nibble i of word j holds column 8j +
+    AWQ_ORDER[i]."""
     R = words.shape[0]
     nibble_of_column = torch.tensor(AWQ_ORDER).argsort()  # [0, 4, 1, 5, 2, 6, 3, 7]
     return _unpack_rows(words).reshape(R, -1, 8)[:, :, nibble_of_column].reshape(R, -1)
@@ -339,7 +341,8 @@ def kernel_groupsize(G: int, N: int, K: int):
 
 
 def to_packed(layer, q, z, scales, G: int, g_idx, label: str, file) -> Packed:
-    """q uint8 [N, K] in [0, 15], z [N, ceil(K/G)] in [0, 16], scales float32 [N, ceil(K/G)] -> Packed."""
+    """q uint8 [N, K] in [0, 15], z [N, ceil(K/G)] in [0, 16], scales float32 [N, ceil(K/G)] ->
+    Packed."""
     N, K = q.shape
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // G):
         raise CheckpointError(

@@ -1,4 +1,5 @@
-"""MXFP4, the 4-bit floats gpt-oss's published folders store their experts in, read at their own bits.
+"""MXFP4, the 4-bit floats gpt-oss's published folders store their experts in, read at their own
+bits.
 
 MXFP4 (the OCP microscaling format) gives each group of 32 weights along the input dimension one
 power-of-two scale, and each weight a 4-bit float e2m1 (a sign, 2 exponent bits, 1 mantissa bit),
@@ -30,9 +31,9 @@ PARTS = ("gate_up_proj", "down_proj")  # gpt-oss's expert projections with block
 
 
 def packed_tensors(tensors, source, dequantize: bool = False):
-    """(file, name, tensor) -> the same stream with each projection's `_blocks` and `_scales` replaced
-    by moe.py's projections: (file, "<experts>.gate_proj" | "up_proj" | "down_proj", Packed [E, N, K])
-    (float32 with dequantize), as soon as both halves of a pair have arrived."""
+    """(file, name, tensor) -> the same stream with each projection's `_blocks` and `_scales`
+    replaced by moe.py's projections: (file, "<experts>.gate_proj" | "up_proj" | "down_proj", Packed
+    [E, N, K]) (float32 with dequantize), as soon as both halves of a pair have arrived."""
     pending = {}  # "<experts>.<projection>" -> {"blocks": (file, tensor), "scales": ...}
     for file, name, tensor in tensors:
         stem, _, part = name.rpartition("_")

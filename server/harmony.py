@@ -25,7 +25,8 @@ RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 
 
 def marker_start(text: str) -> int:
-    """Where a marker (`<|name|>`, 16 characters at most) may be starting at the end of text, else len(text)."""
+    """Where a marker (`<|name|>`, 16 characters at most) may be starting at the end of text, else
+    len(text)."""
     cut = text.rfind("<", max(0, len(text) - 16))
     tail = text[cut:]
     return (
@@ -36,7 +37,8 @@ def marker_start(text: str) -> int:
 
 
 def header_of(header: str):
-    """(channel, recipient or None) of a message header, e.g. "assistant to=functions.f<|channel|>commentary json"."""
+    """(channel, recipient or None) of a message header, e.g. "assistant
+    to=functions.f<|channel|>commentary json"."""
     words = header.partition(CHANNEL)[2].replace("<|", " <|").split()
     channel = words[0] if words and not words[0].startswith(("<|", "to=")) else ""
     m = RECIPIENT.search(header)
@@ -53,7 +55,8 @@ def function_of(recipient) -> str:
 
 
 def parse(text: str) -> dict:
-    """The whole reply -> {"content", "reasoning", "calls": [(function, arguments text)]} (None if empty)."""
+    """The whole reply -> {"content", "reasoning", "calls": [(function, arguments text)]} (None if
+    empty)."""
     if MESSAGE not in text:
         return {"content": text, "reasoning": None, "calls": []}
     content, reasoning, calls = [], [], []

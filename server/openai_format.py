@@ -188,7 +188,8 @@ def refusal(body, chat: bool):
 
 
 def constraint_of(body):
-    """The request's output constraint (constrain.Constraint) or None; ValueError (message, param)."""
+    """The request's output constraint (constrain.Constraint) or None; ValueError (message,
+    param)."""
     from constrain import Constraint
 
     fmt, extra = body.response_format, body.structured_outputs
@@ -239,7 +240,8 @@ def logprob_counts(body, chat: bool):
 
 
 class Refused(Exception):
-    """An error response (400 unless given) before anything is queued: a step raises it, the app sends it."""
+    """An error response (400 unless given) before anything is queued: a step raises it, the app
+    sends it."""
 
     def __init__(self, message: str, param: str = None, response=None):
         super().__init__(message)
@@ -317,7 +319,8 @@ def token_texts(tokenizer, ids, start: int = 0, alternatives=None):
 
 
 def likeliest_per_text(pairs) -> dict:
-    """[(text, logprob)] most likely first -> {text: logprob}; two tokens of one text keep the first."""
+    """[(text, logprob)] most likely first -> {text: logprob}; two tokens of one text keep the
+    first."""
     top = {}
     for text, logprob in pairs:
         top.setdefault(text, logprob)
@@ -325,8 +328,8 @@ def likeliest_per_text(pairs) -> dict:
 
 
 def completion_logprobs(tokenizer, ids, entries, start: int = 0, offset: int = 0) -> dict:
-    """Completions' arrays for ids[start:], entries [(logprob, [(id, logprob)]) or None] one per token;
-    text_offset counts from `offset` in the choice's text."""
+    """Completions' arrays for ids[start:], entries [(logprob, [(id, logprob)]) or None] one per
+    token; text_offset counts from `offset` in the choice's text."""
     texts, tops = token_texts(tokenizer, ids, start, [e and e[1] for e in entries])
     tops = [None if top is None else likeliest_per_text(top) for top in tops]
     offsets = []
@@ -420,7 +423,8 @@ class Outputs:
         self.offset = [0] * self.num_choices  # characters streamed
 
     def add(self, i: int, token, text: str, reason, entry) -> str:
-        """A token (or a sample's end: token None) arrived with the text it made final; returns it."""
+        """A token (or a sample's end: token None) arrived with the text it made final; returns
+        it."""
         if token is not None:
             self.ids[i].append(token)
             self.entries[i].append(entry)
@@ -487,8 +491,8 @@ class Outputs:
         return self.prompt_arrays[p]
 
     def message(self, i: int):
-        """Choice i's chat message and finish_reason, its tool calls parsed out when tools were given
-        (and gpt-oss's reasoning, server/harmony.py)."""
+        """Choice i's chat message and finish_reason, its tool calls parsed out when tools were
+        given (and gpt-oss's reasoning, server/harmony.py)."""
         message, calls = {"role": "assistant", "content": self.text(i)}, []
         if self.harmony:
             reply = harmony.parse(self.text(i))

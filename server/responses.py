@@ -257,7 +257,8 @@ def text_part(text: str) -> dict:
 
 
 def message_item(text: str = None, status: str = "completed") -> dict:
-    """A message item: with its text, or (text None) with no content part yet, as streaming adds it."""
+    """A message item: with its text, or (text None) with no content part yet, as streaming adds
+    it."""
     return {
         "type": "message",
         "id": f"msg_{uuid.uuid4().hex}",

@@ -113,9 +113,10 @@ GIVE_BACK_DELAY_S = (
 
 
 def give_back_freed_memory():
-    """glibc keeps what a large request freed in its arenas: twelve 0.9 MB requests (100,000 choices)
-    grew the server from 510 to 764 MiB resident; with this after each it stayed at 465. The trim
-    itself takes 0.2 ms; the collection is cheap only after serve.py's gc.freeze (else 285 ms here)."""
+    """glibc keeps what a large request freed in its arenas: twelve 0.9 MB requests (100,000
+    choices) grew the server from 510 to 764 MiB resident; with this after each it stayed at 465.
+    The trim itself takes 0.2 ms; the collection is cheap only after serve.py's gc.freeze (else 285
+    ms here)."""
     gc.collect()  # what it left in cycles: most of it
     with contextlib.suppress(Exception):  # (not glibc: no malloc_trim)
         ctypes.CDLL(None).malloc_trim(0)
@@ -128,7 +129,8 @@ def fewer_malloc_arenas(n: int = 2):
     """glibc gives each thread that allocates an arena of its own (up to 8 per core), and each keeps
     what was freed in it. In a 2,000-request soak of the server, idle after warm-up -> idle at the
     end, that grew resident memory 494 -> 535 MiB (+8%); two arenas kept it at 492 -> 497 (+1%),
-    time to first token no worse (RESULTS.md 6b). Call before threads start; $MALLOC_ARENA_MAX wins."""
+    time to first token no worse (RESULTS.md 6b). Call before threads start; $MALLOC_ARENA_MAX
+    wins."""
     if "MALLOC_ARENA_MAX" not in os.environ:
         with contextlib.suppress(Exception):  # (not glibc)
             ctypes.CDLL(None).mallopt(M_ARENA_MAX, n)
@@ -212,7 +214,8 @@ class Guard:
         self.giving_back = False
         if self.large_freed or (not self.active and self.started == started):
             self.large_freed = False
-            give_back_freed_memory()  # on the loop, not in a thread: a collection finalizes the loop's own objects
+            # on the loop, not in a thread: a collection finalizes the loop's own objects
+            give_back_freed_memory()
         elif (
             not self.active
         ):  # idle again after requests that came and went: wait for calm once more

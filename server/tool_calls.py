@@ -117,7 +117,8 @@ def strict(schema):
 
 
 def call_schemas(tools, fmt: str) -> list:
-    """One JSON schema per tool for a call to it: {"name": its name, "arguments": its parameters}."""
+    """One JSON schema per tool for a call to it: {"name": its name, "arguments": its
+    parameters}."""
     key = "parameters" if fmt == "llama3" else "arguments"
 
     def schema_of(f):

@@ -200,7 +200,8 @@ class Link:
                 )
 
     def fail(self, error):
-        """A collective failed: say which ranks on this machine are gone, and exit 1 (never hang)."""
+        """A collective failed: say which ranks on this machine are gone, and exit 1 (never
+        hang)."""
         time.sleep(0.5)  # a rank that failed is still exiting
         gone = self.gone()
         who = (
@@ -402,8 +403,8 @@ def load_one_process(
     draft_checkpoint=None,
 ):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
-    engine_flags.add_engine_args); logs the memory plan. Then, as generate.py, drops what only loading
-    needed (weights.settle)."""
+    engine_flags.add_engine_args); logs the memory plan. Then, as generate.py, drops what only
+    loading needed (weights.settle)."""
     from formats import weights
 
     proposer = (
@@ -478,9 +479,10 @@ def load_one_process(
 
 
 def aot_step(engine, load: dict, compile: str, refusal):
-    """--compile auto|aot: the engine's decode-only steps as speedups/aot.py's paged package (built once, in a
-    child process, cached on disk); None (eager) where it cannot serve: quietly for what the flags rule
-    out, with the reason in one line for a failed build. --compile aot raises instead."""
+    """--compile auto|aot: the engine's decode-only steps as speedups/aot.py's paged package (built
+    once, in a child process, cached on disk); None (eager) where it cannot serve: quietly for what
+    the flags rule out, with the reason in one line for a failed build. --compile aot raises
+    instead."""
     from speedups import aot
 
     if refusal:

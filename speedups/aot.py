@@ -68,7 +68,8 @@ CACHE_FIELDS = (
     "v_scale",
 )  # StaticKVCache has the first two, Int8KVCache all four
 MAX_SLOTS = 1 << 20  # the largest cache length a package accepts
-# per package: (the attend lengths it serves, the example attend length and cache length it is exported at)
+# per package: (the attend lengths it serves, the example attend length and cache length it is
+# exported at)
 PARTS = {
     "short": ((2, FUSED_DECODE_MAX_SLOTS), 128, 256),
     "long": (
@@ -101,7 +102,8 @@ class AotError(ValueError):
 
 
 class AotRefusal(AotError):
-    """The model itself rules a package out (sliding windows): --compile auto runs eager without a word."""
+    """The model itself rules a package out (sliding windows): --compile auto runs eager without a
+    word."""
 
 
 def cache_root() -> str:
@@ -349,11 +351,12 @@ class AotDecode:
 
 
 class AotPaged(AotDecode):
-    """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1, R],
-    pos [1, R]) -> logits [R, V] inside cache.step_groups. Built for 2 to MAX_ROWS rows (the layers'
-    kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a branch splits),
-    a longer step runs in pieces of max_rows rows (a decode step's rows are independent: each writes
-    and reads only its own blocks); drafted steps run eager (RESULTS.md, "Compiled by default")."""
+    """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1,
+    R], pos [1, R]) -> logits [R, V] inside cache.step_groups. Built for 2 to MAX_ROWS rows (the
+    layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a branch
+    splits), a longer step runs in pieces of max_rows rows (a decode step's rows are independent:
+    each writes and reads only its own blocks); drafted steps run eager (RESULTS.md, "Compiled by
+    default")."""
 
     max_rows = MAX_ROWS
 
@@ -377,7 +380,8 @@ class AotPaged(AotDecode):
         )  # (one piece: no copy of its logits)
 
     def _rows(self, cache, tokens, pos, table):
-        """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R, V]."""
+        """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R,
+        V]."""
         R = tokens.shape[1]
         if (
             R == 1
@@ -394,10 +398,11 @@ class AotPaged(AotDecode):
 
 
 def decode_step(model, cache, load: dict, fallback: bool = False):
-    """The decode step for `model` and caches like `cache` (any length), compiled ahead of time
-    once per key by a child process, then loaded. load: how the child builds the same model,
+    """The decode step for `model` and caches like `cache` (any length), compiled ahead of time once
+    per key by a child process, then loaded. load: how the child builds the same model,
     weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name.
-    fallback: where it cannot be built or loaded, say why in one line and return eager decode_one."""
+    fallback: where it cannot be built or loaded, say why in one line and return eager
+    decode_one."""
     try:
         return package_step(model, cache, load, retry=not fallback)
     except (
@@ -413,7 +418,8 @@ def decode_step(model, cache, load: dict, fallback: bool = False):
 
 
 def one_line(e: Exception) -> str:
-    """An error's first line: a failed build's reason and log path, without the log's tail after it."""
+    """An error's first line: a failed build's reason and log path, without the log's tail after
+    it."""
     return str(e).splitlines()[0]
 
 
@@ -464,9 +470,9 @@ def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
 
 
 def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
-    """build_in_child, a failure remembered in the folder (failed.txt): without retry (--compile auto)
-    the next run does not build again, so a machine without a C++ compiler does not pay for a failed
-    build every run; --compile aot (retry) builds again."""
+    """build_in_child, a failure remembered in the folder (failed.txt): without retry (--compile
+    auto) the next run does not build again, so a machine without a C++ compiler does not pay for a
+    failed build every run; --compile aot (retry) builds again."""
     failed = os.path.join(folder, "failed.txt")
     if not retry and os.path.exists(failed):
         with open(failed) as f:
@@ -523,7 +529,9 @@ def build_in_child(folder: str, parts: list, load: dict, cache):
                 while (code := child.poll()) is None:
                     time.sleep(0.5)
                     bar.refresh()
-        finally:  # the parent interrupted or failed: the child does not build on alone (a no-op once it exited)
+        # the parent interrupted or failed: the child does not build on alone (a no-op once it
+        # exited)
+        finally:
             child.kill()
             child.wait()
     if code == 0:

@@ -65,7 +65,9 @@ class DraftModel:
             (k - 1) // block_size + 2,
         )  # scratch: per row, positions len-1 .. len+k-2
         self.cache = PagedKVCache.for_model(draft, num_blocks + max_rows * self.scratch, block_size)
-        self.held = {}  # sequence -> (tokens whose draft K/V it holds, the guesses written after them, block ids used)
+        # sequence -> (tokens whose draft K/V it holds, the guesses written after them, block ids
+        # used)
+        self.held = {}
         self.keys = {}  # sequence -> chain key of each of its full blocks (its tokens never change)
         self.filled = {}  # target block id -> the chain key of the tokens whose draft K/V fills it
         self.generator = torch.Generator(device=draft.norm.weight.device).manual_seed(
@@ -73,7 +75,8 @@ class DraftModel:
         )  # its own: never the target's
 
     def propose(self, seqs, max_model_len: int):
-        """Set seq.draft for each of `seqs` (the scheduler's running sequences, with their target blocks)."""
+        """Set seq.draft for each of `seqs` (the scheduler's running sequences, with their target
+        blocks)."""
         for s in seqs:
             s.draft, s.draft_probs = [], None
         running = set(seqs)
@@ -115,7 +118,8 @@ class DraftModel:
 
     def _guess(self, rows, limit: int):
         """k guesses per row: a catch-up forward (each row its unseen tokens), then k - 1 one-token
-        steps -> ([R, k] tokens, per row the [k, V] distributions they were drawn from, or None: argmax)."""
+        steps -> ([R, k] tokens, per row the [k, V] distributions they were drawn from, or None:
+        argmax)."""
         ids = [self._ids(s, r) for r, s in enumerate(rows)]
         starts, width = [self._valid(s) for s in rows], max(len(b) for b in ids)
         for s, b, a in zip(rows, ids, starts):
@@ -164,8 +168,9 @@ class DraftModel:
         return guesses, [None if q[0] is None else torch.stack(q) for q in zip(*probs)]
 
     def _draw(self, rows, logits):
-        """Each row's guess from its logits [R, V]: the argmax for a greedy request, else a draw from
-        the draft's distribution at the request's temperature, top-k, top-p and min-p (kept, for the rule)."""
+        """Each row's guess from its logits [R, V]: the argmax for a greedy request, else a draw
+        from the draft's distribution at the request's temperature, top-k, top-p and min-p (kept,
+        for the rule)."""
         tokens, qs = logits.argmax(-1), []
         for i, s in enumerate(rows):
             t = s.request.sampling
@@ -190,7 +195,8 @@ class DraftModel:
             )[0]
 
     def _ids(self, s, row: int) -> list:
-        """Row `row`'s draft block ids: s's target blocks, then scratch up to position len + k - 2."""
+        """Row `row`'s draft block ids: s's target blocks, then scratch up to position len + k -
+        2."""
         if any(b >= self.num_blocks for b in s.blocks):
             raise ValueError(
                 f"block id {max(s.blocks)} is past the draft's pool of {self.num_blocks} blocks: give "
@@ -202,7 +208,8 @@ class DraftModel:
     def _valid(self, s) -> int:
         """How many of s's tokens the draft's K/V holds in its current blocks (at most all but the
         last, which it feeds): those it wrote (its guesses since kept), while the block ids are the
-        same, or else the full blocks whose tokens' chain key is the one the draft filled them for."""
+        same, or else the full blocks whose tokens' chain key is the one the draft filled them
+        for."""
         bs, (n, guesses, ids) = self.cache.block_size, self.held.get(s, (0, [], []))
         kept = next(
             (i for i, (g, t) in enumerate(zip(guesses, s.tokens[n:])) if g != t),
@@ -221,7 +228,8 @@ class DraftModel:
         return min(max(held, full * bs), len(s.tokens) - 1)
 
     def _keys(self, s) -> list:
-        """The chain key of each of s's full blocks: a key names every token up to the block's end."""
+        """The chain key of each of s's full blocks: a key names every token up to the block's
+        end."""
         bs, keys = self.cache.block_size, self.keys.setdefault(s, [])
         for i in range(len(keys), len(s.tokens) // bs):
             keys.append(hash((keys[-1] if keys else None, tuple(s.tokens[i * bs : (i + 1) * bs]))))

@@ -63,8 +63,8 @@ class Int8KVCache(StaticKVCache):
             t[layer].narrow(2, 0, L) for t in (self.k, self.v, self.k_scale, self.v_scale)
         )
         if q.shape[1] == 1 and torch.compiler.is_compiling() and not softcap and sinks is None:
-            # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) + mask)
-            # (v * v_scale), with the int8 values converted inside the fused reductions
+            # compiled decode only: the eager path below, softmax(q (k * k_scale)^T / sqrt(D) +
+            # mask) (v * v_scale), with the int8 values converted inside the fused reductions
             return decode_attention(q, k_cache, v_cache, mask, k_scale, v_scale)
         k_cache, v_cache = (
             k_cache.to(q.dtype) * k_scale,

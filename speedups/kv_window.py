@@ -35,7 +35,8 @@ def ring_size(window: int, max_seq_len: int) -> int:
 
 
 class WindowedKVCache(StaticKVCache):
-    """StaticKVCache with ring buffers for the windowed layers (module docstring); windows[layer]: 0 or its window."""
+    """StaticKVCache with ring buffers for the windowed layers (module docstring); windows[layer]: 0
+    or its window."""
 
     def __init__(
         self,
@@ -65,7 +66,8 @@ class WindowedKVCache(StaticKVCache):
             self.held.append(torch.full((batch_size, R), -1, dtype=torch.long, device=device))
         self.slots = torch.arange(max_seq_len, device=device)
         self.max_seq_len = self.attend_len = max_seq_len
-        # how far a caller may move back (generate.py --interactive): the rings keep window keys behind it
+        # how far a caller may move back (generate.py --interactive): the rings keep window keys
+        # behind it
         self.rewind_limit = min(
             (R - w for R, w in zip(self.ring, self.windows) if R), default=max_seq_len
         )

@@ -92,7 +92,8 @@ class PromptLookup:
 
 
 class PromptLookupDrafter:
-    """speculative.py's drafter for generate.py (batch 1): find_draft's tokens, and their one-hot q."""
+    """speculative.py's drafter for generate.py (batch 1): find_draft's tokens, and their one-hot
+    q."""
 
     def __init__(self, max_ngram, vocab_size):
         self.max_ngram, self.vocab_size = max_ngram, vocab_size

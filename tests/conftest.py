@@ -25,7 +25,8 @@ from helpers import hf_reference_embedded
 
 @pytest.fixture(scope="session")
 def embedded():
-    """(model in float32, tokenizer) of the embedded default GGUF, dequantized (the float reference)."""
+    """(model in float32, tokenizer) of the embedded default GGUF, dequantized (the float
+    reference)."""
     from formats import weights
     from formats.tokenizer import load_tokenizer
 

@@ -107,7 +107,8 @@ ARCHS = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
         },
     ),
-    # mixtures of experts: few experts, so every token's choice matters; one dense layer in Qwen2-MoE
+    # mixtures of experts: few experts, so every token's choice matters; one dense layer in
+    # Qwen2-MoE
     "mixtral": dict(
         model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32
     ),
@@ -128,7 +129,8 @@ ARCHS = {
         norm_topk_prob=True,
         head_dim=32,
     ),
-    # sinks, biases everywhere, a clamped SwiGLU that bites (limit 1.5), windows of 8 on every other layer, YaRN
+    # sinks, biases everywhere, a clamped SwiGLU that bites (limit 1.5), windows of 8 on every other
+    # layer, YaRN
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_local_experts=4,
@@ -171,7 +173,8 @@ def save_hf(model, folder: Path) -> Path:
 
 
 def to_classic_config(folder: Path):
-    """Rewrite config.json from the newer `rope_parameters` form to `rope_theta` + `rope_scaling`."""
+    """Rewrite config.json from the newer `rope_parameters` form to `rope_theta` +
+    `rope_scaling`."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     rope = cfg.pop("rope_parameters")
@@ -217,7 +220,8 @@ GGUF_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused layers
-    # experts (llama.cpp's names): the router, each projection stacked [E, out, in], Qwen2-MoE's shared expert
+    # experts (llama.cpp's names): the router, each projection stacked [E, out, in], Qwen2-MoE's
+    # shared expert
     "mlp.gate": "ffn_gate_inp",
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
@@ -283,9 +287,10 @@ def write_family_metadata(w, hf, arch):
 
 
 def gguf_arrays(hf):
-    """(HF name, float32 array) of each tensor, as llama.cpp's converter lays experts out: transformers'
-    stacked gate_up_proj [E, 2 ff, dim] split into ffn_gate_exps and ffn_up_exps, the shared expert's
-    gate [1, dim] stored as [dim]. (Names end in .weight, so that the layer name is all but the last part.)"""
+    """(HF name, float32 array) of each tensor, as llama.cpp's converter lays experts out:
+    transformers' stacked gate_up_proj [E, 2 ff, dim] split into ffn_gate_exps and ffn_up_exps, the
+    shared expert's gate [1, dim] stored as [dim]. (Names end in .weight, so that the layer name is
+    all but the last part.)"""
     import numpy as np
 
     for name, t in hf.state_dict().items():
@@ -325,7 +330,8 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
     """Write an HF model as a GGUF file the way llama.cpp's converter lays it out.
 
     2-D weights get `qtype` (quantized with gguf.quants); `raw_blocks` maps a GGUF tensor name to
-    (quantization type, raw block bytes) to store verbatim instead (for types gguf cannot encode)."""
+    (quantization type, raw block bytes) to store verbatim instead (for types gguf cannot
+    encode)."""
     import gguf
     import numpy as np
 
@@ -404,7 +410,8 @@ CHAT_TEMPLATE = (
 )
 
 
-# gpt-oss's reply format (server/harmony.py) in a template of our own: its markers, a dated system message
+# gpt-oss's reply format (server/harmony.py) in a template of our own: its markers, a dated system
+# message
 HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"

@@ -1,5 +1,5 @@
-"""speedups/aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step, at
-every attend length and cache length one package serves, without the compiler in the process."""
+"""speedups/aot.py (--compile aot): the decode step as an AOTInductor package equals the eager step,
+at every attend length and cache length one package serves, without the compiler in the process."""
 
 import json
 import os
@@ -56,7 +56,8 @@ def fill(model, cache, n):
         )
 
 
-@pytest.mark.isa  # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+# Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+@pytest.mark.isa
 def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
     """One package pair (short: up to 1,024 attended slots, long: beyond) for every cache length:
     logits equal the eager step's, including attend length == cache length in each package. Int4
@@ -104,8 +105,8 @@ def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
 
 def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_path):
     """generate.py --compile aot on an int4 model (the kernel's group size is a constant Inductor
-    makes: recorded beside the package) with the int8 KV cache: greedy tokens equal eager's; the second run compiles
-    nothing; the process never imports dynamo, sympy or Inductor's compiler."""
+    makes: recorded beside the package) with the int8 KV cache: greedy tokens equal eager's; the
+    second run compiles nothing; the process never imports dynamo, sympy or Inductor's compiler."""
     argv = [
         "--checkpoint",
         str(tiny),
@@ -199,7 +200,8 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(
     tiny, tmp_path, monkeypatch, capsys
 ):
     """--compile auto (generate.py's default): a cache folder that cannot be made, or a build that
-    fails, decodes eager after one line saying why; a read-only folder holding the packages loads them."""
+    fails, decodes eager after one line saying why; a read-only folder holding the packages loads
+    them."""
     model, spec = load(tiny, quantize="int4")
     cache = StaticKVCache.for_model(model, 2, 1152)  # the packages test_package_equals_eager built
     (tmp_path / "a-file").write_text("")
@@ -320,7 +322,8 @@ def test_cli_refusal_is_a_clear_error(tiny, capsys):
     assert "static KV cache" in capsys.readouterr().err
 
 
-@pytest.mark.isa  # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+# Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+@pytest.mark.isa
 def test_engine_paged_package_equals_eager_at_every_bucket(tiny):
     """batch.py and serve.py's default (--compile auto): the engine's decode-only steps through one
     paged package (rows, table width and pool size dynamic) give the eager engine's greedy tokens,

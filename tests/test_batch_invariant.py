@@ -112,7 +112,8 @@ def paged_rows(positions, L, H=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=0):
     "H, Hkv, L", [(9, 3, 256), (4, 4, 2048)]
 )  # grouped heads; one head per KV head, long
 def test_attention_gives_a_query_the_same_bits_alone_or_among_others(H, Hkv, L):
-    """A query of a 100-token prefill chunk == the same query as a one-token row, alone or among 5 others."""
+    """A query of a 100-token prefill chunk == the same query as a one-token row, alone or among 5
+    others."""
     q, k, v, mask = paged_rows(list(range(L - 160, L - 60)), L, H, Hkv)
     chunk = batch_invariant.attention(q, k, v, mask)  # [1, 100, H, D]
     for t in (0, 41, 99):
@@ -185,7 +186,8 @@ class Probe:
         self.engine._sample = spy
 
     def run(self, prompt, others=(), new=8):
-        """(the probe's logits [new, V], its tokens) with `others` (prompt, max_new_tokens) beside it."""
+        """(the probe's logits [new, V], its tokens) with `others` (prompt, max_new_tokens) beside
+        it."""
         self.logits.clear()
         self.engine.add_request(
             prompt, RequestParams(max_new_tokens=new, temperature=0, ignore_eos=True), "probe"
@@ -255,8 +257,8 @@ def test_greedy_logits_unchanged_by_chunking_preemption_and_own_output_as_prompt
     assert rows == (
         {batch_invariant.ROWS} if dequantize else set()
     )  # one shape per layer, AMX or not
-    # its first 5 tokens computed as prompt rows (positions 144-154 in one chunk: the cache holds only
-    # full blocks) instead of decode rows: the same K/V bits
+    # its first 5 tokens computed as prompt rows (positions 144-154 in one chunk: the cache holds
+    # only full blocks) instead of decode rows: the same K/V bits
     logits, got = alone.run(prompt + tokens[:5], new=7)
     assert torch.equal(logits, ref[5:]) and got == tokens[5:]
 
@@ -273,7 +275,8 @@ def test_the_flag_reaches_the_engine_and_refuses_compiled_steps(capsys):
 
 
 def test_without_the_mode_the_same_request_changes_beside_a_long_prompt():
-    """The scenario the tests above use does reach what the mode fixes: by default it changes bits."""
+    """The scenario the tests above use does reach what the mode fixes: by default it changes
+    bits."""
     probe = Probe(batch_invariant=False, max_num_batched_tokens=256, num_blocks=100)
     rng = random.Random(0)
     prompt = words(rng, 40, probe.tokenizer)

@@ -112,7 +112,8 @@ def test_compiled_one_token_kernels_equal_the_cache_reference(cls):
     """Under torch.compile a one-token step takes decode_attention (StaticKVCache through
     static_decode up to FUSED_DECODE_MAX_SLOTS; Int8KVCache always, on its int8 bytes and scales):
     equal to the eager reference (decode=None: SDPA, after dequantizing for int8) over the same
-    cache in float64, at a prefix past the positions written (128 of 192 slots) and the whole cache."""
+    cache in float64, at a prefix past the positions written (128 of 192 slots) and the whole
+    cache."""
     import torch._dynamo
     import torch._inductor.config
 
@@ -270,9 +271,10 @@ def test_paged_decode_in_place_reads_a_hybrids_two_tables_and_follows_their_edit
 
 
 def test_large_gemms_see_few_row_counts():
-    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of cpu_kernels.GEMM_ROWS in
-    bf16, so that oneDNN builds and keeps few kernels (one per shape): every row count from 128 to
-    160 reaches the GEMM as 128, 144 or 160 rows, with each row's result that of its own product."""
+    """The dequantize + GEMM path (128 rows and more) pads its rows to a multiple of
+    cpu_kernels.GEMM_ROWS in bf16, so that oneDNN builds and keeps few kernels (one per shape):
+    every row count from 128 to 160 reaches the GEMM as 128, 144 or 160 rows, with each row's result
+    that of its own product."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = set()

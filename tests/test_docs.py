@@ -28,7 +28,8 @@ START = re.compile(r"^    (?:\w+=\S* )*(?:\.venv/bin/)?(?:python3?|torchrun)\b")
 
 
 def commands(doc: str) -> list:
-    """(line number, argv) of each command in the doc, a line ending in a backslash joined to the next."""
+    """(line number, argv) of each command in the doc, a line ending in a backslash joined to the
+    next."""
     lines, found, i = open(os.path.join(ROOT, doc)).read().split("\n"), [], 0
     while i < len(lines):
         if START.match(lines[i]):
@@ -45,8 +46,8 @@ def commands(doc: str) -> list:
 
 
 def program(argv: list):
-    """(kind, target, its arguments): ("file", "generate.py", [...]), ("module", "formats.tokenizer",
-    [...]) or ("code", "...", [])."""
+    """(kind, target, its arguments): ("file", "generate.py", [...]), ("module",
+    "formats.tokenizer", [...]) or ("code", "...", [])."""
     args = argv[1:]
     if argv[0].endswith("torchrun"):  # its own flags (each with a value) up to the script
         while args and args[0].startswith("--"):
@@ -71,7 +72,8 @@ def help_text(kind: str, target: str) -> str:
 
 
 def check_code(code: str) -> list:
-    """The names a `-c` snippet imports, and the attributes it reads from them, that do not exist."""
+    """The names a `-c` snippet imports, and the attributes it reads from them, that do not
+    exist."""
     missing, modules = [], {}
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):

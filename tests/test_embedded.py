@@ -16,7 +16,8 @@ NEW_TOKENS = 32
 def hf_greedy(hf, ids, n):
     """HF's greedy decoding with its own KV cache, never stopping at EOS (like --ignore_eos).
 
-    A loop rather than hf.generate: its ways of ignoring EOS (min_new_tokens) forbid the EOS token."""
+    A loop rather than hf.generate: its ways of ignoring EOS (min_new_tokens) forbid the EOS
+    token."""
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):

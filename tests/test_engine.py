@@ -1,6 +1,6 @@
-"""engine.py on scheduler.py: continuous batching gives every request exactly the tokens it gets alone - with
-preemption, chunked prefill, prefix-cache hits and copy-on-write forks - and the engine really
-does change its batch mid-run, chunk long prompts and prefer cached prefixes under `lpm`.
+"""engine.py on scheduler.py: continuous batching gives every request exactly the tokens it gets
+alone - with preemption, chunked prefill, prefix-cache hits and copy-on-write forks - and the engine
+really does change its batch mid-run, chunk long prompts and prefer cached prefixes under `lpm`.
 Exact comparisons run in float64, so a mismatch is a bug, never a near-tie."""
 
 import random
@@ -223,7 +223,8 @@ def test_lpm_gets_more_prefix_hits_than_fcfs(tiny64):
 
 def test_n_samples_share_prompt_blocks_copy_on_write(tiny64):
     """n = 3 samples of a 10-token prompt (block size 4): one prefill, the prompt's blocks shared,
-    the half-full last block copied per sample; sample k equals a request of n = 1 seeded seed + k."""
+    the half-full last block copied per sample; sample k equals a request of n = 1 seeded seed +
+    k."""
     prompt = list(range(30, 40))
     params = dict(max_new_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
     engine = Engine.for_model(tiny64, num_blocks=100, block_size=4)
@@ -264,7 +265,8 @@ def test_sampled_output_does_not_depend_on_the_batch(tiny64):
     assert crowd[3]["tokens"] == solo
 
 
-# -- sampling controls (sampling.py): per sequence, over its own tokens -----------------------------
+# -- sampling controls (sampling.py): per sequence, over its own tokens
+# -----------------------------
 def penalised_alone(model, prompt, n_new, params):
     """The slow twin with penalties: generate.py's loop on a static cache."""
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)

@@ -249,8 +249,8 @@ def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_
 
 def test_a_hybrid_model_keeps_a_pool_per_layer_kind(float64_models):
     """Gemma 3's windowed layers get their own pool (as large as they can use, at most the full
-    layers'); with window_blocks=0 they share the full layers' blocks and keep them all. Each
-    equals the static cache, eager and with compiled decode steps, n = 2 samples forking included."""
+    layers'); with window_blocks=0 they share the full layers' blocks and keep them all. Each equals
+    the static cache, eager and with compiled decode steps, n = 2 samples forking included."""
     model = float64_models("gemma3")
     prompt = list(range(5, 25))
     params = RequestParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
@@ -266,7 +266,8 @@ def test_a_hybrid_model_keeps_a_pool_per_layer_kind(float64_models):
         )
         assert out[0]["tokens"] == ref and out[1]["tokens"] == [ref, ref]
         assert engine.scheduler.blocks_used() == 0
-    # compiled: decodes at 17-20, past the window, all 6 blocks wide (one graph); window_blocks reads 8 // 4 + 2
+    # compiled: decodes at 17-20, past the window, all 6 blocks wide (one graph); window_blocks
+    # reads 8 // 4 + 2
     compiled = Engine.for_model(model, num_blocks=40, block_size=4, compile=True)
     short = RequestParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     assert compiled.run_batch([prompt[:17]], short)[0]["tokens"] == alone(model, prompt[:17], 4)
@@ -294,7 +295,8 @@ def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, gguf_arch, tmp_
     x = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(7))
     cache = StaticKVCache.for_model(model, 1, 48)
     with torch.no_grad():
-        # (Phi-3: a one-shot forward past its original context of 32 rotates every key by the long factors)
+        # (Phi-3: a one-shot forward past its original context of 32 rotates every key by the long
+        # factors)
         ref = hf(x[:, :30] if arch == "phi3_longrope" else x).logits
         ours = [model(x[:, :30], torch.arange(30)[None], cache)]
         ours += [model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(30, 40)]
@@ -354,7 +356,8 @@ def quantization_errors(arch, tmp_path) -> dict:
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3_longrope"])
 def test_int8_and_int4_weights_err_as_much_as_on_llama(arch, tmp_path):
-    """quantize.py's layers in these families: logits as close to float as a Llama's of the same sizes."""
+    """quantize.py's layers in these families: logits as close to float as a Llama's of the same
+    sizes."""
     errors, llama = quantization_errors(arch, tmp_path), quantization_errors("llama2", tmp_path)
     for mode in errors:
         assert 0 < errors[mode] < 1.5 * llama[mode], (
@@ -365,8 +368,8 @@ def test_int8_and_int4_weights_err_as_much_as_on_llama(arch, tmp_path):
 @pytest.mark.parametrize("softcap, kernels", [(0.0, False), (0.0, True), (2.0, True)])
 def test_window_paths_equal_masked_attention_over_every_slot(softcap, kernels):
     """The fast paths (a decode step reads only its window: the paged cache's window blocks,
-    speedups/kv_window.py's ring, through the reference attention or the CPU kernels) against their slow
-    twin, kv_cache.attention over every slot written under the window's mask."""
+    speedups/kv_window.py's ring, through the reference attention or the CPU kernels) against their
+    slow twin, kv_cache.attention over every slot written under the window's mask."""
     import cpu_kernels
     from kv_cache import attention, visible
     from speedups.kv_window import WindowedKVCache
@@ -401,9 +404,9 @@ def test_window_paths_equal_masked_attention_over_every_slot(softcap, kernels):
 
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "gemma2"])
 def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(arch, tmp_path):
-    """speedups/kv_window.py against kv_cache.py on whole models (window 8, rings of 128 slots): a prefill
-    longer than the ring, a short chunk written before it attends, decodes, and 110 tokens greedy
-    past the ring's end, eager against compiled."""
+    """speedups/kv_window.py against kv_cache.py on whole models (window 8, rings of 128 slots): a
+    prefill longer than the ring, a short chunk written before it attends, decodes, and 110 tokens
+    greedy past the ring's end, eager against compiled."""
     import torch._dynamo
 
     from speedups.kv_window import WindowedKVCache
@@ -520,7 +523,8 @@ def test_the_memory_plan_says_what_windows_save():
     assert window_lines(config_of("qwen2_yarn"), 4, 100, 0, 1024) == ""
 
 
-GEMMA_SHAPED_TEMPLATE = (  # Gemma's turn format: "model" for the assistant, a system turn folded into the first user turn
+# Gemma's turn format: "model" for the assistant, a system turn folded into the first user turn
+GEMMA_SHAPED_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
     "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
     "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -1,5 +1,5 @@
-"""formats/fuse_layers.py: q/k/v and gate/up stacked into one layer each give the logits of the separate layers,
-in every layer format, eager and compiled."""
+"""formats/fuse_layers.py: q/k/v and gate/up stacked into one layer each give the logits of the
+separate layers, in every layer format, eager and compiled."""
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
-"""GGUF weights at their own bits (gguf_weights.decode_blocks, formats/quant_groups.py): every mapped
-block type decodes bit for bit as gguf.quants does, the layers built from it equal a float model of
-that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path does."""
+"""GGUF weights at their own bits (gguf_weights.decode_blocks, formats/quant_groups.py): every
+mapped block type decodes bit for bit as gguf.quants does, the layers built from it equal a float
+model of that decoding, and the embedded Q4_1 model runs as quantize.py's int4 group-32 path
+does."""
 
 import numpy as np
 import pytest
@@ -60,8 +61,8 @@ def test_decoded_blocks_equal_gguf_quants_bit_for_bit(kind):
 
 
 def write_random_gguf(tmp_path, kind: str, small: bool = False):
-    """A tiny llama (every matrix a multiple of 256 wide, for the K-quants) whose matrices are random
-    blocks of `kind`; returns the path and {model.py name: gguf.quants' float weight}."""
+    """A tiny llama (every matrix a multiple of 256 wide, for the K-quants) whose matrices are
+    random blocks of `kind`; returns the path and {model.py name: gguf.quants' float weight}."""
     hf = hf_model("llama3", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
     raw, expected = {}, {}
     for i, (name, t) in enumerate(hf.state_dict().items()):
@@ -153,7 +154,8 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
         torch.testing.assert_close(
             layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item()
         )
-    runtime.configure_inductor_cpu()  # as generate.py --compile does (Inductor's vector width per capability)
+    # as generate.py --compile does (Inductor's vector width per capability)
+    runtime.configure_inductor_cpu()
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(2, K, generator=g)
     torch.testing.assert_close(compiled(x), x @ w.T, rtol=1e-5, atol=1e-5)
@@ -164,9 +166,9 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
 @pytest.mark.parametrize("G", [16, 32, 64])
 def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offsets, G, monkeypatch):
     """bf16 on CPU: the int8 values stored as nibbles (lo, hi) for the int4 kernel read back
-    exactly, and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM) and compiled
-    equals x @ (bf16(scale) * q + bf16(offset)).T, the weights the kernel holds. Groups of 16 (Q6_K)
-    take the interleaved layout, symmetric only: with offsets they keep int8."""
+    exactly, and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM) and
+    compiled equals x @ (bf16(scale) * q + bf16(offset)).T, the weights the kernel holds. Groups of
+    16 (Q6_K) take the interleaved layout, symmetric only: with offsets they keep int8."""
     g = torch.Generator().manual_seed(G)
     N, K = 80, 256
     q = torch.randint(

@@ -1,6 +1,6 @@
-"""server/harmony.py: gpt-oss's replies split into content, reasoning and tool calls, whole or while they
-are written (the same parts however the text is cut), and through serve.py's chat endpoint with the
-`openai` client, on a tiny gpt-oss whose tokenizer has harmony's markers and a harmony-shaped
+"""server/harmony.py: gpt-oss's replies split into content, reasoning and tool calls, whole or while
+they are written (the same parts however the text is cut), and through serve.py's chat endpoint with
+the `openai` client, on a tiny gpt-oss whose tokenizer has harmony's markers and a harmony-shaped
 template; the reply is held to a grammar so the random model writes the format."""
 
 import json
@@ -25,7 +25,8 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
     [
         (THINK + FINAL, "It is 4.", "The user adds 2 and 2.", []),
         (THINK + CALL, None, "The user adds 2 and 2.", [("add", '{"a": 2, "b": 2}')]),
-        # the recipient after the channel, a constrain marker, and a reply cut by max_tokens mid-answer
+        # the recipient after the channel, a constrain marker, and a reply cut by max_tokens
+        # mid-answer
         (
             "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{}<|call|>",
             None,
@@ -159,8 +160,8 @@ def test_a_forced_tool_choice_is_refused_by_name(server):
 
 
 def test_the_responses_api_answers_with_the_final_channel():
-    """server/responses.py's whole reply: the final channel as its message, a call to a function as a
-    function_call item (the analysis channel is not written as reasoning items there)."""
+    """server/responses.py's whole reply: the final channel as its message, a call to a function as
+    a function_call item (the analysis channel is not written as reasoning items there)."""
     from server.openai_format import Outputs
     from server.responses import Responses
 

@@ -1,10 +1,11 @@
-"""formats/hf_quant.py: folders quantized by GPTQ, AWQ and compressed-tensors, written here in each format's
-published packing, load as int4 layers whose weights are exactly the format's own dequantization.
+"""formats/hf_quant.py: folders quantized by GPTQ, AWQ and compressed-tensors, written here in each
+format's published packing, load as int4 layers whose weights are exactly the format's own
+dequantization.
 
-The GPTQ and AWQ folders are packed by this file, following AutoGPTQ's QuantLinear.pack and AutoAWQ's
-WQLinear_GEMM.from_linear line by line (those packages need CUDA builds that cannot install here);
-the compressed-tensors folders are packed by the compressed-tensors package itself and are also
-loaded by HF transformers, which dequantizes them through that package.
+The GPTQ and AWQ folders are packed by this file, following AutoGPTQ's QuantLinear.pack and
+AutoAWQ's WQLinear_GEMM.from_linear line by line (those packages need CUDA builds that cannot
+install here); the compressed-tensors folders are packed by the compressed-tensors package itself
+and are also loaded by HF transformers, which dequantizes them through that package.
 """
 
 import json
@@ -55,7 +56,8 @@ def random_layers(hf, group, zeros=(0, 16), seed=0, scale_dtype=torch.float16):
 
 
 def dequantized(q, z, s):
-    """The formats' definition w = s * (q - z), in float32: exact for fp16/bf16 scales (|q - z| <= 16)."""
+    """The formats' definition w = s * (q - z), in float32: exact for fp16/bf16 scales (|q - z| <=
+    16)."""
     G = q.shape[1] // s.shape[1]
     return s.float().repeat_interleave(G, 1) * (q - z.repeat_interleave(G, 1)).float()
 
@@ -65,7 +67,8 @@ def as_int32(words):  # uint32 bit patterns held in int64 -> int32, as numpy's a
 
 
 def pack_gptq(q, z, s, zero_offset):
-    """AutoGPTQ's pack: qweight [K/8, N] with q[8r + j] << 4j, qzeros [K/G, N/8] with (z - offset)[8c + j] << 4j."""
+    """AutoGPTQ's pack: qweight [K/8, N] with q[8r + j] << 4j, qzeros [K/G, N/8] with (z -
+    offset)[8c + j] << 4j."""
     intweight, zeros = q.t(), (z - zero_offset).t()  # [K, N], [K/G, N]
     qweight = sum(intweight[j::8] << (4 * j) for j in range(8))
     qzeros = sum(zeros[:, j::8] << (4 * j) for j in range(8))
@@ -73,7 +76,8 @@ def pack_gptq(q, z, s, zero_offset):
 
 
 def pack_awq(q, z, s):
-    """AutoAWQ's WQLinear_GEMM: qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << 4i, qzeros alike."""
+    """AutoAWQ's WQLinear_GEMM: qweight[:, col] |= intweight[:, col * 8 + order_map[i]] << 4i,
+    qzeros alike."""
     intweight, zeros = q.t(), z.t()  # [K, N], [K/G, N]
     qweight = sum(intweight[:, AWQ_ORDER[i] :: 8] << (4 * i) for i in range(8))
     qzeros = sum(zeros[:, AWQ_ORDER[i] :: 8] << (4 * i) for i in range(8))
@@ -148,8 +152,8 @@ AWQ_CONFIG = {
     "modules_to_not_convert": None,
 }
 
-# name: (quant_config, tensors_of, zero points), as each tool writes them. Classic GPTQ stores z - 1,
-# so its zeros are 1..15 (a stored -1 would spill into the next nibble); symmetric means z = 8.
+# name: (quant_config, tensors_of, zero points), as each tool writes them. Classic GPTQ stores z -
+# 1, so its zeros are 1..15 (a stored -1 would spill into the next nibble); symmetric means z = 8.
 FORMATS = {
     "gptq_sym": (gptq_config(), gptq_tensors("gptq"), (8, 9)),
     "gptq_asym": (gptq_config(sym=False), gptq_tensors("gptq"), (1, 16)),
@@ -230,8 +234,9 @@ def test_dequantize_gives_float_layers(hf, tmp_path):
 
 
 def write_compressed_tensors(hf, folder, layers, strategy, symmetric):
-    """An llm-compressor-style folder: each layer compressed by the package's PackedQuantizationCompressor
-    (its own quantize + pack_to_int32), the config written by its ModelCompressor."""
+    """An llm-compressor-style folder: each layer compressed by the package's
+    PackedQuantizationCompressor (its own quantize + pack_to_int32), the config written by its
+    ModelCompressor."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
     from compressed_tensors.quantization import (
@@ -296,10 +301,11 @@ def test_compressed_tensors_equal_the_package_and_transformers(hf, tmp_path, nam
     model, info = weights.load(folder)
     check_layers(model, layers)
     assert "compressed-tensors int4" in info.own_bits
-    # transformers, through compressed-tensors, on the same folder. Its default route (kept compressed,
-    # decompressed at the first forward) fails on asymmetric pack-quantized with transformers 5.23 and
-    # compressed-tensors 0.20.1 (it expects the zero point unpacked, [N, K/G], and refuses the packed
-    # [N/8, K/G] the package itself wrote); `dequantize=True` decompresses with the package at load.
+    # transformers, through compressed-tensors, on the same folder. Its default route (kept
+    # compressed, decompressed at the first forward) fails on asymmetric pack-quantized with
+    # transformers 5.23 and compressed-tensors 0.20.1 (it expects the zero point unpacked, [N, K/G],
+    # and refuses the packed [N/8, K/G] the package itself wrote); `dequantize=True` decompresses
+    # with the package at load.
     theirs = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
     ).eval()
@@ -315,7 +321,8 @@ def test_compressed_tensors_equal_the_package_and_transformers(hf, tmp_path, nam
 
 
 def test_a_layer_split_over_files_in_any_order_with_an_unpacked_zero_point(hf):
-    """Older compressed-tensors writers stored the asymmetric zero point unpacked, signed [N, K/G]."""
+    """Older compressed-tensors writers stored the asymmetric zero point unpacked, signed [N,
+    K/G]."""
     from compressed_tensors.compressors.pack_quantized import pack_to_int32
 
     q, z, s = random_layers(hf, 32, (0, 16), scale_dtype=torch.bfloat16)[
@@ -347,7 +354,8 @@ def test_a_layer_split_over_files_in_any_order_with_an_unpacked_zero_point(hf):
 
 
 def quantized_folder(hf, tmp_path, config=None, edit=None):
-    """A GPTQ folder (group 32) whose tensors `edit` may change: {"<layer>.<part>": tensor or None}."""
+    """A GPTQ folder (group 32) whose tensors `edit` may change: {"<layer>.<part>": tensor or
+    None}."""
     layers = random_layers(hf, 32, (1, 16))
 
     def tensors_of(q, z, s):

@@ -17,7 +17,8 @@ CAPACITY = 1024  # large against the positions the tests use, so the prefix is w
 
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory):
-    """The tiny model in float64 with a 1024-token context: exact comparisons never flip on near-ties."""
+    """The tiny model in float64 with a 1024-token context: exact comparisons never flip on
+    near-ties."""
     folder = tiny_checkpoint(tmp_path_factory.mktemp("kv-tiny"), max_position_embeddings=CAPACITY)
     model, _ = weights.load(folder, dtype=torch.float64)
     return model

@@ -23,7 +23,8 @@ def tiny64(tmp_path_factory):
 
 
 def reference(model, ids):
-    """log_softmax [len(ids), V] of a forward over ids without any cache: row p predicts ids[p + 1]."""
+    """log_softmax [len(ids), V] of a forward over ids without any cache: row p predicts ids[p +
+    1]."""
     with torch.no_grad():
         return model(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache())[0].log_softmax(
             -1

@@ -218,8 +218,8 @@ def test_compiled_decode_equals_eager(pair):
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
 def test_engine_batches_equal_each_request_alone(arch, tmp_path):
-    """Different prompts in one flat step route their tokens to different experts (gpt-oss: its sinks
-    and windows through the paged cache): float64, exact."""
+    """Different prompts in one flat step route their tokens to different experts (gpt-oss: its
+    sinks and windows through the paged cache): float64, exact."""
     model, _ = weights.load(save_hf(hf_model(arch), tmp_path / "m"), dtype=torch.float64)
     engine = Engine.for_model(
         model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=24
@@ -232,8 +232,8 @@ def test_engine_batches_equal_each_request_alone(arch, tmp_path):
 
 
 def test_active_bytes_count_only_the_chosen_experts(pair):
-    """By hand from the config: each sparse layer's E - k unchosen experts, 3 projections of ff x dim
-    float32 values (and gpt-oss's biases, ff + ff + dim of them), are not read."""
+    """By hand from the config: each sparse layer's E - k unchosen experts, 3 projections of ff x
+    dim float32 values (and gpt-oss's biases, ff + ff + dim of them), are not read."""
     _, _, model = pair
     c, m = model.config, model.config.moe
     per_expert = 4 * (
@@ -294,8 +294,8 @@ def test_folders_written_back_load_in_transformers_and_here(pair, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_folders_hold_the_experts_at_their_bits(mode, arch, tmp_path):
-    """quantize.py's folder of a MoE: each projection stacked over the experts (and gpt-oss's biases),
-    read back to the layers quantize_model makes in memory (same logits)."""
+    """quantize.py's folder of a MoE: each projection stacked over the experts (and gpt-oss's
+    biases), read back to the layers quantize_model makes in memory (same logits)."""
     from formats import hf_folder
 
     model, _ = weights.load(save_hf(hf_model(arch), tmp_path / "m"), dtype=torch.float32)
@@ -312,7 +312,8 @@ def test_quantized_folders_hold_the_experts_at_their_bits(mode, arch, tmp_path):
 
 
 def test_parameter_counts_match_the_published_totals():
-    """Model cards: Mixtral-8x7B 46.7B parameters, 12.9B active; Qwen3-30B-A3B 30.5B, 3.3B active."""
+    """Model cards: Mixtral-8x7B 46.7B parameters, 12.9B active; Qwen3-30B-A3B 30.5B, 3.3B
+    active."""
     from model import ModelConfig
 
     mixtral = ModelConfig(
@@ -376,7 +377,8 @@ def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, tmp_path):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1"])
 def test_gguf_experts_at_their_own_bits_equal_gguf_dequantization(qtype, tmp_path):
     """Each expert projection kept at the file's bits (GroupExperts: 4-bit where Q4_* is exact, else
-    8-bit groups) dequantizes to gguf.quants' own values, and the model equals its dequantized twin."""
+    8-bit groups) dequantizes to gguf.quants' own values, and the model equals its dequantized
+    twin."""
     import gguf
     from helpers import write_gguf
 
@@ -438,7 +440,8 @@ def rewrite_gguf(src, dst, keys=None, rename=None):
 
 
 def test_bad_gguf_experts_are_named(tmp_path):
-    """Metadata that contradicts the expert tensors, sigmoid routing, and experts one tensor each."""
+    """Metadata that contradicts the expert tensors, sigmoid routing, and experts one tensor
+    each."""
     import gguf
     import numpy as np
     from helpers import write_gguf

@@ -1,5 +1,6 @@
-"""formats/mxfp4.py: gpt-oss folders whose experts are MXFP4 blocks, written here in the published layout,
-decode to the values transformers' own dequantization gives, and the model equals transformers'."""
+"""formats/mxfp4.py: gpt-oss folders whose experts are MXFP4 blocks, written here in the published
+layout, decode to the values transformers' own dequantization gives, and the model equals
+transformers'."""
 
 import json
 
@@ -15,7 +16,8 @@ from runtime import CheckpointError
 
 
 def mxfp4_values(E, N, K, seed):
-    """Random codes and exponents, and the weights [E, N, K] they stand for (so packing loses nothing)."""
+    """Random codes and exponents, and the weights [E, N, K] they stand for (so packing loses
+    nothing)."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (E, N, K), generator=g, dtype=torch.uint8)
     scales = torch.randint(
@@ -29,8 +31,8 @@ def mxfp4_values(E, N, K, seed):
 
 
 def mxfp4_folder(tmp_path, dim=64, ff=32):
-    """A tiny gpt-oss folder laid out as openai/gpt-oss-20b: experts as *_blocks / *_scales [E, out, ...]
-    (gate_up rows interleaved), everything else float, quantization_config mxfp4."""
+    """A tiny gpt-oss folder laid out as openai/gpt-oss-20b: experts as *_blocks / *_scales [E, out,
+    ...] (gate_up rows interleaved), everything else float, quantization_config mxfp4."""
     hf = hf_model("gpt_oss", hidden_size=dim, intermediate_size=ff)
     folder = save_hf(hf, tmp_path / "float")
     tensors = load_file(folder / "model.safetensors")
@@ -97,7 +99,8 @@ def test_blocks_decode_to_transformers_dequantization(tmp_path):
 
 
 def test_mxfp4_model_equals_transformers_on_the_same_folder(tmp_path):
-    """transformers dequantizes the blocks on CPU; ours keeps them at 4 bits: prefill and decode logits."""
+    """transformers dequantizes the blocks on CPU; ours keeps them at 4 bits: prefill and decode
+    logits."""
     from transformers import AutoModelForCausalLM
 
     folder = mxfp4_folder(tmp_path)

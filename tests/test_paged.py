@@ -1,5 +1,6 @@
 """paged.py: the paged cache gives the static cache's logits; the block allocator's prefix cache
-(reference counts, chained hashes, leaf-first LRU eviction) keeps its invariants under random use."""
+(reference counts, chained hashes, leaf-first LRU eviction) keeps its invariants under random
+use."""
 
 import pytest
 import torch
@@ -281,7 +282,8 @@ def test_allocator_invariants_under_random_use(ops):
 
 
 def test_memory_plan_arithmetic(tiny64):
-    """bytes per block = 2 * layers * block_size * kv_heads * head_dim * bytes; the pool fits the budget."""
+    """bytes per block = 2 * layers * block_size * kv_heads * head_dim * bytes; the pool fits the
+    budget."""
     a = tiny64.config
     per_block = 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 8
     n, window_blocks, line = plan_blocks(tiny64, 16, memory_bytes=100 * per_block + 5)

@@ -1,4 +1,5 @@
-"""quantize.py: each kernel path against the plain dequantized reference, checkpoints, perplexity."""
+"""quantize.py: each kernel path against the plain dequantized reference, checkpoints,
+perplexity."""
 
 import json
 
@@ -127,7 +128,8 @@ def test_int4_portable_layout_round_trips():
 
 def q4_1_blocks(tensor):
     """(values uint8 [N, K], scale d, min m float32 [N, K/32]) of a GGUF Q4_1 tensor, read directly:
-    each 20-byte block is d (f16), m (f16), then 16 bytes holding elements j (low) and j+16 (high)."""
+    each 20-byte block is d (f16), m (f16), then 16 bytes holding elements j (low) and j+16
+    (high)."""
     K = int(tensor.shape[0])  # GGUF lists the fastest dimension first
     raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1, 20))
     qs = raw[:, 4:]

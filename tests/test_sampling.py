@@ -1,5 +1,6 @@
-"""sampling.py: top-k, top-p and min-p keep exactly the right tokens, logit bias and the penalties follow
-their definitions (and transformers' processors), seeds reproduce, temperature 0 is argmax."""
+"""sampling.py: top-k, top-p and min-p keep exactly the right tokens, logit bias and the penalties
+follow their definitions (and transformers' processors), seeds reproduce, temperature 0 is
+argmax."""
 
 import pytest
 import torch
@@ -99,7 +100,8 @@ def test_bad_sampling_values_are_rejected(temperature, top_k, top_p, message):
         check_sampling(temperature, top_k, top_p)
 
 
-# -- min-p, logit bias and the penalties (sampling.py's steps 1-3 and min-p) ------------------------
+# -- min-p, logit bias and the penalties (sampling.py's steps 1-3 and min-p)
+# ------------------------
 
 
 @settings(max_examples=200, deadline=None)

@@ -99,7 +99,8 @@ def scheduler(
     window_blocks=0,
     **kw,
 ):
-    """window: every layer's (one pool); with window_blocks, a hybrid's windowed layers' (two pools)."""
+    """window: every layer's (one pool); with window_blocks, a hybrid's windowed layers' (two
+    pools)."""
     windows = BlockAllocator(window_blocks, block_size, window=window) if window_blocks else None
     return Scheduler(
         BlockAllocator(num_blocks, block_size, window=0 if windows else window),
@@ -180,7 +181,8 @@ def test_n_samples_fork_share_the_prompt_and_copy_only_the_block_they_write():
 
 
 def test_a_missed_copy_is_caught():
-    """The stand-in can fail: skipping the plan's copies makes the samples read each other's tokens."""
+    """The stand-in can fail: skipping the plan's copies makes the samples read each other's
+    tokens."""
     stand_in = StandIn(scheduler(), copies=False)
     stand_in.add(list(range(30, 40)), 12, n=3)
     with pytest.raises(AssertionError, match="reads back other tokens"):

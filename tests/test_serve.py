@@ -329,7 +329,8 @@ def test_bad_sampling_controls_get_400_naming_the_field_and_the_server_keeps_ser
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error", (body, r.text)
         assert error["param"] == param and param.split(".")[0] in error["message"], (body, error)
-    raw = b'{"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e999}'  # valid JSON, read as infinity
+    # valid JSON, read as infinity
+    raw = b'{"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e999}'
     r = httpx.post(
         url + "/v1/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"}
     )
@@ -420,8 +421,9 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_large_body_is_refus
         slowest = max(slowest, time.perf_counter() - start)
         time.sleep(0.01)
     assert result["r"].status_code == 400 and "context" in result["r"].json()["error"]["message"]
-    # on the loop /health would wait the whole tokenization (>= alone); off it, the thread's GIL share
-    # still slows it on 2 busy cores (0.6 x alone seen once), so the bound sits between the two
+    # on the loop /health would wait the whole tokenization (>= alone); off it, the thread's GIL
+    # share still slows it on 2 busy cores (0.6 x alone seen once), so the bound sits between the
+    # two
     assert slowest < max(0.1, 0.8 * alone), (
         f"/health took {slowest:.2f} s while a prompt was tokenized ({alone:.2f} s)"
     )

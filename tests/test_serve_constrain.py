@@ -310,9 +310,10 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
 
 
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
-    """The engine thread gets a constrain.Compiled (compiled on the two threads kept for it, llguidance
-    releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass their first
-    mask and fail at the next ("max is 2000" items), are a 400 at admission, not a 500 mid-stream."""
+    """The engine thread gets a constrain.Compiled (compiled on the two threads kept for it,
+    llguidance releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass
+    their first mask and fail at the next ("max is 2000" items), are a 400 at admission, not a 500
+    mid-stream."""
     import threading
 
     import serve

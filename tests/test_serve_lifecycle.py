@@ -355,7 +355,8 @@ def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
 
 
 class SlowOnLongTexts:
-    """The tiny tokenizer, holding each text of LONG_TEXT characters or more until released (10 s)."""
+    """The tiny tokenizer, holding each text of LONG_TEXT characters or more until released (10
+    s)."""
 
     def __init__(self, tokenizer):
         self.inner, self.release = tokenizer, threading.Event()
@@ -372,7 +373,8 @@ class SlowOnLongTexts:
 
 def test_long_prompts_being_tokenized_leave_threads_for_a_short_chat(tiny):
     """Seven requests with long prompts tokenize one at a time in their own lane (asyncio's default
-    pool has 6 threads on 2 cores, which they filled); a short chat is answered while they are held."""
+    pool has 6 threads on 2 cores, which they filled); a short chat is answered while they are
+    held."""
     _, model, tokenizer = tiny
     slow = SlowOnLongTexts(tokenizer)
     engine = Engine.for_model(

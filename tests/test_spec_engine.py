@@ -1,10 +1,10 @@
-"""Speculation inside continuous batching (speedups/prompt_lookup.py drafts, engine.py verifies them in the
-step's one forward): greedy, every request's tokens equal the plain engine's (float64: a mismatch
-is a bug, never a near-tie) with mixed lengths, n = 2, preemption, prefix hits, stop strings and a
-JSON-schema constraint; sampling, the speculative engine's token distribution equals the plain
-one's (a chi-square test, with temperature, top-k and a repetition penalty); blocks hold only
-kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected drafts are free
-at the end of the step."""
+"""Speculation inside continuous batching (speedups/prompt_lookup.py drafts, engine.py verifies them
+in the step's one forward): greedy, every request's tokens equal the plain engine's (float64: a
+mismatch is a bug, never a near-tie) with mixed lengths, n = 2, preemption, prefix hits, stop
+strings and a JSON-schema constraint; sampling, the speculative engine's token distribution equals
+the plain one's (a chi-square test, with temperature, top-k and a repetition penalty); blocks hold
+only kept tokens' K/V when they enter the prefix cache, and blocks taken for rejected drafts are
+free at the end of the step."""
 
 import copy
 import json
@@ -102,7 +102,8 @@ def run(model, prompts, params, speculate=None, num_blocks=300, max_num_seqs=8, 
 
 
 def noisy_copy(model, scale: float, seed: int = 0):
-    """A draft for `model`: its copy with every weight moved by noise (so it agrees with it often, not always)."""
+    """A draft for `model`: its copy with every weight moved by noise (so it agrees with it often,
+    not always)."""
     draft, g = copy.deepcopy(model), torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
@@ -220,7 +221,8 @@ def test_speculate_k_outside_1_to_16_is_refused(k):
 
 
 def chi_square_p(a: Counter, b: Counter) -> float:
-    """Two equal-sized samples over the same categories: the p-value of their being one distribution."""
+    """Two equal-sized samples over the same categories: the p-value of their being one
+    distribution."""
     cells = [(a[c], b[c]) for c in set(a) | set(b)]
     stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
     return float(
@@ -247,7 +249,8 @@ class Resampler:
 
 
 # The tiny model continues this prompt's run of 231s about half the time, so prompt lookup's drafts
-# are kept in part (found by appending the plain engine's likeliest 3 tokens to [11, 12, 13, ...] six times).
+# are kept in part (found by appending the plain engine's likeliest 3 tokens to [11, 12, 13, ...]
+# six times).
 QUOTING = [
     11,
     12,
@@ -299,7 +302,8 @@ def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
         engine = Engine.for_model(
             model, num_blocks=800, block_size=4, max_num_seqs=64, speculate=speculate
         )
-        # in waves of 64, each run to the end: drafts take only the budget prompts leave, so none wait
+        # in waves of 64, each run to the end: drafts take only the budget prompts leave, so none
+        # wait
         results = [
             r
             for i in range(0, count, 64)
@@ -322,8 +326,9 @@ def test_sampled_tokens_have_the_plain_distribution(tiny, proposer):
 
 
 def test_compiled_verify_steps_equal_eager_within_few_graphs(tiny):
-    """--compile: steps whose rows all decode or verify drafts run compiled, each row padded to
-    1 + k tokens and the rows to a bucket: the plain eager engine's tokens, from a bounded set of graphs."""
+    """--compile: steps whose rows all decode or verify drafts run compiled, each row padded to 1 +
+    k tokens and the rows to a bucket: the plain eager engine's tokens, from a bounded set of
+    graphs."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

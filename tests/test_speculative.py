@@ -49,7 +49,8 @@ class Counting:
 
 
 class ScriptedDrafter:
-    """Proposes the reference continuation (all accepted) or a wrong token everywhere (all rejected)."""
+    """Proposes the reference continuation (all accepted) or a wrong token everywhere (all
+    rejected)."""
 
     def __init__(self, reference, right, vocab):
         self.reference, self.right, self.vocab = reference, right, vocab

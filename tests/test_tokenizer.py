@@ -1,4 +1,5 @@
-"""formats/tokenizer.py and formats/gguf_tokenizer.py against the reference libraries, on tokenizers built here."""
+"""formats/tokenizer.py and formats/gguf_tokenizer.py against the reference libraries, on tokenizers
+built here."""
 
 import base64
 import io
@@ -81,7 +82,8 @@ def test_sentencepiece_ids_match_the_library(sp_model):
 
 
 def test_sentencepiece_gguf_vocabulary_matches_the_library(sp_model, tmp_path):
-    """A `llama`-kind GGUF vocabulary (pieces, scores, types) rebuilt as BPE gives SentencePiece's ids."""
+    """A `llama`-kind GGUF vocabulary (pieces, scores, types) rebuilt as BPE gives SentencePiece's
+    ids."""
     import gguf
 
     _, sp = sp_model
@@ -456,7 +458,8 @@ STREAM_TEXT = (
 
 
 def stream_all(tok, ids, stop=(), reasons=None):
-    """The pieces a TextStream returns for `ids` (reason None on each, then finish()), and the stream."""
+    """The pieces a TextStream returns for `ids` (reason None on each, then finish()), and the
+    stream."""
     stream = text_stream.TextStream(tok, stop)
     pieces = [stream.add(t, (reasons or {}).get(k)) for k, t in enumerate(ids)]
     return pieces + [stream.finish()], stream
@@ -541,7 +544,8 @@ def test_text_stream_cuts_before_a_stop_string_straddling_tokens(embedded_tokeni
     assert all(p == "" for p in pieces[ended + 1 :])  # nothing after the stop string's token
 
 
-OVERLAPPING_STOPS = [  # stop strings, the text released, the stop string that ended it (tokens "hello", " world")
+# stop strings, the text released, the stop string that ended it (tokens "hello", " world")
+OVERLAPPING_STOPS = [
     (["o w", "wor"], "hell", "o w"),
     (["wor", "o w"], "hell", "o w"),  # both whole in " world": the first to start
     (["lo", "hel", "ell"], "", "hel"),
@@ -658,7 +662,8 @@ def test_printer_prints_until_the_stop_token(embedded_tokenizer):
 )
 def test_a_malformed_gguf_vocabulary_is_named(tmp_path, tokens, merges, extra, message):
     """Merges that are not two tokens joining into a third (or a vocabulary shorter than its
-    merges), metadata lists of the wrong length, token ids outside the vocabulary: TokenizerError."""
+    merges), metadata lists of the wrong length, token ids outside the vocabulary:
+    TokenizerError."""
     import gguf
 
     from runtime import TokenizerError

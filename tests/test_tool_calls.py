@@ -1,8 +1,8 @@
-"""Tool calling (server/tool_calls.py) through serve.py and the real `openai` client: "required" and named
-tool_choice always produce calls that parse and validate against the tool's parameters (a random
-model included), streamed as OpenAI's tool-call deltas or not; the two output formats parse;
-tools reach a template that knows them, and a system message otherwise; a conversation with the
-call and the tool's answer continues; bad tools get 400."""
+"""Tool calling (server/tool_calls.py) through serve.py and the real `openai` client: "required" and
+named tool_choice always produce calls that parse and validate against the tool's parameters (a
+random model included), streamed as OpenAI's tool-call deltas or not; the two output formats parse;
+tools reach a template that knows them, and a system message otherwise; a conversation with the call
+and the tool's answer continues; bad tools get 400."""
 
 import json
 
@@ -103,7 +103,8 @@ def test_parse_both_formats_and_leave_what_does_not_parse():
 
 
 def streamed(text: str, cuts, fmt="hermes", parallel=True):
-    """CallStream fed `text` in pieces cut at `cuts`: (content, [(name, arguments as parsed JSON)], fragments)."""
+    """CallStream fed `text` in pieces cut at `cuts`: (content, [(name, arguments as parsed JSON)],
+    fragments)."""
     stream, parts, at = tool_calls.CallStream(fmt, TOOLS, parallel), [], 0
     for cut in sorted(cuts) + [len(text)]:
         parts += stream.feed(text[at:cut])
@@ -180,7 +181,8 @@ def test_streamed_calls_arrive_in_pieces_and_other_forms_still_parse():
     assert streamed("hello {x", [3], fmt="llama3")[:2] == ("hello {x", [])
     cut = '<tool_call>{"name": "add", "argu'  # cut by max_tokens before its head: content, as parse_calls
     assert streamed(cut, [4])[:2] == (cut, [])
-    broken = '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> and more'  # unclosed JSON ends at CLOSE
+    # unclosed JSON ends at CLOSE
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> and more'
     stream = tool_calls.CallStream("hermes", TOOLS)
     parts = [
         p for k in range(0, len(broken), 5) for p in stream.feed(broken[k : k + 5])

@@ -18,7 +18,8 @@ NEW_TOKENS = 12
 
 
 def start_ranks(fn, args, world: int, timeout_s: float):
-    """fn(rank, *args) on `world` spawned processes, joined within timeout_s (else killed, failing the test)."""
+    """fn(rank, *args) on `world` spawned processes, joined within timeout_s (else killed, failing
+    the test)."""
     ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
@@ -31,7 +32,8 @@ def start_ranks(fn, args, world: int, timeout_s: float):
 def spawn(
     checkpoints, tmp_path, new_tokens=NEW_TOKENS, timeout_s=300, compile_decode=False, quantize=None
 ):
-    """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or error."""
+    """Run one rank per checkpoint (file rendezvous, no port); return each rank's result or
+    error."""
     world = len(checkpoints)
     start_ranks(
         run_rank,

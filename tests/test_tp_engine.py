@@ -1,7 +1,7 @@
-"""server/tp_engine.py: the engine, batch.py and serve.py over tensor-parallel gloo ranks give the tokens
-of one process: shared prefixes, preemption in a tight pool, n = 2, an abort; serve.py under
-torchrun answers the `openai` client as one process does, frees a leaving client's blocks, drains
-on SIGTERM with every rank exiting 0; a rank killed mid-run takes the others down, named."""
+"""server/tp_engine.py: the engine, batch.py and serve.py over tensor-parallel gloo ranks give the
+tokens of one process: shared prefixes, preemption in a tight pool, n = 2, an abort; serve.py under
+torchrun answers the `openai` client as one process does, frees a leaving client's blocks, drains on
+SIGTERM with every rank exiting 0; a rank killed mid-run takes the others down, named."""
 
 import json
 import os
@@ -108,7 +108,8 @@ def run_batch(args, requests, tmp_path, ranks=None):
 
 
 def test_batch_on_three_ranks_equals_one_process_on_the_embedded_model(tmp_path):
-    """The embedded model (9 heads, 3 KV heads) in float32, greedy, through torchrun and batch.py."""
+    """The embedded model (9 heads, 3 KV heads) in float32, greedy, through torchrun and
+    batch.py."""
     requests = [
         {"id": i, "prompt": p, "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         for i, p in enumerate(

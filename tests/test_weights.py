@@ -1,4 +1,5 @@
-"""formats/weights.py and formats/gguf_weights.py: every checkpoint format gives the same model, bad files clear errors."""
+"""formats/weights.py and formats/gguf_weights.py: every checkpoint format gives the same model, bad
+files clear errors."""
 
 import json
 import os
