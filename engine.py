@@ -22,6 +22,7 @@ request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, the
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,17 @@ class Finished(NamedTuple):
 def flat_forward(model, cache, tokens, input_pos, keep=None):
     """tokens, input_pos [1, N] -> logits [len(keep) or N, V]: the step's one forward."""
     return model(tokens, input_pos, cache, keep=keep)[0]
+
+
+@dataclass
+class Flat:
+    """A step's rows as they are laid out: token ids, positions, groups for paged.py (rows, tokens
+    per row, block table) and each sequence's last flat index."""
+
+    tokens: list = field(default_factory=list)
+    pos: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+    ends: list = field(default_factory=list)
 
 
 class Engine:
@@ -272,69 +284,82 @@ class Engine:
     def _layout(self, plan, compiled: bool):
         """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
         index of each sequence's last token). Decodes (and 1-token tails), drafted rows, then
-        prefill chunks."""
-        ones = [s for s, n in plan.runs.items() if n == 1]
-        drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
+        prefill chunks, then padding rows."""
+        rects = self._decode_groups(plan, compiled)
         chunks = [
             s
             for s, n in plan.runs.items()
             if n > 1 and (self.batch_invariant or s not in plan.drafts)
         ]
-        tokens, pos, groups, ends, bs = [], [], [], [], self.cache.block_size
-        # the blocks a row attends: its sequence's, or (batch_invariant) those its own position
-        # needs
-        need = (
-            (lambda s: s.num_computed // bs + 1)
-            if self.batch_invariant
-            else (lambda s: len(s.blocks))
-        )
-        # one group, its rows padded to a bucket (and each to 1 + k tokens when any drafts): few
-        # graphs
+        flat = Flat()
+        for group, n in rects:
+            self._lay_decode_group(flat, plan, group, n, compiled)
+        for s in chunks:
+            self._lay_prefill_chunk(flat, plan, s)
+        if not compiled:  # compiled steps were padded to a bucket by their decode group
+            self._pad_for_gemm(flat)
+        order = [s for group, _ in rects for s in group] + chunks
+        return order, flat.tokens, flat.pos, flat.groups, flat.ends
+
+    def _blocks_needed(self, s) -> int:
+        """The blocks a row attends: its sequence's, or (batch_invariant) those its own position
+        needs."""
+        if self.batch_invariant:
+            return s.num_computed // self.cache.block_size + 1
+        return len(s.blocks)
+
+    def _decode_groups(self, plan, compiled: bool) -> list:
+        """[(sequences, tokens per row)]: one-token rows and drafted rows, grouped. Compiled: one
+        group (few graphs). Eager: rows of similar context together, so each group's gather is
+        close to its own length; drafted rows by their length."""
+        ones = [s for s, n in plan.runs.items() if n == 1]
+        drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
         if compiled:
-            rects = [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
-        # rows of similar context together, so each group's gather is close to its own length;
-        # drafted by length
+            return [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
+        ones.sort(key=lambda s: -self._blocks_needed(s))
+        by_width = itertools.groupby(ones, key=lambda s: bucket(self._blocks_needed(s)))
+        by_length = itertools.groupby(drafted, key=lambda s: plan.runs[s])
+        return [(list(g), 1) for _, g in by_width] + [(list(g), n) for n, g in by_length]
+
+    def _lay_decode_group(self, flat, plan, group, n: int, compiled: bool):
+        """Each row: [its next token, its drafts, padding whose K/V no query sees yet]; compiled,
+        the group padded to a bucket of rows (the null block's first slots)."""
+        bs = self.cache.block_size
+        need = (max(self._blocks_needed(s), (s.num_computed + n - 1) // bs + 1) for s in group)
+        width = bucket(max(need))
+        pad = bucket(len(group)) - len(group) if compiled else 0
+        for s in group:
+            d = plan.drafts.get(s, [])
+            flat.tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
+            flat.pos += range(s.num_computed, s.num_computed + n)
+            flat.ends.append(len(flat.tokens) - n + len(d))
+        flat.tokens += [0] * pad * n
+        flat.pos += [*range(n)] * pad
+        flat.groups.append((len(group) + pad, n, self._table(group, width, pad)))
+
+    def _lay_prefill_chunk(self, flat, plan, s):
+        """A group of its own; batch_invariant cuts it where its queries' width changes."""
+        n, start = plan.runs[s], s.num_computed
+        if self.batch_invariant:
+            pieces = self.pieces(start, n, self.cache.block_size)
         else:
-            ones.sort(key=lambda s: -need(s))
-            rects = [
-                (list(g), 1) for _, g in itertools.groupby(ones, key=lambda s: bucket(need(s)))
-            ]
-            rects += [
-                (list(g), n) for n, g in itertools.groupby(drafted, key=lambda s: plan.runs[s])
-            ]
-        for (
-            group,
-            n,
-        ) in rects:  # a row: [its next token, its drafts, padding whose K/V no query sees yet]
-            width = bucket(max(max(need(s), (s.num_computed + n - 1) // bs + 1) for s in group))
-            pad = (
-                bucket(len(group)) - len(group) if compiled else 0
-            )  # padding rows: the null block's first slots
-            for s in group:
-                d = plan.drafts.get(s, [])
-                tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
-                pos += range(s.num_computed, s.num_computed + n)
-                ends.append(len(tokens) - n + len(d))
-            tokens, pos = tokens + [0] * pad * n, pos + [*range(n)] * pad
-            groups.append((len(group) + pad, n, self._table(group, width, pad)))
-        for s in chunks:  # a group each; batch_invariant cuts one where its queries' width changes
-            n, start = plan.runs[s], s.num_computed
-            for m, width in (
-                self.pieces(start, n, bs) if self.batch_invariant else [(n, bucket(len(s.blocks)))]
-            ):
-                groups.append((1, m, self._table([s], width)))
-            tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
-            pos += range(start, start + n)
-            ends.append(len(tokens) - 1)
-        # eager steps' token count padded as every layer's GEMMs want it (cpu_kernels.gemm_padding:
-        # few shapes, few cached oneDNN kernels); compiled steps are padded to a bucket above
-        pad = (
-            0 if compiled else gemm_padding(len(tokens), self.model.norm.weight.dtype, self.device)
-        )
-        if pad:  # padding rows: one-token rows at position 0 of the null block, never sampled
-            groups.append((pad, 1, torch.zeros(pad, 1, dtype=torch.long, device=self.device)))
-            tokens, pos = tokens + [0] * pad, pos + [0] * pad
-        return [s for group, _ in rects for s in group] + chunks, tokens, pos, groups, ends
+            pieces = [(n, bucket(len(s.blocks)))]
+        for m, width in pieces:
+            flat.groups.append((1, m, self._table([s], width)))
+        flat.tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
+        flat.pos += range(start, start + n)
+        flat.ends.append(len(flat.tokens) - 1)
+
+    def _pad_for_gemm(self, flat):
+        """An eager step's token count padded as every layer's GEMMs want it
+        (cpu_kernels.gemm_padding: few shapes, few cached oneDNN kernels): one-token rows at
+        position 0 of the null block, never sampled."""
+        pad = gemm_padding(len(flat.tokens), self.model.norm.weight.dtype, self.device)
+        if pad:
+            zeros = torch.zeros(pad, 1, dtype=torch.long, device=self.device)
+            flat.groups.append((pad, 1, zeros))
+            flat.tokens += [0] * pad
+            flat.pos += [0] * pad
 
     def _table(self, seqs, width: int, pad: int = 0):
         """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R,
