@@ -161,6 +161,27 @@ def parse_args(argv):
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    add_prompt_args(p)
+    add_sampling_args(p)
+    add_run_args(p)
+    add_weight_args(p)
+    constrain.add_args(p)
+    add_speculation_args(p)
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "num_samples", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    try:  # JSONDecodeError is a ValueError
+        args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
+        SamplingParams.from_fields(args)  # checks every sampling flag
+        args.constraint = constrain.from_args(args)
+    except ValueError as e:
+        p.error(f"--logit_bias is not JSON: {e}" if isinstance(e, json.JSONDecodeError) else str(e))
+    return args
+
+
+def add_prompt_args(p):
+    """What to generate from, and how much."""
     p.add_argument(
         "--checkpoint",
         default=None,
@@ -188,6 +209,10 @@ def parse_args(argv):
         default=None,
         help="KV cache length (default: prompt + max_new_tokens, rounded up)",
     )
+
+
+def add_sampling_args(p):
+    """How each token is chosen (sampling.py), and how many samples."""
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument(
         "--top_k", type=int, default=200, help="sample among the k most likely tokens (>= 1)"
@@ -235,6 +260,10 @@ def parse_args(argv):
     p.add_argument(
         "--batch_size", type=int, default=1, help="samples of the prompt decoded together"
     )
+
+
+def add_run_args(p):
+    """Where and how the steps run, and what is reported."""
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument(
         "--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations"
@@ -257,6 +286,10 @@ def parse_args(argv):
     p.add_argument(
         "--json", action="store_true", help="one JSON object per sample on stdout, no streamed text"
     )
+
+
+def add_weight_args(p):
+    """Weight formats (quantize.py) and the KV cache's kind."""
     g = p.add_argument_group("quantization (quantize.py)")
     g.add_argument(
         "--quantize",
@@ -291,7 +324,10 @@ def parse_args(argv):
         help="KV cache: kv_cache.py's static buffers or paged.py's block pool (same tokens; compare speed)",
     )
     p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
-    constrain.add_args(p)
+
+
+def add_speculation_args(p):
+    """Speculative decoding from the command line (speculative.py)."""
     g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
     g.add_argument(
         "--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts"
@@ -316,17 +352,6 @@ def parse_args(argv):
         choices=("int8", "int4"),
         help="quantize the draft model (--draft_checkpoint)",
     )
-    args = p.parse_args(argv)
-    for name in ("max_new_tokens", "num_samples", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    try:  # JSONDecodeError is a ValueError
-        args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
-        SamplingParams.from_fields(args)  # checks every sampling flag
-        args.constraint = constrain.from_args(args)
-    except ValueError as e:
-        p.error(f"--logit_bias is not JSON: {e}" if isinstance(e, json.JSONDecodeError) else str(e))
-    return args
 
 
 def plan_seq_len(config, prompt_len: int, max_new_tokens: int, max_seq_len: int = None) -> int:

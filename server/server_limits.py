@@ -223,7 +223,13 @@ class Guard:
 
 
 def add_limit_args(p: argparse.ArgumentParser):
-    d = Limits()
+    """Every limit as a flag, its default the Limits field's: sizes, then times."""
+    add_size_limits(p, Limits())
+    add_time_limits(p, Limits())
+
+
+def add_size_limits(p, d):
+    """How much one request (or the queue) may ask for."""
     p.add_argument(
         "--max_waiting",
         type=int,
@@ -262,6 +268,10 @@ def add_limit_args(p: argparse.ArgumentParser):
         default=d.max_logprob_entries,
         help="most log-probabilities one response may hold (tokens x samples x (1 + alternatives))",
     )
+
+
+def add_time_limits(p, d):
+    """How long a client, a constraint or a shutdown may take."""
     p.add_argument(
         "--constraint_timeout",
         type=float,
