@@ -3,9 +3,11 @@
     python generate.py --chat --prompt "What is the capital of France?"      # the embedded model
     python generate.py --checkpoint path/or/org-name --compile --prompt "Once upon a time"
 
-The loop is the textbook one. Prefill runs the whole prompt through the model at positions
-0..T-1, filling the static KV cache (kv_cache.py) and giving the first token's logits; each decode
-step feeds one token at the next position. Decode at batch 1 reads every weight once per token,
+The loop is the textbook one, in three functions: `generate` (timing and stop tokens) calls
+`prefill_first_token`, which runs the whole prompt through the model at positions 0..T-1, filling
+the static KV cache (kv_cache.py) and sampling the first token, then `decode_n_tokens`, whose
+every step feeds one token at the next position. `DecodeOptions` holds the rest (a generator,
+stop ids, a compiled step, streaming, constraints). Decode at batch 1 reads every weight once per token,
 so its speed limit is memory bandwidth / weight bytes; the stats line prints the achieved
 bandwidth next to tokens/s so you can see how close to that limit it runs:
 
@@ -29,6 +31,8 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -65,95 +69,100 @@ from speedups.prompt_lookup import PromptLookupDrafter
 from text_stream import Printer
 
 
-def generate(
-    model,
-    cache,
-    prompt,
-    max_new_tokens,
-    params,
-    generator=None,
-    stop_ids=(),
-    ignore_eos=False,
-    decode_fn=decode_one,
-    prefill_fn=prefill,
-    start_pos=0,
-    on_token=None,
-    context=None,
-    matchers=None,
-):
-    """Decode up to max_new_tokens after `prompt` [B, T] (on the device). context: the ids [B,
-    start_pos + T] the repetition penalty sees besides the output (default: prompt); matchers: one
-    constrain.Matcher per row, whose mask each step's logits pass through before sampling.
+@dataclass
+class DecodeOptions:
+    """How generate() runs, beyond what it decodes; every field has a default."""
 
-    Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
-    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends.
-    A static cache attends only over the positions in use (kv_cache.py's use_positions): set here
-    before each step from the host's count of positions, never read back from the device."""
-    B, T = prompt.shape
-    device = prompt.device
-    stop = torch.tensor(sorted(stop_ids) if not ignore_eos else [], dtype=torch.long, device=device)
-    use_positions = getattr(
-        cache, "use_positions", lambda n, round_up=True: None
-    )  # paged: its tables set the width
-    compiled = decode_fn is not decode_one
-    context = (
-        prompt if context is None else context
-    )  # out (the output so far) is stacked only for a penalty
+    generator: torch.Generator = None  # sampling's random source (seeded by --seed)
+    stop_ids: tuple = ()  # a row's output ends after the first of these
+    ignore_eos: bool = False  # decode exactly max_new_tokens (benchmarks)
+    decode_fn: Callable = decode_one  # runtime.decode_one, or a compiled twin of it
+    prefill_fn: Callable = prefill
+    start_pos: int = 0  # where the prompt starts in the cache (a chat's later turn)
+    on_token: Callable = None  # called with each step's tokens [B] (streaming)
+    context: torch.Tensor = None  # ids [B, start_pos + T] the repetition penalty sees (the prompt)
+    matchers: list = None  # one constrain.Matcher per row, masking each step's logits
+
+
+def generate(model, cache, prompt, max_new_tokens: int, params, options: DecodeOptions = None):
+    """Decode up to max_new_tokens after `prompt` [B, T] (on the device): prefill, then one token
+    at a time. Returns (tokens [B, n] as lists, each cut after its first stop token, timing dict).
+    Rows that hit a stop token keep decoding (the batch shape is static) but their output ends."""
+    o = options or DecodeOptions()
+    stop_ids = sorted(o.stop_ids) if not o.ignore_eos else []
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=prompt.device)
     start = time.perf_counter()
-    with (
-        torch.no_grad()
-    ):  # eager steps attend over the positions in use (to 256 slots), compiled ones over a bucket
-        use_positions(start_pos + T, round_up=prefill_fn is not prefill)
-        logits = constrain.masked(matchers, prefill_fn(model, cache, prompt, start_pos))
-        token = sample(logits, params, generator, context, prompt[:, :0])  # [B]
-        constrain.advance(matchers, token)
-    out, done = [token], torch.isin(token, stop)
+    token = prefill_first_token(model, cache, prompt, params, o)
     first_token_s = time.perf_counter() - start
-    if on_token:
-        on_token(token)
-    pos = torch.full((B, 1), start_pos + T, dtype=torch.long, device=device)
-    attend_len = None
-    for step in range(max_new_tokens - 1):
-        if bool(done.all()):  # one host sync per step: the loop must know when to stop
-            break
-        # A new attend length selects another compiled graph (compiling it the first time): that
-        # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
-        previous, attend_len = (
-            attend_len,
-            use_positions(start_pos + T + step + 1, round_up=compiled),
-        )
-        with (
-            torch.no_grad(),
-            skip_guards(
-                step > 0 and getattr(decode_fn, "has_guards", compiled) and attend_len == previous
-            ),
-        ):
-            logits = decode_fn(model, cache, token[:, None], pos)
-        history = torch.stack(out, 1) if params.needs_history else None
-        token = sample(constrain.masked(matchers, logits), params, generator, context, history)
-        constrain.advance(matchers, token)
-        pos += 1
-        done |= torch.isin(token, stop)
-        out.append(token)
-        if on_token:
-            on_token(token)
-    use_positions(None)  # back to the whole cache, for callers that do not set it
-    if device.type == "cuda":
+    out = decode_n_tokens(model, cache, token, prompt, max_new_tokens - 1, params, stop, o)
+    attend_positions(cache, None)  # back to the whole cache, for callers that do not set it
+    if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     total_s = time.perf_counter() - start
     rows = torch.stack(out, dim=1).tolist()  # [B, n]
-    stop_set = set(stop.tolist())
     for r in rows:
-        cut = next((i + 1 for i, t in enumerate(r) if t in stop_set), len(r))
+        cut = next((i + 1 for i, t in enumerate(r) if t in stop_ids), len(r))
         del r[cut:]
-    n = len(out)
-    decode_s = total_s - first_token_s
+    n, decode_s = len(out), total_s - first_token_s
     return rows, {
         "time_to_first_token_s": first_token_s,
         "total_s": total_s,
         "steps": n,
         "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
     }
+
+
+def attend_positions(cache, n: int, round_up: bool = True):
+    """A static cache attends only over the positions in use (kv_cache.py's use_positions), set
+    before each step from the host's count, never read back from the device; -> the attend
+    length, or None (a paged cache: its block tables set the width)."""
+    use = getattr(cache, "use_positions", None)
+    return use(n, round_up=round_up) if use else None
+
+
+def prefill_first_token(model, cache, prompt, params, o: DecodeOptions):
+    """The whole prompt [B, T] through the model at positions start_pos.., filling the cache ->
+    the first sampled token [B]. Eager prefill attends over the positions in use (to 256 slots),
+    a compiled one over a bucket."""
+    context = prompt if o.context is None else o.context
+    with torch.no_grad():
+        attend_positions(cache, o.start_pos + prompt.shape[1], round_up=o.prefill_fn is not prefill)
+        logits = constrain.masked(o.matchers, o.prefill_fn(model, cache, prompt, o.start_pos))
+        token = sample(logits, params, o.generator, context, prompt[:, :0])  # [B]
+        constrain.advance(o.matchers, token)
+    if o.on_token:
+        o.on_token(token)
+    return token
+
+
+def decode_n_tokens(model, cache, token, prompt, n: int, params, stop, o: DecodeOptions) -> list:
+    """Up to n more tokens after `token` [B], one step each -> every token so far, [B] each. One
+    host sync per step: the loop must know when every row has stopped."""
+    B, T = prompt.shape
+    context = prompt if o.context is None else o.context
+    compiled = o.decode_fn is not decode_one
+    out, done = [token], torch.isin(token, stop)
+    pos = torch.full((B, 1), o.start_pos + T, dtype=torch.long, device=prompt.device)
+    attend_len = None
+    for step in range(n):
+        if bool(done.all()):
+            break
+        # A new attend length selects another compiled graph (compiling it the first time): that
+        # step checks every guard, as skipping them would rerun the graph of the shorter prefix.
+        previous = attend_len
+        attend_len = attend_positions(cache, o.start_pos + T + step + 1, round_up=compiled)
+        checked = step > 0 and getattr(o.decode_fn, "has_guards", compiled)
+        with torch.no_grad(), skip_guards(checked and attend_len == previous):
+            logits = o.decode_fn(model, cache, token[:, None], pos)
+        history = torch.stack(out, 1) if params.needs_history else None
+        token = sample(constrain.masked(o.matchers, logits), params, o.generator, context, history)
+        constrain.advance(o.matchers, token)
+        pos += 1
+        done |= torch.isin(token, stop)
+        out.append(token)
+        if o.on_token:
+            o.on_token(token)
+    return out
 
 
 def parse_args(argv):
@@ -480,13 +489,15 @@ def run(args) -> int:
                 prompt,
                 args.max_new_tokens,
                 params,
-                generator,
-                tokenizer.stop_ids,
-                args.ignore_eos,
-                decode_fn,
-                prefill_fn,
-                on_token=printer if stream else None,
-                matchers=matchers,
+                DecodeOptions(
+                    generator=generator,
+                    stop_ids=tokenizer.stop_ids,
+                    ignore_eos=args.ignore_eos,
+                    decode_fn=decode_fn,
+                    prefill_fn=prefill_fn,
+                    on_token=printer if stream else None,
+                    matchers=matchers,
+                ),
             )
             if stream:
                 printer.flush()
@@ -567,13 +578,15 @@ def interactive(args, model, tokenizer, device) -> int:
             prompt,
             args.max_new_tokens,
             params,
-            generator,
-            tokenizer.stop_ids,
-            False,
-            decode_fn,
-            start_pos=common,
-            on_token=printer,
-            context=torch.tensor([ids], device=device),
+            DecodeOptions(
+                generator=generator,
+                stop_ids=tokenizer.stop_ids,
+                ignore_eos=False,
+                decode_fn=decode_fn,
+                start_pos=common,
+                on_token=printer,
+                context=torch.tensor([ids], device=device),
+            ),
         )
         printer.flush()
         print()

@@ -214,10 +214,12 @@ def main():
             prompt,
             64,
             SamplingParams(0.0),
-            None,
-            tokenizer.stop_ids,
-            label == "unconstrained",
-            matchers=matchers,
+            generate.DecodeOptions(
+                generator=None,
+                stop_ids=tokenizer.stop_ids,
+                ignore_eos=label == "unconstrained",
+                matchers=matchers,
+            ),
         )
         print(f"| {label} | {len(rows[0])} | {timing['tokens_per_s']:.1f} |")
 

@@ -62,9 +62,7 @@ def run_ours(model, cache, last, in_use, n, decode_fn):
         torch.tensor([[last]]),
         n,
         SamplingParams(0.0),
-        ignore_eos=True,
-        decode_fn=decode_fn,
-        start_pos=in_use - 1,
+        generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn, start_pos=in_use - 1),
     )
     assert len(rows[0]) == n
     return t["tokens_per_s"], rows[0]

@@ -99,8 +99,7 @@ def run_ours(model, ids, n, decode_fn, seq_len):
         torch.tensor([ids]),
         n,
         SamplingParams(0.0),
-        ignore_eos=True,
-        decode_fn=decode_fn,
+        generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn),
     )
     assert len(rows[0]) == n
     return {

@@ -88,7 +88,12 @@ def ours_decode(model, prompt, n, decode_fn):
     def run():
         cache = StaticKVCache.for_model(model, 1, len(prompt) + n)
         _, t = generate.generate(
-            model, cache, x, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+            model,
+            cache,
+            x,
+            n,
+            SamplingParams(0.0),
+            generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn),
         )
         return t["tokens_per_s"]
 

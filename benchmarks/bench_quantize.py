@@ -62,7 +62,12 @@ def load(mode, dtype):
 def decode(model, ids, n, fn, cache):
     cache.reset()
     rows, t = generate.generate(
-        model, cache, torch.tensor([ids]), n, SamplingParams(0.0), ignore_eos=True, decode_fn=fn
+        model,
+        cache,
+        torch.tensor([ids]),
+        n,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True, decode_fn=fn),
     )
     assert len(rows[0]) == n
     return t

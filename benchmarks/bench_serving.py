@@ -148,8 +148,7 @@ def batch1_decode(model, prompt, n, compiled: bool) -> float:
             torch.tensor([prompt]),
             n,
             SamplingParams(0.0),
-            ignore_eos=True,
-            decode_fn=fn,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=fn),
         )
         runs.append(timing["tokens_per_s"])
     return sorted(runs[1:])[1]
@@ -175,8 +174,7 @@ def batch1_caches(model, ids):
                 torch.tensor([prompt]),
                 8,
                 SamplingParams(0.0),
-                ignore_eos=True,
-                decode_fn=fn,
+                generate.DecodeOptions(ignore_eos=True, decode_fn=fn),
             )  # warm-up (compiles)
     for _ in range(3):
         for cache, fn, runs in rows.values():
@@ -186,8 +184,7 @@ def batch1_caches(model, ids):
                 torch.tensor([prompt]),
                 n,
                 SamplingParams(0.0),
-                ignore_eos=True,
-                decode_fn=fn,
+                generate.DecodeOptions(ignore_eos=True, decode_fn=fn),
             )
             runs.append(timing["tokens_per_s"])
     print(

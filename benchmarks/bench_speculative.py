@@ -94,7 +94,12 @@ def main():
 
     def plain(ids):
         rows, timing = generate.generate(
-            target, cache, torch.tensor([ids]), n, GREEDY, ignore_eos=True, decode_fn=plain_fn
+            target,
+            cache,
+            torch.tensor([ids]),
+            n,
+            GREEDY,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=plain_fn),
         )
         return rows[0], timing["tokens_per_s"]
 

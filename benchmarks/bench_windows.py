@@ -99,9 +99,7 @@ def static_run(model, prompt, n, decode_fn, kind, kv_bytes):
             x[:, -1:],
             n,
             SamplingParams(0.0),
-            ignore_eos=True,
-            decode_fn=decode_fn,
-            start_pos=len(prompt) - 1,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn, start_pos=len(prompt) - 1),
         )
         return t["tokens_per_s"]
 

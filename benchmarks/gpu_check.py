@@ -120,7 +120,9 @@ def decode_tokens(model, fn, device, steps, prompt_len=16):
     """Greedy tokens of `steps` decode steps with decode function fn (batch 1, static cache)."""
     cache = StaticKVCache.for_model(model, 1, 256)
     prompt = torch.arange(1, prompt_len + 1, device=device)[None]
-    rows, _ = generate.generate(model, cache, prompt, steps, GREEDY, ignore_eos=True, decode_fn=fn)
+    rows, _ = generate.generate(
+        model, cache, prompt, steps, GREEDY, generate.DecodeOptions(ignore_eos=True, decode_fn=fn)
+    )
     return rows[0]
 
 

@@ -526,6 +526,11 @@ def alone(model, prompt, n_new):
 
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
     rows, _ = generate.generate(
-        model, cache, torch.tensor([prompt]), n_new, SamplingParams(0.0), ignore_eos=True
+        model,
+        cache,
+        torch.tensor([prompt]),
+        n_new,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True),
     )
     return rows[0]

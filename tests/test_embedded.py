@@ -43,7 +43,12 @@ def test_greedy_tokens_match_hf_generate(embedded, hf_embedded, prompt):
     ids = tok.encode(prompt)
     cache = StaticKVCache.for_model(model, 1, 128)
     rows, _ = generate.generate(
-        model, cache, torch.tensor([ids]), NEW_TOKENS, SamplingParams(0.0), ignore_eos=True
+        model,
+        cache,
+        torch.tensor([ids]),
+        NEW_TOKENS,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True),
     )
     assert rows[0] == hf_greedy(hf_embedded, ids, NEW_TOKENS)
 

@@ -271,7 +271,7 @@ def penalised_alone(model, prompt, n_new, params):
     """The slow twin with penalties: generate.py's loop on a static cache."""
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n_new)
     rows, _ = generate.generate(
-        model, cache, torch.tensor([prompt]), n_new, params, ignore_eos=True
+        model, cache, torch.tensor([prompt]), n_new, params, generate.DecodeOptions(ignore_eos=True)
     )
     return rows[0]
 

@@ -103,7 +103,7 @@ def test_greedy_tokens_match_hf(pair):
         prompt,
         32,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     assert ours[0] == list(ref)
 
@@ -133,9 +133,13 @@ def test_compiled_decode_equals_eager(pair):
 
     torch._dynamo.reset()
     prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
-    run = dict(ignore_eos=True)
     eager, _ = generate.generate(
-        model, StaticKVCache.for_model(model, 2, 64), prompt, 30, SamplingParams(0.0), **run
+        model,
+        StaticKVCache.for_model(model, 2, 64),
+        prompt,
+        30,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True),
     )
     compiled, _ = generate.generate(
         model,
@@ -143,8 +147,9 @@ def test_compiled_decode_equals_eager(pair):
         prompt,
         30,
         SamplingParams(0.0),
-        decode_fn=runtime.compile_decode("cpu", autotune=False),
-        **run,
+        generate.DecodeOptions(
+            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+        ),
     )
     assert compiled == eager
 
@@ -438,7 +443,12 @@ def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(a
     torch._dynamo.reset()
     prompt, params = x[:, :40], SamplingParams(0.0)
     eager, _ = generate.generate(
-        model, StaticKVCache.for_model(model, 2, 160), prompt, 110, params, ignore_eos=True
+        model,
+        StaticKVCache.for_model(model, 2, 160),
+        prompt,
+        110,
+        params,
+        generate.DecodeOptions(ignore_eos=True),
     )
     ring, _ = generate.generate(
         model,
@@ -446,8 +456,9 @@ def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(a
         prompt,
         110,
         params,
-        ignore_eos=True,
-        decode_fn=runtime.compile_decode("cpu", autotune=False),
+        generate.DecodeOptions(
+            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+        ),
     )
     assert ring == eager
 

@@ -42,18 +42,33 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
     prompt = torch.tensor([[5, 9, 11, 3]] * 2)
     params = SamplingParams(0.0)
     eager, _ = generate.generate(
-        model, StaticKVCache.for_model(model, 2, 64), prompt, 21, params, ignore_eos=True
+        model,
+        StaticKVCache.for_model(model, 2, 64),
+        prompt,
+        21,
+        params,
+        generate.DecodeOptions(ignore_eos=True),
     )
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled_fn = runtime.compile_decode("cpu")
         cache = StaticKVCache.for_model(model, 2, 64)
         ours, _ = generate.generate(
-            model, cache, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn
+            model,
+            cache,
+            prompt,
+            21,
+            params,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=compiled_fn),
         )
         # a fresh cache of the same shape reuses the compiled graph (no recompile)
         fresh = StaticKVCache.for_model(model, 2, 64)
         again, _ = generate.generate(
-            model, fresh, prompt, 21, params, ignore_eos=True, decode_fn=compiled_fn
+            model,
+            fresh,
+            prompt,
+            21,
+            params,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=compiled_fn),
         )
     assert ours == eager == again
     assert len(ours[0]) == 21
@@ -109,9 +124,7 @@ def test_compile_lengths_mid_conversation_then_decode_equals_eager(tmp_path):
                 nxt,
                 20,
                 SamplingParams(0.0),
-                ignore_eos=True,
-                decode_fn=step,
-                start_pos=120,
+                generate.DecodeOptions(ignore_eos=True, decode_fn=step, start_pos=120),
             )
         replies.append(rows[0])
     assert replies[0] == replies[1] and len(replies[0]) == 20
@@ -226,7 +239,12 @@ def test_stops_at_stop_token(tiny, capsys):
         )  # <|im_end|> wins once hidden states align
     prompt = torch.tensor([[5, 6, 7]])
     rows, timing = generate.generate(
-        model, StaticKVCache.for_model(model, 1, 64), prompt, 20, SamplingParams(0.0), stop_ids={2}
+        model,
+        StaticKVCache.for_model(model, 1, 64),
+        prompt,
+        20,
+        SamplingParams(0.0),
+        generate.DecodeOptions(stop_ids={2}),
     )
     ignored, _ = generate.generate(
         model,
@@ -234,8 +252,7 @@ def test_stops_at_stop_token(tiny, capsys):
         prompt,
         20,
         SamplingParams(0.0),
-        stop_ids={2},
-        ignore_eos=True,
+        generate.DecodeOptions(stop_ids={2}, ignore_eos=True),
     )
     assert 2 in ignored[0] and len(ignored[0]) == 20
     first = ignored[0].index(2)

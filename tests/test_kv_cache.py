@@ -81,7 +81,12 @@ def test_prefix_attention_equals_whole_cache_logits(tiny64, cache_cls):
 def greedy_across_a_boundary(model, cache_cls, decode_fn, prompt, n):
     cache = cache_cls.for_model(model, 2, CAPACITY)
     rows, _ = generate.generate(
-        model, cache, prompt, n, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+        model,
+        cache,
+        prompt,
+        n,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn),
     )
     assert (
         cache.attend_len == CAPACITY

@@ -73,7 +73,7 @@ def test_greedy_tokens_match_hf(pair):
         prompt,
         32,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     assert ours[0] == list(ref)
 
@@ -200,9 +200,13 @@ def test_compiled_decode_equals_eager(pair):
 
     torch._dynamo.reset()
     prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
-    run = dict(ignore_eos=True)
     eager, _ = generate.generate(
-        model, StaticKVCache.for_model(model, 2, 64), prompt, 20, SamplingParams(0.0), **run
+        model,
+        StaticKVCache.for_model(model, 2, 64),
+        prompt,
+        20,
+        SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True),
     )
     compiled, _ = generate.generate(
         model,
@@ -210,8 +214,9 @@ def test_compiled_decode_equals_eager(pair):
         prompt,
         20,
         SamplingParams(0.0),
-        decode_fn=runtime.compile_decode("cpu", autotune=False),
-        **run,
+        generate.DecodeOptions(
+            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+        ),
     )
     assert compiled == eager
 

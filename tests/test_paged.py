@@ -71,7 +71,9 @@ def test_generate_paged_equals_static(tiny64):
         StaticKVCache.for_model(tiny64, 2, 64),
         PagedKVCache.for_batch(tiny64, 2, 64, block_size=8),
     ):
-        rows, _ = generate.generate(tiny64, cache, prompt, 30, SamplingParams(0.0), ignore_eos=True)
+        rows, _ = generate.generate(
+            tiny64, cache, prompt, 30, SamplingParams(0.0), generate.DecodeOptions(ignore_eos=True)
+        )
         out.append(rows)
     assert out[0] == out[1] and len(out[0][0]) == 30
 
@@ -90,7 +92,7 @@ def test_compiled_paged_decode_equals_eager(tiny64):
         prompt,
         20,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     with torch._dynamo.config.patch(error_on_recompile=True):
         fn = runtime.compile_decode("cpu", autotune=False)
@@ -100,8 +102,7 @@ def test_compiled_paged_decode_equals_eager(tiny64):
             prompt,
             20,
             SamplingParams(0.0),
-            ignore_eos=True,
-            decode_fn=fn,
+            generate.DecodeOptions(ignore_eos=True, decode_fn=fn),
         )
     assert compiled == eager
 

@@ -249,7 +249,12 @@ def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=runtime.decode_one):
     cache = cache_cls.for_model(model, 1, 64)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
     rows, _ = generate.generate(
-        model, cache, prompt, n, generate.SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+        model,
+        cache,
+        prompt,
+        n,
+        generate.SamplingParams(0.0),
+        generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn),
     )
     return rows[0]
 

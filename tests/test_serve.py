@@ -98,7 +98,7 @@ def alone_text(model, tokenizer, ids, n, params=SamplingParams(0.0)):
         torch.tensor([ids]),
         n,
         params,
-        stop_ids=tokenizer.stop_ids,
+        generate.DecodeOptions(stop_ids=tokenizer.stop_ids),
     )
     return tokenizer.decode([t for t in rows[0] if t not in tokenizer.stop_ids])
 

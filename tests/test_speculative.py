@@ -32,7 +32,7 @@ def reference(target):
         torch.tensor([PROMPT]),
         NEW,
         GREEDY,
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     return rows[0]
 
@@ -220,7 +220,14 @@ def test_cache_after_rejections_equals_a_plain_run(target, reference, tmp_path):
         ignore_eos=True,
     )
     assert 0 < stats["accepted"] < stats["drafted"]  # some drafts were rejected
-    generate.generate(target, plain_cache, torch.tensor([PROMPT]), NEW, GREEDY, ignore_eos=True)
+    generate.generate(
+        target,
+        plain_cache,
+        torch.tensor([PROMPT]),
+        NEW,
+        GREEDY,
+        generate.DecodeOptions(ignore_eos=True),
+    )
     last, pos = torch.tensor([[out[-1]]]), torch.tensor([[len(PROMPT) + NEW - 1]])
     with torch.no_grad():
         torch.testing.assert_close(

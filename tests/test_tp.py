@@ -71,7 +71,7 @@ def single_process(checkpoint):
         x,
         NEW_TOKENS,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     return model, logits, rows[0]
 
@@ -129,7 +129,7 @@ def test_embedded_model_on_three_ranks_equals_one_process(embedded, tmp_path):
         x,
         NEW_TOKENS,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     check_ranks(spawn([None] * 3, tmp_path), model, logits, rows[0], 3, atol=1e-4)
 
@@ -167,7 +167,7 @@ def test_int4_quantized_shards_equal_one_process(tmp_path):
         x,
         NEW_TOKENS,
         SamplingParams(0.0),
-        ignore_eos=True,
+        generate.DecodeOptions(ignore_eos=True),
     )
     for r in results:
         assert not isinstance(r, str), r

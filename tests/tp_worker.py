@@ -50,7 +50,12 @@ def run_rank(
         cache = StaticKVCache.for_model(model, 1, 64)
         decode_fn = runtime.compile_decode("cpu") if compile_decode else runtime.decode_one
         rows, _ = generate.generate(
-            model, cache, x, new_tokens, SamplingParams(0.0), ignore_eos=True, decode_fn=decode_fn
+            model,
+            cache,
+            x,
+            new_tokens,
+            SamplingParams(0.0),
+            generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn),
         )
         torch.save(
             {"logits": logits, "tokens": rows[0], "weight_bytes": model.weight_bytes()},
