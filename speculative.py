@@ -107,6 +107,43 @@ def layer_skip_forward(model, tokens, input_pos, cache, n_layers):
     return model.head(x[:, -1:])
 
 
+def verify(target, cache, unseen, valid, drafts, draft_probs, params, generator, verify_fns):
+    """One forward of the target over the tokens it has not seen (from position `valid`) and the
+    drafts -> (n drafts accepted, the token after them): accepted as the rule keeps the target's
+    distribution, or, with no drafts, one token sampled from the target's own."""
+    device = cache.slots.device
+    feed = unseen + drafts  # the target's one forward this round
+    x = torch.tensor([feed], device=device)
+    pos = torch.arange(valid, valid + len(feed), device=device)[None]
+    with torch.no_grad():
+        if len(feed) in verify_fns:  # a compiled runtime.verify_step for this length
+            logits = verify_fns[len(feed)](target, cache, x, pos)
+        else:
+            logits = target(x, pos, cache)
+    logits = logits[0, -(len(drafts) + 1) :]  # [len(drafts) + 1, V]
+    p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    if drafts:
+        return accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)
+    if params.temperature > 0:
+        return 0, int(torch.multinomial(p[0], 1, generator=generator))
+    return 0, int(p[0].argmax())
+
+
+def speculation_stats(out, counts, target_s, total_s, first_token_s) -> dict:
+    """The stats speculative_generate returns: counts (rounds, drafted, accepted, draft_s) and
+    rates derived from them; tokens/s counts the tokens after the first, over the time after it."""
+    rounds, drafted, decode_s = counts["rounds"], counts["drafted"], total_s - first_token_s
+    return {
+        **counts,
+        "acceptance_rate": counts["accepted"] / drafted if drafted else 0.0,
+        "tokens_per_round": len(out) / rounds if rounds else 0.0,
+        "target_s": target_s,
+        "total_s": total_s,
+        "time_to_first_token_s": first_token_s,
+        "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0,
+    }
+
+
 def speculative_generate(
     target,
     cache,
@@ -125,14 +162,11 @@ def speculative_generate(
 
     verify_fns: {T: compiled runtime.verify_step} for the forward lengths that recur (k + 1
     after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
-    if (
-        params.adjusts_logits
-    ):  # p must be the distribution plain decoding samples from, history and all
+    if params.adjusts_logits:  # p must be the distribution plain decoding samples from
         raise ValueError(
             "speculative decoding here takes no logit_bias or repetition, frequency or presence penalty"
         )
     verify_fns = verify_fns or {}
-    device = cache.slots.device
     tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)
     rounds = drafted = accepted = 0
     draft_s = target_s = 0.0
@@ -143,31 +177,12 @@ def speculative_generate(
         want = min(k, max_new_tokens - (len(tokens) - len(prompt)) - 1)
         drafts, draft_probs = drafter.propose(tokens, want, generator) if want > 0 else ([], None)
         t1 = time.perf_counter()
-        feed = tokens[valid:] + drafts  # the target's one forward this round
-        x = torch.tensor([feed], device=device)
-        pos = torch.arange(valid, valid + len(feed), device=device)[None]
-        with torch.no_grad():
-            if len(feed) in verify_fns:
-                logits = verify_fns[len(feed)](target, cache, x, pos)[0, -(len(drafts) + 1) :]
-            else:
-                logits = target(x, pos, cache)[0, -(len(drafts) + 1) :]  # [len(drafts) + 1, V]
-        p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-        if drafts:
-            n, nxt = accept(
-                torch.tensor(drafts, device=device), draft_probs.to(device), p, generator
-            )
-        else:
-            n, nxt = (
-                0,
-                int(torch.multinomial(p[0], 1, generator=generator))
-                if params.temperature > 0
-                else int(p[0].argmax()),
-            )
+        n, nxt = verify(
+            target, cache, tokens[valid:], valid, drafts, draft_probs, params, generator, verify_fns
+        )
         t2 = time.perf_counter()
         draft_s, target_s = draft_s + (t1 - t0), target_s + (t2 - t1)
-        confirmed = (
-            len(tokens) + n
-        )  # tokens whose K/V the target (and maybe the drafter) hold correctly
+        confirmed = len(tokens) + n  # tokens whose K/V the target (and the drafter) hold right
         new = drafts[:n] + [nxt]
         rounds, drafted, accepted = rounds + 1, drafted + len(drafts), accepted + n
         valid = confirmed
@@ -184,18 +199,6 @@ def speculative_generate(
             break
     total_s = time.perf_counter() - start
     out = tokens[len(prompt) :]
-    stats = {
-        "rounds": rounds,
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "tokens_per_round": len(out) / rounds if rounds else 0.0,
-        "draft_s": draft_s,
-        "target_s": target_s,
-        "total_s": total_s,
-        "time_to_first_token_s": first_token_s or total_s,
-        "tokens_per_s": (len(out) - 1) / (total_s - first_token_s)
-        if len(out) > 1 and first_token_s
-        else 0.0,
-    }
+    counts = dict(rounds=rounds, drafted=drafted, accepted=accepted, draft_s=draft_s)
+    stats = speculation_stats(out, counts, target_s, total_s, first_token_s or total_s)
     return out, stats

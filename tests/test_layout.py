@@ -223,7 +223,6 @@ OVER_500 = {
     "engine": 518,
 }
 OVER_60 = {
-    "speculative": {"speculative_generate"},
     "kv_plan": {"plan_blocks"},
     "formats.families": {"_config_from_hf"},
     "formats.gguf_file": {"__init__"},
