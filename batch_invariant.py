@@ -93,7 +93,8 @@ def fixed_rows(forward):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         M = x2.shape[0]
         x2 = F.pad(x2, (0, 0, 0, -M % ROWS))  # [ceil(M / ROWS) * ROWS, K]
-        y = torch.cat([forward(block) for block in x2.split(ROWS)])[:M]  # [M, N]
+        ys = [forward(block) for block in x2.split(ROWS)]  # a decode step: one block, no copy
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys))[:M]  # [M, N]
         return y.view(*x.shape[:-1], y.shape[-1])
 
     blocks.fixed_rows = True
