@@ -6,7 +6,8 @@
 One request per line, every field but `prompt` optional (a prompt is text, or a list of token ids):
 
     {"id": "a", "prompt": "The sea is", "max_new_tokens": 64, "temperature": 0.7, "top_k": 50,
-     "top_p": 0.9, "seed": 1, "stop": ["\\n\\n"], "stop_token_ids": [2], "ignore_eos": false, "n": 1}
+     "top_p": 0.9, "seed": 1, "stop": ["\\n\\n"], "stop_token_ids": [2], "ignore_eos": false,
+     "n": 1}
 
 and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
 "presence_penalty", "logit_bias" ({"token id": bias}).
@@ -122,10 +123,13 @@ def summary_line(s: dict) -> str:
     return (
         f"{s['requests']} requests ({s['failed']} failed) in {s['elapsed_s']:.2f} s | "
         f"{s['requests_per_s']:.2f} requests/s | {s['output_tokens_per_s']:.1f} output tokens/s | "
-        f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 {1e3 * s['ttft_p90_s']:.0f} ms | "
-        f"time per output token mean {1e3 * s['tpot_mean_s']:.1f} ms, p90 {1e3 * s['tpot_p90_s']:.1f} ms | "
+        f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 "
+        f"{1e3 * s['ttft_p90_s']:.0f} ms | "
+        f"time per output token mean {1e3 * s['tpot_mean_s']:.1f} ms, p90 "
+        f"{1e3 * s['tpot_p90_s']:.1f} ms | "
         f"peak KV blocks {s['peak_kv_blocks']} of {s['kv_blocks']} | prefix-cache hit rate "
-        f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running {s['peak_running']}"
+        f"{100 * s['prefix_hit_rate']:.1f}% | preemptions {s['preemptions']} | peak running "
+        f"{s['peak_running']}"
         + (
             f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
             f"({100 * s['draft_tokens_accepted'] / s['draft_tokens']:.1f}%)"

@@ -9,9 +9,10 @@ ATEN_CPU_CAPABILITY, because ATen and Inductor choose kernels by the CPU's instr
     static_decode        for SDPA over a static cache, one token: dispatches to one of the next two
     decode_attention     for SDPA, compiled: two reductions Inductor fuses, no flash call per layer
                          (whose fixed cost dominates at batch 1); with scales it reads int8 K/V
-    grouped_decode_attention  for SDPA in bf16/fp16: two matmuls; SDPA's one-token bf16 kernel is slow
+    grouped_decode_attention  for SDPA in bf16/fp16: two matmuls (SDPA's one-token bf16 kernel is
+                         slow)
     PagedDecodeInPlace   for gather blocks + SDPA, one token: reads the pool where it lies, no copy
-    padded_linear        for F.linear: rows padded to few counts, since oneDNN keeps a kernel per shape
+    padded_linear        for F.linear: rows padded to few counts (oneDNN keeps a kernel per shape)
     flash_attention_works  whether SDPA's flash kernel runs here (else it is switched off at import)
     cpu_int4_kernel_error  checks ATen's int4 kernel against (q - 8) * scale + zero per group
 
@@ -237,7 +238,7 @@ def cpu_int4_kernel_error(capability: str):
         48,
         128,
         32,
-    )  # one full 32-row block and a tail, on every packed layout (int4_layout.py)
+    )  # one full 32-row block and a tail, on every packed layout (quantize.CPU_INT4_LAYOUTS)
     q = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
     scales, zeros = (
         torch.rand(N, K // G, generator=generator) + 0.5,

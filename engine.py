@@ -1,8 +1,8 @@
 """The serving engine: one step of continuous batching, run on the model. scheduler.py decides who
 runs; the Engine turns its Plan into ONE forward over every scheduled token, flattened to [1, N]
-(paged.py says why), samples, decides stops once and returns the step's events. It owns the
-requests: batch.py and server/engine_loop.py call only add_request, abort, step, has_unfinished,
-metrics.
+(paged.py says why; step_layout.py lays the rows out), samples, decides stops once and returns
+the step's events. It owns the requests: batch.py and server/engine_loop.py call only
+add_request, abort, step, has_unfinished, metrics.
 
     engine = Engine.for_model(model, num_blocks=512, tokenizer=tok, stop_ids=tok.stop_ids)
     rid = engine.add_request(tok.encode("The sea is"), RequestParams(max_new_tokens=32))
@@ -20,21 +20,17 @@ request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, the
 `score` and `remember` around the forward.
 """
 
-import itertools
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from cpu_kernels import gemm_padding
-from kv_cache import bucket
-from kv_plan import pools
-from runtime import compile_decode
+from memory import pools
 from sampling import sample
 from scheduler import Scheduler
 from scoring import PromptScores, token_logprobs
 from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
+from step_layout import Layout
 from text_stream import TextStream
 
 
@@ -56,17 +52,6 @@ class Finished(NamedTuple):
 def flat_forward(model, cache, tokens, input_pos, keep=None):
     """tokens, input_pos [1, N] -> logits [len(keep) or N, V]: the step's one forward."""
     return model(tokens, input_pos, cache, keep=keep)[0]
-
-
-@dataclass
-class Flat:
-    """A step's rows as they are laid out: token ids, positions, groups for paged.py (rows, tokens
-    per row, block table) and each sequence's last flat index."""
-
-    tokens: list = field(default_factory=list)
-    pos: list = field(default_factory=list)
-    groups: list = field(default_factory=list)
-    ends: list = field(default_factory=list)
 
 
 class Engine:
@@ -91,7 +76,8 @@ class Engine:
         )
         if (mine, cache.block_size) != (theirs, scheduler.block_size):
             raise ValueError(
-                f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the scheduler's "
+                f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the "
+                f"scheduler's "
                 f"allocators {theirs} of {scheduler.block_size}"
             )
         self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
@@ -106,9 +92,11 @@ class Engine:
             speculate,
             dict(draft_tokens=0, draft_tokens_accepted=0),
         )  # speedups/prompt_lookup.py
-        self.decode_fn = (
-            compile_decode(str(self.device), flat_forward, autotune=False) if compile else None
-        )
+        self.decode_fn = None
+        if compile:  # an option: compiling.py (and torch.compile) imported where it is switched on
+            from compiling import compile_decode
+
+            self.decode_fn = compile_decode(str(self.device), flat_forward, autotune=False)
         # batch_invariant.py: one route and one attention for every row; `pieces` cuts prefill
         # chunks
         self.batch_invariant, self.pieces = batch_invariant, None
@@ -122,6 +110,7 @@ class Engine:
 
             invariant.enable(model, cache)
             self.pieces = invariant.pieces
+        self.layout = Layout(cache.block_size, len(scheduler.pools), model, self.pieces)
 
     @classmethod
     def for_model(
@@ -141,7 +130,7 @@ class Engine:
         window_blocks: int = None,
         speculate=None,
     ):
-        """An engine with its own KV pools (kv_plan.pools) and prompt scoring; speculate: a proposer
+        """An engine with its own KV pools (memory.pools) and prompt scoring; speculate: a proposer
         (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets
         each seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
         allocator, windows, cache = pools(
@@ -281,97 +270,6 @@ class Engine:
         return events
 
     # -- running a step ------------------------------------------------------------------------
-    def _layout(self, plan, compiled: bool):
-        """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
-        index of each sequence's last token). Decodes (and 1-token tails), drafted rows, then
-        prefill chunks, then padding rows."""
-        rects = self._decode_groups(plan, compiled)
-        chunks = [
-            s
-            for s, n in plan.runs.items()
-            if n > 1 and (self.batch_invariant or s not in plan.drafts)
-        ]
-        flat = Flat()
-        for group, n in rects:
-            self._lay_decode_group(flat, plan, group, n, compiled)
-        for s in chunks:
-            self._lay_prefill_chunk(flat, plan, s)
-        if not compiled:  # compiled steps were padded to a bucket by their decode group
-            self._pad_for_gemm(flat)
-        order = [s for group, _ in rects for s in group] + chunks
-        return order, flat.tokens, flat.pos, flat.groups, flat.ends
-
-    def _blocks_needed(self, s) -> int:
-        """The blocks a row attends: its sequence's, or (batch_invariant) those its own position
-        needs."""
-        if self.batch_invariant:
-            return s.num_computed // self.cache.block_size + 1
-        return len(s.blocks)
-
-    def _decode_groups(self, plan, compiled: bool) -> list:
-        """[(sequences, tokens per row)]: one-token rows and drafted rows, grouped. Compiled: one
-        group (few graphs). Eager: rows of similar context together, so each group's gather is
-        close to its own length; drafted rows by their length."""
-        ones = [s for s, n in plan.runs.items() if n == 1]
-        drafted = [] if self.batch_invariant else sorted(plan.drafts, key=lambda s: plan.runs[s])
-        if compiled:
-            return [(ones + drafted, 1 + self.speculate.k if drafted else 1)]
-        ones.sort(key=lambda s: -self._blocks_needed(s))
-        by_width = itertools.groupby(ones, key=lambda s: bucket(self._blocks_needed(s)))
-        by_length = itertools.groupby(drafted, key=lambda s: plan.runs[s])
-        return [(list(g), 1) for _, g in by_width] + [(list(g), n) for n, g in by_length]
-
-    def _lay_decode_group(self, flat, plan, group, n: int, compiled: bool):
-        """Each row: [its next token, its drafts, padding whose K/V no query sees yet]; compiled,
-        the group padded to a bucket of rows (the null block's first slots)."""
-        bs = self.cache.block_size
-        need = (max(self._blocks_needed(s), (s.num_computed + n - 1) // bs + 1) for s in group)
-        width = bucket(max(need))
-        pad = bucket(len(group)) - len(group) if compiled else 0
-        for s in group:
-            d = plan.drafts.get(s, [])
-            flat.tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
-            flat.pos += range(s.num_computed, s.num_computed + n)
-            flat.ends.append(len(flat.tokens) - n + len(d))
-        flat.tokens += [0] * pad * n
-        flat.pos += [*range(n)] * pad
-        flat.groups.append((len(group) + pad, n, self._table(group, width, pad)))
-
-    def _lay_prefill_chunk(self, flat, plan, s):
-        """A group of its own; batch_invariant cuts it where its queries' width changes."""
-        n, start = plan.runs[s], s.num_computed
-        if self.batch_invariant:
-            pieces = self.pieces(start, n, self.cache.block_size)
-        else:
-            pieces = [(n, bucket(len(s.blocks)))]
-        for m, width in pieces:
-            flat.groups.append((1, m, self._table([s], width)))
-        flat.tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
-        flat.pos += range(start, start + n)
-        flat.ends.append(len(flat.tokens) - 1)
-
-    def _pad_for_gemm(self, flat):
-        """An eager step's token count padded as every layer's GEMMs want it
-        (cpu_kernels.gemm_padding: few shapes, few cached oneDNN kernels): one-token rows at
-        position 0 of the null block, never sampled."""
-        pad = gemm_padding(len(flat.tokens), self.model.norm.weight.dtype, self.device)
-        if pad:
-            zeros = torch.zeros(pad, 1, dtype=torch.long, device=self.device)
-            flat.groups.append((pad, 1, zeros))
-            flat.tokens += [0] * pad
-            flat.pos += [0] * pad
-
-    def _table(self, seqs, width: int, pad: int = 0):
-        """seqs' block table [R, width] (and pad rows of the null block), or a hybrid's two: [2, R,
-        width]."""
-        tables = [
-            [t[:width] + [0] * (width - len(t)) for t in ts] + [[0] * width] * pad
-            for ts in ([s.blocks for s in seqs], [s.window_blocks for s in seqs])[
-                : len(self.scheduler.pools)
-            ]
-        ]
-        return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
-
     def _forward(self, plan):
         """The step's one forward -> (sequences that sample now, their logits [1 + drafts each,
         V])."""
@@ -379,7 +277,8 @@ class Engine:
         compiled = self.decode_fn is not None and all(
             (n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items()
         )
-        order, tokens, pos, groups, ends = self._layout(plan, compiled)
+        k = self.speculate.k if self.speculate else 0
+        order, tokens, pos, groups, ends = self.layout(plan, compiled, k)
         done = [
             s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)
         ]  # these sample

@@ -26,7 +26,7 @@ Cost follows the tokens in use, not the capacity. Before a step its caller (gene
 which knows the positions on the host without a sync) calls `cache.use_positions(n)` with one
 more than the largest position of the step; attention then reads only the first
 
-    attend_len = min(S, max(MIN_ATTEND_SLOTS, bucket(n)))    bucket: 128, 192, 256, 384, 512, 768, ...
+    attend_len = min(S, max(MIN_ATTEND_SLOTS, bucket(n)))   bucket: 128, 192, 256, 384, 512, ...
 
 slots (powers of two and the points halfway between), so a step's attention reads at most 1.5n
 slots (e.g. 192 of 4096 with 130 in use): its cost grows with the tokens in use, linearly, plus

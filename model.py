@@ -12,7 +12,8 @@ The model never knows how K and V are stored. Each attention layer projects q, k
 by RoPE at `input_pos`, and hands them to the cache with the layer's window, soft cap and sinks:
 
     logits = model(tokens[B, T], input_pos[B, T], cache)
-    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T], window, softcap, sinks)
+    y = cache.attend(layer, q[B, T, H, D], k[B, T, Hkv, D], v[B, T, Hkv, D], input_pos[B, T],
+                     window, softcap, sinks)
 
 A query at p then sees keys at p - window < s <= p (window 0: all s <= p). The positions are the
 only per-step fact the model passes along; anything else a cache needs (block tables) its caller
@@ -94,12 +95,14 @@ class ModelConfig:
         bad = set(self.layer_types) - {"sliding_attention", "full_attention"}
         if bad or len(self.layer_types) not in (0, self.n_layers):
             raise ValueError(
-                f"layer_types must give each of the {self.n_layers} layers one of sliding_attention, "
+                f"layer_types must give each of the {self.n_layers} layers one of "
+                f"sliding_attention, "
                 f"full_attention; got {sorted(bad) or len(self.layer_types)}"
             )
         if self.mlp_act not in ACTIVATIONS:
             raise ValueError(
-                f"MLP activation {self.mlp_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+                f"MLP activation {self.mlp_act!r} is not supported (supported: "
+                f"{', '.join(ACTIVATIONS)})"
             )
 
 

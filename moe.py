@@ -51,7 +51,8 @@ class MoEConfig:
     def __post_init__(self):
         if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
             raise ValueError(
-                f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= experts "
+                f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= "
+                f"experts "
                 f"({self.n_experts}) and a positive expert width ({self.intermediate_size})"
             )
 
@@ -243,7 +244,8 @@ class GroupExperts(Experts):
     (two values a byte in row order: quantize.py's portable int4, GGUF's Q4_*), at 8 bits (GGUF's
     Q8_0, Q5_*, Q6_K), or float (a GGUF type read as float); each projection its own kind:
 
-        w[e, n, k] = (q[e, n, k] - c) * scale[e, n, k // G] + offset[e, n, k // G]   c = 8 at 4 bits, else 0
+        w[e, n, k] = (q[e, n, k] - c) * scale[e, n, k // G] + offset[e, n, k // G]
+        c = 8 at 4 bits, else 0
 
     e2m1 (MXFP4, gpt-oss): 4-bit floats (E2M1 above) times a power of two per group of 32, stored
     here as that power in float32 (float16 holds too few of them), the product made in float32.

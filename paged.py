@@ -7,7 +7,8 @@ nothing (the PagedAttention paper measured 20-38% of KV memory holding real toke
 memory is a pool of blocks of `block_size` tokens per layer; a sequence owns a list of block ids,
 its block table, and grows one block at a time. Position p of a sequence lives at
 
-    block = block_table[p // block_size],  offset = p % block_size   (at most block_size - 1 slots wasted)
+    block = block_table[p // block_size],  offset = p % block_size
+    (at most block_size - 1 slots wasted per sequence)
 
     k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see below)
     v_pool[layer]  [num_blocks, block_size, Hkv, D]

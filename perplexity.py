@@ -1,6 +1,6 @@
 """Perplexity: how well a model predicts a text, the yardstick for every quantization mode.
 
-    python perplexity.py                                        # embedded model on data/declaration.txt
+    python perplexity.py                       # the embedded model on data/declaration.txt
     python perplexity.py --quantize int4 --groupsize 64 --kv_cache_dtype int8
     python perplexity.py --checkpoint PATH --file my.txt --max_tokens 4000
 
@@ -113,7 +113,8 @@ def main(argv=None) -> int:
         return 2
     mode = args.quantize or args.dtype
     print(
-        f"perplexity {ppl:.4f} | {len(ids)} tokens of {args.file} | weights {mode} | KV cache {args.kv_cache_dtype} | "
+        f"perplexity {ppl:.4f} | {len(ids)} tokens of {args.file} | weights {mode} | KV cache "
+        f"{args.kv_cache_dtype} | "
         f"{time.perf_counter() - start:.1f} s"
     )
     return 0

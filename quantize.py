@@ -1,6 +1,6 @@
 """Weight-only quantization: int8 per output channel and int4 per group, with fast kernels.
 
-    python quantize.py --mode int8                                   # the embedded model -> ./SmolLM2-135M-Instruct-int8
+    python quantize.py --mode int8       # the embedded model -> ./SmolLM2-135M-Instruct-int8
     python quantize.py --checkpoint PATH --mode int4 --groupsize 64 --out DIR
     python generate.py --checkpoint DIR                              # loads the quantized folder
     python generate.py --quantize int4 --groupsize 64                # or quantize at load time
@@ -23,11 +23,11 @@ The CPU int4 kernel is a matrix-vector product at heart: its time grows with the
 so many-row calls (prefill, speculative verification of many tokens) take another route: the
 layer is dequantized on the fly and multiplied with a regular GEMM. The kernel's packed layout is
 private to ATen and differs by instruction set (AVX-512, AVX2, none), so each layer checks at load,
-on the running CPU, which known layout unpacks its weight back to its values (int4_layout.py);
-if none does, it keeps its portable values as well. The kernel itself is checked once per process
-on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is wrong or missing, int4 is
-refused with a message, never run. `dequantize()` on every layer is the plain reference path
-tests compare the kernels against.
+on the running CPU, which known layout unpacks its weight back to its values
+(`find_cpu_int4_layout`); if none does, it keeps its portable values as well. The kernel itself
+is checked once per process on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is
+wrong or missing, int4 is refused with a message, never run. `dequantize()` on every layer is the
+plain reference path tests compare the kernels against.
 """
 
 import functools
@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 import moe
 from cpu_kernels import cpu_int4_kernel_error, padded_linear
-from int4_layout import cpu_int4_unpack, find_cpu_int4_layout
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -112,6 +111,86 @@ def dequantize_int4(q, scales, zeros) -> torch.Tensor:
     return w.reshape(N, K)
 
 
+# ---- the CPU int4 kernel's packed weight, read back ----------------------------------------
+# `torch._convert_weight_to_int4pack_for_cpu` packs int4 values [N, K] for
+# `_weight_int4pack_mm_for_cpu` in a layout private to ATen and chosen per CPU capability
+# (ATEN_CPU_CAPABILITY). Int4Linear and formats/quant_groups.Int8GroupLinear keep only the packed
+# weight, so reading their values back (dequantize() for tests and large-row GEMMs, fusing q/k/v,
+# an embedding tied to a packed head) goes through these readers, and a layout is trusted only
+# after a round trip on the running machine (find_cpu_int4_layout on the layer's own weight):
+#
+#     layout = find_cpu_int4_layout(packed, q)            # (block, pairing), or None: unknown
+#     q = cpu_int4_unpack(packed, N, K, *layout)          # uint8 [N, K], the values packed
+#     rows = cpu_int4_rows(packed, N, K, index, *layout)  # uint8 [len(index), K], those rows only
+
+# The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
+# torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
+# and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
+# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored
+# as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
+# packed weight with each candidate and keeps the one that gives its values back (a round trip on
+# the running machine), else it keeps the portable values too.
+CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
+
+
+def cpu_int4_unpack(
+    packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves"
+) -> torch.Tensor:
+    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see
+    CPU_INT4_LAYOUTS)."""
+    flat, full = packed.reshape(-1), N // block * block
+    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
+    if pairing == "halves":  # byte j holds rows j and j + block / 2
+        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
+    else:  # byte j holds rows 2j and 2j + 1
+        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
+    q = q.transpose(1, 2).reshape(full, K)
+    if full == N:
+        return q
+    b = flat[full * K // 2 :].view(K, (N - full) // 2)
+    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
+    return torch.cat([q, tail], dim=0)
+
+
+def cpu_int4_rows(
+    packed: torch.Tensor,
+    N: int,
+    K: int,
+    rows: torch.Tensor,
+    block: int = 64,
+    pairing: str = "halves",
+) -> torch.Tensor:
+    """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
+    those rows' bytes (an embedding lookup into a tied head kept packed)."""
+    flat, full = packed.reshape(-1), N // block * block
+    got, high = (
+        torch.zeros(rows.shape[0], K, dtype=torch.uint8, device=packed.device),
+        rows < 0,
+    )  # [T, K], [T] (a size export keeps symbolic)
+    if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
+        r = rows.clamp(max=full - 1)
+        col, high = (
+            (r % block % (block // 2), r % block >= block // 2)
+            if pairing == "halves"
+            else (r % block // 2, r % 2 == 1)
+        )
+        got = flat[: full * K // 2].view(N // block, K, block // 2)[r // block, :, col]
+    if full < N:  # rows past the last whole block: [K, (N - full) / 2] bytes of neighbouring rows
+        t, in_tail = (rows - full).clamp(min=0), rows >= full
+        got = torch.where(in_tail[:, None], flat[full * K // 2 :].view(K, -1)[:, t // 2].t(), got)
+        high = torch.where(in_tail, t % 2 == 1, high)
+    return torch.where(high[:, None], got >> 4, got & 15)
+
+
+def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
+    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or
+    None."""
+    for layout in CPU_INT4_LAYOUTS:
+        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
+            return layout
+    return None
+
+
 # ---- layers ----------------------------------------------------------------------------------
 
 
@@ -170,7 +249,7 @@ class Int4Linear(nn.Module):
     for few rows and, on CPU, dequantize + GEMM from INT4_LARGE_M rows up."""
 
     compile_autotune = (
-        False  # max-autotune does not speed its kernel and takes many GiB (runtime.autotune)
+        False  # max-autotune does not speed its kernel and takes many GiB (compiling.autotune)
     )
 
     def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
@@ -188,7 +267,8 @@ class Int4Linear(nn.Module):
                 self.layout is None
             ):  # an unknown layout: keep the portable values (N * K / 2 more bytes)
                 warn_once(
-                    f"int4: the CPU kernel's packed layout under {torch.backends.cpu.get_cpu_capability()} is not one this "
+                    f"int4: the CPU kernel's packed layout under "
+                    f"{torch.backends.cpu.get_cpu_capability()} is not one this "
                     "file knows; each layer keeps a second, portable copy of its values for prefill"
                 )
                 self.portable_weight = portable["weight"].contiguous()

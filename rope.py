@@ -10,14 +10,18 @@ defined as Hugging Face transformers' rope initialisation functions define it, r
 
     default    inv_freq[i] = theta ** (-2i / d)
     linear     inv_freq / factor: positions squeezed by `factor`
-    llama3     (Llama 3.1) long wavelengths slowed by `factor`, short ones kept, a smooth band between
-    yarn       (Qwen2.5/3, DeepSeek) per pair a blend of interpolated (inv_freq / factor) and original
-               speeds, by how many turns the pair makes in the original context (beta_fast..beta_slow),
-               and cos/sin scaled by the attention factor 0.1 ln(factor) + 1
-    longrope   (Phi-3, Phi-4-mini) inv_freq / short_factor[i] inside the original context, / long_factor[i]
-               past it, cos/sin scaled by sqrt(1 + ln(context / original) / ln(original))
-    dynamic    (NTK) theta grown with the sequence: theta * (factor * n / original - (factor - 1)) ** (d / (d - 2))
-    freq_factors  GGUF's rope_freqs tensor: one precomputed divisor per pair (how llama.cpp stores llama3)
+    llama3     (Llama 3.1) long wavelengths slowed by `factor`, short ones kept, a smooth band
+               between
+    yarn       (Qwen2.5/3, DeepSeek) per pair a blend of interpolated (inv_freq / factor) and
+               original speeds, by how many turns the pair makes in the original context
+               (beta_fast..beta_slow), and cos/sin scaled by the attention factor 0.1 ln(factor) + 1
+    longrope   (Phi-3, Phi-4-mini) inv_freq / short_factor[i] inside the original context,
+               / long_factor[i] past it, cos/sin scaled by sqrt(1 + ln(context / original) /
+               ln(original))
+    dynamic    (NTK) theta grown with the sequence:
+               theta * (factor * n / original - (factor - 1)) ** (d / (d - 2))
+    freq_factors  GGUF's rope_freqs tensor: one precomputed divisor per pair (how llama.cpp
+               stores llama3)
 
 `dynamic` and `longrope` depend on how long the sequence is. Hugging Face decides that per forward,
 from the largest position in it, so one long prefill and the same tokens fed one at a time rotate
@@ -27,7 +31,7 @@ prefill, whenever the prefill stays inside the original context). Keys already i
 rotation they were written with; none is rewritten as the sequence grows. The result then does
 not depend on chunked prefill, batching or which cache holds the keys.
 
-    rope = RotaryEmbedding(head_dim=64, theta=1e6, scaling={"rope_type": "yarn", "factor": 4.0, ...})
+    rope = RotaryEmbedding(64, theta=1e6, scaling={"rope_type": "yarn", "factor": 4.0, ...})
     cos, sin = rope(input_pos[B, T], torch.bfloat16)      # [B, T, rotary_dim]
 """
 
@@ -147,7 +151,8 @@ class RotaryEmbedding(nn.Module):
             )
         elif self.kind != "default":
             raise ValueError(
-                f"RoPE scaling type {self.kind!r} is not supported (supported: {', '.join(SUPPORTED)})"
+                f"RoPE scaling type {self.kind!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED)})"
             )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("exponents", pair_exponents(d), persistent=False)

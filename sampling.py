@@ -138,7 +138,8 @@ def parse_logit_bias(logit_bias, vocab_size: int = None) -> dict:
             raise ValueError(f"logit_bias keys must be token ids in {ids}, got {key!r}")
         if not is_number(bias) or bias != bias:  # bias != bias: NaN
             raise ValueError(
-                f"logit_bias values must be numbers (clamped to [-100, 100]), got {bias!r} for {key!r}"
+                f"logit_bias values must be numbers (clamped to [-100, 100]), got {bias!r} for "
+                f"{key!r}"
             )
         parsed[token] = float(
             max(-100, min(100, bias))

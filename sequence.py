@@ -105,7 +105,7 @@ def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int,
         )
     usable = (
         s.allocator.num_blocks - 1
-    )  # (a hybrid's windowed pool holds a sequence's window: kv_plan)
+    )  # (a hybrid's windowed pool holds a sequence's window: memory.py)
     if blocks_for(max(len(prompt) + 1, s.reserve_tokens or 0), s.block_size) > usable:
         raise ValueError(
             f"the prompt has {len(prompt)} tokens but the whole KV pool holds "

@@ -1,7 +1,7 @@
 """Speculative decoding: a cheap drafter proposes k tokens, the target checks them in one forward.
 
-    python generate.py --draft_layers 8 --speculate_k 4 --temperature 0 --prompt "..."   # layer-skip
-    python generate.py --prompt_lookup 3 --speculate_k 4 --prompt "..."                  # no draft model
+    python generate.py --draft_layers 8 --speculate_k 4 --temperature 0 --prompt "..."  # LayerSkip
+    python generate.py --prompt_lookup 3 --speculate_k 4 --prompt "..."  # no draft model
     python generate.py --draft_checkpoint SMALL_MODEL --speculate_k 4 --prompt "..."
 
 Decode at batch 1 is bound by reading the weights, so scoring k+1 positions costs the target
@@ -116,7 +116,7 @@ def verify(target, cache, unseen, valid, drafts, draft_probs, params, generator,
     x = torch.tensor([feed], device=device)
     pos = torch.arange(valid, valid + len(feed), device=device)[None]
     with torch.no_grad():
-        if len(feed) in verify_fns:  # a compiled runtime.verify_step for this length
+        if len(feed) in verify_fns:  # a compiled compiling.verify_step for this length
             logits = verify_fns[len(feed)](target, cache, x, pos)
         else:
             logits = target(x, pos, cache)
@@ -160,11 +160,12 @@ def speculative_generate(
 ):
     """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).
 
-    verify_fns: {T: compiled runtime.verify_step} for the forward lengths that recur (k + 1
+    verify_fns: {T: compiled compiling.verify_step} for the forward lengths that recur (k + 1
     after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
     if params.adjusts_logits:  # p must be the distribution plain decoding samples from
         raise ValueError(
-            "speculative decoding here takes no logit_bias or repetition, frequency or presence penalty"
+            "speculative decoding here takes no logit_bias or repetition, frequency or presence "
+            "penalty"
         )
     verify_fns = verify_fns or {}
     tokens, valid, stop = list(prompt), 0, set() if ignore_eos else set(stop_ids)

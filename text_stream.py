@@ -6,8 +6,8 @@ SentencePiece drops at a text's start). TextStream decodes two short windows per
 the new text is decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset]). The
 engine keeps one per sequence (its `text` events), generate.py prints through `Printer`.
 
-    python -c "from text_stream import TextStream"     # library only; needs any tokenizer with
-                                                        # decode(ids) and stop_ids (formats/tokenizer.py)
+    python -c "from text_stream import TextStream"  # library only: any tokenizer with
+                                                     # decode(ids) and stop_ids will do
 """
 
 import sys

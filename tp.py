@@ -59,8 +59,10 @@ def shard_config(config, world: int):
     """The ModelConfig of one rank's slice: 1/world of the heads, KV heads and FFN width."""
     if world not in working_world_sizes(config):
         raise ValueError(
-            f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, {config.n_kv_heads} KV heads "
-            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that work: {working_world_sizes(config)}"
+            f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, "
+            f"{config.n_kv_heads} KV heads "
+            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that "
+            f"work: {working_world_sizes(config)}"
         )
     return dataclasses.replace(
         config,
@@ -128,7 +130,8 @@ def check_same_checkpoint(model):
     if any(other != everyone[0] for other in everyone):
         which = [r for r, other in enumerate(everyone) if other != everyone[0]]
         raise ValueError(
-            f"ranks {which} loaded a different checkpoint from rank 0; every rank must load the same one"
+            f"ranks {which} loaded a different checkpoint from rank 0; every rank must load the "
+            f"same one"
         )
 
 
