@@ -104,7 +104,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                     and len(seq) * times > TEMPLATE_MAX_CHARS
                 ):
                     raise SecurityError(
-                        f"the template repeats a value {times} times (limit {TEMPLATE_MAX_CHARS} items)"
+                        f"the template repeats a value {times} times "
+                        f"(limit {TEMPLATE_MAX_CHARS} items)"
                     )
         if (
             operator == "**"
@@ -177,7 +178,8 @@ def strftime_now(fmt) -> str:
     message): plain directives only, so no field width (glibc's %999999999Y) can make it large."""
     if not isinstance(fmt, str) or len(fmt) > 64 or re.search(r"%[^a-zA-Z%]", fmt):
         raise TemplateError(
-            f"strftime_now takes a format of at most 64 characters without widths, got {str(fmt)[:80]!r}"
+            "strftime_now takes a format of at most 64 characters without widths, "
+            f"got {str(fmt)[:80]!r}"
         )
     return datetime.datetime.now().strftime(fmt)
 

@@ -10,17 +10,22 @@ renames or splits tensors whose layout differs from Llama's:
     qwen2, qwen3        use_sliding_window: windows on the layers from max_window_layers on
     gemma2              (1 + w) norms, sqrt(dim) embeddings, GeGLU, sandwich norms, soft-capping,
                         sliding and full layers alternating
-    gemma3_text, gemma3 q/k norms, five sliding layers to one full, a local RoPE base for sliding ones
-                        (gemma3: the text model of the multimodal checkpoint; its vision tower is skipped)
+    gemma3_text, gemma3 q/k norms, five sliding layers to one full, a local RoPE base for sliding
+                        ones (gemma3: the text model of the multimodal checkpoint; its vision
+                        tower is skipped)
     phi3                fused qkv_proj and gate_up_proj (split here), LongRoPE, partial rotary
-    mixtral             mixture of experts (moe.py): 8 experts, top 2, per-expert w1/w3/w2 stacked here
-    qwen2_moe           experts plus a gated shared expert, norm_topk_prob, decoder_sparse_step, mlp_only_layers
+    mixtral             mixture of experts (moe.py): 8 experts, top 2, per-expert w1/w3/w2
+                        stacked here
+    qwen2_moe           experts plus a gated shared expert, norm_topk_prob, decoder_sparse_step,
+                        mlp_only_layers
     qwen3_moe           experts, q/k norms
-    gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks, biases on q/k/v/o,
-                        sliding and full layers alternating, YaRN; gate_up_proj [E, dim, 2 ff] (gate and up
-                        columns interleaved) split here; MXFP4 expert blocks are formats/mxfp4.py's
+    gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks,
+                        biases on q/k/v/o, sliding and full layers alternating, YaRN;
+                        gate_up_proj [E, dim, 2 ff] (gate and up columns interleaved) split here;
+                        MXFP4 expert blocks are formats/mxfp4.py's
 
-    python -c "import json; from formats import families; print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
+    python -c "import json; from formats import families; \
+        print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
 
 from pathlib import Path
@@ -168,11 +173,7 @@ def _layer_types(cfg: dict, kind: str, n_layers: int, window):
 
 
 def _config_from_hf(cfg: dict, source) -> ModelConfig:
-    if cfg.get("model_type") not in SUPPORTED_HF:
-        raise CheckpointError(
-            f"{source}: architecture {cfg.get('model_type')!r} ({cfg.get('architectures')}) is not a family "
-            f"this project runs (supported model_type: {', '.join(SUPPORTED_HF)})"
-        )
+    _check_architecture(cfg, source)
     cfg = text_config(cfg)
     kind = cfg["model_type"]
     if cfg.get("use_bidirectional_attention"):
@@ -182,13 +183,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         )
     theta, scaling, local_theta = rope_of(cfg, kind)
     heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim") is not None and not (
-        isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0
-    ):
-        raise CheckpointError(
-            f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}"
-        )
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = _head_dim_of(cfg, heads, source)
     partial = (cfg.get("rope_parameters") or {}).get(
         "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)
     )
@@ -196,15 +191,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     windowed = cfg.get("use_sliding_window", False) if kind in QWEN else kind != "llama"
     window = cfg.get("sliding_window") if windowed else None
     gemma = kind in ("gemma2", "gemma3_text")
-    act = (
-        cfg.get("hidden_activation")
-        or cfg.get("hidden_act")
-        or ("gelu_pytorch_tanh" if gemma else "silu")
-    )
-    if act not in HF_ACTIVATIONS:
-        raise CheckpointError(
-            f"{source}: MLP activation {act!r} is not supported (supported: {', '.join(HF_ACTIVATIONS)})"
-        )
+    mlp_act = _mlp_act_of(cfg, gemma, source)
     return ModelConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
@@ -226,15 +213,58 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         layer_types=layer_types_of(cfg, kind, cfg["num_hidden_layers"], window),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
         local_rope_theta=local_theta,
+        mlp_act=mlp_act,
+        attn_sinks=kind == "gpt_oss",
+        **_gemma_switches(cfg, gemma),
+        **experts_of(cfg, kind),
+    )
+
+
+def _check_architecture(cfg: dict, source):
+    """A CheckpointError unless config.json's model_type is a family this project runs."""
+    if cfg.get("model_type") not in SUPPORTED_HF:
+        raise CheckpointError(
+            f"{source}: architecture {cfg.get('model_type')!r} ({cfg.get('architectures')}) "
+            f"is not a family this project runs (supported model_type: {', '.join(SUPPORTED_HF)})"
+        )
+
+
+def _head_dim_of(cfg: dict, heads: int, source) -> int:
+    """`head_dim` if the config gives it (a positive integer), else hidden_size / heads."""
+    if cfg.get("head_dim") is not None and not (
+        isinstance(cfg["head_dim"], int) and cfg["head_dim"] > 0
+    ):
+        raise CheckpointError(
+            f"{source}: head_dim must be a positive integer, got {cfg['head_dim']!r}"
+        )
+    return cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
+def _mlp_act_of(cfg: dict, gemma: bool, source) -> str:
+    """model.py's name of the MLP's activation (HF_ACTIVATIONS), by default GeGLU's for Gemma."""
+    act = (
+        cfg.get("hidden_activation")
+        or cfg.get("hidden_act")
+        or ("gelu_pytorch_tanh" if gemma else "silu")
+    )
+    if act not in HF_ACTIVATIONS:
+        raise CheckpointError(
+            f"{source}: MLP activation {act!r} is not supported "
+            f"(supported: {', '.join(HF_ACTIVATIONS)})"
+        )
+    return HF_ACTIVATIONS[act]
+
+
+def _gemma_switches(cfg: dict, gemma: bool) -> dict:
+    """ModelConfig's Gemma fields: (1 + w) norms, sqrt(dim) embeddings, sandwich norms, the query
+    scale and the soft caps (all off for the other families)."""
+    return dict(
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=gemma,
         sandwich_norms=gemma,
-        mlp_act=HF_ACTIVATIONS[act],
         query_scale=cfg.get("query_pre_attn_scalar") or 0.0 if gemma else 0.0,
         attn_softcap=cfg.get("attn_logit_softcapping") or 0.0 if gemma else 0.0,
         logit_softcap=cfg.get("final_logit_softcapping") or 0.0 if gemma else 0.0,
-        attn_sinks=kind == "gpt_oss",
-        **experts_of(cfg, kind),
     )
 
 
@@ -370,7 +400,8 @@ def stacked_experts(config: ModelConfig, tensors):
             target = ".".join(parts[:4] + [proj])
             if e >= config.moe.n_experts:
                 raise CheckpointError(
-                    f"{file}: tensor {name!r} is expert {e}, but the config has {config.moe.n_experts} experts"
+                    f"{file}: tensor {name!r} is expert {e}, "
+                    f"but the config has {config.moe.n_experts} experts"
                 )
             group = pending.setdefault(target, {})
             group[e] = t
@@ -386,13 +417,12 @@ def stacked_experts(config: ModelConfig, tensors):
             yield file, name.replace("gate_up_proj", "up_proj"), up.clone()
         else:
             yield file, name, t
-    for (
-        target,
-        group,
-    ) in pending.items():  # (named with the folder: a sharded one spreads experts over files)
+    # (named with the folder: a sharded one spreads experts over files)
+    for target, group in pending.items():
         missing = sorted(set(range(config.moe.n_experts)) - set(group))
         raise CheckpointError(
-            f"{Path(file).parent}: {target} is missing experts {missing[:8]} of {config.moe.n_experts}"
+            f"{Path(file).parent}: {target} is missing experts {missing[:8]} "
+            f"of {config.moe.n_experts}"
         )
 
 

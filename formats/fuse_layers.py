@@ -1,6 +1,7 @@
 """Fused projections: each layer's q, k, v as one matmul, and gate and up as another.
 
-    import fuse_layers; fuse_layers.fuse_projections(model)     # generate.py and batch.py do this after loading
+    # generate.py and batch.py do this after loading:
+    import fuse_layers; fuse_layers.fuse_projections(model)
 
 At batch 1 a decoder layer's seven matrix-vector products are small (SmolLM2: 192 to 1536 rows
 of 576), so each call's fixed cost (thread fan-out, kernel dispatch) is a large part of its time.
@@ -18,10 +19,9 @@ and not before saving a checkpoint (the fused model has other module names).
 import torch
 import torch.nn as nn
 
-import int4_layout
 import quantize
 from formats.quant_groups import Int8GroupLinear
-from runtime import release_memory
+from memory import release_memory
 
 
 def _cat(tensors):
@@ -34,7 +34,7 @@ def _int4_values(m: quantize.Int4Linear):
     q = (
         quantize.unpack_int4(m.portable_weight)
         if m.layout is None
-        else int4_layout.cpu_int4_unpack(m.weight, N, K, *m.layout)
+        else quantize.cpu_int4_unpack(m.weight, N, K, *m.layout)
     )
     sz = m.scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
     return q, sz[..., 0], sz[..., 1]

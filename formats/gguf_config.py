@@ -8,7 +8,8 @@ sliding windows, and the experts of a mixture (`expert_*`, a router tensor per s
 formats/gguf_weights.py reads the tensors; formats/gguf_tokenizer.py the vocabulary; both through
 `read`, which keeps the last files' parsed metadata.
 
-    python -c "import sys; from formats import gguf_config as g; print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
+    python -c "import sys; from formats import gguf_config as g; \
+        print(g.config_from_gguf(g.read(sys.argv[1]), sys.argv[1]))" model.gguf
 """
 
 import functools
@@ -69,7 +70,8 @@ def config_from_gguf(reader, path) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCH:
         raise CheckpointError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCH)})"
+            f"{path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCH)})"
         )
 
     def get(key, default=None):
@@ -199,32 +201,48 @@ def family_switches(reader, arch, path, get) -> dict:
     Gemma's layer pattern and local RoPE base are not stored (every 2nd / 6th layer full, base
     10000), nor query_pre_attn_scalar (head_dim, or dim / heads for the 27B models: 46 or 62
     layers)."""
-    window = field(reader, f"{arch}.attention.sliding_window", 0)
-    if not isinstance(window, int) or window < 0:
-        raise CheckpointError(
-            f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, got {window!r}"
-        )
+    window = _sliding_window(reader, arch, path)
     n_layers, out = get("block_count"), {"sliding_window": window}
-    rotary = field(
-        reader, f"{arch}.rope.dimension_count"
-    )  # (llama.cpp writes no key_length for phi3)
+    # (llama.cpp writes no key_length for phi3)
+    rotary = field(reader, f"{arch}.rope.dimension_count")
     if rotary and rotary != (
         field(reader, f"{arch}.attention.key_length")
         or get("embedding_length") // get("attention.head_count")
     ):
         out["rotary_dim"] = rotary
-    if (
-        arch == "gpt-oss"
-    ):  # sinks, and windows on every other layer from the first (llama.cpp's pattern 2)
-        return {
-            **out,
-            "attn_sinks": True,
-            "layer_types": tuple(
-                "full_attention" if i % 2 else "sliding_attention" for i in range(n_layers)
-            ),
-        }
+    if arch == "gpt-oss":
+        return {**out, **_gpt_oss_switches(n_layers)}
     if arch not in GEMMA:
         return out
+    return {**out, **_gemma_switches(reader, arch, path, get, window, n_layers)}
+
+
+def _sliding_window(reader, arch, path) -> int:
+    """`attention.sliding_window` (0: none), a CheckpointError unless a non-negative integer."""
+    window = field(reader, f"{arch}.attention.sliding_window", 0)
+    if not isinstance(window, int) or window < 0:
+        raise CheckpointError(
+            f"{path}: metadata {arch}.attention.sliding_window must be a positive integer, "
+            f"got {window!r}"
+        )
+    return window
+
+
+def _gpt_oss_switches(n_layers: int) -> dict:
+    """gpt-oss's attention sinks, and windows on every other layer from the first (llama.cpp's
+    pattern 2)."""
+    return {
+        "attn_sinks": True,
+        "layer_types": tuple(
+            "full_attention" if i % 2 else "sliding_attention" for i in range(n_layers)
+        ),
+    }
+
+
+def _gemma_switches(reader, arch, path, get, window: int, n_layers: int) -> dict:
+    """Gemma's layer pattern (every 2nd / 6th layer full unless the file lists them), its norms,
+    embedding scale and GeGLU, query_pre_attn_scalar, the soft caps and Gemma 3's local RoPE
+    base."""
     pattern = field(
         reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6
     )
@@ -242,7 +260,6 @@ def family_switches(reader, arch, path, get) -> dict:
     )
     large = n_layers == (46 if arch == "gemma2" else 62)
     return {
-        **out,
         "layer_types": tuple("sliding_attention" if w else "full_attention" for w in windowed),
         "norm_offset": 1.0,
         "embed_scale": True,

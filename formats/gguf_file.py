@@ -1,6 +1,7 @@
 """The GGUF container read directly: header, metadata and tensor records over one memory map.
 
-    python -m formats.gguf_file FILE.gguf        # prints the metadata (arrays abbreviated) and the tensors
+    # prints the metadata (arrays abbreviated) and the tensors
+    python -m formats.gguf_file FILE.gguf
 
 Layout (little-endian, version 2 or 3): "GGUF", version u32, tensor count u64, metadata count u64;
 each metadata entry is a key (string = u64 length + UTF-8 bytes), a value type u32 and a value
@@ -86,11 +87,27 @@ class GGUFFile:
     read-only)."""
 
     def __init__(self, path):
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = str(path)
         self.map = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.buf, self.pos = memoryview(self.map), 0
+        n_tensors, n_fields = self.header()
+        self.fields = self.metadata(n_fields)
+        records = self.tensor_records(n_tensors)
+        start = self.data_start()
+        self.tensors, names, spans = [], set(), []
+        for name, dims, raw_type, offset in records:
+            if name in names:
+                raise ValueError(f"tensor {name!r} appears twice")
+            names.add(name)
+            at = start + offset
+            tensor = self.tensor_view(name, dims, raw_type, at)
+            spans.append((at, at + tensor.data.nbytes, name))
+            self.tensors.append(tensor)
+        check_no_overlap(spans)
+
+    def header(self):
+        """(tensor count, metadata count) after the magic and the version, each count checked
+        against the file's size."""
         if self.take(4) != b"GGUF":
             raise ValueError("no GGUF magic at the start")
         version = self.scalar(4)
@@ -101,12 +118,20 @@ class GGUFFile:
         n_tensors, n_fields = self.scalar(10), self.scalar(10)
         self.count(n_tensors, 8, "tensors")
         self.count(n_fields, 9, "metadata entries")
-        self.fields = {}
+        return n_tensors, n_fields
+
+    def metadata(self, n_fields: int) -> dict:
+        """{key: Field} of the metadata entries."""
+        fields = {}
         for _ in range(n_fields):
             key = self.string()
             kind = self.scalar(4)
             value, types = self.value(kind)
-            self.fields[key] = Field(value, types)
+            fields[key] = Field(value, types)
+        return fields
+
+    def tensor_records(self, n_tensors: int) -> list:
+        """[(name, dims innermost first, type number, data offset)] of the tensor records."""
         records = []
         for _ in range(n_tensors):
             name, n_dims = self.string(), self.scalar(4)
@@ -114,45 +139,41 @@ class GGUFFile:
                 raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
             dims = [self.scalar(10) for _ in range(n_dims)]
             records.append((name, dims, self.scalar(4), self.scalar(10)))
+        return records
+
+    def data_start(self) -> int:
+        """Where the tensor data starts: the next multiple of general.alignment (a power of two,
+        32 by default) after the records."""
         alignment = self.fields.get("general.alignment", Field(32, [4])).value
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
-        start = -(-self.pos // alignment) * alignment
-        self.tensors, names, spans = [], set(), []
-        for name, dims, raw_type, offset in records:
-            if name in names:
-                raise ValueError(f"tensor {name!r} appears twice")
-            names.add(name)
-            try:
-                kind = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise ValueError(f"tensor {name!r} has an unknown type number {raw_type}") from None
-            block, size = GGML_QUANT_SIZES[kind]
-            n = int(np.prod(dims, dtype=np.float64)) if dims else 1
-            if n > len(self.map) * block or n % block or (dims and dims[0] % block):
-                raise ValueError(f"tensor {name!r} of type {kind.name} cannot have shape {dims}")
-            nbytes, at = n // block * size, start + offset
-            if at + nbytes > len(self.map):
-                raise ValueError(
-                    f"tensor {name!r} needs {nbytes:,} bytes at {at:,}, past the end of the "
-                    f"file ({len(self.map):,} bytes): truncated"
-                )
-            spans.append((at, at + nbytes, name))
-            shape = tuple(reversed(dims)) or (1,)
-            if kind.name in PLAIN_TENSORS:
-                data = self.map[at : at + nbytes].view(PLAIN_TENSORS[kind.name]).reshape(shape)
-            else:  # [..., row bytes]
-                data = self.map[at : at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
-            self.tensors.append(Tensor(name, kind, np.array(dims, dtype=np.uint64), data))
-        spans.sort()
-        for (_, end, first), (at, _, second) in zip(
-            spans, spans[1:]
-        ):  # a tensor's bytes are its own
-            if at < end:
-                raise ValueError(
-                    f"tensors {first!r} and {second!r} overlap in the file (offsets point into "
-                    "each other's data)"
-                )
+        return -(-self.pos // alignment) * alignment
+
+    def tensor_view(self, name: str, dims: list, raw_type: int, at: int) -> Tensor:
+        """One tensor over the map at byte `at`, its type, shape and extent checked against the
+        file: plain types as their numpy dtype, block-quantized ones as bytes [..., row bytes]."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            kind = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has an unknown type number {raw_type}") from None
+        block, size = GGML_QUANT_SIZES[kind]
+        n = int(np.prod(dims, dtype=np.float64)) if dims else 1
+        if n > len(self.map) * block or n % block or (dims and dims[0] % block):
+            raise ValueError(f"tensor {name!r} of type {kind.name} cannot have shape {dims}")
+        nbytes = n // block * size
+        if at + nbytes > len(self.map):
+            raise ValueError(
+                f"tensor {name!r} needs {nbytes:,} bytes at {at:,}, past the end of the "
+                f"file ({len(self.map):,} bytes): truncated"
+            )
+        shape = tuple(reversed(dims)) or (1,)
+        if kind.name in PLAIN_TENSORS:
+            data = self.map[at : at + nbytes].view(PLAIN_TENSORS[kind.name]).reshape(shape)
+        else:  # [..., row bytes]
+            data = self.map[at : at + nbytes].reshape(*shape[:-1], shape[-1] // block * size)
+        return Tensor(name, kind, np.array(dims, dtype=np.uint64), data)
 
     def release(self, tensor: Tensor):
         """Drop a tensor's pages from this process's resident set once it has been copied out (the
@@ -225,6 +246,17 @@ class GGUFFile:
             pos += 8 + length
         self.pos = pos
         return out, [ARRAY, STRING]
+
+
+def check_no_overlap(spans: list):
+    """A ValueError unless each tensor's bytes are its own: spans [(start, end, name)]."""
+    spans.sort()
+    for (_, end, first), (at, _, second) in zip(spans, spans[1:]):
+        if at < end:
+            raise ValueError(
+                f"tensors {first!r} and {second!r} overlap in the file (offsets point into "
+                "each other's data)"
+            )
 
 
 def main(argv=None) -> int:

@@ -18,12 +18,17 @@ from formats.gguf_config import field, read
 from runtime import TokenizerError
 
 # Pre-tokenizer regexes (split text into words before BPE), as the models were trained.
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 O200K_PATTERN = "|".join(
     [  # tiktoken's o200k (gpt-oss; llama.cpp's "gpt-4o" pre-tokenizer): case runs, then the rest
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
         r"""\p{N}{1,3}""",
         r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
         r"""\s*[\r\n]+""",
@@ -117,10 +122,26 @@ def _llama(tokens, scores, unk_id, add_space_prefix):
 def from_gguf(path: Path) -> dict:
     """{"tokenizer": a tokenizers.Tokenizer, "bos_id", "stop_ids", "add_bos", "chat_template",
     "special"}."""
-    from tokenizers import AddedToken
-
     reader = read(path)
     kind = field(reader, "tokenizer.ggml.model")
+    tokens, types, scores = _vocabulary(reader, kind, path)
+    tok = _bpe(reader, kind, tokens, scores, path)
+    special = _add_special_tokens(tok, tokens, types)
+    bos, stops = _bos_and_stops(reader, len(tokens), path)
+    add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    return {
+        "tokenizer": tok,
+        "bos_id": bos,
+        "stop_ids": stops,
+        "add_bos": add_bos,
+        "chat_template": field(reader, "tokenizer.chat_template"),
+        "special": special,
+    }
+
+
+def _vocabulary(reader, kind, path):
+    """(tokens, token types, scores) of the vocabulary, each list as long as the tokens (the
+    scores only for the `llama` kind, which needs them)."""
     tokens = field(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise TokenizerError(
@@ -133,46 +154,53 @@ def from_gguf(path: Path) -> dict:
             raise TokenizerError(
                 f"{path}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens"
             )
+    return tokens, types, scores
+
+
+def _bpe(reader, kind, tokens, scores, path):
+    """The tokenizers.Tokenizer of the file's kind: `gpt2` byte-level BPE or `llama`
+    SentencePiece."""
     if kind == "gpt2":
         try:
-            tok = _gpt2(
+            return _gpt2(
                 tokens,
                 field(reader, "tokenizer.ggml.merges") or [],
                 field(reader, "tokenizer.ggml.pre", "gpt2"),
             )
         except TokenizerError as e:
             raise TokenizerError(f"{path}: {e}") from None
-    elif kind == "llama":
-        tok = _llama(
+    if kind == "llama":
+        return _llama(
             tokens,
             scores,
             field(reader, "tokenizer.ggml.unknown_token_id"),
             field(reader, "tokenizer.ggml.add_space_prefix", True),
         )
-    else:
-        raise TokenizerError(
-            f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)"
-        )
+    raise TokenizerError(
+        f"{path}: tokenizer kind {kind!r} is not supported (supported: gpt2, llama)"
+    )
+
+
+def _add_special_tokens(tok, tokens, types) -> dict:
+    """Control tokens added as special tokens (so `<|im_start|>` is one id), user-defined ones as
+    added tokens; returns {control token: id}."""
+    from tokenizers import AddedToken
+
     special = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL}
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens(
         [AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     )
+    return special
 
+
+def _bos_and_stops(reader, n_tokens: int, path):
+    """(BOS id, [EOS, EOT, EOM ids]), each None or a token of the vocabulary."""
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     stops = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     for key, value in zip(("bos", "eos", "eot", "eom"), [bos] + stops):
-        if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+        if value is not None and not (isinstance(value, int) and 0 <= value < n_tokens):
             raise TokenizerError(
-                f"{path}: tokenizer.ggml.{key}_token_id {value!r} is not a token of its "
-                f"{len(tokens)}"
+                f"{path}: tokenizer.ggml.{key}_token_id {value!r} is not a token of its {n_tokens}"
             )
-    add_bos = field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
-    return {
-        "tokenizer": tok,
-        "bos_id": bos,
-        "stop_ids": stops,
-        "add_bos": add_bos,
-        "chat_template": field(reader, "tokenizer.chat_template"),
-        "special": special,
-    }
+    return bos, stops

@@ -7,11 +7,12 @@ By default the quantized matrices run at the file's own bits, decoded here in to
 into integers and per-group scales without passing through float:
 
     file type               runs as                          exact?
-    Q4_0, Q4_1, Q4_K        quantize.Int4Linear, groups of 32 yes: zero = min + 8 * scale is checked
-                            (the int4 kernels; N % 16 == 0)   to be exact in float32, else int8 groups
-    Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's order);
-                            groups of 32 (bf16 on CPU: the     the int4 kernel takes bf16 scales
-                            int4 kernel on two halves of q)
+    Q4_0, Q4_1, Q4_K        quantize.Int4Linear, groups of 32 yes: zero = min + 8 * scale is
+                            (the int4 kernels; N % 16 == 0)   checked to be exact in float32,
+                                                              else int8 groups
+    Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's
+                            groups of 32 (bf16 on CPU: the    order); the int4 kernel takes bf16
+                            int4 kernel on two halves of q)   scales
     Q6_K                    Int8GroupLinear, groups of 16     yes
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
     IQ* and others          refused, naming the tensor and its type
@@ -164,14 +165,15 @@ def decode_blocks(blocks: torch.Tensor, kind: str):
     """[rows, n_blocks * block_bytes] uint8 -> (q int8 [rows, K], scales float32 [rows, K/g],
     offsets float32 [rows, K/g] or None) with weight = q * scale + offset, exactly as gguf.quants
     computes it:
-      Q8_0  d (f16), 32 int8                          q * d                      g = 32
-      Q4_0  d, 16 bytes of nibbles                    (q - 8) * d                g = 32
-      Q4_1  d, m (f16), 16 bytes of nibbles           q * d + m                  g = 32
-      Q5_0  d, 32 high bits, 16 bytes of nibbles      (q - 16) * d               g = 32
-      Q5_1  d, m, 32 high bits, nibbles               q * d + m                  g = 32
-      Q4_K  d, dmin, 12 bytes of 6-bit sc/m, 128 B    q * (d*sc) - dmin*m        g = 32 (8 per block)
-      Q5_K  as Q4_K plus 32 bytes of high bits        q * (d*sc) - dmin*m        g = 32
-      Q6_K  128 B low nibbles, 64 B 2-bit highs, 16 int8 sc, d     (q - 32) * (d*sc)    g = 16
+      Q8_0  d (f16), 32 int8                          q * d                    g = 32
+      Q4_0  d, 16 bytes of nibbles                    (q - 8) * d              g = 32
+      Q4_1  d, m (f16), 16 bytes of nibbles           q * d + m                g = 32
+      Q5_0  d, 32 high bits, 16 bytes of nibbles      (q - 16) * d             g = 32
+      Q5_1  d, m, 32 high bits, nibbles               q * d + m                g = 32
+      Q4_K  d, dmin, 12 bytes of 6-bit sc/m, 128 B    q * (d*sc) - dmin*m      g = 32 (8 per block)
+      Q5_K  as Q4_K plus 32 bytes of high bits        q * (d*sc) - dmin*m      g = 32
+      Q6_K  128 B low nibbles, 64 B 2-bit highs,      (q - 32) * (d*sc)        g = 16
+            16 int8 sc, d
     Legacy nibbles: byte j holds weight j (low) and j + 16 (high); K-quants: each 32-byte run holds
     one sub-block in its low nibbles and the next in its high ones."""
     size, per = BLOCKS[kind]
@@ -225,8 +227,9 @@ def _blocks(t, path, kind) -> torch.Tensor:
     rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     if K % per or data.size != rows * K // per * size:
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) holds {data.size:,} bytes of "
-            f"blocks, expected {rows * (K // per) * size:,}: truncated or corrupt"
+            f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) "
+            f"holds {data.size:,} bytes of blocks, expected {rows * (K // per) * size:,}: "
+            "truncated or corrupt"
         )
     return torch.from_numpy(data.copy()).reshape(rows, -1)
 
@@ -305,7 +308,8 @@ def dequantize(t, path) -> torch.Tensor:
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} has type {kind}, which is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+            f"{path}: tensor {t.name!r} has type {kind}, which is not supported "
+            f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
     if kind in BLOCKS:
         q, scales, offsets = decode_blocks(_blocks(t, path, kind), kind)

@@ -2,7 +2,7 @@
 or weight-only quantized (quantize.py's format, which weights.load reads back), and the command
 line that writes a quantized one:
 
-    python quantize.py --mode int4 --groupsize 64            # the embedded model -> ./<name>-int4-g64
+    python quantize.py --mode int4 --groupsize 64     # the embedded model -> ./<name>-int4-g64
     python quantize.py --checkpoint some/folder --mode int8 --out int8-folder
 """
 
@@ -218,32 +218,9 @@ def save_quantized(
         model, keep_head=bool({"lm_head", "embed_tokens"} & set(quantized)), skip=experts
     )
     for name in experts:  # model.{name}.{projection}.{weight, scales, zeros}
-        tensors = moe.portable(
-            model.get_submodule(name), lambda w: portable_tensors(w.float(), mode, groupsize)
-        )
-        state.update(
-            {
-                f"model.{name}.{p}.{s}": t.contiguous()
-                for p, ts in tensors.items()
-                for s, t in ts.items()
-            }
-        )
-        state.update(
-            {
-                f"model.{name}.{b}": t.detach().float().contiguous()
-                for b, t in model.get_submodule(  # (gpt-oss's expert biases)
-                    name
-                ).named_parameters()
-                if b.endswith("_bias")
-            }
-        )
+        state.update(_quantized_experts(model, name, mode, groupsize))
     for name in set(quantized) - experts:
-        w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
-        tensors = (
-            quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
-        )
-        prefix = name if name == "lm_head" else f"model.{name}"
-        state.update({f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()})
+        state.update(_quantized_layer(state, name, mode, groupsize))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"mode": mode, "groupsize": groupsize if mode == "int4" else None, "layers": quantized}
@@ -253,15 +230,7 @@ def save_quantized(
         metadata={"format": "pt", METADATA_KEY: json.dumps(meta)},
     )
     (folder / "config.json").write_text(json.dumps(hf_config(model), indent=2))
-    source = Path(tokenizer_source) if tokenizer_source else None
-    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
-        gguf_weights.write_tokenizer_only(source, folder / "tokenizer.gguf")
-    elif source:
-        for f in source.iterdir():
-            if f.name.startswith(
-                ("tokenizer", "special_tokens", "generation_config", "chat_template")
-            ):
-                shutil.copy(f, folder / f.name)
+    _copy_tokenizer(tokenizer_source, folder)
     report = {
         "mode": mode,
         "groupsize": meta["groupsize"],
@@ -273,9 +242,51 @@ def save_quantized(
     return report
 
 
+def _quantized_experts(model, name: str, mode: str, groupsize: int) -> dict:
+    """The tensors of one stacked experts module (moe.py) in quantize.py's portable format:
+    model.{name}.{projection}.{weight, scales, zeros}, and gpt-oss's expert biases in float."""
+    experts = model.get_submodule(name)
+    tensors = moe.portable(experts, lambda w: portable_tensors(w.float(), mode, groupsize))
+    out = {
+        f"model.{name}.{p}.{s}": t.contiguous() for p, ts in tensors.items() for s, t in ts.items()
+    }
+    out.update(
+        {
+            f"model.{name}.{b}": t.detach().float().contiguous()
+            for b, t in experts.named_parameters()
+            if b.endswith("_bias")
+        }
+    )
+    return out
+
+
+def _quantized_layer(state: dict, name: str, mode: str, groupsize: int) -> dict:
+    """One layer's weight taken out of `state` and returned quantized: the embedding as int8 rows,
+    any other layer in quantize.py's portable format ({prefix}.{weight, scales, zeros})."""
+    w = state.pop(f"{name}.weight" if name == "lm_head" else f"model.{name}.weight")
+    tensors = quantize_int8(w) if name == "embed_tokens" else portable_tensors(w, mode, groupsize)
+    prefix = name if name == "lm_head" else f"model.{name}"
+    return {f"{prefix}.{s}": t.contiguous() for s, t in tensors.items()}
+
+
+def _copy_tokenizer(tokenizer_source, folder: Path):
+    """The source checkpoint's tokenizer beside the weights: a GGUF's as a tensor-less GGUF file,
+    a folder's tokenizer, special-tokens, generation and chat-template files copied."""
+    source = Path(tokenizer_source) if tokenizer_source else None
+    if source and source.is_file():  # a GGUF: keep its tokenizer as a tensor-less GGUF file
+        gguf_weights.write_tokenizer_only(source, folder / "tokenizer.gguf")
+    elif source:
+        for f in source.iterdir():
+            if f.name.startswith(
+                ("tokenizer", "special_tokens", "generation_config", "chat_template")
+            ):
+                shutil.copy(f, folder / f.name)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description="Write a weight-only quantized checkpoint folder (quantize.py's int8 or int4) that generate.py --checkpoint runs.",
+        description="Write a weight-only quantized checkpoint folder (quantize.py's int8 or int4) "
+        "that generate.py --checkpoint runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(

@@ -44,7 +44,8 @@ other quant_method (fp8, bitsandbytes, hqq, ...), by `check` before any tensor i
 With dequantize=True (generate.py --dequantize, or --quantize, which quantizes again from float)
 each layer comes out as its float32 dequantization instead of a Packed.
 
-    import weights; model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.own_bits)
+    import weights
+    model, info = weights.load("path/to/Llama-3.2-1B-Instruct-GPTQ"); print(info.own_bits)
 """
 
 import math
@@ -57,7 +58,8 @@ from runtime import CheckpointError
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 SUPPORTED = (
-    "gptq and awq (4-bit, GEMM packing), compressed-tensors (pack-quantized int4, group or channel) "
+    "gptq and awq (4-bit, GEMM packing), "
+    "compressed-tensors (pack-quantized int4, group or channel) "
     "and mxfp4 (gpt-oss's experts: formats/mxfp4.py)"
 )
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # added to each stored zero nibble
@@ -115,12 +117,14 @@ def check(quant_config: dict, source) -> None:
             _need(
                 source,
                 weights.get("type") == "int" and weights.get("num_bits") == 4,
-                f"compressed-tensors {name}: {weights.get('type')} with {weights.get('num_bits')} bits (only int4 is read)",
+                f"compressed-tensors {name}: {weights.get('type')} "
+                f"with {weights.get('num_bits')} bits (only int4 is read)",
             )
             _need(
                 source,
                 weights.get("strategy") in ("group", "channel"),
-                f"compressed-tensors {name}: strategy {weights.get('strategy')!r} (read: group, channel)",
+                f"compressed-tensors {name}: strategy {weights.get('strategy')!r} "
+                "(read: group, channel)",
             )
             if weights.get("strategy") == "group":
                 _group_size(weights.get("group_size"), source)
@@ -149,7 +153,8 @@ def _ct_schemes(c: dict, source):
     _need(
         source,
         c.get("quantization_status", "compressed") == "compressed",
-        f"compressed-tensors status {c.get('quantization_status')!r} (the weights must be stored compressed)",
+        f"compressed-tensors status {c.get('quantization_status')!r} "
+        "(the weights must be stored compressed)",
     )
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         _need(source, not c.get(key), f"compressed-tensors {key}")
@@ -228,7 +233,8 @@ def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
 def _expect(file, layer, part, tensor, shape, why):
     if tuple(tensor.shape) != tuple(shape):
         raise CheckpointError(
-            f"{file}: {layer}.{part} has shape {tuple(tensor.shape)}, but {why} needs {tuple(shape)}"
+            f"{file}: {layer}.{part} has shape {tuple(tensor.shape)}, "
+            f"but {why} needs {tuple(shape)}"
         )
 
 
@@ -325,8 +331,9 @@ def _compressed_tensors(c, layer, t, file):
         z = zero_point.int() + 8  # an unpacked signed zero point
     else:
         raise CheckpointError(
-            f"{file}: {layer}.weight_zero_point has shape {tuple(zero_point.shape)}, but weight_scale's "
-            f"shape {tuple(scales.shape)} needs {(math.ceil(N / 8), scales.shape[1])} (packed)"
+            f"{file}: {layer}.weight_zero_point has shape {tuple(zero_point.shape)}, "
+            f"but weight_scale's shape {tuple(scales.shape)} "
+            f"needs {(math.ceil(N / 8), scales.shape[1])} (packed)"
         )
     return q, z, scales.float(), G, "compressed-tensors"
 

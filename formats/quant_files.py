@@ -4,11 +4,14 @@ from them.
 A folder written by `python quantize.py` (formats/hf_folder.py writes it) holds, in place of each
 quantized layer's float weight, its portable tensors (quantize.portable_tensors) and, in the
 safetensors metadata under METADATA_KEY, {"mode", "groupsize", "layers"}. formats/weights.py checks
-a checkpoint's tensors against `expected_tensors` and calls `install` to build the layers:
+a checkpoint's tensors against `expected_tensors` (through formats/checkpoint_checks.py) and calls
+`install` to build the layers:
 
     int8  (and any embedding)   weight int8 [N, K], scales float32 [N]
-    int4                        weight uint8 [N, K/2] (two values a byte), scales and zeros float32 [N, K/g]
-    experts (moe.py)            the same per projection, stacked over the experts: {layer}.{projection}.weight, ...
+    int4                        weight uint8 [N, K/2] (two values a byte),
+                                scales and zeros float32 [N, K/g]
+    experts (moe.py)            the same per projection, stacked over the experts:
+                                {layer}.{projection}.weight, ...
 """
 
 import torch
@@ -89,7 +92,8 @@ def describe(report: dict) -> str:
     kept = "; ".join(f"{n}: {r}" for n, r in _summarize(report["kept"]).items()) or "nothing"
     mib = 2**20
     return (
-        f"quantized {len(report['quantized'])} layers to {mode}: weights {report['bytes_before'] / mib:.1f} MiB -> "
+        f"quantized {len(report['quantized'])} layers to {mode}: "
+        f"weights {report['bytes_before'] / mib:.1f} MiB -> "
         f"{report['bytes_after'] / mib:.1f} MiB | kept in higher precision: {kept}"
     )
 

