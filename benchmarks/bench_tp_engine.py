@@ -59,12 +59,12 @@ def probe(repeats: int = 2000):
     import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
-    from server import tp_engine
+    from server import tp_link
 
     dist.init_process_group("gloo")
     tokens = torch.arange(16).view(1, 16)
     groups = [(16, 1, torch.arange(16 * 4).view(16, 4))]
-    header, payload = tp_engine.pack([], groups, tokens, tokens, torch.arange(16))
+    header, payload = tp_link.pack([], groups, tokens, tokens, torch.arange(16))
     dist.barrier()
     start = time.perf_counter()
     for _ in range(repeats):
@@ -73,7 +73,8 @@ def probe(repeats: int = 2000):
     dist.barrier()
     if dist.get_rank() == 0:
         print(
-            f"probe: {1e6 * (time.perf_counter() - start) / repeats:.0f} us per step ({payload.numel()} int64)"
+            f"probe: {1e6 * (time.perf_counter() - start) / repeats:.0f} us per step "
+            f"({payload.numel()} int64)"
         )
     dist.destroy_process_group()
 
@@ -123,17 +124,19 @@ def main():
         )
         alone_us = re.search(r"probe: (\d+) us", probed.stdout).group(1)
     print(
-        f"{args.requests} requests x {args.max_new_tokens} greedy tokens, float32; outputs equal: {ranked == alone}"
+        f"{args.requests} requests x {args.max_new_tokens} greedy tokens, float32; "
+        f"outputs equal: {ranked == alone}"
     )
     print("| run | output tokens/s | wall s (load included) | steps | broadcast us per step |")
     print("|---|---|---|---|---|")
     print(f"| one process | {rate1:.1f} | {wall1:.1f} | | |")
     print(
-        f"| {args.ranks} ranks (gloo) | {rate_n:.1f} | {wall_n:.1f} | {steps} | {us} (alone: {alone_us}) |"
+        f"| {args.ranks} ranks (gloo) | {rate_n:.1f} | {wall_n:.1f} | {steps} | "
+        f"{us} (alone: {alone_us}) |"
     )
     print(
-        "(in the run, rank 0's broadcast waits for the slowest rank; alone: the two broadcasts of a "
-        "16-row decode step, ranks in step)"
+        "(in the run, rank 0's broadcast waits for the slowest rank; alone: the two broadcasts "
+        "of a 16-row decode step, ranks in step)"
     )
 
 

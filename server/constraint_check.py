@@ -111,7 +111,10 @@ class ConstraintChecker:
                 return f"invalid constraint: {first[0][:MESSAGE_CHARS]}" if first else ""
             self.process.kill()
             self.process.join(timeout=5)
-            return f"the constraint did not compile within {self.deadline_s:g} s (--constraint_timeout); simplify it"
+            return (
+                f"the constraint did not compile within {self.deadline_s:g} s "
+                "(--constraint_timeout); simplify it"
+            )
         except (EOFError, OSError):  # the child died on it
             self.process.join(timeout=5)
             return (

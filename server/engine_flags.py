@@ -5,7 +5,8 @@ server/tp_engine.py's `load_engine` keywords, so both entry points build the sam
     python -c "from server import engine_flags"     # library only; batch.py and serve.py use it
 """
 
-from runtime import COMPILE_MODES, compile_default, parse_size
+from compiling import COMPILE_MODES, compile_default
+from memory import parse_size
 
 
 def add_engine_args(p):
@@ -30,9 +31,9 @@ def add_model_args(p):
         const="jit",
         choices=COMPILE_MODES,
         default=compile_default(),
-        help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot where it can serve, "
-        "else eager; off: eager; jit (plain --compile): torch.compile; aot: an ahead-of-time package cached "
-        "on disk (CPU; speedups/aot.py), or an error saying why not",
+        help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot "
+        "where it can serve, else eager; off: eager; jit (plain --compile): torch.compile; aot: an "
+        "ahead-of-time package cached on disk (CPU; speedups/aot.py), or an error saying why not",
     )
     p.add_argument(
         "--quantize",
@@ -55,7 +56,7 @@ def add_cache_args(p):
         type=int,
         default=None,
         help="KV blocks in the pool (overrides --kv_cache_memory; "
-        "a hybrid model's full layers' pool: kv_plan.py sizes its windowed layers' own)",
+        "a hybrid model's full layers' pool: memory.py sizes its windowed layers' own)",
     )
     p.add_argument(
         "--kv_cache_memory",
@@ -97,7 +98,8 @@ def add_speculation_args(p):
         default=None,
         choices=("prompt_lookup", "draft"),
         help="draft tokens by prompt lookup "
-        "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model (speedups/draft_model.py) and "
+        "(speedups/prompt_lookup.py: faster where outputs quote their prompts) or a draft model "
+        "(speedups/draft_model.py) and "
         "verify them in each step: the output is exactly the target's",
     )
     p.add_argument(
@@ -130,7 +132,8 @@ def check_engine_args(p, args):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
     if args.batch_invariant and args.compile in ("jit", "aot"):
         p.error(
-            "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); leave out --compile"
+            "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); "
+            "leave out --compile"
         )
 
 

@@ -11,7 +11,8 @@ event a caller receives is one of:
     (choice index, None, text, reason, None)     a sample ended without a token ("abort", or
                                                  "length" when max_new_tokens = 0 scored the prompt)
     Over(first choice index, error, prompt_logprobs, cached_tokens)   one request (one prompt) is
-                                                 over; error is None or why it failed (the others go on)
+                                                 over; error is None or why it failed (the others
+                                                 go on)
 
 Admission is decided in the engine thread, before anything is queued: while `draining`, or when
 `max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).
@@ -210,7 +211,8 @@ class EngineLoop:
             if self.engine.metrics()["waiting"] + len(prompts) > self.max_waiting:
                 self.refused += 1
                 raise Unavailable(
-                    f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry later"
+                    f"too many requests are waiting ({self.max_waiting}, --max_waiting); retry "
+                    "later"
                 )
             ids = []
             for i, prompt in enumerate(prompts):

@@ -3,9 +3,10 @@
 gpt-oss writes its reply as messages, each a header and a body between special tokens; the
 prompt ends with `<|start|>assistant`, so the first header continues that one:
 
-    <|channel|>analysis<|message|>The user asks for 2 + 2.<|end|>             reasoning
-    <|start|>assistant<|channel|>final<|message|>4<|return|>                   the answer
-    <|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 2}<|call|>   a tool call
+    reasoning:    <|channel|>analysis<|message|>The user asks for 2 + 2.<|end|>
+    the answer:   <|start|>assistant<|channel|>final<|message|>4<|return|>
+    a tool call:
+        <|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 2}<|call|>
 
 A header names the role, the channel (analysis, commentary, final) and perhaps a recipient
 (`to=functions.NAME`, before or after the channel); `<|end|>` closes a message, `<|return|>` and

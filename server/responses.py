@@ -6,7 +6,8 @@ draining), and its reply is written back as output items, whole or as Responses 
 
     input items                         chat messages
       "text" or {"role", "content"}       user / assistant / system ("developer" is system)
-      {"type": "function_call"}           an assistant message's tool_calls (call_id is the call's id)
+      {"type": "function_call"}           an assistant message's tool_calls (call_id is the
+                                          call's id)
       {"type": "function_call_output"}    a "tool" message answering that call_id
     instructions                        a system message first (not carried to the next response)
     tools [{"type": "function", name, parameters, strict}], tool_choice, parallel_tool_calls
@@ -18,24 +19,26 @@ response.output_text.delta ..., response.output_text.done, response.content_part
 function call's response.function_call_arguments.delta ..., .done; response.output_item.done;
 last response.completed (response.incomplete when max_output_tokens cut it, with
 incomplete_details.reason "max_output_tokens", or a shutdown, with none; response.failed).
+server/response_items.py builds the output items and writes the events.
 
 `previous_response_id` continues a conversation: each reply (unless `store: false`) is kept in
 memory with the messages that led to it, the newest `--max_stored_responses` of them; an id never
 issued, or evicted, is a 400 naming the field.
 """
 
-import json
 import time
-import uuid
 from collections import OrderedDict
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
+from server.choices import Outputs
+from server.delivery import collect
 from server.engine_loop import events_of
-from server.openai_format import Body, ChatRequest, Outputs, Refused
-from server.tool_calls import call_id, tool_format
+from server.openai_format import Body, ChatRequest, Refused
+from server.response_items import Events, assistant_message, call_item, ending, message_item, usage
+from server.tool_calls import tool_format
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -49,14 +52,12 @@ class ResponsesRequest(Body):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False
-    tools: list[dict] = (
-        None  # [{"type": "function", "name", "description", "parameters", "strict"}]
-    )
+    # [{"type": "function", "name", "description", "parameters", "strict"}]
+    tools: list[dict] = None
     tool_choice: str | dict = None  # "auto" | "none" | "required" | {"type": "function", "name"}
     parallel_tool_calls: bool = True
-    text: dict = (
-        None  # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}
-    )
+    # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}
+    text: dict = None
     previous_response_id: str = None
     store: bool = True
     metadata: dict = None
@@ -97,60 +98,68 @@ def input_messages(items, history: list) -> list:
             raise ValueError(f"{where} must be an item object, got {type(item).__name__}", where)
         kind = item.get("type", "message")
         if kind == "message":
-            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
-                raise ValueError(
-                    f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
-                    f"{where}.role",
-                )
-            messages.append(
-                {"role": ROLES[item["role"]], "content": text_of(item.get("content"), where)}
-            )
+            messages.append(role_message(item, where))
         elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise ValueError(f"{where}.{key} must be a string", f"{where}.{key}")
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
+            call = function_call(item, where)
             calls.add(item["call_id"])
-            if (
-                messages and messages[-1]["role"] == "assistant"
-            ):  # the calls of one reply: one message
+            # the calls of one reply: one message
+            if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or item["call_id"] not in calls:
-                raise ValueError(
-                    f"{where}.call_id: no function_call with call_id {item.get('call_id')!r} comes "
-                    "before this output (in input, or in previous_response_id's conversation)",
-                    f"{where}.call_id",
-                )
-            output = item.get("output")
-            if not isinstance(output, (str, list)):
-                raise ValueError(
-                    f"{where}.output must be a string or a list of text parts", f"{where}.output"
-                )
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item["call_id"],
-                    "content": output
-                    if isinstance(output, str)
-                    else text_of(output, f"{where}.output"),
-                }
-            )
-        elif (
-            not isinstance(kind, str) or kind != "reasoning"
-        ):  # (another model's reasoning, sent back by a client: not for this one)
+            messages.append(call_output(item, where, calls))
+        # (another model's reasoning, sent back by a client: not for this one)
+        elif not isinstance(kind, str) or kind != "reasoning":
             raise ValueError(
                 f"{where}.type: unknown input item type {kind!r}; this server takes message, "
                 "function_call and function_call_output items",
                 f"{where}.type",
             )
     return messages
+
+
+def role_message(item: dict, where: str) -> dict:
+    """A message item (user, assistant, system or developer) as a chat message."""
+    if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
+        raise ValueError(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
+            f"{where}.role",
+        )
+    return {"role": ROLES[item["role"]], "content": text_of(item.get("content"), where)}
+
+
+def function_call(item: dict, where: str) -> dict:
+    """A function_call item as a chat tool call (its call_id is the call's id)."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise ValueError(f"{where}.{key} must be a string", f"{where}.{key}")
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
+
+
+def call_output(item: dict, where: str, calls: set) -> dict:
+    """A function_call_output item as a "tool" message; its call_id must name a call in `calls`
+    (the ids of the calls before it)."""
+    if not isinstance(item.get("call_id"), str) or item["call_id"] not in calls:
+        raise ValueError(
+            f"{where}.call_id: no function_call with call_id {item.get('call_id')!r} comes "
+            "before this output (in input, or in previous_response_id's conversation)",
+            f"{where}.call_id",
+        )
+    output = item.get("output")
+    if not isinstance(output, (str, list)):
+        raise ValueError(
+            f"{where}.output must be a string or a list of text parts", f"{where}.output"
+        )
+    return {
+        "role": "tool",
+        "tool_call_id": item["call_id"],
+        "content": output if isinstance(output, str) else text_of(output, f"{where}.output"),
+    }
 
 
 def chat_tools(tools) -> list:
@@ -191,7 +200,8 @@ def chat_fields(body: ResponsesRequest) -> dict:
     if isinstance(choice, dict):
         if choice.get("type") != "function":
             raise ValueError(
-                'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                'tool_choice must be "auto", "none", "required" or '
+                '{"type": "function", "name": ...}',
                 "tool_choice",
             )
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -251,145 +261,9 @@ def chat_request(body: ResponsesRequest, history: list):
         raise Refused(*e.args) from None
 
 
-# -- the reply as output items ---------------------------------------------------------------------
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def message_item(text: str = None, status: str = "completed") -> dict:
-    """A message item: with its text, or (text None) with no content part yet, as streaming adds
-    it."""
-    return {
-        "type": "message",
-        "id": f"msg_{uuid.uuid4().hex}",
-        "status": status,
-        "role": "assistant",
-        "content": [] if text is None else [text_part(text)],
-    }
-
-
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {
-        "type": "function_call",
-        "id": f"fc_{uuid.uuid4().hex}",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def assistant_message(items) -> dict:
-    """Output items as the chat message a later turn's template sees."""
-    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-    calls = [
-        {
-            "id": it["call_id"],
-            "type": "function",
-            "function": {"name": it["name"], "arguments": it["arguments"]},
-        }
-        for it in items
-        if it["type"] == "function_call"
-    ]
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-
-
-def usage(out: Outputs) -> dict:
-    prompt, output = len(out.prompts[0]), len(out.ids[0])
-    return {
-        "input_tokens": prompt,
-        "output_tokens": output,
-        "total_tokens": prompt + output,
-        "input_tokens_details": {
-            "cached_tokens": out.cached_tokens,
-            "cache_write_tokens": prompt - out.cached_tokens,
-        },
-        "output_tokens_details": {"reasoning_tokens": 0},
-    }
-
-
-def ending(reason) -> tuple:
-    """(status, incomplete_details) for a finish_reason."""
-    if reason in ("length", "abort"):  # cut by max_output_tokens, or by the server shutting down
-        return "incomplete", {"reason": "max_output_tokens"} if reason == "length" else None
-    return "completed", None
-
-
-class Events:
-    """Responses' server-sent events for one streamed reply: the output items as CallStream parts
-    arrive (server/tool_calls.py), each event numbered."""
-
-    def __init__(self):
-        self.seq, self.items, self.open = 0, [], None  # the item being written, if any
-
-    def event(self, kind: str, **fields) -> str:
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **fields})}\n\n"
-
-    def parts(self, parts):
-        """Events for ("content", text), ("call", id, name) and ("arguments", fragment) parts."""
-        for kind, *value in parts:
-            if kind == "content" and (self.open is None or self.open["type"] != "message"):
-                yield from self.close()
-                yield from self._add(message_item(None, "in_progress"))
-                self.open["content"].append(text_part(""))
-                yield self.event(
-                    "response.content_part.added", **self._at(), content_index=0, part=text_part("")
-                )
-            if kind == "content":
-                self.open["content"][0]["text"] += value[0]
-                yield self.event(
-                    "response.output_text.delta",
-                    **self._at(),
-                    content_index=0,
-                    delta=value[0],
-                    logprobs=[],
-                )
-            elif kind == "call":
-                yield from self.close()
-                yield from self._add(
-                    call_item(value[0] or call_id(), value[1], "", "in_progress")
-                )  # (harmony: no id)
-            elif self.open is not None and self.open["type"] == "function_call":
-                self.open["arguments"] += value[0]
-                yield self.event(
-                    "response.function_call_arguments.delta", **self._at(), delta=value[0]
-                )
-
-    def close(self, status: str = "completed"):
-        """Events that end the item being written, with its status."""
-        item, self.open = self.open, None
-        if item is None:
-            return
-        at = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        if item["type"] == "message":
-            part = item["content"][0]
-            yield self.event(
-                "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]
-            )
-            yield self.event("response.content_part.done", **at, content_index=0, part=part)
-        else:
-            yield self.event(
-                "response.function_call_arguments.done",
-                **at,
-                name=item["name"],
-                arguments=item["arguments"],
-            )
-        item["status"] = status
-        yield self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
-
-    def _add(self, item):
-        self.items.append(item)
-        self.open = item
-        yield self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
-
-    def _at(self) -> dict:
-        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
-
-
 class Responses:
-    """The /v1/responses route on a serve.Server (its chat_prompt, submit and collect steps) and
-    the store of recent replies for previous_response_id."""
+    """The /v1/responses route on a completions.Server (its chat_prompt and submit steps, then
+    delivery.collect) and the store of recent replies for previous_response_id."""
 
     def __init__(self, server, max_stored: int):
         self.server, self.max_stored, self.stored = server, max_stored, OrderedDict()
@@ -425,7 +299,7 @@ class Responses:
                 self.sse(rids, events, out, meta, conversation, body.store),
                 media_type="text/event-stream",
             )
-        failed = await self.server.collect(request, rids, events, out)
+        failed = await collect(self.server.loop, request, rids, events, out)
         if failed:
             return failed
         status, details = ending(out.reasons[0])
@@ -447,9 +321,9 @@ class Responses:
             return []
         if response_id not in self.stored:
             raise Refused(
-                f"previous_response_id {response_id!r} was never issued by this server or is no longer "
-                f"kept (it keeps the newest {self.max_stored}, --max_stored_responses, and none sent "
-                "with store: false)",
+                f"previous_response_id {response_id!r} was never issued by this server or is no "
+                f"longer kept (it keeps the newest {self.max_stored}, --max_stored_responses, and "
+                "none sent with store: false)",
                 "previous_response_id",
             )
         return self.stored[response_id]
@@ -526,9 +400,8 @@ class Responses:
                 ):
                     yield e
             status, details = ending(out.reasons[0])
-            for e in writer.parts(
-                [] if writer.items else [("content", "")]
-            ):  # (an empty reply: one empty message)
+            # (an empty reply: one empty message)
+            for e in writer.parts([] if writer.items else [("content", "")]):
                 yield e
             for e in writer.close(status):
                 yield e

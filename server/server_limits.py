@@ -283,7 +283,8 @@ def add_time_limits(p, d):
         "--header_timeout",
         type=float,
         default=d.header_timeout,
-        help="seconds a connection may take to send a whole request (headers and body); then it is closed",
+        help="seconds a connection may take to send a whole request (headers and body); then it "
+        "is closed",
     )
     p.add_argument(
         "--write_timeout",
@@ -296,7 +297,8 @@ def add_time_limits(p, d):
         "--shutdown_timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted",
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
+        "aborted",
     )
 
 
@@ -340,7 +342,8 @@ class GuardedH11(H11Protocol):
 
     def _cut(self):
         log(
-            f"a client took no bytes for {self.write_timeout:g} s (--write_timeout): its connection is cut"
+            f"a client took no bytes for {self.write_timeout:g} s (--write_timeout): its "
+            "connection is cut"
         )
         self.transport.abort()  # (close() would wait for the unread bytes to drain)
 

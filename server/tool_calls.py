@@ -6,9 +6,12 @@ call always parses.
     python -c "from server import tool_calls"     # library only; serve.py uses it
 
 Three output formats, told apart by the chat template:
-  hermes   (Qwen2.5, Hermes, and the default)   <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-  llama3   (a template that speaks of ipython)  {"name": ..., "parameters": {...}}   (the whole reply)
-  harmony  (gpt-oss: <|channel|>)               a message to=functions.NAME (server/harmony.py parses it)
+  hermes   (Qwen2.5, Hermes, and the default)
+           <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+  llama3   (a template that speaks of ipython)
+           {"name": ..., "parameters": {...}}   (the whole reply)
+  harmony  (gpt-oss: <|channel|>)
+           a message to=functions.NAME (server/harmony.py parses it)
 A template that never mentions `tools` (e.g. SmolLM2's) still gets them: a system message lists
 them and asks for the hermes format. tool_choice "none" renders no tools; "auto" lets the model
 choose and parses what it wrote.
@@ -36,7 +39,8 @@ def check_tools(tools, tool_choice):
             or not isinstance(f.get("name"), str)
         ):
             raise ValueError(
-                'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+                'each tool must be {"type": "function", "function": '
+                '{"name": ..., "parameters": {...}}}'
             )
         if not isinstance(f.get("parameters") or {}, dict):
             raise ValueError(f"tool {f['name']}: parameters must be a JSON schema object")
@@ -49,7 +53,8 @@ def check_tools(tools, tool_choice):
             )
     elif tool_choice not in (None, "auto", "none", "required"):
         raise ValueError(
-            'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
+            'tool_choice must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name"}}',
             "tool_choice",
         )
 

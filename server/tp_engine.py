@@ -8,22 +8,15 @@ One scheduler, N runners. Rank 0 owns everything on the host: the Scheduler and 
 allocator, the tokenizer, sampling, and serve.py's HTTP server. Every rank holds 1/N of the
 weights (tp.py) and a KV pool of the same blocks holding 1/N of the KV heads, so a block id means
 the same on every rank and only rank 0 needs to know which are free. Each step rank 0 broadcasts
-what the forward needs as two int64 tensors, a fixed header and a payload:
-
-    header   [kind, tokens N, kept rows K, copies C, groups G, payload length]
-    payload  tokens [N] | positions [N] | keep [K] | copies [3C] | (rows, T, width, tables) [4G] | tables
-
+what the forward needs as two int64 tensors, a fixed header and a payload (server/tp_link.py),
 and every rank runs the same forward on its shard (the copy-on-write copies first). The output
 head is replicated, so every rank computes the full logits and nothing comes back: rank 0 samples.
 
-The other ranks run `follow()`: receive a step, run it, until rank 0 says stop. Every collective,
-a waiting broadcast too, fails after the process group's timeout, so an idle rank 0 sends a
-keepalive every KEEPALIVE_S. A rank that dies makes the next collective fail on the others (gloo;
-NCCL's watchdog aborts them after the timeout instead, so rank 0 also looks at the processes of
-the ranks on its machine every few seconds): each says what it knows, rank 0 naming the ranks on
-its machine that are gone, and exits 1, never hanging past the timeout. torchrun passes SIGTERM
-to every rank; the followers ignore it, and serve.py's rank 0 drains and then stops them, so all
-exit 0 (batch.py's rank 0 just ends, and its followers then exit 1).
+The other ranks run `follow()`: receive a step, run it, until rank 0 says stop. A collective that
+fails (a rank gone, a group idle past its timeout) ends every rank with exit code 1, never a hang
+(server/tp_link.py says how). torchrun passes SIGTERM to every rank; the followers ignore it, and
+serve.py's rank 0 drains and then stops them, so all exit 0 (batch.py's rank 0 just ends, and its
+followers then exit 1).
 """
 
 import atexit
@@ -32,7 +25,6 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,13 +32,12 @@ import torch.distributed as dist
 import tp
 from engine import Engine
 from formats.tokenizer import load_tokenizer
-from kv_plan import plan_blocks
-from runtime import DTYPES, human, log, pick_device, weights_line
+from memory import plan_blocks, weights_line
+from runtime import DTYPES, human, log, pick_device
+from server.tp_link import STEP, STOP, Link, pack
 from speedups.draft_model import DraftModel
 from speedups.prompt_lookup import PromptLookup
 
-STEP, KEEPALIVE, STOP = 0, 1, 2
-KEEPALIVE_S = 20.0  # an idle rank 0 says so this often
 TIMEOUT_S = 600.0  # the process group's: the longest any collective waits (loading included)
 CHECKED = (
     "checkpoint",
@@ -63,166 +54,6 @@ CHECKED = (
     "compile",
     "prefix_caching",
 )
-
-
-def pack(copies, groups, tokens, pos, keep):
-    """A step as (header [6], payload [L]) int64 tensors on the tokens' device."""
-    device = tokens.device
-    long = dict(dtype=torch.long, device=device)
-    meta = torch.tensor(
-        [
-            (rows, T, table.shape[-1], table.numel() // (rows * table.shape[-1]))
-            for rows, T, table in groups
-        ],
-        **long,
-    ).view(-1)  # (a hybrid's table is two: [2, rows, width])
-    parts = [
-        tokens.view(-1),
-        pos.view(-1),
-        keep.view(-1),
-        torch.tensor(copies, **long).view(-1),
-        meta,
-    ]
-    payload = torch.cat(parts + [table.reshape(-1) for _, _, table in groups])
-    header = torch.tensor(
-        [STEP, tokens.numel(), keep.numel(), len(copies), len(groups), payload.numel()], **long
-    )
-    return header, payload
-
-
-def unpack(header, payload):
-    """(copies, groups, tokens [1, N], positions [1, N], keep) from pack's tensors."""
-    _, n, k, c, g, length = header.tolist()
-    sizes = [n, n, k, 3 * c, 4 * g]
-    tokens, pos, keep, copies, meta, tables = payload.split(sizes + [length - sum(sizes)])
-    groups, at = [], 0
-    for rows, T, width, count in meta.view(g, 4).tolist():
-        shape = (count, rows, width) if count > 1 else (rows, width)
-        groups.append((rows, T, tables[at : at + count * rows * width].view(shape)))
-        at += count * rows * width
-    return (
-        [tuple(p) for p in copies.view(c, 3).tolist()],
-        groups,
-        tokens.view(1, n),
-        pos.view(1, n),
-        keep,
-    )
-
-
-class Link:
-    """The steps rank 0 broadcasts and the others receive; the lock keeps a keepalive from landing
-    inside a step's collectives (the forward's all-reduces included)."""
-
-    def __init__(self, device, peers):
-        self.device, self.peers, self.lock = (
-            device,
-            peers,
-            threading.RLock(),
-        )  # peers: (host, pid) per rank
-        self.rank, self.last, self.steps, self.seconds, self.stopped = (
-            dist.get_rank(),
-            time.monotonic(),
-            0,
-            0.0,
-            False,
-        )
-
-    def send(self, header, payload=None):
-        start = time.perf_counter()
-        dist.broadcast(header, 0)
-        if payload is not None:
-            dist.broadcast(payload, 0)
-        self.last = time.monotonic()
-        if payload is not None:
-            self.steps, self.seconds = self.steps + 1, self.seconds + time.perf_counter() - start
-
-    def signal(self, kind: int):
-        with self.lock:
-            if not self.stopped:
-                self.send(torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.long, device=self.device))
-
-    def receive(self):
-        """(kind, the step or None)."""
-        header = torch.empty(6, dtype=torch.long, device=self.device)
-        dist.broadcast(header, 0)
-        kind, *_, length = header.tolist()  # one device-to-host read per step
-        if kind != STEP:
-            return kind, None
-        payload = torch.empty(length, dtype=torch.long, device=self.device)
-        dist.broadcast(payload, 0)
-        return STEP, unpack(header, payload)
-
-    def keep_alive(self):
-        """Rank 0, in a daemon thread: a keepalive whenever no step went out for KEEPALIVE_S, and a
-        look at the ranks on this machine (NCCL's collectives do not fail when a peer dies: its
-        watchdog aborts them after the timeout, with no word of which rank)."""
-        while True:
-            time.sleep(KEEPALIVE_S / 4)
-            with (
-                self.lock
-            ):  # (stop takes it too: after a stop, followers that ended are no failure)
-                if self.stopped:
-                    return
-                if self.gone():
-                    self.fail(RuntimeError("its process has ended"))
-                if time.monotonic() - self.last > KEEPALIVE_S:
-                    try:
-                        self.signal(KEEPALIVE)
-                    except Exception as e:
-                        self.fail(e)
-
-    def gone(self) -> list:
-        """The ranks on this machine whose process has ended."""
-        here = socket.gethostname()
-        return [
-            r
-            for r, (host, pid) in enumerate(self.peers)
-            if host == here and pid != os.getpid() and not alive(pid)
-        ]
-
-    def stop(self):
-        """Rank 0, at exit: the followers stop and exit 0; no step goes out after this."""
-        with self.lock:
-            if self.stopped:
-                return
-            try:
-                self.signal(STOP)
-            except Exception as e:  # a follower is gone: say which
-                self.fail(e)
-            self.stopped = True
-            # before the interpreter exits: a group left to its destructors can abort the process
-            # ("terminate called without an active exception")
-            dist.destroy_process_group()
-            if self.steps:
-                log(
-                    f"tensor parallel: {self.steps} steps broadcast to {len(self.peers) - 1} ranks, "
-                    f"{1e6 * self.seconds / self.steps:.0f} us each"
-                )
-
-    def fail(self, error):
-        """A collective failed: say which ranks on this machine are gone, and exit 1 (never
-        hang)."""
-        time.sleep(0.5)  # a rank that failed is still exiting
-        gone = self.gone()
-        who = (
-            f"rank {', '.join(map(str, gone))} stopped"
-            if gone
-            else "a rank stopped or failed (this one, or another)"
-        )
-        log(
-            f"error: tensor parallel rank {self.rank}: {who} ({type(error).__name__}: {error}); exiting"
-        )
-        os._exit(1)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class LeaderCache:
@@ -268,9 +99,8 @@ class LeaderModel:
                 self.link.send(*pack(cache.copies, cache.groups, tokens, input_pos, keep))
                 cache.copies = []
                 return self.inner(tokens, input_pos, cache.inner, keep=keep)
-            except (
-                BaseException
-            ) as e:  # (an interrupt too) the ranks are out of step now: nothing can go on
+            except BaseException as e:
+                # (an interrupt too) the ranks are out of step now: nothing can go on
                 self.link.fail(e)
 
 
@@ -332,21 +162,9 @@ def build(
     """The engine on rank 0 of a parallelized model (tp.parallelize); on the other ranks, follow
     rank 0's steps and then end the process with exit code 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    mine, _, plan = plan_blocks(
-        model,
-        block_size,
-        num_blocks,
-        kv_cache_memory,
-        max_tokens=max_num_seqs * model.config.max_position_embeddings,
-        **sizes,
+    num_blocks, window_blocks, plan = agreed_pool(
+        model, block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens
     )
-    agreed = torch.tensor(
-        [mine], device=model.norm.weight.device
-    )  # (NCCL reduces device tensors only)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
-    num_blocks = int(agreed.item())
-    _, window_blocks, plan = plan_blocks(model, block_size, num_blocks, **sizes)
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     engine = Engine.for_model(
@@ -366,9 +184,40 @@ def build(
         follow(model, engine.cache, link)
         dist.destroy_process_group()  # (as Link.stop does on rank 0)
         raise SystemExit(0)
-    per_rank = engine.cache.nbytes()
+    lead(engine, model, link, plan, num_blocks)
+    return engine
+
+
+def agreed_pool(
+    model, block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens
+):
+    """(num_blocks, window_blocks, plan) of the KV pool every rank can hold: each rank plans the
+    pool its own memory allows, and the smallest wins."""
+    sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    mine, _, _ = plan_blocks(
+        model,
+        block_size,
+        num_blocks,
+        kv_cache_memory,
+        max_tokens=max_num_seqs * model.config.max_position_embeddings,
+        **sizes,
+    )
+    # (NCCL reduces device tensors only)
+    agreed = torch.tensor([mine], device=model.norm.weight.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the pool every rank can hold
+    num_blocks = int(agreed.item())
+    _, window_blocks, plan = plan_blocks(model, block_size, num_blocks, **sizes)
+    return num_blocks, window_blocks, plan
+
+
+def lead(engine, model, link: Link, plan: str, num_blocks: int):
+    """Rank 0: the pool logged, the engine's model and cache swapped for ones that broadcast each
+    step first (LeaderModel, LeaderCache), the other ranks kept alive while idle and stopped at
+    exit."""
+    world, per_rank = len(link.peers), engine.cache.nbytes()
+    pids = ", ".join(str(pid) for _, pid in link.peers)
     log(
-        f"{plan}\ntensor parallel over {world} ranks (pids {', '.join(str(pid) for _, pid in peers)}): {num_blocks} "
+        f"{plan}\ntensor parallel over {world} ranks (pids {pids}): {num_blocks} "
         f"blocks on each, {human(per_rank)} of KV per rank, {human(world * per_rank)} in all"
     )
     engine.model, engine.cache, engine.ranks = (
@@ -378,7 +227,6 @@ def build(
     )
     atexit.register(link.stop)
     threading.Thread(target=link.keep_alive, daemon=True, name="tp-keepalive").start()
-    return engine
 
 
 def load_one_process(
@@ -405,49 +253,20 @@ def load_one_process(
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     engine_flags.add_engine_args); logs the memory plan. Then, as generate.py, drops what only
     loading needed (weights.settle)."""
-    from formats import weights
-
     proposer = (
         PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max)
         if speculate == "prompt_lookup"
         else None
     )
-    model, info = weights.load_for_inference(
-        checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log
+    model, tokenizer, info, draft, draft_info = load_models(
+        checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint
     )
-    tokenizer = load_tokenizer(info.source)
-    draft = None
-    if speculate == "draft":  # before the plan: its pool takes a share of the KV memory
-        draft, draft_info = weights.load_for_inference(
-            draft_checkpoint,
-            model.norm.weight.device,
-            DTYPES[dtype],
-            quantize,
-            dequantize=dequantize,
-            log=log,
-        )
-    weights.settle()
-    num_blocks, window_blocks, plan = plan_blocks(
-        model,
-        block_size,
-        num_blocks,
-        kv_cache_memory,
-        max_tokens=max_num_seqs * model.config.max_position_embeddings,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        draft=draft,
-    )
-    log(
-        f"loaded {info.source} in {info.load_s:.2f} s"
-        + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "")
-        + f"\n{weights_line(model)}{plan}"
+    sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    num_blocks, window_blocks = plan_pool(
+        model, info, draft, block_size, num_blocks, kv_cache_memory, **sizes
     )
     if draft is not None:
-        proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
-        log(
-            f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: {weights_line(draft)}its KV "
-            f"pool {human(proposer.cache.nbytes())} (the target's {num_blocks} block ids and scratch)"
-        )
+        proposer = draft_proposer(draft, draft_info, model, speculate_k, num_blocks, block_size)
     engine = Engine.for_model(
         model,
         num_blocks,
@@ -464,18 +283,86 @@ def load_one_process(
         speculate=proposer,
     )
     if compile in ("auto", "aot"):
-        refusal = (
-            (speculate and "speculative steps compile with --compile")
-            or (batch_invariant and "--batch_invariant runs eager steps")
-            or (engine.device.type != "cpu" and "it runs on CPU; use --compile")
-        )
-        engine.decode_fn = aot_step(
-            engine,
-            dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype),
-            compile,
-            refusal,
-        )
+        load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
+        refusal = aot_refusal(engine, speculate, batch_invariant)
+        engine.decode_fn = aot_step(engine, load, compile, refusal)
     return engine, tokenizer, info
+
+
+def load_models(checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint):
+    """(model, tokenizer, load info, draft model, its load info): the checkpoint, and with
+    --speculate draft the draft checkpoint on the model's device (else None, None), both before
+    the memory plan (the draft's pool takes a share of the KV memory); then what only loading
+    needed is dropped (weights.settle)."""
+    from formats import weights
+
+    model, info = weights.load_for_inference(
+        checkpoint, pick_device(device), DTYPES[dtype], quantize, dequantize=dequantize, log=log
+    )
+    tokenizer = load_tokenizer(info.source)
+    draft = draft_info = None
+    if speculate == "draft":
+        draft, draft_info = weights.load_for_inference(
+            draft_checkpoint,
+            model.norm.weight.device,
+            DTYPES[dtype],
+            quantize,
+            dequantize=dequantize,
+            log=log,
+        )
+    weights.settle()
+    return model, tokenizer, info, draft, draft_info
+
+
+def plan_pool(
+    model,
+    info,
+    draft,
+    block_size,
+    num_blocks,
+    kv_cache_memory,
+    max_num_seqs,
+    max_num_batched_tokens,
+):
+    """(num_blocks, window_blocks) of the paged KV pool this process's memory allows (the draft's
+    pool included), logged with what was loaded."""
+    num_blocks, window_blocks, plan = plan_blocks(
+        model,
+        block_size,
+        num_blocks,
+        kv_cache_memory,
+        max_tokens=max_num_seqs * model.config.max_position_embeddings,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        draft=draft,
+    )
+    log(
+        f"loaded {info.source} in {info.load_s:.2f} s"
+        + (f" (at the file's own bits: {info.own_bits})" if info.own_bits else "")
+        + f"\n{weights_line(model)}{plan}"
+    )
+    return num_blocks, window_blocks
+
+
+def draft_proposer(draft, draft_info, model, speculate_k, num_blocks, block_size):
+    """--speculate draft: the draft model as the engine's proposer (its KV pool under the target's
+    block ids), logged."""
+    proposer = DraftModel(draft, model, speculate_k, num_blocks, block_size)
+    log(
+        f"draft model {draft_info.source} loaded in {draft_info.load_s:.2f} s: "
+        f"{weights_line(draft)}its KV pool {human(proposer.cache.nbytes())} (the target's "
+        f"{num_blocks} block ids and scratch)"
+    )
+    return proposer
+
+
+def aot_refusal(engine, speculate, batch_invariant):
+    """Why the ahead-of-time compiled step cannot serve this engine, or a false value."""
+    return (
+        (speculate and "speculative steps compile with --compile")
+        or (batch_invariant and "--batch_invariant runs eager steps")
+        or (engine.device.type != "cpu" and "it runs on CPU; use --compile")
+    )
 
 
 def aot_step(engine, load: dict, compile: str, refusal):
@@ -512,7 +399,8 @@ def load_engine(**options):
         )
     if options.get("batch_invariant"):
         raise ValueError(
-            "--batch_invariant does not run tensor-parallel engine steps; leave it out under torchrun"
+            "--batch_invariant does not run tensor-parallel engine steps; leave it out under "
+            "torchrun"
         )
     device = pick_device(options.get("device"))
     device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
@@ -531,7 +419,8 @@ def load_engine(**options):
     weights.settle()
     if rank == 0:
         log(
-            f"loaded {info.source} in {info.load_s:.2f} s; this rank holds {human(model.weight_bytes())} of weights"
+            f"loaded {info.source} in {info.load_s:.2f} s; this rank holds "
+            f"{human(model.weight_bytes())} of weights"
         )
     names = (
         "num_blocks",

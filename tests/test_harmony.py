@@ -16,7 +16,10 @@ from test_serve import KEY, serve_checkpoint
 from server import harmony
 
 THINK = "<|channel|>analysis<|message|>The user adds 2 and 2.<|end|>"
-CALL = '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 2, "b": 2}<|call|>'
+CALL = (
+    "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>"
+    '{"a": 2, "b": 2}<|call|>'
+)
 FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
 
 
@@ -129,7 +132,10 @@ def test_chat_reply_has_the_final_channel_as_content_and_the_analysis_as_reasoni
 def test_a_message_to_a_function_is_a_tool_call(server):
     call = grammar(
         '<|channel|> "analysis" <|message|> "add them" <|end|>',
-        '<|start|> "assistant to=functions.add" <|channel|> "commentary json" <|message|> "{\\"a\\": 2}"',
+        (
+            '<|start|> "assistant to=functions.add" <|channel|> "commentary json" '
+            '<|message|> "{\\"a\\": 2}"'
+        ),
     )
     whole = server.chat.completions.create(
         model="tiny", messages=USER, max_tokens=100, tools=TOOLS, extra_body=call
@@ -162,10 +168,13 @@ def test_a_forced_tool_choice_is_refused_by_name(server):
 def test_the_responses_api_answers_with_the_final_channel():
     """server/responses.py's whole reply: the final channel as its message, a call to a function as
     a function_call item (the analysis channel is not written as reasoning items there)."""
-    from server.openai_format import Outputs
+    from server.choices import Outputs
     from server.responses import Responses
 
-    reply = "<|channel|>analysis<|message|>two and two<|end|><|start|>assistant<|channel|>final<|message|>four<|end|>"
+    reply = (
+        "<|channel|>analysis<|message|>two and two<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>four<|end|>"
+    )
     for tools, items in (
         (None, [("message", "four")]),
         (("harmony", TOOLS), [("message", "four"), ("function_call", "add")]),
@@ -184,7 +193,7 @@ def test_streamed_calls_get_ids_and_only_the_first_without_parallel_tool_calls()
     """A harmony call carries no id of its own: the Responses stream gives it one (the chat path
     too); with parallel_tool_calls false only the first of two calls streams, as the whole reply
     keeps only the first."""
-    from server.responses import Events
+    from server.response_items import Events
 
     second = CALL.replace("functions.add", "functions.mul")
     parts = harmony.HarmonyStream(True).feed(THINK + CALL + second)

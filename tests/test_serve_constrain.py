@@ -213,7 +213,8 @@ def test_a_stream_keeps_its_pace_beside_a_huge_enum_with_n_and_a_long_echo(serve
     assert len(during) >= 20 and len(plain) >= 20, "the stream ended before the other rows"
     print(
         f"beside plain rows {statistics.mean(plain) * 1e3:.2f} ms, beside the enum and echo "
-        f"{statistics.mean(during) * 1e3:.2f} ms over {len(during)} gaps, longest {max(during) * 1e3:.1f} ms"
+        f"{statistics.mean(during) * 1e3:.2f} ms over {len(during)} gaps, "
+        f"longest {max(during) * 1e3:.1f} ms"
     )
     assert statistics.mean(during) < 2 * statistics.mean(plain) and max(during) < 0.5, (
         plain,
@@ -316,11 +317,12 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
     mid-stream."""
     import threading
 
-    import serve
     from constrain import Compiled
+    from server import completions
 
     url, _, _, engine, _ = server
-    seen, add, threads, compile_constraint = [], engine.add_request, set(), serve.compile_constraint
+    seen, add, threads = [], engine.add_request, set()
+    compile_constraint = completions.compile_constraint
 
     def recorded(prompt, params=None, request_id=None):
         seen.append(type(params.constraint))
@@ -331,7 +333,7 @@ def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server
         return compile_constraint(*args)
 
     monkeypatch.setattr(engine, "add_request", recorded)
-    monkeypatch.setattr(serve, "compile_constraint", compiled_where)
+    monkeypatch.setattr(completions, "compile_constraint", compiled_where)
     out = client(url).completions.create(
         model="tiny",
         prompt="x",

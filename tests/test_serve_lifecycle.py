@@ -21,6 +21,7 @@ from test_serve import AUTH, KEY, client, start_server, tiny, wait_idle  # noqa:
 import serve
 from engine import Engine
 from serve import Limits
+from server.server_limits import TokenizerLanes
 
 
 def test_overload_gets_503_at_once_and_the_rest_complete(tiny):
@@ -365,7 +366,7 @@ class SlowOnLongTexts:
         return getattr(self.inner, name)
 
     def encode(self, text, bos=None):
-        if len(text) >= serve.TokenizerLanes.LONG_TEXT:
+        if len(text) >= TokenizerLanes.LONG_TEXT:
             self.release.wait(10)
             return [5] * 600  # past the context: refused once tokenized
         return self.inner.encode(text, bos=bos)
@@ -381,7 +382,7 @@ def test_long_prompts_being_tokenized_leave_threads_for_a_short_chat(tiny):
         model, num_blocks=100, block_size=8, stop_ids=tokenizer.stop_ids, tokenizer=tokenizer
     )
     url, _, stop = start_server(engine, slow)
-    long_prompt = "word " * (serve.TokenizerLanes.LONG_TEXT // 5 + 1)
+    long_prompt = "word " * (TokenizerLanes.LONG_TEXT // 5 + 1)
 
     async def run():
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as h:

@@ -22,7 +22,7 @@ from tp_worker import ENGINE, engine_workload, run_engine_rank
 from engine import Engine
 from formats import weights
 from formats.tokenizer import load_tokenizer
-from server import tp_engine
+from server import tp_link
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
@@ -75,8 +75,8 @@ def test_a_step_crosses_the_broadcast_whole_hybrid_tables_and_pools_included():
         (3, 1, torch.zeros(3, 1, dtype=torch.long)),
     ]
     tokens, pos, keep = torch.arange(10)[None], torch.arange(10, 20)[None], torch.tensor([1, 6])
-    copies, got, *rest = tp_engine.unpack(
-        *tp_engine.pack([(3, 9, 0), (8, 2, 1)], groups, tokens, pos, keep)
+    copies, got, *rest = tp_link.unpack(
+        *tp_link.pack([(3, 9, 0), (8, 2, 1)], groups, tokens, pos, keep)
     )
     assert copies == [(3, 9, 0), (8, 2, 1)]
     assert [(r, t, table.tolist()) for r, t, table in got] == [
@@ -233,7 +233,7 @@ def test_serve_on_two_ranks_answers_as_one_process_and_drains_on_sigterm(gqa):
             time.sleep(0.05)
         os.kill(pids[0], signal.SIGTERM)  # rank 0 drains, then stops the other rank
         assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
-        assert not any(tp_engine.alive(pid) for pid in pids)
+        assert not any(tp_link.alive(pid) for pid in pids)
     finally:
         stop_one()
         if proc.poll() is None:
