@@ -3,7 +3,7 @@ the next k tokens of every decoding sequence, and the target verifies them in th
 anyway (engine.py: a draft is kept only where it is the token plain decoding would have produced,
 so the output is exactly the target's, greedy or sampled).
 
-    drafter = DraftModel(draft, target, k=4, num_blocks=512, block_size=16)   # the engine's pool size
+    drafter = DraftModel(draft, target, k=4, num_blocks=512, block_size=16)  # the engine's pool
     engine = Engine.for_model(target, num_blocks=512, speculate=drafter)
     batch.py --speculate draft --draft_checkpoint small/ --speculate_k 4
 
@@ -53,7 +53,8 @@ class DraftModel:
         mine, theirs = draft.config.vocab_size, target.config.vocab_size
         if mine != theirs:
             raise ValueError(
-                f"the draft model's vocabulary has {mine} tokens and the target's {theirs}: a draft "
+                f"the draft model's vocabulary has {mine} tokens and the target's {theirs}: a "
+                f"draft "
                 f"model must share the target's tokenizer"
             )
         self.model, self.k, self.max_rows, self.failed = draft, k, max_rows, None
@@ -199,7 +200,8 @@ class DraftModel:
         2."""
         if any(b >= self.num_blocks for b in s.blocks):
             raise ValueError(
-                f"block id {max(s.blocks)} is past the draft's pool of {self.num_blocks} blocks: give "
+                f"block id {max(s.blocks)} is past the draft's pool of {self.num_blocks} blocks: "
+                f"give "
                 f"the draft model the engine's num_blocks"
             )
         more = blocks_for(len(s.tokens) + self.k - 1, self.cache.block_size) - len(s.blocks)

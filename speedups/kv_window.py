@@ -19,7 +19,8 @@ ring and its own keys side by side (ring entries at or past its first position a
 an earlier use, not keys), then writes only its last R tokens.
 
     cache = WindowedKVCache.for_model(model, batch_size=1, max_seq_len=32768)
-    logits = model(tokens, input_pos, cache)       # the model is unchanged; layers without a window use the plain path
+    logits = model(tokens, input_pos, cache)  # the model is unchanged; layers without a window
+                                              # use the plain path
 """
 
 import torch

@@ -69,7 +69,8 @@ class PromptLookup:
         check_k(k)
         if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
             raise ValueError(
-                f"prompt lookup needs 1 <= --prompt_lookup_min <= --prompt_lookup_max, got {min_n} and {max_n}"
+                f"prompt lookup needs 1 <= --prompt_lookup_min <= --prompt_lookup_max, got {min_n} "
+                f"and {max_n}"
             )
         self.k, self.min_n, self.max_n, self.max_rows = k, min_n, max_n, max_rows
 

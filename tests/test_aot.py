@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import tiny_checkpoint
 
+import compiling
 import generate
 import runtime
 from formats import weights
 from kv_cache import StaticKVCache
 from server import engine_flags
-from speedups import aot
+from speedups import aot, aot_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOAD = {
@@ -51,7 +52,7 @@ def fill(model, cache, n):
     """The cache holding n positions of a fixed random sequence."""
     torch.manual_seed(1)
     with torch.no_grad():
-        runtime.prefill(
+        compiling.prefill(
             model, cache, torch.randint(3, model.config.vocab_size, (cache.batch_size, n))
         )
 
@@ -88,7 +89,7 @@ def test_package_equals_eager_at_every_attend_and_cache_length(tiny):
             )
             with torch.no_grad():
                 ours = step(model, cache, token, pos)
-                eager = runtime.decode_one(model, twin, token, pos)
+                eager = compiling.decode_one(model, twin, token, pos)
             torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
             for a, b in zip(
                 cache.k + cache.v, twin.k + twin.v
@@ -130,7 +131,8 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
     env = {**os.environ, "LLM_AOT_CACHE": str(tmp_path)}
     script = (
         "import sys, json, generate; code = generate.main(sys.argv[1:]); "
-        "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules])); "
+        "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') "
+        "if m in sys.modules])); "
         "sys.exit(code)"
     )
 
@@ -207,7 +209,7 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(
     (tmp_path / "a-file").write_text("")
     built = os.environ["LLM_AOT_CACHE"]  # conftest's folder
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path / "a-file" / "aot"))
-    assert aot.decode_step(model, cache, spec, fallback=True) is runtime.decode_one
+    assert aot.decode_step(model, cache, spec, fallback=True) is compiling.decode_one
     said = [
         line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")
     ]
@@ -240,7 +242,7 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(
     capsys.readouterr()
     assert (
         aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True)
-        is runtime.decode_one
+        is compiling.decode_one
     )
     said = [
         line for line in capsys.readouterr().err.splitlines() if line.startswith("decoding eager")
@@ -249,7 +251,7 @@ def test_default_falls_back_to_eager_with_the_reason_in_one_line(
     # the failure is remembered: the next default run does not build again, and says how to retry
     assert (
         aot.decode_step(model, StaticKVCache.for_model(model, 1, 64), spec, fallback=True)
-        is runtime.decode_one
+        is compiling.decode_one
     )
     err = capsys.readouterr().err
     assert (
@@ -403,14 +405,15 @@ def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
     does not (the key once hashed every file of the project)."""
     model, _ = load(tiny, quantize="int4")
     step = aot.Step(model, StaticKVCache.for_model(model, 1, 64))
-    files = {os.path.relpath(f, ROOT) for f in aot.traced_files(step)}
+    files = {os.path.relpath(f, ROOT) for f in aot_export.traced_files(step)}
     assert {
         "model.py",
         "kv_cache.py",
         "quantize.py",
         "cpu_kernels.py",
+        "compiling.py",
         "runtime.py",
-        "speedups/aot.py",
+        "speedups/aot_export.py",
     } <= files
     assert not [
         f for f in files if f.startswith(("server/", "tests/")) or f in ("serve.py", "batch.py")
