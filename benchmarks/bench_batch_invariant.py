@@ -1,7 +1,8 @@
 """What --batch_invariant costs and what it buys (batch_invariant.py): the engine on the embedded
 model at its own bits (bf16, eager, the server's default), with the mode off and on, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_batch_invariant.py [--rounds 12] [--dequantize]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_batch_invariant.py [--rounds 12]
+                                                                          [--dequantize]
 
 --dequantize runs the model's weights as dense bf16 matrices (F.linear), which the mode runs in
 blocks of batch_invariant.ROWS rows.

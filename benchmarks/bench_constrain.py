@@ -2,7 +2,7 @@
 (what constrain.py uses) and outlines-core, one run, same machine; then what a constraint costs
 generate.py's decode loop on the embedded model.
 
-    .venv/bin/pip install -r benchmarks/requirements-bench.txt     # outlines-core, for the comparison
+    .venv/bin/pip install -r benchmarks/requirements-bench.txt  # outlines-core, for the comparison
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_constrain.py
 
 Per library and JSON schema: compile time (schema -> a matcher at its start; the vocabulary's
@@ -165,8 +165,10 @@ def main():
         lambda: constrain.token_table(tokenizer, vocab, tuple(sorted(tokenizer.stop_ids)))
     )
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-        f"vocabulary {vocab} | llguidance's vocabulary preparation {prep_s:.2f} s (once per tokenizer)"
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | "
+        f"vocabulary {vocab} | llguidance's vocabulary preparation {prep_s:.2f} s "
+        "(once per tokenizer)"
     )
     libs = [("llguidance", bench_llguidance, ())]
     try:
@@ -175,10 +177,12 @@ def main():
         libs.append(("outlines-core", bench_outlines, (ovocab,)))
     except ImportError:
         print(
-            "# outlines-core is not installed (pip install -r benchmarks/requirements-bench.txt): llguidance only"
+            "# outlines-core is not installed (pip install -r benchmarks/requirements-bench.txt): "
+            "llguidance only"
         )
     print(
-        "\n| schema | library | compile + first mask, ms | advance + mask, ms/token, batch 1 | mask, batch 32, one by one | "
+        "\n| schema | library | compile + first mask, ms | advance + mask, ms/token, batch 1 | "
+        "mask, batch 32, one by one | "
         "mask, batch 32, parallel |"
     )
     print("|---|---|---|---|---|---|")
@@ -188,7 +192,8 @@ def main():
             compile_s, one, seq_s, par = fn(tokenizer, vocab, schema, tokens, *extra)
             par_text = f"{par * 1e3:.2f}" if par is not None else "-"
             print(
-                f"| {name} ({len(tokens)} tokens) | {lib} | {compile_s * 1e3:.1f} | {one * 1e3:.3f} | "
+                f"| {name} ({len(tokens)} tokens) | {lib} | {compile_s * 1e3:.1f} | "
+                f"{one * 1e3:.3f} | "
                 f"{seq_s * 1e3:.2f} | {par_text} |"
             )
     ids = tokenizer.encode_chat([{"role": "user", "content": "Describe Ada Lovelace as JSON."}])

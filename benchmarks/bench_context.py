@@ -1,6 +1,7 @@
 """Decode speed against the tokens in use, at a fixed large cache capacity, next to HF transformers.
 
-    .venv/bin/python benchmarks/bench_context.py [--in_use 128 1024 4096] [--capacity 8192] [--dtype bfloat16]
+    .venv/bin/python benchmarks/bench_context.py [--in_use 128 1024 4096] [--capacity 8192]
+                                                 [--dtype bfloat16]
                                                  [--threads 1] [--skip_compile] [--skip_hf]
 
 A static KV cache of `--capacity` slots (default: the model's whole context, as
@@ -34,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
 import runtime
 from formats import hf_folder, weights
@@ -140,9 +142,11 @@ def main():
     capacity = args.capacity or context
     lengths = [n for n in args.in_use if n + args.new_tokens <= capacity]
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU capability {runtime.cpu_capability()}, "
         f"{args.dtype}, model context {context}, capacity {capacity} slots, in use {lengths}, "
-        f"{args.new_tokens} new tokens, skipped (beyond capacity): {sorted(set(args.in_use) - set(lengths))}",
+        f"{args.new_tokens} new tokens, skipped (beyond capacity): "
+        f"{sorted(set(args.in_use) - set(lengths))}",
         flush=True,
     )
     hf = None
@@ -154,7 +158,7 @@ def main():
     compiled = (
         None
         if args.skip_compile
-        else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+        else compiling.compile_decode("cpu", autotune=compiling.autotune(model))
     )
     runs = []  # (label, in_use, fn returning (tokens/s, tokens))
     ids = text_ids(tokenizer, max(lengths))
@@ -163,7 +167,7 @@ def main():
         start = time.perf_counter()
         with torch.no_grad():  # the prefix: every token but the last, which the decode run feeds
             cache.use_positions(n - 1)
-            runtime.prefill(model, cache, torch.tensor([ids[: n - 1]]))
+            compiling.prefill(model, cache, torch.tensor([ids[: n - 1]]))
             cache.use_positions(None)
         print(f"  prefill of {n - 1} tokens: {time.perf_counter() - start:.1f} s", flush=True)
         last = ids[n - 1]
@@ -181,7 +185,7 @@ def main():
                 "ours eager",
                 n,
                 lambda c=cache, n=n, t=last: run_ours(
-                    model, c, t, n, args.new_tokens, runtime.decode_one
+                    model, c, t, n, args.new_tokens, compiling.decode_one
                 ),
             )
         )
@@ -210,7 +214,7 @@ def main():
                         label + " eager",
                         n,
                         lambda c=ref, n=n, t=last: run_ours(
-                            model, c, t, n, args.new_tokens, runtime.decode_one
+                            model, c, t, n, args.new_tokens, compiling.decode_one
                         ),
                     )
                 )
@@ -235,7 +239,8 @@ def main():
             results[(label, n)].append(fn()[0])
     print()
     print(
-        "| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds | vs HF eager "
+        "| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds "
+        "| vs HF eager "
         "| greedy tokens equal to ours eager |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -253,8 +258,10 @@ def main():
         )
         same = sum(a == b for a, b in zip(agree[(label, n)], agree[("ours eager", n)]))
         print(
-            f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | {med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
-            f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | {same}/{args.new_tokens} |",
+            f"| {n} | {label} | {'dynamic' if label.startswith('HF') else slots} | {attended} | "
+            f"{med:.1f} | {', '.join(f'{x:.1f}' for x in results[(label, n)])} | "
+            f"{'-' if args.skip_hf else format(med / hf_med, '.2f') + 'x'} | "
+            f"{same}/{args.new_tokens} |",
             flush=True,
         )
 

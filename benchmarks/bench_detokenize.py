@@ -81,7 +81,8 @@ def main(tokens: int, rounds: int):
         f"each add()'s median of {rounds} rounds"
     )
     print(
-        f"| method | first {SEGMENT} ms | last {SEGMENT} ms | last / first | total ms | us per token "
+        f"| method | first {SEGMENT} ms | last {SEGMENT} ms | last / first | total ms "
+        f"| us per token "
         f"| median round ms |"
     )
     print("|---|---|---|---|---|---|---|")
@@ -98,7 +99,8 @@ def main(tokens: int, rounds: int):
         first, last, total = (sum(t) * 1e3 for t in (times[:SEGMENT], times[-SEGMENT:], times))
         whole = statistics.median(sum(t) for t in runs) * 1e3
         print(
-            f"| {name} | {first:.1f} | {last:.1f} | {last / first:.2f}x | {total:.0f} | {total / tokens * 1e3:.1f} "
+            f"| {name} | {first:.1f} | {last:.1f} | {last / first:.2f}x | {total:.0f} | "
+            f"{total / tokens * 1e3:.1f} "
             f"| {whole:.0f} |"
         )
 

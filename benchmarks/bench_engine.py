@@ -1,7 +1,8 @@
 """The engine (engine.py's continuous batching on the paged cache) against HF transformers'
 batched generation, float32 and bfloat16, in one process.
 
-    .venv/bin/python benchmarks/bench_engine.py [--dtypes float32 bfloat16] [--workloads 64x64 mixed]
+    .venv/bin/python benchmarks/bench_engine.py [--dtypes float32 bfloat16]
+                                                [--workloads 64x64 mixed]
 
 Workloads (prompts are windows of data/declaration.txt, fixed seeds; greedy; every request
 produces exactly its output length, EOS ignored):
@@ -100,10 +101,12 @@ def main():
     folder = hf_folder.save_hf_folder(model, tempfile.mkdtemp(prefix="smollm2-hf-"))
     del model
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | SmolLM2-135M"
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | SmolLM2-135M"
     )
     print(
-        "\n| workload | dtype | runner | output tok/s | wall s | vs HF static | vs HF generate_batch | equal to HF static |"
+        "\n| workload | dtype | runner | output tok/s | wall s | vs HF static "
+        "| vs HF generate_batch | equal to HF static |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
@@ -125,7 +128,8 @@ def main():
             for runner, (secs, outs) in results.items():
                 equal = sum(a == b for a, b in zip(outs, static_out))
                 print(
-                    f"| {name} | {dtype} | {runner} | {total / secs:.1f} | {secs:.1f} | {static_s / secs:.2f}x | "
+                    f"| {name} | {dtype} | {runner} | {total / secs:.1f} | {secs:.1f} | "
+                    f"{static_s / secs:.2f}x | "
                     f"{cont_s / secs:.2f}x | {equal}/{len(prompts)} |",
                     flush=True,
                 )

@@ -57,7 +57,8 @@ def main(argv=None):
     ids = corpus(tok)
     long_ids, short_ids = ids[: args.long], ids[1000:1040]
     print(
-        "| prefill | short request's first token, s | long request's first token, s |\n|---|---|---|"
+        "| prefill | short request's first token, s | long request's first token, s |\n"
+        "|---|---|---|"
     )
     for _ in range(args.rounds):
         for shared in (False, True):
@@ -66,7 +67,8 @@ def main(argv=None):
             ).__get__(engine.scheduler)
             short, long = first_tokens(engine, long_ids, short_ids)
             print(
-                f"| {'shared' if shared else 'whole budget to the running one'} | {short:.2f} | {long:.2f} |"
+                f"| {'shared' if shared else 'whole budget to the running one'} | "
+                f"{short:.2f} | {long:.2f} |"
             )
 
 

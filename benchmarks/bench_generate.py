@@ -35,7 +35,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
+import memory
 import runtime
 from formats import hf_folder, weights
 from formats.tokenizer import load_tokenizer
@@ -71,7 +73,7 @@ class Clock:
 
 def run_hf(hf, ids, n):
     clock = Clock()
-    runtime.reset_peak_memory("cpu")
+    memory.reset_peak_memory("cpu")
     start = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(
@@ -84,7 +86,7 @@ def run_hf(hf, ids, n):
         "decode_tps": (n - 1) / (clock.times[-1] - clock.times[1]),
         "e2e_tps": n / total,
         "ttft": first,
-        "peak": runtime.peak_memory_bytes("cpu"),
+        "peak": memory.peak_memory_bytes("cpu"),
     }
 
 
@@ -92,7 +94,7 @@ def run_ours(model, ids, n, decode_fn, seq_len):
     cache = StaticKVCache.for_model(
         model, 1, seq_len
     )  # one length for every run: one compiled graph
-    runtime.reset_peak_memory("cpu")
+    memory.reset_peak_memory("cpu")
     rows, t = generate.generate(
         model,
         cache,
@@ -106,7 +108,7 @@ def run_ours(model, ids, n, decode_fn, seq_len):
         "decode_tps": t["tokens_per_s"],
         "e2e_tps": n / t["total_s"],
         "ttft": t["time_to_first_token_s"],
-        "peak": runtime.peak_memory_bytes("cpu"),
+        "peak": memory.peak_memory_bytes("cpu"),
     }
 
 
@@ -152,7 +154,8 @@ def main():
     tok = load_tokenizer(path)
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, "
+        f"{args.new_tokens} new tokens"
     )
     folder = hf_folder.save_hf_folder(
         weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-")
@@ -168,13 +171,13 @@ def main():
         runs.append(
             (
                 "ours eager",
-                lambda: run_ours(model, ids, args.new_tokens, runtime.decode_one, seq_len),
+                lambda: run_ours(model, ids, args.new_tokens, compiling.decode_one, seq_len),
             )
         )
         compile_s = None
         if not args.skip_compile:
             start = time.perf_counter()
-            compiled = runtime.compile_decode("cpu")
+            compiled = compiling.compile_decode("cpu")
             run_ours(
                 model, ids, 4, compiled, seq_len
             )  # compiles (cold unless Inductor's cache has it)
@@ -210,7 +213,8 @@ def main():
     shutil.rmtree(folder)
     print()
     print(
-        "| implementation | dtype | decode tok/s | end-to-end tok/s | GB/s | % of read bandwidth | TTFT ms | process peak RSS MiB | vs HF |"
+        "| implementation | dtype | decode tok/s | end-to-end tok/s | GB/s | % of read bandwidth "
+        "| TTFT ms | process peak RSS MiB | vs HF |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -220,12 +224,13 @@ def main():
             if x["dtype"] == r["dtype"] and x["label"].startswith("HF")
         )
         print(
-            f"| {r['label']} | {r['dtype']} | {r['decode_tps']:.1f} | {r['e2e_tps']:.1f} | {r['gbs']:.2f} | "
-            f"{100 * r['gbs'] / r['machine']:.0f}% of {r['machine']:.1f} | {1000 * r['ttft']:.0f} | "
-            f"{r['peak'] / 2**20:.0f} | {r['decode_tps'] / hf_tps:.2f}x |"
+            f"| {r['label']} | {r['dtype']} | {r['decode_tps']:.1f} | {r['e2e_tps']:.1f} | "
+            f"{r['gbs']:.2f} | {100 * r['gbs'] / r['machine']:.0f}% of {r['machine']:.1f} | "
+            f"{1000 * r['ttft']:.0f} | {r['peak'] / 2**20:.0f} | {r['decode_tps'] / hf_tps:.2f}x |"
         )
     print(
-        f"\nlaunch to first generated token, generate.py without --compile: {startup_to_first_token():.1f} s"
+        "\nlaunch to first generated token, generate.py without --compile: "
+        f"{startup_to_first_token():.1f} s"
     )
 
 

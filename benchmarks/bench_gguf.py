@@ -1,7 +1,8 @@
 """GGUF files at their own bits: generate.py against llama.cpp (llama-cpp-python) on the same file.
 
     .venv/bin/pip install -r benchmarks/requirements-bench.txt   # llama-cpp-python: see that file
-    .venv/bin/python benchmarks/bench_gguf.py [--types Q4_1 Q4_K_M Q8_0] [--new_tokens 128] [--rounds 2]
+    .venv/bin/python benchmarks/bench_gguf.py [--types Q4_1 Q4_K_M Q8_0] [--new_tokens 128]
+                                              [--rounds 2]
 
 The embedded SmolLM2-135M Q4_1 file, and Q4_K_M and Q8_0 copies of it made by llama.cpp's own
 quantizer (llama_model_quantize with allow_requantize, as `llama-quantize --allow-requantize` does:
@@ -185,7 +186,8 @@ def main():
         run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
     bare = run_rss([sys.executable, "-c", "import torch"])[2]
     print(
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare `import torch` peak RSS "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; "
+        "bare `import torch` peak RSS "
         f"{bare / 2**20:.0f} MiB"
         + (
             "; llama.cpp's sapphirerapids variant set aside (AMX tiles fault with SIGILL "
@@ -196,7 +198,8 @@ def main():
         + "\n"
     )
     print(
-        "| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB | vs llama.cpp RSS |"
+        "| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB "
+        "| vs llama.cpp RSS |"
     )
     print("|---|---|---|---|---|---|---|---|")
     first_aot, variants = {}, set()
@@ -224,13 +227,16 @@ def main():
         for name, r in best.items():
             net = r["rss"] - bare if name != "llama.cpp" else r["rss"]
             print(
-                f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | {r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
-                f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | {net / ref['rss']:.2f}x |"
+                f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | "
+                f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
+                f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | "
+                f"{net / ref['rss']:.2f}x |"
             )
     print(f"\nllama.cpp's CPU variant (ggml's pick): {', '.join(sorted(variants))}")
     for kind, r in first_aot.items():
         print(
-            f"\n{kind}: the first --compile aot run compiled its package in {r['aot_compile']:.1f} s; that run's peak "
+            f"\n{kind}: the first --compile aot run compiled its package in "
+            f"{r['aot_compile']:.1f} s; that run's peak "
             f"RSS, the compiling child's included: {r['rss'] / 2**20:.0f} MiB"
         )
 

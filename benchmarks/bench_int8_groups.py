@@ -122,12 +122,15 @@ def main():
     torch._dynamo.config.recompile_limit = 64  # a graph per shape and row count
     compiled = torch.compile(reduction, dynamic=False)
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-        f"Q8_0-like int8 with a float scale per {G} inputs, bf16 activations, {args.copies} copies of each "
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | "
+        f"Q8_0-like int8 with a float scale per {G} inputs, bf16 activations, "
+        f"{args.copies} copies of each "
         f"layer (1 of the head) called in turn; ms per call (max error / max output)\n"
     )
     print(
-        "| layer [N x K] | rows | two halves | reduction (compiled) | int_mm | per-channel (bound) | bf16 GEMM |"
+        "| layer [N x K] | rows | two halves | reduction (compiled) | int_mm | per-channel (bound) "
+        "| bf16 GEMM |"
     )
     print("|---|---|---|---|---|---|---|")
     totals = {}

@@ -210,16 +210,19 @@ def main():
             proc.terminate()
             proc.wait()
     print(
-        f"\n{os.path.basename(gguf)}, {args.max_tokens} tokens per request (EOS ignored), prompts 20-320 words, "
+        f"\n{os.path.basename(gguf)}, {args.max_tokens} tokens per request (EOS ignored), "
+        "prompts 20-320 words, "
         f"2 threads each; serve.py {args.serve_flags or '(defaults)'}; llama-server -np {slots}\n"
     )
     print(
-        "| server | clients | requests | output tok/s | TTFT p50 s | TTFT p90 s | time per output token p50 ms |"
+        "| server | clients | requests | output tok/s | TTFT p50 s | TTFT p90 s "
+        "| time per output token p50 ms |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, r in sorted(rows, key=lambda x: (x[1]["clients"], x[0])):
         print(
-            f"| {name} | {r['clients']} | {r['requests']} | {r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft90']:.2f} | "
+            f"| {name} | {r['clients']} | {r['requests']} | {r['tps']:.1f} | "
+            f"{r['ttft50']:.2f} | {r['ttft90']:.2f} | "
             f"{1000 * r['tpot50']:.1f} |"
         )
 

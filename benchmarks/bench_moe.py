@@ -1,6 +1,7 @@
 """Mixture-of-experts decode and prefill, next to HF transformers and a dense twin in the same run.
 
-    .venv/bin/python benchmarks/bench_moe.py [--layers 8] [--dtype bfloat16] [--rounds 5] [--skip_compile]
+    .venv/bin/python benchmarks/bench_moe.py [--layers 8] [--dtype bfloat16] [--rounds 5]
+                                             [--skip_compile]
 
 A Qwen3-MoE of Qwen3-30B-A3B's proportions scaled to hidden 1024 (16 heads of 128, 2 KV heads,
 64 experts of width 384, top 8, normalised; vocabulary 32768; `--layers` layers), random weights.
@@ -29,6 +30,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
 import runtime
 from formats import weights
@@ -132,7 +134,7 @@ def ours_prefill(model, n):
         cache = StaticKVCache.for_model(model, 1, n)
         start = time.perf_counter()
         with torch.no_grad():
-            runtime.prefill(model, cache, x)
+            compiling.prefill(model, cache, x)
         return n / (time.perf_counter() - start)
 
     return run
@@ -192,18 +194,19 @@ def main():
         read[kind] = model.bytes_read_per_token()
         total = sum(p.numel() for p in model.parameters())
         print(
-            f"{kind}: {total / 1e6:.0f}M parameters, {read[kind] / 2**20:.0f} MiB read per decode step",
+            f"{kind}: {total / 1e6:.0f}M parameters, "
+            f"{read[kind] / 2**20:.0f} MiB read per decode step",
             flush=True,
         )
         rows.append(
             (
                 kind,
                 "decode, ours eager",
-                ours_decode(model, prompt, args.new_tokens, runtime.decode_one),
+                ours_decode(model, prompt, args.new_tokens, compiling.decode_one),
             )
         )
         if not args.skip_compile:
-            compiled = runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+            compiled = compiling.compile_decode("cpu", autotune=compiling.autotune(model))
             rows.append(
                 (
                     kind,
@@ -219,7 +222,8 @@ def main():
             (kind, f"prefill {args.prefill}, ours eager", ours_prefill(model, args.prefill))
         )
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU capability {runtime.cpu_capability()}, "
         f"{args.dtype}, {args.layers} layers",
         flush=True,
     )

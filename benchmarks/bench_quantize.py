@@ -1,6 +1,7 @@
 """Decode speed of each weight format, the int8 KV cache at long contexts, and HF transformers.
 
-    .venv/bin/python benchmarks/bench_quantize.py [--new_tokens 128] [--rounds 3] [--contexts 512 4096 8000]
+    .venv/bin/python benchmarks/bench_quantize.py [--new_tokens 128] [--rounds 3]
+                                                  [--contexts 512 4096 8000]
 
 The embedded SmolLM2-135M, batch 1, greedy, EOS ignored, compiled decode (generate.py --compile),
 one process. Modes: float32 and bf16 (autotuned GEMMs), int8 and int4 (group 64), and int4 with
@@ -34,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_generate import PROMPT, run_hf
 
+import compiling
 import generate
 import quantize
-import runtime
 from formats import hf_folder, weights
 from formats.tokenizer import load_tokenizer
 from kv_cache import StaticKVCache
@@ -91,7 +92,7 @@ def matmul_only(model, autotune: bool, steps: int = 30) -> float:
         return [m(inputs[m.in_features]) for m in layers]
 
     torch._dynamo.reset()
-    fn = runtime.compile_decode("cpu", step, autotune)
+    fn = compiling.compile_decode("cpu", step, autotune)
     with torch.no_grad():
         for _ in range(3):
             fn()
@@ -106,7 +107,7 @@ def time_steps(model, fn, cache, pos: int, steps: int = 32) -> float:
     with torch.no_grad():
         for i in range(3):
             fn(model, cache, token, torch.tensor([[pos + i]]))
-    with torch.no_grad(), runtime.skip_guards(True):
+    with torch.no_grad(), compiling.skip_guards(True):
         start = time.perf_counter()
         for i in range(steps):
             fn(model, cache, token, torch.tensor([[pos + i]]))
@@ -116,9 +117,9 @@ def time_steps(model, fn, cache, pos: int, steps: int = 32) -> float:
 def measure_mode(label, ids, new_tokens, rounds, autotune="auto") -> dict:
     _, dtype, mode, cache_cls = next(m for m in MODES if m[0] == label)
     model = load(mode, dtype)
-    tune = runtime.autotune(model) if autotune == "auto" else autotune == "on"
+    tune = compiling.autotune(model) if autotune == "auto" else autotune == "on"
     start = time.perf_counter()
-    fn = runtime.compile_decode("cpu", autotune=tune)
+    fn = compiling.compile_decode("cpu", autotune=tune)
     cache = cache_cls.for_model(model, 1, len(ids) + new_tokens)
     decode(model, ids, 4, fn, cache)
     compile_s = time.perf_counter() - start
@@ -142,7 +143,7 @@ def measure_context(ctx, rounds) -> dict:
     for name, cls in (("bf16", StaticKVCache), ("int8", Int8KVCache)):
         cache = cls.for_model(model, 1, ctx)
         torch._dynamo.reset()
-        fn = runtime.compile_decode("cpu", autotune=False)
+        fn = compiling.compile_decode("cpu", autotune=False)
         out[name] = median([time_steps(model, fn, cache, ctx - 40) for _ in range(rounds)])
         out[name + "_bytes"] = cache.nbytes()
     return out
@@ -178,7 +179,10 @@ def main():
         nargs="*",
         default=["auto"],
         choices=["auto", "on", "off"],
-        help="max-autotune for the compiled step: auto (generate.py's choice), on, off; several compare",
+        help=(
+            "max-autotune for the compiled step: auto (generate.py's choice), on, off; "
+            "several compare"
+        ),
     )
     p.add_argument("--one_mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--one_context", type=int, default=None, help=argparse.SUPPRESS)
@@ -201,7 +205,9 @@ def main():
 
     print(
         f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
-        f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.new_tokens} new tokens"
+        f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), "
+        f"{torch.get_num_threads()} threads, prompt {len(ids)} tokens, "
+        f"{args.new_tokens} new tokens"
     )
     folder = hf_folder.save_hf_folder(
         weights.load(None, dequantize=True)[0], tempfile.mkdtemp(prefix="smollm2-hf-")
@@ -217,7 +223,7 @@ def main():
         if m[0] in args.modes
         for t in args.autotune
         if not (m[2] == "int4" and t == "on")
-    ]:  # int4: no autotune (see runtime.autotune)
+    ]:  # int4: no autotune (see compiling.autotune)
         r = child(
             [
                 "--one_mode",
@@ -232,7 +238,8 @@ def main():
         )
         rows.append(r)
         print(
-            f"  {r['label']}: {r['tps']:.1f} tok/s (rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
+            f"  {r['label']}: {r['tps']:.1f} tok/s "
+            f"(rounds {', '.join(format(x, '.1f') for x in r['rounds'])}), "
             f"matmul-only {r['matmul_only']:.1f}/s, compile {r['compile_s']:.0f} s",
             flush=True,
         )
@@ -241,27 +248,33 @@ def main():
     shutil.rmtree(folder)
 
     print(
-        f"\nHF transformers eager bf16: {hf_first:.1f} tok/s at the start, {hf_last:.1f} at the end (ratios use the mean)\n"
+        f"\nHF transformers eager bf16: {hf_first:.1f} tok/s at the start, "
+        f"{hf_last:.1f} at the end (ratios use the mean)\n"
     )
     print(
-        "| mode | decode tok/s | vs HF bf16 eager | GB/s | TTFT ms | weights MiB | matmul-only steps/s | end-to-end / matmul-only | compile s |"
+        "| mode | decode tok/s | vs HF bf16 eager | GB/s | TTFT ms | weights MiB "
+        "| matmul-only steps/s | end-to-end / matmul-only | compile s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['label']} | {r['tps']:.1f} | {r['tps'] / hf_tps:.2f}x | {r['gbs']:.2f} | {1000 * r['ttft']:.0f} | "
-            f"{r['weight_bytes'] / 2**20:.1f} | {r['matmul_only']:.1f} | {r['tps'] / r['matmul_only']:.0%} | {r['compile_s']:.0f} |"
+            f"| {r['label']} | {r['tps']:.1f} | {r['tps'] / hf_tps:.2f}x | {r['gbs']:.2f} | "
+            f"{1000 * r['ttft']:.0f} | "
+            f"{r['weight_bytes'] / 2**20:.1f} | {r['matmul_only']:.1f} | "
+            f"{r['tps'] / r['matmul_only']:.0%} | {r['compile_s']:.0f} |"
         )
     if args.contexts:
         print("\nint4 g64 model, decode tok/s by KV cache length (bf16 KV vs int8 KV)\n")
         print(
-            "| cache slots | bf16 KV tok/s | int8 KV tok/s | int8 / bf16 | bf16 KV MiB | int8 KV MiB | bf16 KV / weight bytes read |"
+            "| cache slots | bf16 KV tok/s | int8 KV tok/s | int8 / bf16 | bf16 KV MiB "
+            "| int8 KV MiB | bf16 KV / weight bytes read |"
         )
         print("|---|---|---|---|---|---|---|")
         for ctx in args.contexts:
             r = child(["--one_context", str(ctx), "--rounds", str(args.rounds)])
             print(
-                f"| {ctx} | {r['bf16']:.1f} | {r['int8']:.1f} | {r['int8'] / r['bf16']:.2f}x | {r['bf16_bytes'] / 2**20:.1f} | "
+                f"| {ctx} | {r['bf16']:.1f} | {r['int8']:.1f} | {r['int8'] / r['bf16']:.2f}x | "
+                f"{r['bf16_bytes'] / 2**20:.1f} | "
                 f"{r['int8_bytes'] / 2**20:.1f} | {r['bf16_bytes'] / r['weight_bytes_read']:.0%} |",
                 flush=True,
             )

@@ -2,7 +2,7 @@
 machine: requests/s on a multiple-choice task (lm-eval's loglikelihood requests), and how far the
 two backends' per-choice log-likelihoods are apart.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_scoring.py                 # 64 questions x 4 choices
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_scoring.py  # 64 questions x 4 choices
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_scoring.py --questions 16 --hf_batch_sizes 8
 
 The model is the embedded SmolLM2-135M, dequantized and written as an HF folder (float32
@@ -65,9 +65,11 @@ def write_task(folder: str, questions: int, question_tokens: int, seed: int = 0)
         f.write("\n".join(json.dumps(d) for d in docs))
     with open(os.path.join(folder, "bench_mc.yaml"), "w") as f:
         f.write(
-            f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            "task: bench_mc\ndataset_path: json\ndataset_kwargs:\n"
+            f"  data_files:\n    test: {data}\n"
             "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-            "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+            "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+            "metric_list:\n  - metric: acc\n"
         )
     return TaskManager(include_path=folder)
 
@@ -214,7 +216,8 @@ def main():
         diff = f"{max(abs(a - b) for a, b in zip(ll, reference)):.2e}" if ll else "-"
         acc = f"{acc:.3f}" if acc is not None else "-"
         print(
-            f"| {name} | {seconds:.1f} | {n_requests / seconds:.1f} | {best_hf / seconds:.2f}x | {diff} | {acc} |"
+            f"| {name} | {seconds:.1f} | {n_requests / seconds:.1f} | {best_hf / seconds:.2f}x | "
+            f"{diff} | {acc} |"
         )
 
 

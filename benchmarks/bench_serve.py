@@ -1,7 +1,8 @@
 """Load test of serve.py: N concurrent streaming clients (the `openai` client) on loopback, against
 the offline engine on the same requests, in one run.
 
-    .venv/bin/python benchmarks/bench_serve.py [--clients 1 8 32] [--requests 64] [--max_tokens 64]   # ~7 min
+    .venv/bin/python benchmarks/bench_serve.py [--clients 1 8 32] [--requests 64]
+                                               [--max_tokens 64]   # ~7 min
 
 The server runs as its own process (`serve.py --port 0`, the embedded SmolLM2-135M in bf16, the
 default engine flags but --max_num_seqs = the most clients); each client sends its share of the
@@ -145,19 +146,23 @@ def main():
         proc.wait()
     engine_tps = offline(prompts, args.max_tokens, most)
     print(
-        f"\n{args.requests} requests, prompts 50-300 tokens, {args.max_tokens} output tokens each, streamed over loopback\n"
+        f"\n{args.requests} requests, prompts 50-300 tokens, {args.max_tokens} output tokens each, "
+        "streamed over loopback\n"
     )
     print(
-        "| clients | requests/s | output tok/s | TTFT p50 s | TTFT p90 s | wall s | vs offline engine |"
+        "| clients | requests/s | output tok/s | TTFT p50 s | TTFT p90 s | wall s "
+        "| vs offline engine |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['clients']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft90']:.2f} | "
+            f"| {r['clients']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['ttft50']:.2f} | "
+            f"{r['ttft90']:.2f} | "
             f"{r['elapsed']:.1f} | {r['tps'] / engine_tps:.0%} |"
         )
     print(
-        f"| offline engine (engine.py run_batch, all at once, max_num_seqs {most}) | | {engine_tps:.1f} | | | | 100% |"
+        f"| offline engine (engine.py run_batch, all at once, max_num_seqs {most}) | | "
+        f"{engine_tps:.1f} | | | | 100% |"
     )
 
 

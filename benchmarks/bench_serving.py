@@ -38,9 +38,9 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 from helpers import check_allocator
 
+import compiling
 import generate
-import kv_plan
-import runtime
+import memory
 from batch import percentile
 from engine import Engine, Finished, RequestParams
 from formats import hf_folder, weights
@@ -104,7 +104,7 @@ def run_engine(model, prompts, news, arrive_after=None, **kw) -> dict:
         "preemptions": st["preemptions"],
         "steps": st["steps"],
         "peak_kv": st["peak_blocks"]
-        * kv_plan.bytes_per_block(model, engine.block_size),  # (one pool: not a hybrid)
+        * memory.bytes_per_block(model, engine.block_size),  # (one pool: not a hybrid)
         "hit": st["prompt_tokens_hit"] / max(1, st["prompt_tokens"]),
     }
 
@@ -135,9 +135,9 @@ def run_hf_static(hf, prompts, news, batch_size=16, pad_id=0) -> dict:
 def batch1_decode(model, prompt, n, compiled: bool) -> float:
     """generate.py's loop, batch 1, static cache: decode tokens/s (median of 3)."""
     fn = (
-        runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+        compiling.compile_decode("cpu", autotune=compiling.autotune(model))
         if compiled
-        else runtime.decode_one
+        else compiling.decode_one
     )
     cache = StaticKVCache.for_model(model, 1, len(prompt) + n + 64)
     runs = []
@@ -157,7 +157,7 @@ def batch1_decode(model, prompt, n, compiled: bool) -> float:
 def batch1_caches(model, ids):
     """generate.py at batch 1 on each cache, eager and compiled, rounds interleaved, medians."""
     prompt, n = ids[:200], 128
-    fns = {"eager": runtime.decode_one, "compiled": None}
+    fns = {"eager": compiling.decode_one, "compiled": None}
     rows = {}
     for kind in ("static", "paged"):
         for mode in fns:
@@ -166,7 +166,7 @@ def batch1_caches(model, ids):
                 if kind == "static"
                 else PagedKVCache.for_batch(model, 1, 384)
             )
-            fn = fns[mode] or runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+            fn = fns[mode] or compiling.compile_decode("cpu", autotune=compiling.autotune(model))
             rows[kind, mode] = (cache, fn, [])
             generate.generate(
                 model,
@@ -188,7 +188,8 @@ def batch1_caches(model, ids):
             )
             runs.append(timing["tokens_per_s"])
     print(
-        "\n### 0. Batch 1: generate.py's loop on the static and the paged cache (200-token prompt, 128 tokens)\n"
+        "\n### 0. Batch 1: generate.py's loop on the static and the paged cache "
+        "(200-token prompt, 128 tokens)\n"
     )
     print("| mode | static tok/s | paged tok/s | paged / static |")
     print("|---|---|---|---|")
@@ -220,7 +221,8 @@ def throughput_and_paging(model, ids, only):
             "\n### 1. Throughput: 64 requests, prompts 50-500 tokens, outputs 32-128, all at once\n"
         )
         print(
-            "| implementation | output tok/s (whole run) | wall s | vs HF static batches | vs generate.py batch 1 eager | vs batch 1 compiled |"
+            "| implementation | output tok/s (whole run) | wall s | vs HF static batches "
+            "| vs generate.py batch 1 eager | vs batch 1 compiled |"
         )
         print("|---|---|---|---|---|---|")
         for name, r in (
@@ -228,11 +230,13 @@ def throughput_and_paging(model, ids, only):
             ("engine.py continuous batching (64 seqs, 512-token steps)", ours),
         ):
             print(
-                f"| {name} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | {r['out_tps'] / hf_run['out_tps']:.2f}x | "
+                f"| {name} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | "
+                f"{r['out_tps'] / hf_run['out_tps']:.2f}x | "
                 f"{r['out_tps'] / eager1:.2f}x | {r['out_tps'] / compiled1:.2f}x |"
             )
         print(
-            f"| generate.py batch 1, eager (decode tok/s of one request) | {eager1:.1f} | | | 1.00x | |"
+            "| generate.py batch 1, eager (decode tok/s of one request) | "
+            f"{eager1:.1f} | | | 1.00x | |"
         )
         print(f"| generate.py batch 1, --compile | {compiled1:.1f} | | | | 1.00x |")
         print(
@@ -261,7 +265,8 @@ def throughput_and_paging(model, ids, only):
         ):
             r = run_engine(model, prompts, news, num_blocks=budget, **kw)
             print(
-                f"| {name} | {r['peak_running']} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | {r['preemptions']} | "
+                f"| {name} | {r['peak_running']} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | "
+                f"{r['preemptions']} | "
                 f"{r['peak_kv'] / 2**20:.0f} |"
             )
 
@@ -271,7 +276,8 @@ def prefix(model, ids):
     head = window(ids, 1000, rng)
     prompts = [head + window(ids, rng.randint(20, 60), rng) for _ in range(32)]
     print(
-        "\n### 3. Prefix caching: 32 requests sharing a 1,000-token head, 20-60 tokens each of their own, 32 output tokens\n"
+        "\n### 3. Prefix caching: 32 requests sharing a 1,000-token head, "
+        "20-60 tokens each of their own, 32 output tokens\n"
     )
     print("| prefix caching | mean TTFT s | wall s | output tok/s | prompt tokens from cache |")
     print("|---|---|---|---|---|")
@@ -279,10 +285,12 @@ def prefix(model, ids):
     for on in (False, True):
         r = results[on] = run_engine(model, prompts, [32] * 32, prefix_caching=on)
         print(
-            f"| {'on' if on else 'off'} | {r['ttft']:.2f} | {r['elapsed']:.1f} | {r['out_tps']:.1f} | {100 * r['hit']:.0f}% |"
+            f"| {'on' if on else 'off'} | {r['ttft']:.2f} | {r['elapsed']:.1f} | "
+            f"{r['out_tps']:.1f} | {100 * r['hit']:.0f}% |"
         )
     print(
-        f"\nmean TTFT: {results[False]['ttft'] / results[True]['ttft']:.1f}x lower with prefix caching"
+        f"\nmean TTFT: {results[False]['ttft'] / results[True]['ttft']:.1f}x lower "
+        "with prefix caching"
     )
 
 
@@ -291,10 +299,12 @@ def chunked(model, ids):
     prompts = [window(ids, 100, rng) for _ in range(16)]
     long_prompt = window(ids, 4000, rng)
     print(
-        "\n### 4. Chunked prefill: a 4,000-token prompt arrives while 16 requests decode (200 tokens each)\n"
+        "\n### 4. Chunked prefill: a 4,000-token prompt arrives while 16 requests decode "
+        "(200 tokens each)\n"
     )
     print(
-        "| prefill | p99 / max gap between tokens of the 16 while it prefills, ms | p99 gap, whole run, ms | its TTFT s | wall s |"
+        "| prefill | p99 / max gap between tokens of the 16 while it prefills, ms "
+        "| p99 gap, whole run, ms | its TTFT s | wall s |"
     )
     print("|---|---|---|---|---|")
     for name, budget in (
@@ -310,7 +320,8 @@ def chunked(model, ids):
             max_num_batched_tokens=budget,
         )
         print(
-            f"| {name} | {1e3 * r['p99_gap_late']:.0f} / {1e3 * r['max_gap_late']:.0f} | {1e3 * r['p99_gap']:.0f} | "
+            f"| {name} | {1e3 * r['p99_gap_late']:.0f} / {1e3 * r['max_gap_late']:.0f} | "
+            f"{1e3 * r['p99_gap']:.0f} | "
             f"{r['late_ttft']:.2f} | {r['elapsed']:.1f} |"
         )
 
@@ -342,13 +353,17 @@ def soak(model, ids, count=500):
         check_allocator(allocator)
     elapsed = time.perf_counter() - start
     print(
-        f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), random arrivals, "
+        f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), "
+        "random arrivals, "
         f"{aborted} aborted, 199 blocks for up to 32 sequences\n"
     )
+    st = engine.scheduler.stats
     print(
-        f"{finished} finished in {elapsed:.1f} s, {engine.scheduler.stats['steps']} steps, {engine.scheduler.stats['preemptions']} preemptions, "
-        f"prefix-cache hit rate {engine.scheduler.stats['prompt_tokens_hit'] / max(1, engine.scheduler.stats['prompt_tokens']):.0%}, "
-        f"blocks in use at the end: {engine.scheduler.blocks_used()} (invariants checked every 25 steps)"
+        f"{finished} finished in {elapsed:.1f} s, {st['steps']} steps, "
+        f"{st['preemptions']} preemptions, "
+        f"prefix-cache hit rate {st['prompt_tokens_hit'] / max(1, st['prompt_tokens']):.0%}, "
+        f"blocks in use at the end: {engine.scheduler.blocks_used()} "
+        "(invariants checked every 25 steps)"
     )
     assert engine.scheduler.blocks_used() == 0 and finished == count
 

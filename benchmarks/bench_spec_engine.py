@@ -53,14 +53,17 @@ def quoting(tok, words, count, rng):
     prompts = []
     for i in range(count):
         if i % 4 == 3:
-            text = (
-                CODE
-                + "# The same three functions again, with `result` renamed to `out`:\ndef add(a, b):\n"
+            text = CODE + (
+                "# The same three functions again, with `result` renamed to `out`:\n"
+                "def add(a, b):\n"
             )
         else:
             start, n = rng.randrange(len(words) - 200), rng.randint(60, 200)
             passage = " ".join(words[start : start + n])
-            text = f"Passage:\n{passage}\n\nThe passage again, word for word:\n{' '.join(words[start : start + 4])}"
+            text = (
+                f"Passage:\n{passage}\n\nThe passage again, word for word:\n"
+                f"{' '.join(words[start : start + 4])}"
+            )
         prompts.append(tok.encode(text))
     return prompts
 
@@ -182,7 +185,8 @@ def profile_steps(model, prompts, k, compile):
             for _ in range(5):
                 engine.step()
         print(
-            f"\n{'verify' if speculate else 'plain'} step, {len(prompts)} rows: {1e3 * median(times[3:]):.1f} ms "
+            f"\n{'verify' if speculate else 'plain'} step, {len(prompts)} rows: "
+            f"{1e3 * median(times[3:]):.1f} ms "
             f"(median of 10); torch.profiler over 5 steps:"
         )
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
@@ -263,7 +267,8 @@ def main():
         ).eval()
         plain, lookup = hf_batch1(hf_model, work["quoting"][0], args.k)
         print(
-            f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, {lookup:.1f} tok/s "
+            f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, "
+            f"{lookup:.1f} tok/s "
             f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)"
         )
         del hf_model
@@ -276,9 +281,10 @@ def main():
         return
     run(model, work["quoting"][:2], PromptLookup(k=args.k), False)  # warm-up
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-        f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | k={args.k} | "
-        f"max_rows={args.max_rows} | "
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | "
+        f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | "
+        f"k={args.k} | max_rows={args.max_rows} | "
         + (
             f"draft model: an {args.draft} copy"
             if args.draft
@@ -286,7 +292,8 @@ def main():
         )
     )
     print(
-        "\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance | tokens per drafted row-step "
+        "\n| workload | requests | off tok/s | on tok/s | speed-up | acceptance "
+        "| tokens per drafted row-step "
         "| predicted | verify cost c | equal to off |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -304,7 +311,8 @@ def main():
                 draft,
             )
             print(
-                f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | {off_s / on_s:.2f}x | {alpha:.2f} | "
+                f"| {name} | {c} | {c * NEW / off_s:.1f} | {c * NEW / on_s:.1f} | "
+                f"{off_s / on_s:.2f}x | {alpha:.2f} | "
                 f"{gain:.2f} | {pred:.2f}x | {cost:.2f} | {equal}/{c} |",
                 flush=True,
             )

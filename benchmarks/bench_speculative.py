@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, compiled, greedy, batch 1, one process.
 
-    .venv/bin/python benchmarks/bench_speculative.py [--k 4] [--new_tokens 96]     # ~20 min (compiles)
+    .venv/bin/python benchmarks/bench_speculative.py [--k 4] [--new_tokens 96]  # ~20 min (compiles)
 
 The target is the embedded SmolLM2-135M in bf16. Drafters: prompt lookup (n <= 3), the target's
 own first layers (layer-skip), and quantized copies of the target (int8, and int4 at group 64:
@@ -26,9 +26,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
 import quantize
-import runtime
 from formats import weights
 from formats.tokenizer import load_tokenizer
 from kv_cache import StaticKVCache
@@ -37,8 +37,9 @@ from speculative import ModelDrafter, draft_forward, speculative_generate
 from speedups.prompt_lookup import PromptLookupDrafter
 
 CODE = (
-    "def add(a, b):\n    result = a + b\n    return result\n\n\ndef sub(a, b):\n    result = a - b\n"
-    "    return result\n\n\ndef mul(a, b):\n    result = a * b\n    return result\n\n\n"
+    "def add(a, b):\n    result = a + b\n    return result\n\n\n"
+    "def sub(a, b):\n    result = a - b\n    return result\n\n\n"
+    "def mul(a, b):\n    result = a * b\n    return result\n\n\n"
 )
 PROMPTS = {
     "story": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
@@ -71,8 +72,8 @@ def main():
     seq_len = 512
     cache = StaticKVCache.for_model(target, 1, seq_len)
     t0 = time.perf_counter()
-    plain_fn = runtime.compile_decode("cpu")
-    verify_fns = {t: runtime.compile_decode("cpu", runtime.verify_step) for t in (1, k + 1)}
+    plain_fn = compiling.compile_decode("cpu")
+    verify_fns = {t: compiling.compile_decode("cpu", compiling.verify_step) for t in (1, k + 1)}
     drafters = {
         "prompt lookup n<=3": PromptLookupDrafter(3, target.config.vocab_size),
         f"layer-skip, first {args.layers} of 30 layers": ModelDrafter(
@@ -80,13 +81,13 @@ def main():
             seq_len,
             GREEDY,
             layers=args.layers,
-            step_fn=runtime.compile_decode("cpu", draft_forward),
+            step_fn=compiling.compile_decode("cpu", draft_forward),
         ),
     }
     for mode, group in (("int8", 64), ("int4", 64)):
         draft, _ = weights.load(None, dtype=torch.bfloat16, dequantize=True)
         quantize.quantize_model(draft, mode, group, head=True)
-        step = runtime.compile_decode("cpu", draft_forward, autotune=runtime.autotune(draft))
+        step = compiling.compile_decode("cpu", draft_forward, autotune=compiling.autotune(draft))
         label = f"{mode} copy of the target" + (
             f" (group {group}, head quantized)" if mode == "int4" else " (head quantized)"
         )
@@ -123,10 +124,12 @@ def main():
                     fn(target, cache, torch.zeros(1, t, dtype=torch.long), torch.arange(t)[None])
     print(f"compiled everything in {time.perf_counter() - t0:.0f} s\n")
     print(
-        f"SmolLM2-135M bf16 target, compiled, greedy, batch 1, k = {k}, {n} new tokens, median of 3 interleaved runs\n"
+        f"SmolLM2-135M bf16 target, compiled, greedy, batch 1, k = {k}, {n} new tokens, "
+        "median of 3 interleaved runs\n"
     )
     print(
-        "| prompt | drafter | tok/s | measured speed-up | alpha | tokens/round | c | predicted | measured / predicted | same tokens |"
+        "| prompt | drafter | tok/s | measured speed-up | alpha | tokens/round | c | predicted "
+        "| measured / predicted | same tokens |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, text in PROMPTS.items():
@@ -147,7 +150,8 @@ def main():
             a, c = stats["acceptance_rate"], stats["c"]
             pred = predicted(a, c, k)
             print(
-                f"| {name} | {label} | {tps:.1f} | {tps / base:.2f}x | {a:.2f} | {stats['tokens_per_round']:.2f} | "
+                f"| {name} | {label} | {tps:.1f} | {tps / base:.2f}x | {a:.2f} | "
+                f"{stats['tokens_per_round']:.2f} | "
                 f"{c:.3f} | {pred:.2f}x | {tps / base / pred:.0%} | {out == reference} |"
             )
 

@@ -1,7 +1,8 @@
 """Sliding windows: decode cost at 1x and 4x the window, next to HF transformers in the same run.
 
     .venv/bin/python benchmarks/bench_windows.py [--window 1024] [--multiples 1 4] [--layers 12]
-                                                 [--dtype bfloat16] [--skip_compile] [--skip_hf] [--hybrid 6]
+                                                 [--dtype bfloat16] [--skip_compile] [--skip_hf]
+                                                 [--hybrid 6]
 
 A Mistral of SmolLM2-135M's proportions (dim 576, 9 heads, 3 KV heads, head_dim 64, FFN 1536,
 vocabulary 49152; `--layers` of them) with random weights and a sliding window of `--window`
@@ -17,7 +18,7 @@ then `--new_tokens` tokens are decoded greedily, batch 1, EOS ignored:
 - ours, paged cache through the engine (batch.py's path): blocks behind the window are freed, and
   the step reads only the window's blocks; the most blocks the sequence held in the windowed
   layers is printed against the bound window / block_size + 2. A hybrid model runs it twice:
-  with the windowed layers' own pool (kv_plan.py), and with one pool keeping every block
+  with the windowed layers' own pool (memory.py), and with one pool keeping every block
   (`window_blocks=0`, as before that pool existed), each with its KV pools' bytes;
 - HF transformers eager on the same weights (MistralForCausalLM or Gemma3ForCausalLM, its
   DynamicCache keeping the window), decoded by a plain loop of forwards.
@@ -38,6 +39,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
 import runtime
 from engine import Engine, RequestParams
@@ -186,8 +188,10 @@ def main():
     args = p.parse_args()
     hf, model = build(args)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {runtime.cpu_capability()}, "
-        f"{args.dtype}, {args.layers} layers ({f'every {args.hybrid}th full' if args.hybrid else 'all windowed'}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU capability {runtime.cpu_capability()}, "
+        f"{args.dtype}, {args.layers} layers "
+        f"({f'every {args.hybrid}th full' if args.hybrid else 'all windowed'}), "
         f"window {args.window}, contexts "
         f"{[m * args.window for m in args.multiples]}, {args.new_tokens} new tokens",
         flush=True,
@@ -195,7 +199,7 @@ def main():
     compiled = (
         None
         if args.skip_compile
-        else runtime.compile_decode("cpu", autotune=runtime.autotune(model))
+        else compiling.compile_decode("cpu", autotune=compiling.autotune(model))
     )
     rng = torch.Generator().manual_seed(1)
     rows, held, kv_bytes = [], {}, {}
@@ -251,14 +255,16 @@ def main():
     median = {(label, m): statistics.median(s) for (label, m, _), s in zip(rows, speeds)}
     base = min(args.multiples)
     print(
-        f"\n| path | context | tok/s | vs {base}x window | KV blocks held (bound {args.window // args.block_size + 2}) |"
+        f"\n| path | context | tok/s | vs {base}x window | "
+        f"KV blocks held (bound {args.window // args.block_size + 2}) |"
     )
     print("|---|---|---|---|---|")
     for label, m, _ in rows:
         ratio = median[(label, m)] / median[(label, base)]
         blocks = str(held[label, m][0]) if "paged" in label else ""
         print(
-            f"| {label} | {m * args.window} ({m}x) | {median[(label, m)]:.1f} | {ratio:.2f} | {blocks} |"
+            f"| {label} | {m * args.window} ({m}x) | {median[(label, m)]:.1f} | "
+            f"{ratio:.2f} | {blocks} |"
         )
     print(
         "\nKV cache bytes: "

@@ -1,6 +1,7 @@
 """The engine's resident memory across repeated workloads: does a long-running server keep growing?
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/engine_memory.py [--dense] [--requests 60] [--rounds 3]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/engine_memory.py [--dense] [--requests 60]
+                                                                   [--rounds 3]
 
 The embedded model in bf16 (at its own bits, or --dense: dequantized to bf16 GEMMs) serves
 `--rounds` workloads in turn, each `--requests` greedy requests with random prompts (20-300
@@ -66,7 +67,8 @@ def main():
         for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     }
     print(
-        f"{'dense bf16' if args.dense else 'own bits'}; CPU {torch.backends.cpu.get_cpu_capability()}; {caps}\n"
+        f"{'dense bf16' if args.dense else 'own bits'}; "
+        f"CPU {torch.backends.cpu.get_cpu_capability()}; {caps}\n"
     )
     print("| after | seconds | RSS MiB |\n|---|---|---|")
     print(f"| load | - | {rss_mib():.0f} |")

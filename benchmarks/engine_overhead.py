@@ -51,7 +51,8 @@ def main():
             steps += 1
         best = min(best, time.perf_counter() - start)
     print(
-        f"| steps | best s | ms per step |\n|---|---|---|\n| {steps} | {best:.3f} | {1e3 * best / steps:.2f} |"
+        "| steps | best s | ms per step |\n|---|---|---|\n"
+        f"| {steps} | {best:.3f} | {1e3 * best / steps:.2f} |"
     )
 
 

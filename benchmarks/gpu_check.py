@@ -2,7 +2,8 @@
 the paged cache and the engine. Random weights of real shapes, so nothing has to travel.
 
     python benchmarks/gpu_check.py --device cuda --out $OUT              # on a GPU: ~10 min
-    python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/check  # tiny shapes (the test suite runs this)
+    python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/check  # tiny shapes (the test
+                                                                         # suite runs this)
 
 Correctness first, in float32 on the embedded model's shape (tiny shapes with --tiny): compiled
 decode = eager decode (greedy tokens); CUDA Graph replay = compiled without graphs; every int8 /
@@ -32,9 +33,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import compiling
 import generate
 import quantize
-import runtime
 from engine import Engine, RequestParams
 from kv_cache import StaticKVCache
 from model import ModelConfig, Transformer
@@ -144,8 +145,8 @@ def time_decode(model, fn, device, steps, repeats) -> float:
 def compiled(device, graphs: bool, autotune=True):
     """generate.py's compiled decode step; on CUDA with or without CUDA Graphs."""
     if str(device).startswith("cuda") and not graphs:
-        return torch.compile(runtime.decode_one, fullgraph=True, dynamic=False)
-    return runtime.compile_decode(str(device), autotune=autotune)
+        return torch.compile(compiling.decode_one, fullgraph=True, dynamic=False)
+    return compiling.compile_decode(str(device), autotune=autotune)
 
 
 def graph_launches(model, fn, device, steps=5) -> int:
@@ -173,7 +174,7 @@ def check_correctness(device, tiny, report):
     args = TINY if tiny else SHAPES["smollm2-135m"]
     model = random_model(args, device, torch.float32)
     cuda = str(device).startswith("cuda")
-    eager = decode_tokens(model, runtime.decode_one, device, 24)
+    eager = decode_tokens(model, compiling.decode_one, device, 24)
     plain = compiled(device, graphs=False, autotune=False)
     report["compiled_equals_eager"] = decode_tokens(model, plain, device, 24) == eager
     if cuda:
@@ -245,10 +246,12 @@ def time_row(device, tiny, shape, q, mode, steps, repeats, bandwidth) -> dict:
         quantize.quantize_model(model, q, 64, head=True)
     start = time.perf_counter()
     fn = (
-        runtime.decode_one
+        compiling.decode_one
         if mode == "eager"
         else compiled(
-            device, graphs=mode == "compiled+graphs", autotune=runtime.autotune(model) and not tiny
+            device,
+            graphs=mode == "compiled+graphs",
+            autotune=compiling.autotune(model) and not tiny,
         )
     )
     decode_tokens(model, fn, device, 4)  # compile and warm up
@@ -319,7 +322,8 @@ def markdown(report) -> str:
             )
         else:
             lines.append(
-                f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['gb_s']:.1f} | "
+                f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                f"{r['gb_s']:.1f} | "
                 f"{r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |"
             )
     lines += [f"error in {name}: {error}" for name, error in report.get("errors", {}).items()]

@@ -2,7 +2,7 @@
 rate: engine.Engine on the embedded SmolLM2-135M, every request decoding (prompts prefilled
 before the clock starts), profiled with torch.profiler.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_engine.py                    # batch 1, 8, 32, 64
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_engine.py  # batch 1, 8, 32, 64
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/profile_engine.py --batches 64 --dtype bfloat16
 
 Per batch size B: the step's wall time; its achieved GFLOP/s (2 x the weights' multiply-adds x B,
@@ -141,8 +141,10 @@ def main():
         text = tokenizer.encode(f.read())
     bits = " at the file's bits" if args.kept else ""
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-        f"{args.dtype}{bits} | prompts of {args.prompt_tokens} tokens | {args.steps} decode steps profiled, "
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | "
+        f"{args.dtype}{bits} | prompts of {args.prompt_tokens} tokens | "
+        f"{args.steps} decode steps profiled, "
         f"{'compiled' if args.compile else 'eager'}"
     )
     rows = []
@@ -189,12 +191,14 @@ def main():
         rate = matmul_rate(model, B, dtype)
         rows.append((B, plain, achieved, rate, split, wall - profiled_wall, wall))
     print(
-        "\n| batch | step ms | tokens/s | achieved GFLOP/s | torch.mm on the step's shapes, GFLOP/s | share of mm rate |"
+        "\n| batch | step ms | tokens/s | achieved GFLOP/s "
+        "| torch.mm on the step's shapes, GFLOP/s | share of mm rate |"
     )
     print("|---|---|---|---|---|---|")
     for B, plain, achieved, rate, *_ in rows:
         print(
-            f"| {B} | {plain * 1e3:.1f} | {B / plain:.0f} | {achieved:.1f} | {rate:.1f} | {achieved / rate:.0%} |"
+            f"| {B} | {plain * 1e3:.1f} | {B / plain:.0f} | {achieved:.1f} | {rate:.1f} | "
+            f"{achieved / rate:.0%} |"
         )
     names = [c for c, _ in CATEGORIES] + ["other ops", "Python and the rest"]
     print("\n| batch | " + " | ".join(names) + " |")

@@ -22,7 +22,8 @@ time to first token of the streamed clients. The default model is a tiny random 
 version. `--embedded` runs the embedded model in bf16 instead, where batching can change one,
 unless `--batch_invariant`:
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant --requests 400 --rate 4
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant
+                                                               --requests 400 --rate 4
 """
 
 import argparse

@@ -40,7 +40,10 @@ def hf_embedded():
     return hf_reference_embedded()
 
 
-CAPABILITY = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})"
+CAPABILITY = (
+    f"CPU capability {torch.backends.cpu.get_cpu_capability()} "
+    f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})"
+)
 
 
 def pytest_report_header(config):

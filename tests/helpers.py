@@ -414,11 +414,16 @@ CHAT_TEMPLATE = (
 # message
 HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 HARMONY_TEMPLATE = (
-    "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
-    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n# Valid channels: analysis, commentary, final.<|end|>"
-    "{% if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function.name }}\n{% endfor %}<|end|>"
-    "{% endif %}{% for m in messages %}{% if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
-    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "<|start|>system<|message|>Knowledge cutoff: 2024-06\n"
+    "Current date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final.<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\n"
+    "{% for t in tools %}{{ t.function.name }}\n{% endfor %}<|end|>"
+    "{% endif %}{% for m in messages %}{% if m.role == 'user' %}"
+    "<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 

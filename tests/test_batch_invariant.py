@@ -18,7 +18,9 @@ from kv_cache import attention, bucket, visible
 from server import engine_flags
 from server.tp_engine import load_engine
 
-WORDS = "the river stone cloud music paper light house garden printing press Europe history begins".split()
+WORDS = (
+    "the river stone cloud music paper light house garden printing press Europe history begins"
+).split()
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import alone, check_allocator, hf_model, save_hf
 
+import compiling
 import generate
-import runtime
+import memory
 from engine import Engine, RequestParams
 from formats import weights
 from kv_cache import StaticKVCache
@@ -148,7 +149,7 @@ def test_compiled_decode_equals_eager(pair):
         30,
         SamplingParams(0.0),
         generate.DecodeOptions(
-            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+            ignore_eos=True, decode_fn=compiling.compile_decode("cpu", autotune=False)
         ),
     )
     assert compiled == eager
@@ -191,8 +192,8 @@ def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_
     however long it runs (Mistral: every layer; Gemma 3: its windowed layer's own pool, while the
     full layer keeps all 11), its tokens equal a static cache's, and a later request sharing its
     prompt still hits the cache. Tight windowed pools run it too (Mistral: those 4 blocks and the
-    null one; Gemma 3: 7, the least kv_plan allows for a window and a 4-token chunk): the blocks
-    freed behind the window are taken again, though cached."""
+    null one; Gemma 3: 7, the least memory.pools allows for a window and a 4-token chunk): the
+    blocks freed behind the window are taken again, though cached."""
     model, bs, hybrid = float64_models(arch), 4, arch == "gemma3"
     prompts = [[5 + i % 200 for i in range(10)], [5 + i % 200 for i in range(9)] + [77]]
     params = RequestParams(
@@ -240,7 +241,9 @@ def test_a_request_4x_its_window_holds_a_bounded_number_of_blocks(arch, float64_
     ):  # a windowed pool too small for one window and chunk is refused, saying what would do
         with pytest.raises(
             ValueError,
-            match="cannot hold one sequence's window of 8 tokens and a 4-token chunk: give at least 7",
+            match=(
+                "cannot hold one sequence's window of 8 tokens and a 4-token chunk: give at least 7"
+            ),
         ):
             Engine.for_model(
                 model,
@@ -457,7 +460,7 @@ def test_ring_buffers_equal_the_static_cache_through_long_prefills_and_decodes(a
         110,
         params,
         generate.DecodeOptions(
-            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+            ignore_eos=True, decode_fn=compiling.compile_decode("cpu", autotune=False)
         ),
     )
     assert ring == eager
@@ -470,7 +473,8 @@ def test_unknown_rope_and_layer_types_name_themselves_and_the_supported_ones(tmp
         (
             "llama3",
             {"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 1e4, "factor": 2.0}},
-            r"RoPE scaling type 'ntk-by-parts' is not supported \(supported: default, linear, llama3, yarn, longrope",
+            r"RoPE scaling type 'ntk-by-parts' is not supported \(supported: default, linear, "
+            r"llama3, yarn, longrope",
         ),
         (
             "gemma3",
@@ -505,24 +509,22 @@ def test_the_memory_plan_gives_a_hybrid_windowed_pool_only_what_it_can_use(float
     """Gemma 3's layer 0 (window 8) and layer 1 (full), blocks of 4: the windowed pool grows with
     the full one up to what 2 sequences' windows and an 8-token chunk can hold, 1 + 2 * (8 / 4 + 3)
     + 2 = 13 blocks; the rest of the budget is the full layers'."""
-    import kv_plan
-
     model = float64_models("gemma3")
     c, sizes = model.config, dict(max_num_seqs=2, max_num_batched_tokens=8)
     per_layer = (
         2 * 4 * c.n_kv_heads * c.head_dim * 8
     )  # one layer's block: K and V, 4 tokens, float64
-    assert kv_plan.window_pool_cap(c, 4, **sizes) == 13
-    num_blocks, window_blocks, lines = kv_plan.plan_blocks(
+    assert memory.window_pool_cap(c, 4, **sizes) == 13
+    num_blocks, window_blocks, lines = memory.plan_blocks(
         model, 4, memory_bytes=100 * per_layer, **sizes
     )
     assert (num_blocks, window_blocks) == (87, 13) and "their own pool of 13 blocks" in lines
-    assert kv_plan.plan_blocks(model, 4, memory_bytes=20 * per_layer, **sizes)[:2] == (10, 10)
-    assert kv_plan.plan_blocks(model, 4, num_blocks=7, **sizes)[:2] == (7, 7)
+    assert memory.plan_blocks(model, 4, memory_bytes=20 * per_layer, **sizes)[:2] == (10, 10)
+    assert memory.plan_blocks(model, 4, num_blocks=7, **sizes)[:2] == (7, 7)
 
 
 def test_the_memory_plan_says_what_windows_save():
-    from kv_plan import window_lines
+    from memory import window_lines
 
     line = window_lines(config_of("mistral_window"), 4, 100, 0, 1024)
     assert "every layer: a sequence holds at most 4 blocks (0.0 MiB)" in line
@@ -536,14 +538,20 @@ def test_the_memory_plan_says_what_windows_save():
 
 # Gemma's turn format: "model" for the assistant, a system turn folded into the first user turn
 GEMMA_SHAPED_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
-    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}"
+    "{% set turns = messages %}{% endif %}"
     "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' + (prefix if loop.first else '') }}"
-    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for part in m['content'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' "
+    "+ (prefix if loop.first else '') }}"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}"
+    "{% for part in m['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
 
@@ -557,7 +565,8 @@ def test_a_gemma_shaped_chat_template_renders_in_the_sandbox():
         {"role": "user", "content": [{"type": "text", "text": "Again"}]},
     ]
     assert render_chat_template(GEMMA_SHAPED_TEMPLATE, messages, bos_token="<bos>") == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n"
         "<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
     )
     with pytest.raises(ValueError, match="roles must alternate"):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import tiny_checkpoint
 
+import compiling
 import generate
 import quantize
-import runtime
 from formats import weights
 from formats.tokenizer import load_tokenizer
 from kv_cache import StaticKVCache
@@ -50,7 +50,7 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
         generate.DecodeOptions(ignore_eos=True),
     )
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled_fn = runtime.compile_decode("cpu")
+        compiled_fn = compiling.compile_decode("cpu")
         cache = StaticKVCache.for_model(model, 2, 64)
         ours, _ = generate.generate(
             model,
@@ -75,7 +75,7 @@ def test_compiled_decode_equals_eager_without_recompiling(tiny):
 
 
 def test_max_autotune_is_chosen_per_model_and_cpu(tiny, monkeypatch):
-    """runtime.autotune follows the measurements (RESULTS.md): off for all-bf16 matrices on an
+    """compiling.autotune follows the measurements (RESULTS.md): off for all-bf16 matrices on an
     AVX-512 CPU without AMX, and for int4; on for float32, int8, bf16 with AMX or under AVX2."""
     fp32, _ = weights.load(tiny)
     bf16, _ = weights.load(tiny, dtype=torch.bfloat16)
@@ -89,9 +89,9 @@ def test_max_autotune_is_chosen_per_model_and_cpu(tiny, monkeypatch):
         ("AVX2", False): (True, True, True, False),
     }
     for (cap, amx), want in table.items():
-        monkeypatch.setattr(runtime, "cpu_capability", lambda cap=cap: cap)
-        monkeypatch.setattr(runtime, "has_amx", lambda amx=amx: amx)
-        got = tuple(runtime.autotune(m) for m in (fp32, bf16, int8, int4))
+        monkeypatch.setattr(compiling, "cpu_capability", lambda cap=cap: cap)
+        monkeypatch.setattr(compiling, "has_amx", lambda amx=amx: amx)
+        got = tuple(compiling.autotune(m) for m in (fp32, bf16, int8, int4))
         assert got == want, f"{cap}, AMX {amx}: {got}"
 
 
@@ -111,11 +111,11 @@ def test_compile_lengths_mid_conversation_then_decode_equals_eager(tmp_path):
     for compiled in (False, True):
         cache = StaticKVCache.for_model(model, 1, 512)
         with torch.no_grad():
-            runtime.prefill(model, cache, history)
-        step = runtime.decode_one
+            compiling.prefill(model, cache, history)
+        step = compiling.decode_one
         if compiled:
             torch._dynamo.reset()
-            step = runtime.compile_decode("cpu", autotune=False)
+            step = compiling.compile_decode("cpu", autotune=False)
             assert generate.compile_lengths(step, model, cache, 121, 121 + 19) == {128, 192}
         with torch._dynamo.config.patch(error_on_recompile=True):
             rows, _ = generate.generate(

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import GGUF_NAMES, hf_model, write_gguf
 
+import compiling
 import quantize
 import runtime
 from formats import gguf_weights, quant_groups, weights
@@ -155,7 +156,7 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
             layer(xb).float(), ref, rtol=0, atol=2e-2 * ref.abs().max().item()
         )
     # as generate.py --compile does (Inductor's vector width per capability)
-    runtime.configure_inductor_cpu()
+    compiling.configure_inductor_cpu()
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(2, K, generator=g)
     torch.testing.assert_close(compiled(x), x @ w.T, rtol=1e-5, atol=1e-5)
@@ -200,7 +201,7 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
         torch.testing.assert_close(
             layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item()
         )
-    runtime.configure_inductor_cpu()
+    compiling.configure_inductor_cpu()
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(1, K, generator=g).bfloat16()
     torch.testing.assert_close(

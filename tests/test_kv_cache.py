@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import tiny_checkpoint
 
+import compiling
 import generate
-import runtime
 from formats import weights
 from kv_cache import StaticKVCache, attend_len_for
 from sampling import SamplingParams
@@ -105,10 +105,10 @@ def test_compiled_decode_across_attend_lengths_equals_eager(tiny64, cache_cls):
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 250, (2, 120), generator=g)
-    eager = greedy_across_a_boundary(tiny64, cache_cls, runtime.decode_one, prompt, 20)
+    eager = greedy_across_a_boundary(tiny64, cache_cls, compiling.decode_one, prompt, 20)
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    step = runtime.compile_decode("cpu", autotune=False)
+    step = compiling.compile_decode("cpu", autotune=False)
     compiled = greedy_across_a_boundary(tiny64, cache_cls, step, prompt, 20)
     assert counters["stats"]["unique_graphs"] - before == 2  # one per attend length: 128, 192
     with torch._dynamo.config.patch(error_on_recompile=True):

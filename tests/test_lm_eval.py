@@ -41,7 +41,8 @@ def write_tasks(folder):
     (folder / "tiny_gen.yaml").write_text(
         f"task: tiny_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.json'}\n"
         "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['.', ',']\n  max_gen_toks: 12\n  do_sample: false\n  temperature: 0\n"
+        "generation_kwargs:\n  until: ['.', ',']\n  max_gen_toks: 12\n"
+        "  do_sample: false\n  temperature: 0\n"
         "metric_list:\n  - metric: exact_match\n"
     )
     return TaskManager(include_path=str(folder))

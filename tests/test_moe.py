@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from helpers import alone, hf_model, save_hf
 
+import compiling
 import generate
+import memory
 import moe
 import quantize
 import runtime
@@ -215,7 +217,7 @@ def test_compiled_decode_equals_eager(pair):
         20,
         SamplingParams(0.0),
         generate.DecodeOptions(
-            ignore_eos=True, decode_fn=runtime.compile_decode("cpu", autotune=False)
+            ignore_eos=True, decode_fn=compiling.compile_decode("cpu", autotune=False)
         ),
     )
     assert compiled == eager
@@ -349,7 +351,7 @@ def test_the_memory_plan_prints_total_and_active_parameters(pair):
     _, _, model = pair
     c = model.config
     total, active = c.moe.parameter_counts(c)
-    line = runtime.memory_plan(model, StaticKVCache.for_model(model, 1, 16))
+    line = memory.memory_plan(model, StaticKVCache.for_model(model, 1, 16))
     assert f"{total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token" in line
     assert f"({c.moe.n_experts_per_tok} of {c.moe.n_experts} experts)" in line
     assert runtime.human(model.bytes_read_per_token()) + " read per step" in line

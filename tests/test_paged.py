@@ -8,11 +8,11 @@ from helpers import check_allocator, tiny_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import compiling
 import generate
-import runtime
 from formats import weights
 from kv_cache import StaticKVCache
-from kv_plan import plan_blocks
+from memory import plan_blocks
 from paged import BlockAllocator, NoFreeBlocks, PagedKVCache, bucket
 from sampling import SamplingParams
 
@@ -95,7 +95,7 @@ def test_compiled_paged_decode_equals_eager(tiny64):
         generate.DecodeOptions(ignore_eos=True),
     )
     with torch._dynamo.config.patch(error_on_recompile=True):
-        fn = runtime.compile_decode("cpu", autotune=False)
+        fn = compiling.compile_decode("cpu", autotune=False)
         compiled, _ = generate.generate(
             tiny64,
             PagedKVCache.for_batch(tiny64, 2, 64, 8),

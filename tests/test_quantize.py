@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import tiny_checkpoint
 
+import compiling
 import generate
-import int4_layout
 import quantize
 import runtime
 from formats import weights
@@ -70,9 +70,9 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     # the layout is the running capability's; a known one must be found, and must give q back
     q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    layout = int4_layout.find_cpu_int4_layout(packed, q)
+    layout = quantize.find_cpu_int4_layout(packed, q)
     assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
-    assert torch.equal(int4_layout.cpu_int4_unpack(packed, n, 128, *layout), q)
+    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
     # and a lookup of some rows (a tied head read as the embedding), the last ones (a tail past the
     # last whole block where n is not a multiple of it) always among them
     rows = torch.cat(
@@ -81,7 +81,7 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
             torch.arange(n - 8, n),
         ]
     )
-    assert torch.equal(int4_layout.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
+    assert torch.equal(quantize.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
@@ -93,7 +93,7 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
     known = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
     )
-    monkeypatch.setattr(int4_layout, "CPU_INT4_LAYOUTS", ())
+    monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
     unknown = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
@@ -245,7 +245,7 @@ def test_int4_plan_covers_llama_shaped_models(shape):
     assert covered / sum(sizes.values()) >= 0.99
 
 
-def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=runtime.decode_one):
+def greedy(model, n=12, cache_cls=StaticKVCache, decode_fn=compiling.decode_one):
     cache = cache_cls.for_model(model, 1, 64)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
     rows, _ = generate.generate(
@@ -314,18 +314,18 @@ def test_quantized_model_compiles_to_the_same_tokens(tiny, mode):
     eager = greedy(model)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = greedy(model, decode_fn=runtime.compile_decode("cpu", autotune=False))
+        compiled = greedy(model, decode_fn=compiling.compile_decode("cpu", autotune=False))
     assert compiled == eager
     # bf16, where the CPU kernels run: the compiled step's logits equal eager's within bf16 rounding
     model, _ = weights.load(tiny, dtype=torch.bfloat16)
     quantize.quantize_model(model, mode, 64, head=True)
     torch._dynamo.reset()
-    step = runtime.compile_decode("cpu", autotune=False)
+    step = compiling.compile_decode("cpu", autotune=False)
     logits = []
-    for fn in (runtime.decode_one, step):
+    for fn in (compiling.decode_one, step):
         cache = StaticKVCache.for_model(model, 1, 64)
         with torch.no_grad():
-            runtime.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
+            compiling.prefill(model, cache, torch.tensor([[1, 5, 9, 14]]))
             logits.append(fn(model, cache, torch.tensor([[3]]), torch.tensor([[4]])))
     torch.testing.assert_close(
         logits[1], logits[0], atol=0.05 * logits[0].abs().max().item(), rtol=0
@@ -359,7 +359,7 @@ def test_compiled_int8_kv_decode_equals_eager(tiny):
     eager = greedy(model, cache_cls=Int8KVCache)
     torch._dynamo.reset()
     compiled = greedy(
-        model, cache_cls=Int8KVCache, decode_fn=runtime.compile_decode("cpu", autotune=False)
+        model, cache_cls=Int8KVCache, decode_fn=compiling.compile_decode("cpu", autotune=False)
     )
     assert compiled == eager
     assert (

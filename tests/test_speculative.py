@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import hf_model, save_hf
 
+import compiling
 import generate
-import runtime
 from formats import weights
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
@@ -325,7 +325,7 @@ def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
 
     from speculative import draft_forward
 
-    verify = torch.compile(runtime.verify_step, fullgraph=True, dynamic=False)
+    verify = torch.compile(compiling.verify_step, fullgraph=True, dynamic=False)
     step = torch.compile(draft_forward, fullgraph=True, dynamic=False)
     drafter = ModelDrafter(target, 64, GREEDY, layers=1, step_fn=step)
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -362,13 +362,19 @@ def test_strftime_now_dates_a_template_and_refuses_widths():
 HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without building anything large
     "string repetition": "{{ 'a' * 10**10 }}",
     "list repetition": "{{ ([1] * 10**9) | length }}",
-    "doubling by +": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-    "{% endfor %}{{ ns.s | length }}",
+    "doubling by +": (
+        "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s | length }}"
+    ),
     "huge power": "{{ 10 ** 999999999 }}",
     "range beyond the sandbox's limit": "{% for i in range(10**9) %}{% endfor %}",
-    "nested loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-    "nested loops over a list": "{% set xs = range(99999) | list %}{% for i in xs %}{% for j in xs %}{% endfor %}"
-    "{% endfor %}",
+    "nested loops": (
+        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    ),
+    "nested loops over a list": (
+        "{% set xs = range(99999) | list %}{% for i in xs %}{% for j in xs %}{% endfor %}"
+        "{% endfor %}"
+    ),
     "format width": "{{ '{:>9999999999}'.format(1) }}",
     "percent width": "{{ '%*d' % (10**10, 1) }}",
     "center filter": "{{ 'a' | center(10**10) }}",
@@ -379,8 +385,10 @@ HOSTILE_TEMPLATES = {  # each must fail with a clear error, quickly, without bui
     "format string attribute walk": "{{ '{0.__class__.__init__.__globals__}'.format(messages) }}",
     "cycler walk": "{{ cycler.__init__.__globals__.os }}",
     "output size": "{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}",
-    "doubling by ~": "{% set ns = namespace(s='aa') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-    "{% endfor %}{{ ns.s | length }}",
+    "doubling by ~": (
+        "{% set ns = namespace(s='aa') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s | length }}"
+    ),
     "percent width in the format": "{{ '%9999999999s' % 'a' }}",
     "join bomb": "{% set x = 'x' * 9999999 %}{{ [x, x, x] | join }}",
     "format bomb": "{% set x = 'x' * 9999999 %}{{ '{0}{0}{0}'.format(x) }}",

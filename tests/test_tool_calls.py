@@ -179,7 +179,8 @@ def test_streamed_calls_arrive_in_pieces_and_other_forms_still_parse():
         [("get_weather", {"city": "Oslo", "unit": "c"})],
     )
     assert streamed("hello {x", [3], fmt="llama3")[:2] == ("hello {x", [])
-    cut = '<tool_call>{"name": "add", "argu'  # cut by max_tokens before its head: content, as parse_calls
+    # cut by max_tokens before its head: content, as parse_calls
+    cut = '<tool_call>{"name": "add", "argu'
     assert streamed(cut, [4])[:2] == (cut, [])
     # unclosed JSON ends at CLOSE
     broken = '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call> and more'
@@ -220,7 +221,10 @@ def test_required_allows_parallel_calls_and_strict_tools_allow_no_extra_keys(tok
     two = (
         one
         + "\n"
-        + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}</tool_call>'
+        + (
+            '<tool_call>{"name": "get_weather", "arguments": '
+            '{"city": "Rome", "unit": "c"}}</tool_call>'
+        )
     )
     parallel = tool_calls.call_constraint(TOOLS, "required", "hermes", parallel=True)
     single = tool_calls.call_constraint(TOOLS, "required", "hermes", parallel=False)
@@ -269,7 +273,10 @@ def test_auto_with_a_json_format_allows_calls_or_the_json_answer(tokenizer):
 
 
 def test_tools_reach_the_template_or_a_system_message():
-    knows = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    knows = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     messages, extra = tool_calls.render_args(USER, TOOLS, "auto", knows)
     assert render_chat_template(knows, messages, **extra).startswith("[get_weather][add]")
     messages, extra = tool_calls.render_args(

@@ -82,10 +82,12 @@ def test_eager_runs_never_import_the_compiler_stack(tiny):
     and sympy unimported: about 100 MiB resident that only --compile needs. nn.Embedding's normal_
     on meta tensors imported them until weights.build skipped initialisers."""
     code = (
-        "import sys, torch, runtime; from formats import weights; from kv_cache import StaticKVCache\n"
+        "import sys, torch, compiling; from formats import weights; "
+        "from kv_cache import StaticKVCache\n"
         f"m, _ = weights.load_for_inference({str(tiny[1])!r}, dtype=torch.bfloat16)\n"
-        "c = StaticKVCache.for_model(m, 1, 64); runtime.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
-        "runtime.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
+        "c = StaticKVCache.for_model(m, 1, 64); "
+        "compiling.prefill(m, c, torch.zeros(1, 4, dtype=torch.long))\n"
+        "compiling.decode_one(m, c, torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 4))\n"
         "print([n for n in ('torch._dynamo', 'sympy') if n in sys.modules])"
     )
     out = subprocess.run(
@@ -105,7 +107,10 @@ def test_hub_id_through_a_real_offline_cache(tiny, tmp_path):
     (repo / "refs" / "main").write_text(commit)
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = "from formats import weights; m, info = weights.load('tiny-org/tiny-llama'); print(info.source)"
+    code = (
+        "from formats import weights; m, info = weights.load('tiny-org/tiny-llama'); "
+        "print(info.source)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )

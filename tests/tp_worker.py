@@ -28,8 +28,8 @@ def run_rank(
         timeout=timedelta(seconds=90),
     )
     try:
+        import compiling
         import generate
-        import runtime
         import tp
         from formats import weights
         from kv_cache import NoCache, StaticKVCache
@@ -48,7 +48,7 @@ def run_rank(
         with torch.no_grad():
             logits = model(x, torch.arange(x.shape[1])[None], NoCache())
         cache = StaticKVCache.for_model(model, 1, 64)
-        decode_fn = runtime.compile_decode("cpu") if compile_decode else runtime.decode_one
+        decode_fn = compiling.compile_decode("cpu") if compile_decode else compiling.decode_one
         rows, _ = generate.generate(
             model,
             cache,
