@@ -91,8 +91,10 @@ def check_sampling(
     presence_penalty=0.0,
     logit_bias=None,
 ):
-    if temperature is None or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not (is_number(temperature) and 0 <= temperature < math.inf):  # NaN fails both
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}"
+        )
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

@@ -41,7 +41,7 @@ from runtime import log
 from server.completions import Server
 from server.engine_loop import EngineThread
 from server.info_routes import ROUTES, InfoRoutes
-from server.openai_format import Refused, error
+from server.openai_format import Refused, error, field_path
 from server.responses import Responses
 from server.server_limits import (
     DrainingServer,
@@ -61,7 +61,7 @@ async def refused(request, exc: Refused):
 
 async def bad_request(request, exc: RequestValidationError):
     first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    where = field_path(first.get("loc", ())[1:]) or None
     return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
 
 

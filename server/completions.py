@@ -124,13 +124,13 @@ class Server:
         if len(stop) > limits.max_stop:
             raise Refused(
                 f"{len(stop)} stop strings exceed this server's limit of {limits.max_stop} "
-                f"(--max_stop)",
+                "(--max_stop)",
                 "stop",
             )
         if num_prompts > limits.max_prompts:
             raise Refused(
                 f"{num_prompts} prompts exceed this server's limit of {limits.max_prompts} "
-                f"(--max_prompts)",
+                "(--max_prompts)",
                 "prompt",
             )
         try:
@@ -204,12 +204,17 @@ class Server:
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         max_tokens = max_tokens if max_tokens is not None else default_max
         for i, n in enumerate(lengths):
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            if n > self.context or (n == self.context and max_tokens != 0):  # alone too long
+                raise Refused(
+                    f"{which} has {n} tokens, and {self.context_name} is {self.context} tokens: "
+                    "shorten it",
+                    "messages" if chat else "prompt",
+                )
             if n + max_tokens > self.context:
-                which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
                 raise Refused(
                     f"{which} ({n} tokens) plus max_tokens ({max_tokens}) exceeds "
-                    f"{self.context_name} "
-                    f"of {self.context} tokens",
+                    f"{self.context_name} of {self.context} tokens",
                     "max_tokens",
                 )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -222,9 +227,8 @@ class Server:
             if entries > self.limits.max_logprob_entries:
                 raise Refused(
                     f"this request asks for {entries} log-probabilities (tokens x samples x (1 + "
-                    f"alternatives)); this server answers at most "
-                    f"{self.limits.max_logprob_entries} "
-                    "(--max_logprob_entries)",
+                    "alternatives)); this server answers at most "
+                    f"{self.limits.max_logprob_entries} (--max_logprob_entries)",
                     "logprobs",
                 )
         constraint = self.constraint(body)

@@ -36,7 +36,8 @@ class Body(BaseModel):
     nullable and clients send them: LangChain's `"seed": null`); unknown fields are ignored, as
     OpenAI's own server ignores them, and each name is logged once."""
 
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan: JSON's 1e400 parses as infinity, and Python's parser takes NaN and Infinity
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +58,7 @@ class Sampling(Body):
 
     model: str = None
     max_tokens: int = Field(None, ge=0)  # 0 only with echo (completions): score the prompt
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range, as /v1/responses has it
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(None, ge=1)  # an extension
     # an extension, as are top_k and repetition_penalty (sampling.py)
@@ -228,6 +229,20 @@ class Refused(Exception):
         super().__init__(message)
         self.param = param
         self.response = response if response is not None else error(400, message, param=param)
+
+
+# pydantic's names for the member of a union a value failed ("input.str", "prompt.list[int]")
+UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
+def field_path(loc) -> str:
+    """A validation error's location as the request's field path: "messages.0.role", "input"
+    (never "input.str": the union member pydantic tried is not a field)."""
+    return ".".join(
+        str(p)
+        for p in loc
+        if isinstance(p, int) or not ("[" in p or "-" in p or p in UNION_MEMBERS)
+    )
 
 
 def error(

@@ -36,7 +36,7 @@ from pydantic import Field, ValidationError
 from server.choices import Outputs
 from server.delivery import collect
 from server.engine_loop import events_of
-from server.openai_format import Body, ChatRequest, Refused
+from server.openai_format import Body, ChatRequest, Refused, field_path
 from server.response_items import Events, assistant_message, call_item, ending, message_item, usage
 from server.tool_calls import tool_format
 
@@ -224,6 +224,7 @@ RESPONSES_NAMES = {
     "messages": "input",
     "response_format": "text.format",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
 }
 
 
@@ -255,7 +256,7 @@ def chat_request(body: ResponsesRequest, history: list):
         return ChatRequest(messages=instructions + conversation, **chat_fields(body)), conversation
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = field_path(first["loc"])
         raise renamed(Refused(f"{where}: {first['msg']}", where)) from None
     except ValueError as e:
         raise Refused(*e.args) from None

@@ -7,7 +7,8 @@ the server ends (`DrainingServer`: drain on the first signal, within a hard boun
     python -c "from server import server_limits"     # library only; serve.py uses it
 
 `Guard` is ASGI middleware, so a request too large or unauthorized is refused before FastAPI
-parses a byte of it; `Limits` are checked by serve.py's steps before anything is queued. After a
+parses a byte of it; `Limits` are checked by the server's steps (server/completions.py) before
+anything is queued. After a
 request or reply of 256 KiB or more, and when the server falls idle and no request starts within
 half a second, the memory freed goes back to the system (give_back_freed_memory); threads share
 two malloc arenas (fewer_malloc_arenas).
@@ -146,8 +147,9 @@ def authorized(header: bytes, api_key: str) -> bool:
 
 class Guard:
     """ASGI middleware, before any handler reads the body: the API key (everything but /health
-    needs it when set, /metrics and /docs included), 503 while draining, and the body size (413,
-    from Content-Length or while a chunked body arrives)."""
+    needs it when set, /metrics and /docs included), 503 while draining, a request framed two ways
+    (Content-Length and Transfer-Encoding: 400), and the body size (413, from Content-Length or
+    while a chunked body arrives)."""
 
     def __init__(self, app, api_key, max_body_bytes, engine_loop):
         self.app, self.api_key, self.max_body_bytes, self.engine_loop = (
@@ -174,6 +176,13 @@ class Guard:
             )(scope, receive, send)
         if self.engine_loop.draining and scope["method"] == "POST":
             return await unavailable("the server is shutting down")(scope, receive, send)
+        names = [name for name, _ in scope["headers"]]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            return await error(  # request smuggling's shape: RFC 9112 6.3 lets a server refuse it
+                400,
+                "a request with both Content-Length and Transfer-Encoding is ambiguous: send one",
+                headers={"Connection": "close"},
+            )(scope, receive, send)
         limit, length = self.max_body_bytes, headers.get(b"content-length", b"0")
         too_large = f"the request body exceeds {limit} bytes (--max_body_bytes)"
         if not length.isdigit() or int(length) > limit:

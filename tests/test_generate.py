@@ -423,7 +423,7 @@ def test_bad_values_exit_with_a_clear_error(tiny, capsys, argv, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--top_p", "0"], "top_p must be in (0, 1]"),
         (["--top_p", "1.5"], "top_p must be in (0, 1]"),
         (["--top_k", "0"], "top_k must be >= 1"),

@@ -93,6 +93,9 @@ def test_sampling_follows_the_filtered_distribution():
         (1.0, 0, 1.0, "top_k"),
         (1.0, None, 0.0, "top_p"),
         (1.0, None, 1.5, "top_p"),
+        (float("inf"), None, 1.0, "temperature"),
+        (float("nan"), None, 1.0, "temperature"),
+        (1.0, None, float("nan"), "top_p"),
     ],
 )
 def test_bad_sampling_values_are_rejected(temperature, top_k, top_p, message):

@@ -265,12 +265,57 @@ def test_a_client_that_leaves_a_streamed_response_aborts_it(server):
         ),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+        ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens"),
+        ({"input": "word " * 3000}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": "hi", "temperature": 2.5}, "temperature"),
     ],
 )
 def test_bad_responses_requests_get_400_naming_the_field(server, body, param):
+    """Named as a Responses client knows its fields (the request is checked on the chat path,
+    whose names, max_tokens or messages, never reach the client)."""
     r = post(server, "/v1/responses", {"model": "tiny", **body})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert not {"max_tokens", "messages", "max_completion_tokens"} & set(
+        error["message"].replace(",", " ").replace(":", " ").split()
+    ), error
+
+
+NOT_FINITE = [
+    ("temperature", "1e400"),
+    ("temperature", "NaN"),
+    ("top_p", "-Infinity"),
+    ("frequency_penalty", "1e400"),
+    ("presence_penalty", "NaN"),
+    ("repetition_penalty", "Infinity"),
+    ("min_p", "NaN"),
+]
+HEADS = {
+    "/v1/completions": '"prompt": "hi", "max_tokens": 2',
+    "/v1/chat/completions": '"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2',
+    "/v1/responses": '"input": "hi", "max_output_tokens": 2',
+}
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [(path, f, v) for path in list(HEADS)[:2] for f, v in NOT_FINITE]
+    # the Responses API samples with temperature and top_p only
+    + [("/v1/responses", f, v) for f, v in NOT_FINITE if f in ("temperature", "top_p")],
+)
+def test_every_endpoint_refuses_a_float_that_is_not_finite(server, path, field, value):
+    """JSON's 1e400 parses as infinity (and Python's parser takes NaN and Infinity): each is a 400
+    naming the field on every endpoint, never noise sampled at an infinite temperature."""
+    r = httpx.post(
+        server + path,
+        content=f'{{"model": "tiny", {HEADS[path]}, "{field}": {value}}}',
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
 
 
 def test_only_the_newest_responses_are_kept(server):

@@ -298,6 +298,46 @@ def test_a_request_that_never_finishes_arriving_is_closed(tiny):
         stop()
 
 
+def test_a_request_framed_two_ways_is_refused_before_its_body_is_read(tiny):
+    """Content-Length and Transfer-Encoding together (request smuggling's shape: a proxy and the
+    server may disagree on where the body ends): 400 and the connection closed, the body never
+    parsed; one of them alone is served."""
+    import socket
+
+    url, address, _, _, stop = guarded_server(tiny)
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}'
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\n"
+    )
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    try:
+        with socket.create_connection(address, timeout=10) as s:
+            s.sendall(
+                head.encode()
+                + f"Content-Length: {len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+                + chunked
+            )
+            reply = b""
+            while chunk := s.recv(4096):  # the server closes the connection after its reply
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        assert b"both Content-Length and Transfer-Encoding" in reply
+        for framing, payload in (
+            (f"Content-Length: {len(body)}", body),
+            ("Transfer-Encoding: chunked", chunked),
+        ):
+            with socket.create_connection(address, timeout=10) as s:
+                s.sendall(head.encode() + f"{framing}\r\nConnection: close\r\n\r\n".encode())
+                s.sendall(payload)
+                reply = b""
+                while chunk := s.recv(4096):
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200"), (framing, reply[:300])
+    finally:
+        stop()
+
+
 def test_a_stream_the_client_stops_reading_is_cut_and_its_request_aborted(tiny):
     """A client that asks for a long stream (8 samples, 20 alternatives a token) and reads nothing:
     once the socket's buffers are full the reply waits; after --write_timeout the connection is cut
