@@ -77,8 +77,7 @@ class Engine:
         if (mine, cache.block_size) != (theirs, scheduler.block_size):
             raise ValueError(
                 f"the cache has pools of {mine} blocks of {cache.block_size} tokens, the "
-                f"scheduler's "
-                f"allocators {theirs} of {scheduler.block_size}"
+                f"scheduler's allocators {theirs} of {scheduler.block_size}"
             )
         self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
@@ -277,7 +276,7 @@ class Engine:
         compiled = self.decode_fn is not None and all(
             (n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items()
         )
-        k = self.speculate.k if self.speculate else 0
+        k = self.speculate.k if plan.drafts else 0
         order, tokens, pos, groups, ends = self.layout(plan, compiled, k)
         done = [
             s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)

@@ -21,9 +21,9 @@ loaded in a fraction of a second later, with no compiler in this process; where 
 (fullgraph, static shapes, a few graphs per run; on CUDA each replays as a CUDA Graph); compile time
 is reported apart and never counted in tokens/s. `--json` prints one JSON object per sample instead
 of text, for scripts and tests. `--interactive` is a chat that prefills only each turn's new tokens;
-`--draft_checkpoint`, `--draft_layers` and `--prompt_lookup` decode through speculative.py. This
-file is the command line on top of the library (compiling.py holds the prefill and decode steps
-and compiling them).
+`--draft_checkpoint`, `--draft_layers` and `--prompt_lookup` decode through speculative.py
+(cli/speculate.py runs them). This file is the command line on top of the library: its flags are
+cli/generate_flags.py's, and compiling.py holds the prefill and decode steps and compiling them.
 """
 
 import contextlib
@@ -227,6 +227,9 @@ def run(args) -> int:
     device = pick_device(args.device)
     if not args.interactive and not args.prompt:
         raise ValueError("the prompt is empty; give some text with --prompt")
+    speculating = args.draft_checkpoint or args.draft_layers or args.prompt_lookup
+    if speculating:
+        speculate.check_flags(args)  # before any weights load
     args.compile = aot.choose(args, device)  # auto: "auto" where a package can serve, else None
     model, tokenizer, info, device = load(args, device)
     if args.interactive:
@@ -238,8 +241,8 @@ def run(args) -> int:
     )
     log(memory_plan(model, cache))
     generator, params = make_generator(device, args.seed), SamplingParams.from_fields(args)
-    if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
-        return speculate.run(args, model, tokenizer, ids, cache, params, generator, device)
+    if speculating:
+        return speculate.run(args, model, tokenizer, ids, seq_len, cache, params, generator, device)
     decode_fn, prefill_fn, compile_s = decode_one, prefill, 0.0
     if args.compile or args.compile_prefill:
         decode_fn, prefill_fn, compile_s = warm_up(args, model, cache, device, len(ids))

@@ -111,8 +111,7 @@ def memory_plan(model, cache) -> str:
         per_block = cache.nbytes() / cache.num_blocks
         return weights + (
             f"paged KV cache {human(per_block / cache.block_size)}/token x {cache.block_size} "
-            f"tokens per block "
-            f"x {cache.num_blocks} blocks = {human(cache.nbytes())}"
+            f"tokens per block x {cache.num_blocks} blocks = {human(cache.nbytes())}"
         )
     rings = [
         r for r in getattr(cache, "ring", ()) if r
@@ -123,10 +122,8 @@ def memory_plan(model, cache) -> str:
         )
         return weights + (
             f"KV cache {human(cache.nbytes())}: {len(rings)} of {len(cache.ring)} layers windowed, "
-            f"kept as "
-            f"rings of {max(rings)} slots ({human(full)} if every layer kept {cache.max_seq_len} "
-            f"tokens "
-            f"x {cache.batch_size})"
+            f"kept as rings of {max(rings)} slots ({human(full)} if every layer kept "
+            f"{cache.max_seq_len} tokens x {cache.batch_size})"
         )
     per_token = cache.nbytes() / (cache.max_seq_len * cache.batch_size)
     return (
@@ -189,9 +186,8 @@ def pools(
     if is_hybrid(c) and 0 < window_blocks < least:
         raise ValueError(
             f"a windowed layers' pool of {window_blocks} blocks cannot hold one sequence's window "
-            f"of "
-            f"{c.sliding_window} tokens and a {max_num_batched_tokens}-token chunk: give at least "
-            f"{least}"
+            f"of {c.sliding_window} tokens and a {max_num_batched_tokens}-token chunk: give at "
+            f"least {least}"
         )
     cache = PagedKVCache.for_model(
         model, num_blocks, block_size, window_blocks
@@ -281,14 +277,13 @@ def window_lines(
     if n == config.n_layers:
         return (
             f"\nsliding window of {w} tokens on every layer: a sequence holds at most {most} "
-            f"blocks "
-            f"({most * window_bytes / 2**20:.1f} MiB) however long it grows; older blocks are freed"
+            f"blocks ({most * window_bytes / 2**20:.1f} MiB) however long it grows; older blocks "
+            "are freed"
         )
     return (
         f"\nsliding window of {w} tokens on {n} of {config.n_layers} layers: their own pool of "
-        f"{window_blocks} "
-        f"blocks of {window_bytes} bytes = {window_blocks * window_bytes / 2**20:.1f} MiB, where a "
-        f"sequence holds "
-        f"at most {most} however long it grows (kept whole, they would take "
+        f"{window_blocks} blocks of {window_bytes} bytes = "
+        f"{window_blocks * window_bytes / 2**20:.1f} MiB, where a sequence holds at most {most} "
+        "however long it grows (kept whole, they would take "
         f"{(num_blocks - window_blocks) * window_bytes / 2**20:.1f} MiB more)"
     )

@@ -96,8 +96,7 @@ class ModelConfig:
         if bad or len(self.layer_types) not in (0, self.n_layers):
             raise ValueError(
                 f"layer_types must give each of the {self.n_layers} layers one of "
-                f"sliding_attention, "
-                f"full_attention; got {sorted(bad) or len(self.layer_types)}"
+                f"sliding_attention, full_attention; got {sorted(bad) or len(self.layer_types)}"
             )
         if self.mlp_act not in ACTIVATIONS:
             raise ValueError(

@@ -52,8 +52,7 @@ class MoEConfig:
         if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
             raise ValueError(
                 f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= "
-                f"experts "
-                f"({self.n_experts}) and a positive expert width ({self.intermediate_size})"
+                f"experts ({self.n_experts}) and a positive expert width ({self.intermediate_size})"
             )
 
     def widths(self) -> list:

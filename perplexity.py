@@ -114,8 +114,7 @@ def main(argv=None) -> int:
     mode = args.quantize or args.dtype
     print(
         f"perplexity {ppl:.4f} | {len(ids)} tokens of {args.file} | weights {mode} | KV cache "
-        f"{args.kv_cache_dtype} | "
-        f"{time.perf_counter() - start:.1f} s"
+        f"{args.kv_cache_dtype} | {time.perf_counter() - start:.1f} s"
     )
     return 0
 

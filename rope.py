@@ -10,8 +10,8 @@ defined as Hugging Face transformers' rope initialisation functions define it, r
 
     default    inv_freq[i] = theta ** (-2i / d)
     linear     inv_freq / factor: positions squeezed by `factor`
-    llama3     (Llama 3.1) long wavelengths slowed by `factor`, short ones kept, a smooth band
-               between
+    llama3     (Llama 3.1) long wavelengths slowed by `factor`, short ones kept, a smooth
+               band between
     yarn       (Qwen2.5/3, DeepSeek) per pair a blend of interpolated (inv_freq / factor) and
                original speeds, by how many turns the pair makes in the original context
                (beta_fast..beta_slow), and cos/sin scaled by the attention factor 0.1 ln(factor) + 1

@@ -39,7 +39,8 @@ class Flat:
 
 class Layout:
     """block_size: the paged cache's; n_pools: 2 for a hybrid cache (a windowed layers' pool),
-    else 1; pieces: batch_invariant.pieces when that mode is on, else None."""
+    else 1; pieces: batch_invariant.pieces when that mode is on, else None. The model's dtype and
+    device are read once: a layout serves one engine's model and cache."""
 
     def __init__(self, block_size: int, n_pools: int, model, pieces=None):
         self.block_size, self.n_pools, self.pieces = block_size, n_pools, pieces

@@ -165,10 +165,9 @@ def main():
         lambda: constrain.token_table(tokenizer, vocab, tuple(sorted(tokenizer.stop_ids)))
     )
     print(
-        f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
-        f"{torch.get_num_threads()} threads | "
-        f"vocabulary {vocab} | llguidance's vocabulary preparation {prep_s:.2f} s "
-        "(once per tokenizer)"
+        f"# {runtime.cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} "
+        f"threads | vocabulary {vocab} | llguidance's vocabulary preparation {prep_s:.2f} s (once "
+        "per tokenizer)"
     )
     libs = [("llguidance", bench_llguidance, ())]
     try:
@@ -193,8 +192,7 @@ def main():
             par_text = f"{par * 1e3:.2f}" if par is not None else "-"
             print(
                 f"| {name} ({len(tokens)} tokens) | {lib} | {compile_s * 1e3:.1f} | "
-                f"{one * 1e3:.3f} | "
-                f"{seq_s * 1e3:.2f} | {par_text} |"
+                f"{one * 1e3:.3f} | {seq_s * 1e3:.2f} | {par_text} |"
             )
     ids = tokenizer.encode_chat([{"role": "user", "content": "Describe Ada Lovelace as JSON."}])
     prompt = torch.tensor([ids])

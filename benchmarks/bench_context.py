@@ -239,9 +239,8 @@ def main():
             results[(label, n)].append(fn()[0])
     print()
     print(
-        "| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds "
-        "| vs HF eager "
-        "| greedy tokens equal to ours eager |"
+        "| tokens in use | implementation | cache slots | slots attended | decode tok/s | rounds | "
+        "vs HF eager | greedy tokens equal to ours eager |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for label, n, _ in runs:

@@ -186,9 +186,8 @@ def main():
         run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
     bare = run_rss([sys.executable, "-c", "import torch"])[2]
     print(
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; "
-        "bare `import torch` peak RSS "
-        f"{bare / 2**20:.0f} MiB"
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare "
+        f"`import torch` peak RSS {bare / 2**20:.0f} MiB"
         + (
             "; llama.cpp's sapphirerapids variant set aside (AMX tiles fault with SIGILL "
             "in these VMs), ggml runs its next best"

@@ -266,8 +266,7 @@ def throughput_and_paging(model, ids, only):
             r = run_engine(model, prompts, news, num_blocks=budget, **kw)
             print(
                 f"| {name} | {r['peak_running']} | {r['out_tps']:.1f} | {r['elapsed']:.1f} | "
-                f"{r['preemptions']} | "
-                f"{r['peak_kv'] / 2**20:.0f} |"
+                f"{r['preemptions']} | {r['peak_kv'] / 2**20:.0f} |"
             )
 
 
@@ -289,8 +288,8 @@ def prefix(model, ids):
             f"{r['out_tps']:.1f} | {100 * r['hit']:.0f}% |"
         )
     print(
-        f"\nmean TTFT: {results[False]['ttft'] / results[True]['ttft']:.1f}x lower "
-        "with prefix caching"
+        f"\nmean TTFT: {results[False]['ttft'] / results[True]['ttft']:.1f}x lower with prefix "
+        "caching"
     )
 
 
@@ -299,8 +298,8 @@ def chunked(model, ids):
     prompts = [window(ids, 100, rng) for _ in range(16)]
     long_prompt = window(ids, 4000, rng)
     print(
-        "\n### 4. Chunked prefill: a 4,000-token prompt arrives while 16 requests decode "
-        "(200 tokens each)\n"
+        "\n### 4. Chunked prefill: a 4,000-token prompt arrives while 16 requests decode (200 "
+        "tokens each)\n"
     )
     print(
         "| prefill | p99 / max gap between tokens of the 16 while it prefills, ms "
@@ -353,9 +352,8 @@ def soak(model, ids, count=500):
         check_allocator(allocator)
     elapsed = time.perf_counter() - start
     print(
-        f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), "
-        "random arrivals, "
-        f"{aborted} aborted, 199 blocks for up to 32 sequences\n"
+        f"\n### 5. Soak: {count} requests (prompts 20-200, outputs 8-64, sampled), random "
+        f"arrivals, {aborted} aborted, 199 blocks for up to 32 sequences\n"
     )
     st = engine.scheduler.stats
     print(

@@ -54,8 +54,8 @@ def quoting(tok, words, count, rng):
     for i in range(count):
         if i % 4 == 3:
             text = CODE + (
-                "# The same three functions again, with `result` renamed to `out`:\n"
-                "def add(a, b):\n"
+                "# The same three functions again, with `result` renamed to `out`:\ndef add(a, "
+                "b):\n"
             )
         else:
             start, n = rng.randrange(len(words) - 200), rng.randint(60, 200)
@@ -268,8 +268,7 @@ def main():
         plain, lookup = hf_batch1(hf_model, work["quoting"][0], args.k)
         print(
             f"HF transformers generate, batch 1, quoting prompt 0: {plain:.1f} tok/s plain, "
-            f"{lookup:.1f} tok/s "
-            f"with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)"
+            f"{lookup:.1f} tok/s with prompt_lookup_num_tokens={args.k} ({lookup / plain:.2f}x)"
         )
         del hf_model
     fuse_layers.fuse_projections(model)

@@ -323,8 +323,7 @@ def markdown(report) -> str:
         else:
             lines.append(
                 f"| {r['model']} | {r['weights']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                f"{r['gb_s']:.1f} | "
-                f"{r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |"
+                f"{r['gb_s']:.1f} | {r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |"
             )
     lines += [f"error in {name}: {error}" for name, error in report.get("errors", {}).items()]
     if "engine" in report:

@@ -134,9 +134,8 @@ def add_run_args(p):
         choices=COMPILE_MODES,
         default=compile_default(),
         help="the decode step: auto (default; $LLM_COMPILE): aot where it can serve, else eager; "
-        "off: eager; jit (plain "
-        "--compile): torch.compile (CUDA Graphs on GPU); aot: a package cached on disk, no "
-        "compiler in the process (speedups/aot.py)",
+        "off: eager; jit (plain --compile): torch.compile (CUDA Graphs on GPU); aot: a package "
+        "cached on disk, no compiler in the process (speedups/aot.py)",
     )
     p.add_argument(
         "--compile_prefill", action="store_true", help="compile prefill too (dynamic prompt length)"

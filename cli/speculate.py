@@ -23,6 +23,7 @@ from text_stream import Printer
 
 
 def check_flags(args):
+    """The flags speculation cannot serve here, refused before anything loads (ValueError)."""
     if args.batch_size != 1 or args.compile_prefill:
         raise ValueError(
             "speculative decoding here runs at --batch_size 1 (and without --compile_prefill)"
@@ -36,16 +37,16 @@ def check_flags(args):
         raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
 
 
-def run(args, model, tokenizer, ids: list, cache, params, generator, device) -> int:
-    """ids: the prompt's tokens; cache: a static cache of batch 1 long enough for the reply."""
-    check_flags(args)
+def run(args, model, tokenizer, ids: list, seq_len: int, cache, params, generator, device) -> int:
+    """ids: the prompt's tokens; cache: a cache of batch 1 and seq_len positions (check_flags has
+    passed)."""
     tune = autotune(model)  # --compile: one static graph per shape (verify k + 1, verify 1, draft)
     verify_fns = (
         {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)}
         if args.compile
         else {}
     )
-    drafter, label = make_drafter(args, model, cache.max_seq_len, params, device, tune)
+    drafter, label = make_drafter(args, model, seq_len, params, device, tune)
     compile_s = (
         warm_up(args, model, cache, drafter, ids, params, verify_fns, device)
         if args.compile

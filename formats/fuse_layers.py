@@ -1,7 +1,7 @@
 """Fused projections: each layer's q, k, v as one matmul, and gate and up as another.
 
-    # generate.py and batch.py do this after loading:
-    import fuse_layers; fuse_layers.fuse_projections(model)
+    # formats/weights.load_for_inference does this after loading:
+    from formats import fuse_layers; fuse_layers.fuse_projections(model)
 
 At batch 1 a decoder layer's seven matrix-vector products are small (SmolLM2: 192 to 1536 rows
 of 576), so each call's fixed cost (thread fan-out, kernel dispatch) is a large part of its time.

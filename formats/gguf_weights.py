@@ -227,9 +227,8 @@ def _blocks(t, path, kind) -> torch.Tensor:
     rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     if K % per or data.size != rows * K // per * size:
         raise CheckpointError(
-            f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) "
-            f"holds {data.size:,} bytes of blocks, expected {rows * (K // per) * size:,}: "
-            "truncated or corrupt"
+            f"{path}: tensor {t.name!r} ({kind}, shape {list(t.shape)}) holds {data.size:,} bytes "
+            f"of blocks, expected {rows * (K // per) * size:,}: truncated or corrupt"
         )
     return torch.from_numpy(data.copy()).reshape(rows, -1)
 

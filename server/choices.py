@@ -1,7 +1,7 @@
 """One response's choices while its tokens arrive (`Outputs`): each choice's text, tool calls
 (server/tool_calls.py; gpt-oss's channels, server/harmony.py) and log-probabilities, as a whole
-choice or as streamed deltas, in OpenAI's completions and chat shapes. serve.py and
-server/responses.py fill one per response.
+choice or as streamed deltas, in OpenAI's completions and chat shapes. server/completions.py
+and server/responses.py fill one per response.
 
     out = Outputs(tokenizer, prompts, n, chat, logprobs, echo)
     out.add(i, token, text, reason, entry)   # each token choice i receives (engine_loop feeds it)

@@ -1,11 +1,11 @@
 """Constraints tried first where a crash cannot take the server down: a child process compiles each
 new constraint exactly as the engine will (constrain.compile_constraint, with the same tokenizer)
-and walks its first PROBE_STEPS tokens, computing each mask, within a deadline. serve.py asks before
-it queues a constrained request, so a grammar that crashes llguidance's native code (a 3,000-rule
-Lark chain segfaults it), one that takes seconds to compile, or one that fails only once it runs
-("max is 2000" items in a row) is a 400 at admission. serve.py then compiles it on one of two
-threads kept for that and hands the engine a constrain.Compiled, so the engine thread never
-compiles.
+and walks its first PROBE_STEPS tokens, computing each mask, within a deadline. The server
+(server/completions.py's `Server.constraint`) asks before it queues a constrained request, so a
+grammar that crashes llguidance's native code (a 3,000-rule Lark chain segfaults it), one that
+takes seconds to compile, or one that fails only once it runs ("max is 2000" items in a row) is a
+400 at admission. The server then compiles it on one of two threads kept for that and hands the
+engine a constrain.Compiled, so the engine thread never compiles.
 
     python -c "from server import constraint_check"     # library only; serve.py uses it
 

@@ -1,7 +1,8 @@
 """The routes that run no model step: GET /health (200, or 503 while draining), GET /metrics
 (Prometheus text), GET /v1/models[/{id}], POST /tokenize and POST /detokenize (vLLM's), and a
-404 naming the routes for /v1/embeddings. `InfoRoutes` reads what it needs from serve.py's
-completions.Server: the engine loop, the tokenizer and its lanes, the model's name and context.
+404 naming the routes for /v1/embeddings. `InfoRoutes` reads what it needs from
+server/completions.py's `Server`: the engine loop, the tokenizer and its lanes, the model's name
+and context.
 
     info = InfoRoutes(server)
     app.get("/health")(info.health)          # serve.make_app routes each method

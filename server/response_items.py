@@ -1,4 +1,4 @@
-"""A Responses reply (server/responses.py) as output items: a message item for its text, a
+r"""A Responses reply (server/responses.py) as output items: a message item for its text, a
 function_call item per tool call, its status and usage; whole, or written as OpenAI's Responses
 events while it streams (`Events`, each event numbered).
 

@@ -104,13 +104,12 @@ def check_usable(args, device: str):
     if not str(device).startswith("cpu"):
         raise AotError(
             f"--compile aot runs on CPU: pass --device cpu, or on {device} use --compile (CUDA "
-            f"Graphs)"
+            "Graphs)"
         )
     if args.compile_prefill:
         raise AotError(
             "--compile_prefill brings torch.compile into the process, which --compile aot keeps "
-            "out; "
-            "drop one of them"
+            "out; drop one of them"
         )
     if args.cache != "static":
         raise AotError(
@@ -154,15 +153,14 @@ class AotDecode:
             except Exception as e:  # missing or corrupt (safetensors raises its own error type)
                 raise AotError(
                     f"cannot read {folder}/{part}.safetensors ({e}); delete that folder to compile "
-                    f"it again"
+                    "it again"
                 ) from e
             wanted = loader.get_constant_fqns()
             missing = [n for n in wanted if n not in tensors and n not in own]
             if missing:
                 raise AotError(
                     f"the package {folder}/{part}.pt2 reads tensors this model lacks: "
-                    f"{missing[:5]}; "
-                    f"delete that folder to compile it again"
+                    f"{missing[:5]}; delete that folder to compile it again"
                 )
             self.kept.append(
                 own
@@ -299,7 +297,7 @@ def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
             return kind(folder, step, parts)
         raise AotError(
             f"cannot write the package folder {folder} ({e.strerror}); set LLM_AOT_CACHE to a "
-            f"writable folder"
+            "writable folder"
         ) from e
     start = time.perf_counter()
     with lock:
@@ -325,7 +323,7 @@ def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
         with open(failed) as f:
             raise AotError(
                 f"the last build into {folder} failed: {f.read().strip()}; delete that folder to "
-                f"build again"
+                "build again"
             )
     log(
         f"compiling the decode step ahead of time (package{'s' * (len(parts) > 1)} "

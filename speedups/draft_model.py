@@ -54,8 +54,7 @@ class DraftModel:
         if mine != theirs:
             raise ValueError(
                 f"the draft model's vocabulary has {mine} tokens and the target's {theirs}: a "
-                f"draft "
-                f"model must share the target's tokenizer"
+                "draft model must share the target's tokenizer"
             )
         self.model, self.k, self.max_rows, self.failed = draft, k, max_rows, None
         self.catch_up = (
@@ -201,8 +200,7 @@ class DraftModel:
         if any(b >= self.num_blocks for b in s.blocks):
             raise ValueError(
                 f"block id {max(s.blocks)} is past the draft's pool of {self.num_blocks} blocks: "
-                f"give "
-                f"the draft model the engine's num_blocks"
+                "give the draft model the engine's num_blocks"
             )
         more = blocks_for(len(s.tokens) + self.k - 1, self.cache.block_size) - len(s.blocks)
         return s.blocks + [self.num_blocks + row * self.scratch + j for j in range(more)]

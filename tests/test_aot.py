@@ -130,9 +130,8 @@ def test_cli_int4_tokens_equal_eager_and_second_run_loads_the_package(tiny, tmp_
     ]
     env = {**os.environ, "LLM_AOT_CACHE": str(tmp_path)}
     script = (
-        "import sys, json, generate; code = generate.main(sys.argv[1:]); "
-        "print(json.dumps([m for m in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') "
-        "if m in sys.modules])); "
+        "import sys, json, generate; code = generate.main(sys.argv[1:]); print(json.dumps([m for m "
+        "in ('torch._dynamo', 'sympy', 'torch._inductor.compile_fx') if m in sys.modules])); "
         "sys.exit(code)"
     )
 
