@@ -96,6 +96,7 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
         for s in seqs
         if len(s.token_times) > 1
     ]
+    queued = [r.admitted - r.arrival for r in requests if r.admitted is not None]
     st = metrics
     return {
         "requests": len(requests),
@@ -107,6 +108,8 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
         "ttft_p90_s": percentile(ttft, 0.9),
         "tpot_mean_s": sum(tpot) / max(1, len(tpot)),
         "tpot_p90_s": percentile(tpot, 0.9),
+        "queue_p50_s": percentile(queued, 0.5),
+        "queue_p99_s": percentile(queued, 0.99),
         "peak_kv_blocks": st["peak_blocks"],
         "kv_blocks": st["kv_blocks_total"],
         "prefix_hit_rate": st["prompt_tokens_hit"] / st["prompt_tokens"]
@@ -120,21 +123,25 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
 
 
 def summary_line(s: dict) -> str:
-    return (
+    def ms(seconds: float, digits: int = 0) -> str:
+        return f"{1e3 * seconds:.{digits}f} ms"
+
+    line = (
         f"{s['requests']} requests ({s['failed']} failed) in {s['elapsed_s']:.2f} s | "
         f"{s['requests_per_s']:.2f} requests/s | {s['output_tokens_per_s']:.1f} output tokens/s | "
-        f"time to first token mean {1e3 * s['ttft_mean_s']:.0f} ms, p90 "
-        f"{1e3 * s['ttft_p90_s']:.0f} ms | time per output token mean {1e3 * s['tpot_mean_s']:.1f} "
-        f"ms, p90 {1e3 * s['tpot_p90_s']:.1f} ms | peak KV blocks {s['peak_kv_blocks']} of "
-        f"{s['kv_blocks']} | prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}% | preemptions "
-        f"{s['preemptions']} | peak running {s['peak_running']}"
-        + (
+        f"time to first token mean {ms(s['ttft_mean_s'])}, p90 {ms(s['ttft_p90_s'])} | "
+        f"time in queue p50 {ms(s['queue_p50_s'])}, p99 {ms(s['queue_p99_s'])} | "
+        f"time per output token mean {ms(s['tpot_mean_s'], 1)}, p90 {ms(s['tpot_p90_s'], 1)} | "
+        f"peak KV blocks {s['peak_kv_blocks']} of {s['kv_blocks']} | "
+        f"prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}% | "
+        f"preemptions {s['preemptions']} | peak running {s['peak_running']}"
+    )
+    if s["draft_tokens"]:
+        line += (
             f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
             f"({100 * s['draft_tokens_accepted'] / s['draft_tokens']:.1f}%)"
-            if s["draft_tokens"]
-            else ""
         )
-    )
+    return line
 
 
 def parse_args(argv):

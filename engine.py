@@ -21,6 +21,7 @@ request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, the
 """
 
 import time
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,8 @@ from scoring import PromptScores, token_logprobs
 from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
 from step_layout import Layout
 from text_stream import TextStream
+
+QUEUE_TIMES = 1000  # the admitted requests metrics() takes queue-time percentiles over
 
 
 class Token(NamedTuple):
@@ -82,6 +85,7 @@ class Engine:
         self.model, self.cache, self.scheduler, self.tokenizer = model, cache, scheduler, tokenizer
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
+        self.queue_times = deque(maxlen=QUEUE_TIMES)  # seconds from arrival to the first step
         self.requests, self.pending, self.next_id = (
             {},
             [],
@@ -222,8 +226,11 @@ class Engine:
         return bool(self.requests)
 
     def metrics(self) -> dict:
-        """A snapshot (plain numbers, safe to read from another thread)."""
-        s = self.scheduler
+        """A snapshot (plain numbers, safe to read from another thread). Time in the queue: from
+        a request's arrival to its first step, over the last QUEUE_TIMES admitted; the oldest
+        waiting: the longest any request now waiting has been in the queue."""
+        s, now = self.scheduler, time.perf_counter()
+        waited = sorted(self.queue_times)
         return {
             **s.stats,
             **self.drafted,
@@ -232,7 +239,20 @@ class Engine:
             "running": len({q.request.id for q in s.running}),
             "kv_blocks_used": s.blocks_used(),
             "waiting": len({q.request.id for q in s.waiting}),
+            "queue_time_p50_s": waited[len(waited) // 2] if waited else 0.0,
+            "queue_time_p99_s": waited[min(len(waited) - 1, len(waited) * 99 // 100)]
+            if waited
+            else 0.0,
+            "oldest_waiting_s": max((now - q.request.arrival for q in s.waiting), default=0.0),
         }
+
+    def _note_admitted(self, plan):
+        """A request's first step ends its time in the queue."""
+        now = time.perf_counter()
+        for seq in plan.runs:
+            if seq.request.admitted is None:
+                seq.request.admitted = now
+                self.queue_times.append(now - seq.request.arrival)
 
     def run_batch(self, prompts, params) -> list:
         """Offline: every prompt (ids) with its params (one, or one per prompt) -> its result, in
@@ -255,6 +275,7 @@ class Engine:
             [],
         )  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
+        self._note_admitted(plan)
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst, pool)
         if plan.runs:

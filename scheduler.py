@@ -16,9 +16,11 @@ requests wait. Here every `schedule()` returns a Plan for one step:
      its fair share (max_num_seqs / requests present), so a large n does not starve the others;
   3. a sequence about to write into a block it shares (a forked sample, a prefix hit's last
      block) gets a private copy: the plan lists (source, destination, pool) blocks to copy first.
-If a running sequence needs a block and none is free, the most recently admitted sequence is
-preempted: its blocks are released (full ones stay in the prefix cache) and it waits at the
-front of the queue to be recomputed, prompt and generated tokens together.
+If a running sequence needs a block and none is free, the sequence whose request arrived last is
+preempted: its blocks are released (full ones stay in the prefix cache) and it waits, in arrival
+order, to be recomputed, prompt and generated tokens together. So the queue stays in arrival
+order, and a request is admitted before any that came after it (under `fcfs`, a request with
+samples running yields to one with none, step 2).
 
 After the forward, `update(plan, results)` appends each sampled token, names the blocks that
 filled up in the prefix cache, and frees the blocks of the sequences that finished, and in a pool
@@ -163,7 +165,7 @@ class Scheduler:
             draft = seq.draft[: max(0, spare)] if need == 1 and not forking else []
             draft = draft if draft and self._ensure_blocks(seq, 1 + len(draft), plan) else []
             while not self._ensure_blocks(seq, n, plan):
-                victim = self.running[-1]  # the most recently admitted
+                victim = self._victim()
                 if victim is seq and len(self.running) == 1:  # alone and still does not fit
                     self.finish(seq, "length")
                     plan.ended.append(seq)
@@ -327,10 +329,24 @@ class Scheduler:
         if forget:
             seq.hashes, seq.num_computed = [], 0
 
+    def _victim(self):
+        """The sequence to preempt when blocks run out: the one whose request arrived last (of
+        its samples, the last admitted). By arrival, not by admission: a request preempted and
+        re-admitted would otherwise be the newest again at every shortage and starve behind
+        requests that came after it; the oldest request is never preempted for a newer one, so it
+        always progresses."""
+        return max(reversed(self.running), key=lambda s: s.request.arrival)
+
     def _preempt(self, seq):
         self.running.remove(seq)
         self._release(seq)
-        self.waiting.appendleft(seq)  # recomputed first when blocks free up
+        # back in the queue in arrival order: recomputed before any request that came after it
+        key = (seq.request.arrival, seq.index)
+        at = next(
+            (i for i, w in enumerate(self.waiting) if (w.request.arrival, w.index) > key),
+            len(self.waiting),
+        )
+        self.waiting.insert(at, seq)
         self.stats["preemptions"] += 1
 
     def finish(self, seq, reason: str):

@@ -160,6 +160,7 @@ class Request:
     def __init__(self, request_id, prompt, params, device):
         self.id, self.prompt, self.params, self.device = request_id, list(prompt), params, device
         self.arrival = time.perf_counter()
+        self.admitted = None  # when it first ran (engine.py): its time in the queue is the gap
         self.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         self.seqs = [Sequence(self, 0, self.seed)]
         self.sampling = SamplingParams.from_fields(params)

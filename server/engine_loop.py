@@ -260,6 +260,11 @@ class EngineLoop:
             f"llm_draft_tokens_accepted_total {m['draft_tokens_accepted']}",
             "# TYPE llm_requests_finished_total counter",
             f"llm_requests_finished_total {self.requests_done}",
+            "# TYPE llm_queue_time_seconds summary",
+            f'llm_queue_time_seconds{{quantile="0.5"}} {m["queue_time_p50_s"]:.6f}',
+            f'llm_queue_time_seconds{{quantile="0.99"}} {m["queue_time_p99_s"]:.6f}',
+            "# TYPE llm_oldest_waiting_seconds gauge",
+            f"llm_oldest_waiting_seconds {m['oldest_waiting_s']:.6f}",
             "# TYPE llm_time_to_first_token_seconds histogram",
         ]
         for bound, count in zip(TTFT_BUCKETS, self.ttft_counts):

@@ -4,6 +4,8 @@ really does change its batch mid-run, chunk long prompts and prefer cached prefi
 Exact comparisons run in float64, so a mismatch is a bug, never a near-tie."""
 
 import random
+import re
+import time
 
 import pytest
 import torch
@@ -124,6 +126,24 @@ def test_preemption_takes_the_newest_request(tiny64):
     done = run_to_end(engine)
     for rid, prompt in ((old, [5, 6, 7, 8, 9, 10, 11]), (new, [12, 13, 14, 15, 16, 17, 18])):
         assert done[rid].result()["tokens"] == alone(tiny64, prompt, 6)
+
+
+def test_queue_time_and_the_oldest_wait_are_measured(tiny64):
+    """One request at a time (max_num_seqs=1), four queued at once: each waits for those before
+    it, in arrival order. metrics() gives the time in the queue (p50, p99) over those admitted and
+    the oldest wait now; the last request's queue time is the sum of the others' runs."""
+    engine = Engine.for_model(tiny64, num_blocks=64, block_size=4, max_num_seqs=1)
+    ids = [engine.add_request([5 + k, 6, 7], greedy(4)) for k in range(4)]
+    engine.step()
+    time.sleep(0.05)  # the three waiting have waited at least this long
+    assert engine.metrics()["oldest_waiting_s"] >= 0.05
+    done = run_to_end(engine)
+    admitted = [done[rid].admitted for rid in ids]
+    assert admitted == sorted(admitted), "admitted out of arrival order"
+    queued = sorted(done[rid].admitted - done[rid].arrival for rid in ids)
+    m = engine.metrics()
+    assert m["queue_time_p50_s"] == queued[2] and m["queue_time_p99_s"] == queued[3]
+    assert queued[3] >= 0.05 and m["oldest_waiting_s"] == 0.0
 
 
 def test_running_set_changes_mid_run(tiny64):
@@ -498,8 +518,10 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
         )
         == 0
     )
-    out = {o["id"]: o for o in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    captured = capsys.readouterr()
+    out = {o["id"]: o for o in map(json.loads, captured.out.strip().splitlines())}
     assert len(out) == len(lines)
+    assert re.search(r"time in queue p50 \d+ ms, p99 \d+ ms", captured.err), captured.err[-500:]
     errors = {
         "ctx": "context is 256",
         "pool": "whole KV pool holds 144",

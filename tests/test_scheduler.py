@@ -224,6 +224,33 @@ def test_preemption_takes_the_newest_sequence_and_recomputes_it():
     assert old.seqs[0].output == alone(old.prompt, 6) and new.seqs[0].output == alone(new.prompt, 6)
 
 
+def test_a_short_request_is_served_before_every_request_that_came_after_it():
+    """A tight pool, six long requests running and a new long one arriving every other step; a
+    short request arrives among them. Requests are first scheduled in arrival order, and the
+    short one finishes before any request that came after it: a preempted request waits in
+    arrival order, and preemption takes the latest arrival, never the short one for a newer."""
+    stand_in = StandIn(scheduler(40, max_num_seqs=6, max_num_batched_tokens=32))
+    for k in range(6):
+        stand_in.add([3 + k] * 9, 40)
+    for _ in range(3):
+        stand_in.step()
+    short, later, first_run = stand_in.add([5, 6, 7], 4), [], []
+    for step in range(3000):
+        if step % 2 == 0 and len(later) < 40:
+            later.append(stand_in.add([10 + step % 80] * 9, 40))
+        for seq in stand_in.step().runs:
+            if seq.request.id not in first_run:
+                first_run.append(seq.request.id)
+        if short.finished:
+            break
+    assert short.finished, f"after {step} steps the short request still runs"
+    assert first_run == sorted(first_run), "a request was scheduled before an earlier one"
+    assert not [r.id for r in later if r.finished], "a later request finished first"
+    assert stand_in.s.stats["preemptions"] > 0  # the pool was tight enough to preempt
+    stand_in.run()
+    assert short.seqs[0].output == alone(short.prompt, 4)
+
+
 def test_alone_and_too_big_for_the_pool_ends_at_length():
     stand_in = StandIn(scheduler(5))
     req = stand_in.add(list(range(20, 30)), 100)

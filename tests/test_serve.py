@@ -228,6 +228,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert (
         "llm_kv_blocks_total 399" in metrics and "llm_time_to_first_token_seconds_count" in metrics
     )
+    assert 'llm_queue_time_seconds{quantile="0.99"}' in metrics
+    assert "llm_oldest_waiting_seconds 0.0" in metrics  # nothing waits between requests
     assert c.completions.create(model="tiny", prompt="hello", max_tokens=3).choices[0].finish_reason
 
 
