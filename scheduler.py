@@ -10,10 +10,11 @@ requests wait. Here every `schedule()` returns a Plan for one step:
      stall), then unfinished prefills a chunk, all within `max_num_batched_tokens`; while other
      requests have prompt tokens to compute, a request's prefills get at most an equal share of
      the budget (the rest after admission), so one huge prompt, or many, cannot hold it;
-  2. waiting sequences are admitted (in `fcfs` or `lpm` order) while blocks, `max_num_seqs` and
-     the token budget allow, reusing the KV blocks of their longest cached prefix (paged.py); when
-     every slot is taken, a request with nothing running takes slots from one holding more than
-     its fair share (max_num_seqs / requests present), so a large n does not starve the others;
+  2. waiting sequences are admitted (in `fcfs`, `lpm` or `priority` order) while blocks,
+     `max_num_seqs` and the token budget allow, reusing the KV blocks of their longest cached
+     prefix (paged.py); when every slot is taken, a request with nothing running takes slots
+     from one holding more than its fair share (max_num_seqs / requests present), so a large n
+     does not starve the others;
   3. a sequence about to write into a block it shares (a forked sample, a prefix hit's last
      block) gets a private copy: the plan lists (source, destination, pool) blocks to copy first.
 If a running sequence needs a block and none is free, the sequence whose request arrived last is
@@ -65,7 +66,8 @@ class Plan:
 class Scheduler:
     """The waiting and running queues over its BlockAllocators (see the module docstring).
 
-    policy: "fcfs" or "lpm"; reserve_tokens: every sequence reserves this many tokens at admission,
+    policy: "fcfs", "lpm" or "priority" (each request's params.priority, lower first, then
+    arrival; vLLM's); reserve_tokens: every sequence reserves this many tokens at admission,
     as a static cache would (benchmarks); scores: None, or prompt scoring's hooks (scoring.py):
     `reusable_tokens(request, hashes)` and `must_wait(request, running)`; window_allocator: the
     windowed layers' pool of a hybrid model, or None."""
@@ -80,8 +82,8 @@ class Scheduler:
         scores=None,
         window_allocator=None,
     ):
-        if policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule policy must be fcfs or lpm, got {policy!r}")
+        if policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(f"schedule policy must be fcfs, lpm or priority, got {policy!r}")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
@@ -108,7 +110,22 @@ class Scheduler:
         )
 
     def add(self, seq):
-        self.waiting.append(seq)
+        if self.policy == "priority":  # before every waiting request of a later rank
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _rank(self, seq) -> tuple:
+        """Who goes first: the lower priority value (the priority policy only), then the earlier
+        arrival, then the lower sample index."""
+        priority = seq.request.params.priority if self.policy == "priority" else 0
+        return priority, seq.request.arrival, seq.index
+
+    def _enqueue(self, seq):
+        """Into the waiting queue at its rank's place."""
+        key = self._rank(seq)
+        at = next((i for i, w in enumerate(self.waiting) if self._rank(w) > key), None)
+        self.waiting.insert(len(self.waiting) if at is None else at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -255,9 +272,10 @@ class Scheduler:
         ]
         if len(ready) <= 1:
             return ready[0] if ready else None
-        if self.policy == "fcfs":  # the oldest of the requests with the fewest sequences running
-            held = Counter(s.request for s in self.running)
-            return min(ready, key=lambda s: held[s.request])  # min keeps the first of ties
+        if self.policy in ("fcfs", "priority"):  # the first (queue order: arrival, or rank) of
+            held = Counter(s.request for s in self.running)  # those with fewest samples running
+            priority = (lambda s: s.request.params.priority) if self.policy == "priority" else None
+            return min(ready, key=lambda s: (priority(s) if priority else 0, held[s.request]))
         # lpm: the request with the longest cached prefix first (ties: the earliest)
         return max(
             ready,
@@ -331,22 +349,16 @@ class Scheduler:
 
     def _victim(self):
         """The sequence to preempt when blocks run out: the one whose request arrived last (of
-        its samples, the last admitted). By arrival, not by admission: a request preempted and
-        re-admitted would otherwise be the newest again at every shortage and starve behind
-        requests that came after it; the oldest request is never preempted for a newer one, so it
-        always progresses."""
-        return max(reversed(self.running), key=lambda s: s.request.arrival)
+        its samples, the last admitted; under the priority policy, of the lowest priority). By
+        arrival, not by admission: a request preempted and re-admitted would otherwise be the
+        newest again at every shortage and starve behind requests that came after it; the oldest
+        request is never preempted for a newer one, so it always progresses."""
+        return max(reversed(self.running), key=lambda s: self._rank(s)[:2])
 
     def _preempt(self, seq):
         self.running.remove(seq)
         self._release(seq)
-        # back in the queue in arrival order: recomputed before any request that came after it
-        key = (seq.request.arrival, seq.index)
-        at = next(
-            (i for i, w in enumerate(self.waiting) if (w.request.arrival, w.index) > key),
-            len(self.waiting),
-        )
-        self.waiting.insert(at, seq)
+        self._enqueue(seq)  # recomputed before any request that came after it
         self.stats["preemptions"] += 1
 
     def finish(self, seq, reason: str):

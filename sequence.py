@@ -42,6 +42,7 @@ class RequestParams:
     constraint: object = (
         None  # constrain.Constraint: the output must match it (JSON schema, regex, ...)
     )
+    priority: int = 0  # lower is sooner, under the "priority" schedule policy only (vLLM's)
 
     def check(self):
         check_sampling(
@@ -79,6 +80,8 @@ class RequestParams:
             or not -(2**63) <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -110,6 +113,11 @@ def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int,
         raise ValueError(
             f"the prompt has {len(prompt)} tokens but the whole KV pool holds "
             f"{usable * s.block_size}; give more --num_blocks or --kv_cache_memory"
+        )
+    if params.priority and s.policy != "priority":
+        raise ValueError(
+            f"priority {params.priority} needs the priority schedule policy "
+            f"(--schedule_policy priority); this engine admits by {s.policy}"
         )
     if params.n > s.max_num_seqs:
         raise ValueError(f"n = {params.n} samples exceed max_num_seqs = {s.max_num_seqs}")

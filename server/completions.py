@@ -238,6 +238,7 @@ class Server:
             top_k=body.top_k,
             top_p=body.top_p,
             seed=body.seed,
+            priority=body.priority,
             stop=stop,
             n=body.n,
             ignore_eos=body.ignore_eos,

@@ -80,8 +80,9 @@ def add_cache_args(p):
     p.add_argument(
         "--schedule_policy",
         default="fcfs",
-        choices=("fcfs", "lpm"),
-        help="admission order: arrival, or longest cached prefix first",
+        choices=("fcfs", "lpm", "priority"),
+        help="admission order: arrival, longest cached prefix first, or each request's "
+        "priority (lower first; then arrival; the lowest preempted first)",
     )
     p.add_argument(
         "--batch_invariant",

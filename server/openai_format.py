@@ -73,6 +73,7 @@ class Sampling(Body):
     stream: bool = False
     stream_options: dict = None
     ignore_eos: bool = False  # an extension, for benchmarks
+    priority: int = 0  # vLLM's extension: lower first, with --schedule_policy priority
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     response_format: dict = None
     # vLLM's extension: one of json, json_object, regex, choice, grammar

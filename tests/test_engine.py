@@ -146,6 +146,17 @@ def test_queue_time_and_the_oldest_wait_are_measured(tiny64):
     assert queued[3] >= 0.05 and m["oldest_waiting_s"] == 0.0
 
 
+def test_a_priority_needs_the_priority_policy(tiny64):
+    fcfs = Engine.for_model(tiny64, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="--schedule_policy priority"):
+        fcfs.add_request([5, 6, 7], RequestParams(max_new_tokens=2, priority=1))
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        fcfs.add_request([5, 6, 7], RequestParams(max_new_tokens=2, priority=0.5))
+    ranked = Engine.for_model(tiny64, num_blocks=16, block_size=4, policy="priority")
+    rid = ranked.add_request([5, 6, 7], RequestParams(max_new_tokens=2, temperature=0, priority=3))
+    assert run_to_end(ranked)[rid].result()["tokens"] == alone(tiny64, [5, 6, 7], 2)
+
+
 def test_running_set_changes_mid_run(tiny64):
     """Short requests finish and leave while long ones continue, and waiting ones join."""
     engine = Engine.for_model(

@@ -34,10 +34,9 @@ class StandIn:
         self.s, self.kv, self.copies, self.requests, self.computed = scheduler, {}, copies, {}, 0
         self.most_windowed = 0
 
-    def add(self, prompt, n_new: int, n: int = 1):
-        req = Request(
-            len(self.requests), prompt, RequestParams(max_new_tokens=n_new, n=n, seed=0), "cpu"
-        )
+    def add(self, prompt, n_new: int, n: int = 1, priority: int = 0):
+        params = RequestParams(max_new_tokens=n_new, n=n, seed=0, priority=priority)
+        req = Request(len(self.requests), prompt, params, "cpu")
         self.requests[req.id] = req
         self.s.add(req.seqs[0])
         return req
@@ -249,6 +248,31 @@ def test_a_short_request_is_served_before_every_request_that_came_after_it():
     assert stand_in.s.stats["preemptions"] > 0  # the pool was tight enough to preempt
     stand_in.run()
     assert short.seqs[0].output == alone(short.prompt, 4)
+
+
+def test_the_priority_policy_admits_and_keeps_the_lower_value_first():
+    """One slot: requests of priority 0, 5 and -1 (arriving in that order) run -1, 0, 5; two equal
+    priorities run in arrival order. A tight pool preempts the lowest priority even when it
+    arrived first, and every output is still its alone-run."""
+    stand_in = StandIn(scheduler(400, max_num_seqs=1, policy="priority"))
+    reqs = [stand_in.add([3 + k, 4, 5], 3, priority=p) for k, p in enumerate([0, 5, -1, 0])]
+    order = []
+    while stand_in.s.has_unfinished():
+        for seq in stand_in.step().runs:
+            order += [] if seq.request.id in order else [seq.request.id]
+    assert order == [2, 0, 3, 1]
+    assert [r.seqs[0].output for r in reqs] == [alone(r.prompt, 3) for r in reqs]
+
+    tight = StandIn(scheduler(5, max_num_seqs=2, policy="priority"))
+    low = tight.add([5, 6, 7, 8, 9, 10, 11], 6, priority=1)
+    high = tight.add([12, 13, 14, 15, 16, 17, 18], 6)
+    for _ in range(3):  # position 8 needs a fifth block: the older but lower-priority one goes
+        tight.step()
+    assert tight.s.stats["preemptions"] == 1 and tight.s.waiting[0].request is low
+    tight.run()
+    assert low.seqs[0].output == alone(low.prompt, 6) and high.seqs[0].output == alone(
+        high.prompt, 6
+    )
 
 
 def test_alone_and_too_big_for_the_pool_ends_at_length():

@@ -283,6 +283,16 @@ def test_bad_responses_requests_get_400_naming_the_field(server, body, param):
     ), error
 
 
+def test_a_priority_on_a_server_that_admits_in_arrival_order_is_refused(server):
+    """vLLM's `priority` extension is served with --schedule_policy priority; under fcfs a non-zero
+    one is a 400 naming it (a zero is the default, accepted)."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    r = post(server, "/v1/completions", {**body, "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "--schedule_policy priority" in r.json()["error"]["message"]
+    assert post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200
+
+
 NOT_FINITE = [
     ("temperature", "1e400"),
     ("temperature", "NaN"),
