@@ -30,7 +30,9 @@ from memory import pools
 from sampling import sample
 from scheduler import Scheduler
 from scoring import PromptScores, token_logprobs
-from sequence import Request, RequestParams, check_request  # noqa: F401 (RequestParams: the engine's API)
+
+# RequestParams: the engine's API, imported from here by its callers
+from sequence import Request, RequestParams, check_request  # noqa: F401
 from step_layout import Layout
 from text_stream import TextStream
 

@@ -229,7 +229,8 @@ OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 HEAD = {
     "hermes": re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*'),
     "llama3": re.compile(
-        r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+        r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,'
+        r'\s*"(?:parameters|arguments)"\s*:\s*'
     ),
 }
 

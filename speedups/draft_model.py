@@ -106,7 +106,8 @@ class DraftModel:
         try:
             with torch.no_grad():
                 guesses, probs = self._guess(rows, limit)
-        except Exception as e:  # noqa: BLE001 (any fault of the draft ends speculation, never a request)
+        except Exception as e:  # noqa: BLE001
+            # any fault of the draft ends speculation, never a request
             self.failed = f"{type(e).__name__}: {e}"
             warnings.warn(
                 f"the draft model failed ({self.failed}); speculation is off from here on"

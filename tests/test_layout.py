@@ -233,6 +233,20 @@ def test_no_file_over_500_lines_and_no_function_over_60():
     assert not problems, "\n".join(problems)
 
 
+def test_no_line_over_100_characters():
+    """ruff's E501 passes a line ending in a pragma (`# noqa`) or a single long word; this counts
+    every line of every Python file, tests and benchmarks included."""
+    long = []
+    for folder in [os.path.join(ROOT, p) for p in PLACES] + [
+        os.path.join(ROOT, f) for f in ("benchmarks", "tests")
+    ]:
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".py"):
+                lines = open(os.path.join(folder, f), encoding="utf-8").read().splitlines()
+                long += [f"{f}:{i + 1}" for i, line in enumerate(lines) if len(line) > 100]
+    assert not long, long
+
+
 def test_the_code_is_formatted_and_lint_free():
     """ruff (pyproject.toml's settings): `ruff format --check` and `ruff check` over the project."""
     ruff = os.path.join(os.path.dirname(sys.executable), "ruff")

@@ -461,7 +461,8 @@ def test_no_chat_template_is_a_clear_error(hf_folder, tmp_path):
 
 STREAM_TEXT = (
     "Unicode: café, naïve, 日本語, Ελληνικά, русский, עברית, 한국어; "
-    "emoji 🙂🦙👍🏽 👨‍👩‍👧 ✓\ndef f(x):\n    return {'a': x ** 2, \"b\": [1, 2]}  # → ok\n\n\tend. "
+    "emoji 🙂🦙👍🏽 👨‍👩‍👧 ✓\ndef f(x):\n"
+    "    return {'a': x ** 2, \"b\": [1, 2]}  # → ok\n\n\tend. "
 )
 
 
