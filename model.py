@@ -92,6 +92,8 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
             )
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an integer >= 0, got {self.sliding_window!r}")
         bad = set(self.layer_types) - {"sliding_attention", "full_attention"}
         if bad or len(self.layer_types) not in (0, self.n_layers):
             raise ValueError(

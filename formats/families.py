@@ -145,7 +145,8 @@ def layer_types_of(cfg: dict, kind: str, n_layers: int, window):
     """Which layers are windowed, from `layer_types` or each family's older keys; () means all of
     them."""
     types = _layer_types(cfg, kind, n_layers, window)
-    return () if all(t == "sliding_attention" for t in types) else types
+    every = len(types) == n_layers and all(t == "sliding_attention" for t in types)
+    return () if every else types  # (a list of another length: model.ModelConfig refuses it)
 
 
 def _layer_types(cfg: dict, kind: str, n_layers: int, window):
@@ -190,6 +191,10 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
     bias = bool(cfg.get("attention_bias", kind == "gpt_oss"))
     windowed = cfg.get("use_sliding_window", False) if kind in QWEN else kind != "llama"
     window = cfg.get("sliding_window") if windowed else None
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
     gemma = kind in ("gemma2", "gemma3_text")
     mlp_act = _mlp_act_of(cfg, gemma, source)
     return ModelConfig(
@@ -452,6 +457,8 @@ ROPE_NUMBERS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("original_max_position_embeddings",),
 }
+# numbers a type may give (null or absent: its default); each positive where given
+ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor")}
 
 
 def check_rope_scaling(scaling: dict, rotary_dim: int, source):
@@ -463,7 +470,8 @@ def check_rope_scaling(scaling: dict, rotary_dim: int, source):
             f"{source}: RoPE scaling type {kind!r} is not supported "
             f"(supported: {', '.join(SUPPORTED)})"
         )
-    for key in ROPE_NUMBERS.get(kind, ()):
+    given = [k for k in ROPE_OPTIONAL.get(kind, ()) if scaling.get(k) is not None]
+    for key in ROPE_NUMBERS.get(kind, ()) + tuple(given):
         value = scaling.get(key)
         if (
             not isinstance(value, (int, float))

@@ -5,6 +5,7 @@ that runs or raise CheckpointError / TokenizerError with a message, quickly, wit
 much more than the file holds. Derandomised, so a failure reproduces."""
 
 import json
+import re
 import resource
 import shutil
 import struct
@@ -195,3 +196,48 @@ def test_a_gguf_tensor_claiming_huge_sizes_fails_before_allocating(files, dim):
     with pytest.raises(CheckpointError):
         weights.load(path)
     assert peak_rss() - before < len(data) + MARGIN
+
+
+CRAFTED = [  # (family, config.json changes, what the error must name)
+    ("gemma3", {"layer_types": ["sliding_attention"]}, "layer_types must give each of the 2"),
+    ("gemma3", {"layer_types": ["sliding_attention", "nope"]}, "layer_types"),
+    ("gemma3", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("mistral_window", {"sliding_window": -8}, "sliding_window must be a positive integer"),
+    ("gpt_oss", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("qwen2_yarn", {"rope": {"factor": 0.0}}, "positive number factor"),
+    ("qwen2_yarn", {"rope": {"beta_fast": -1}}, "positive number beta_fast"),
+    ("qwen2_yarn", {"rope": {"attention_factor": "x"}}, "positive number attention_factor"),
+    ("mixtral", {"num_experts_per_tok": 5}, "experts per token (5)"),
+    ("mixtral", {"num_local_experts": 8}, "expected (8, 64)"),
+    ("qwen2_moe", {"num_experts": 2}, "but the config has 2 experts"),
+    ("gpt_oss", {"num_local_experts": 2}, "expected (2, 64, 32)"),
+]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    from helpers import save_hf
+
+    root = tmp_path_factory.mktemp("crafted")
+    return root, {arch: save_hf(hf_model(arch), root / arch) for arch in {c[0] for c in CRAFTED}}
+
+
+@pytest.mark.parametrize("arch, change, message", CRAFTED)
+def test_crafted_configs_of_the_newer_families_fail_by_name(families, arch, change, message):
+    """Windows of 0 or below, layer_types that contradict the layer count, YaRN numbers that are
+    not positive, expert counts the tensors or the router contradict: each a CheckpointError that
+    names what is wrong (a window of -8 once loaded and ran; a negative beta_fast raised a bare
+    "math domain error")."""
+    root, base = families
+    target = root / "case"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(base[arch], target)
+    cfg = json.loads((target / "config.json").read_text())
+    rope = change.get("rope")
+    if rope:  # the newer rope_parameters form, or the older rope_scaling
+        key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+        cfg[key] = {**cfg[key], **rope}
+    cfg.update({k: v for k, v in change.items() if k != "rope"})
+    (target / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        weights.load(target)
