@@ -10,7 +10,8 @@ engine a constrain.Compiled, so the engine thread never compiles.
     python -c "from server import constraint_check"     # library only; serve.py uses it
 
 The child starts on the first constrained request and serves one check at a time; one that dies
-or runs past the deadline is killed and replaced. Constraints that passed are remembered (the
+(mid-check: a 400 for that constraint; while idle: the next check starts another) or runs past
+the deadline is killed and replaced. Constraints that passed are remembered (the
 newest CACHE_SIZE), so a schema used by every request is tried once. The engine then compiles it
 again in its own process: that is the price of never compiling an untried grammar there.
 """
@@ -101,10 +102,23 @@ class ConstraintChecker:
                 self.process.join(timeout=5)
                 self.process = None
 
+    def _send(self, key: str):
+        """The constraint to a live child: one started if there is none, and once more if the
+        one there died while idle (killed from outside: the pipe is broken)."""
+        for attempt in range(2):
+            if self.process is None or not self.process.is_alive():
+                self._start()
+            try:
+                return self.conn.send_bytes(key.encode())
+            except OSError:
+                self.process.kill()
+                self.process.join(timeout=5)
+                self.process = None
+                if attempt:
+                    raise
+
     def _ask(self, key: str) -> str:
-        if self.process is None or not self.process.is_alive():
-            self._start()
-        self.conn.send_bytes(key.encode())
+        self._send(key)
         try:
             if self.conn.poll(self.deadline_s):
                 first = self.conn.recv_bytes().decode().strip().splitlines()

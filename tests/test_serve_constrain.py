@@ -310,6 +310,39 @@ def test_the_checker_refuses_slow_empty_and_first_mask_failures(tiny):
     assert len(checker.passed) == 2
 
 
+def test_a_checker_child_killed_or_stalled_is_replaced(tiny):
+    """The child killed while idle: the next check starts another and passes. Stopped (SIGSTOP)
+    mid-check: that constraint is refused at the deadline and the child replaced. Killed mid-check:
+    that constraint is refused as a crash. Each time the next constraint is served."""
+    import os
+    import signal
+    import threading
+
+    from constrain import Constraint
+    from server.constraint_check import ConstraintChecker
+
+    _, model, tokenizer = tiny
+    checker = ConstraintChecker(
+        tokenizer.source, model.config.vocab_size, tokenizer.stop_ids, deadline_s=2.0
+    )
+    checker.check(Constraint("choice", ["yes", "no"]))
+    os.kill(checker.process.pid, signal.SIGKILL)
+    checker.process.join(timeout=5)
+    checker.check(Constraint("regex", "[a-z]+"))  # served by a new child
+    os.kill(checker.process.pid, signal.SIGSTOP)  # stalls before it reads the next one
+    with pytest.raises(ValueError, match="within 2 s"):
+        checker.check(Constraint("regex", "[0-9]+"))
+    checker.check(Constraint("regex", "[0-9]+"))
+    os.kill(checker.process.pid, signal.SIGSTOP)
+    pid = checker.process.pid
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()  # dies mid-check
+    with pytest.raises(ValueError, match="crashed"):
+        checker.check(Constraint("regex", "[A-Z]+"))
+    checker.check(Constraint("regex", "[A-Z]+"))
+    assert len(checker.passed) == 4
+    checker.close()
+
+
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
     """The engine thread gets a constrain.Compiled (compiled on the two threads kept for it,
     llguidance releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass
