@@ -3,6 +3,7 @@ layout, decode to the values transformers' own dequantization gives, and the mod
 transformers'."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -135,4 +136,38 @@ def test_incomplete_or_misshapen_blocks_are_named(tmp_path):
     broken[name] = tensors[name].to(torch.int32)
     save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="are not MXFP4"):
+        weights.load(folder)
+
+
+BLOCKS, SCALES = (
+    "model.layers.0.mlp.experts.gate_up_proj_blocks",
+    "model.layers.0.mlp.experts.gate_up_proj_scales",
+)
+MISSHAPEN = {  # blocks [E, N, K/32, 16], scales [E, N, K/32]: each cut, and what the error names
+    "bytes per block": ({BLOCKS: lambda t: t[..., :8]}, "are not MXFP4"),
+    "experts in the blocks": ({BLOCKS: lambda t: t[1:]}, "(3, 64, 2, 16)"),
+    "experts in the scales": ({SCALES: lambda t: t[1:]}, "(3, 64, 2)"),
+    "groups in the scales": ({SCALES: lambda t: t[..., :-1]}, "(4, 64, 1)"),
+    "scales without experts": ({SCALES: lambda t: t[0]}, "are not MXFP4"),
+    "groups in both": (
+        {BLOCKS: lambda t: t[..., :-1, :], SCALES: lambda t: t[..., :-1]},
+        "has shape (4, 32, 32), expected (4, 32, 64)",
+    ),
+    "rows in both": (
+        {BLOCKS: lambda t: t[:, ::2], SCALES: lambda t: t[:, ::2]},
+        "has shape (4, 16, 64), expected (4, 32, 64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("cut", sorted(MISSHAPEN))
+def test_misshapen_blocks_and_scales_are_named(tmp_path, cut):
+    """gpt-oss's published layout with one size wrong: a CheckpointError naming the tensors and
+    their shapes, or the expert weight they decode to and the shape the config asks for."""
+    folder = mxfp4_folder(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    change, message = MISSHAPEN[cut]
+    tensors.update({name: f(tensors[name]).contiguous() for name, f in change.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         weights.load(folder)
