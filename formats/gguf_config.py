@@ -115,7 +115,7 @@ def experts_of(reader, arch, path, get, names):
     if not count:
         if arch.endswith("moe"):
             raise CheckpointError(
-                f"{path}: metadata {arch}.expert_count is missing: {arch} needs it"
+                f"{path}: metadata {arch}.expert_count is missing or 0: {arch} needs it"
             )
         return None
     if any(n.startswith("blk.0.ffn_gate.0.") for n in names):
@@ -133,24 +133,29 @@ def experts_of(reader, arch, path, get, names):
     oss = (
         arch == "gpt-oss"
     )  # biases, and the clamped SwiGLU whose limit and slope llama.cpp fixes in its code
-    return MoEConfig(
-        count,
-        get("expert_used_count"),
-        field(reader, f"{arch}.expert_feed_forward_length") or get("feed_forward_length"),
-        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
-        router_bias="blk.0.ffn_gate_inp.bias" in names,
-        expert_bias="blk.0.ffn_gate_exps.bias" in names,
-        glu_limit=_number(
-            field(reader, f"{arch}.swiglu_clamp_exp", 7.0), f"{arch}.swiglu_clamp_exp", path
+    try:
+        return MoEConfig(
+            count,
+            get("expert_used_count"),
+            field(reader, f"{arch}.expert_feed_forward_length") or get("feed_forward_length"),
+            norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            router_bias="blk.0.ffn_gate_inp.bias" in names,
+            expert_bias="blk.0.ffn_gate_exps.bias" in names,
+            glu_limit=_number(
+                field(reader, f"{arch}.swiglu_clamp_exp", 7.0), f"{arch}.swiglu_clamp_exp", path
+            )
+            if oss
+            else 0.0,
+            glu_alpha=1.702,
+            shared_expert_size=field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0,
+            dense_layers=tuple(
+                i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+            ),
         )
-        if oss
-        else 0.0,
-        glu_alpha=1.702,
-        shared_expert_size=field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0,
-        dense_layers=tuple(
-            i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
-        ),
-    )
+    except ValueError as e:  # counts that contradict each other
+        raise CheckpointError(
+            f"{path}: metadata {arch}.expert_count / {arch}.expert_used_count: {e}"
+        ) from None
 
 
 def rope_scaling(reader, arch, path) -> dict:

@@ -6,6 +6,7 @@ engine's batched requests == each alone; int8 / int4 experts within bounds; bad 
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -444,6 +445,25 @@ def rewrite_gguf(src, dst, keys=None, rename=None):
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"qwen3moe.expert_used_count": 0}, "experts per token (0) <= experts (8)"),
+        ({"qwen3moe.expert_used_count": 9}, "experts per token (9) <= experts (8)"),
+        ({"qwen3moe.expert_count": 0}, "expert_count is missing or 0"),
+        ({"qwen3moe.expert_feed_forward_length": 7}, "expected (8, 7, 64)"),
+    ],
+)
+def test_gguf_expert_counts_that_contradict_are_named(tmp_path, keys, message):
+    """Each a CheckpointError naming the metadata or the tensor (an expert_used_count above the
+    experts raised a bare ValueError)."""
+    from helpers import write_gguf
+
+    path = write_gguf(hf_model("qwen3_moe"), tmp_path / "m.gguf", arch="qwen3moe")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        weights.load(rewrite_gguf(path, tmp_path / "bad.gguf", keys=keys))
 
 
 def test_bad_gguf_experts_are_named(tmp_path):
