@@ -283,6 +283,39 @@ def test_bad_responses_requests_get_400_naming_the_field(server, body, param):
     ), error
 
 
+def test_concurrent_continuations_of_one_response_each_get_their_own(server):
+    """Four requests continue the same previous_response_id at once: each is answered from that
+    conversation, with its own id, and equals the same conversation sent whole, alone (float64:
+    greedy tokens do not depend on the batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = client(server)
+    first = c.responses.create(model="tiny", input="one", max_output_tokens=3, temperature=0)
+
+    def follow(text):
+        return c.responses.create(
+            model="tiny",
+            input=text,
+            previous_response_id=first.id,
+            max_output_tokens=3,
+            temperature=0,
+        )
+
+    texts = ["two", "three", "four", "five"]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(follow, texts))
+    assert len({r.id for r in together}) == 4
+    assert all(r.previous_response_id == first.id for r in together)
+    for text, r in zip(texts, together):  # the conversation sent whole instead (the store
+        history = [  # keeps 3 responses: `first` is gone by now)
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": text},
+        ]
+        alone = c.responses.create(model="tiny", input=history, max_output_tokens=3, temperature=0)
+        assert alone.output_text == r.output_text, text
+
+
 def test_a_priority_on_a_server_that_admits_in_arrival_order_is_refused(server):
     """vLLM's `priority` extension is served with --schedule_policy priority; under fcfs a non-zero
     one is a 400 naming it (a zero is the default, accepted)."""
