@@ -344,7 +344,7 @@ def test_prefill_tokens_are_shared_between_requests_and_the_budget_still_fills()
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="fcfs or lpm"):
+    with pytest.raises(ValueError, match="fcfs, lpm or priority"):
         scheduler(policy="random")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         scheduler(max_num_seqs=8, max_num_batched_tokens=4)
