@@ -567,7 +567,8 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
     queued is answered within what first-come-first-served allows, twice over: the tokens asked
     for before it, over the slots, plus its own, at the measured step time. Its text equals its
     alone-run; the engine's trace (each request's arrival and first step) shows every request
-    first scheduled in arrival order; nothing is left behind and no reply is a 5xx."""
+    first scheduled in arrival order; each dropped stream's request ends within half a second of
+    the client closing; nothing is left behind and no reply is a 5xx."""
     _, model, tokenizer = tiny
     engine = Engine.for_model(
         model,
@@ -578,13 +579,16 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
         stop_ids=tokenizer.stop_ids,
         tokenizer=tokenizer,
     )
-    trace, steps, step = [], [], engine.step
+    trace, steps, step, ended, closed = [], [], engine.step, {}, {}
 
     def traced_step():
         start = time.perf_counter()
         events = step()
         steps.append(time.perf_counter() - start)
-        trace.extend(e.request for e in events if hasattr(e, "result"))  # engine.Finished
+        for e in events:
+            if hasattr(e, "result"):  # engine.Finished
+                trace.append(e.request)
+                ended[str(e.request_id)] = time.perf_counter()
         return events
 
     engine.step = traced_step
@@ -607,10 +611,13 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
                 with httpx.stream(
                     "POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
                 ) as r:
-                    for i, _ in enumerate(r.iter_lines()):
+                    for i, line in enumerate(r.iter_lines()):
+                        if i == 0:  # the chunk's id: chatcmpl-<the engine's request id>
+                            rid = json.loads(line.removeprefix("data: "))["id"].split("-", 1)[1]
                         if i == 5:
                             break
                     statuses.append(r.status_code)
+                closed[rid] = time.perf_counter()  # the connection is closed here
                 return
             r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
             statuses.append(r.status_code)
@@ -635,6 +642,10 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
     fcfs = (asked / 8 + 8 + 2) * step_s  # every token asked for before it, over 8 slots
     # twice over, and half a second for HTTP and tokenizing beside 64 client threads on 2 cores
     assert waited <= 2 * fcfs + 0.5, f"{waited:.2f} s; first-come-first-served: {fcfs:.2f} s"
+    # a dropped stream, from the client's close to its request's end (blocks freed at the abort,
+    # Finished at the next step): seen within half a second under this load
+    seen = [ended[rid] - t for rid, t in closed.items()]
+    assert len(seen) == 8 and max(seen) < 0.5, seen
     first_steps = [r.admitted for r in sorted(trace, key=lambda r: r.arrival) if r.admitted]
     assert first_steps == sorted(first_steps), "a request was scheduled before an earlier one"
     assert engine.scheduler.allocator.num_used() == 0 and not engine.requests
