@@ -14,7 +14,8 @@ requests wait. Here every `schedule()` returns a Plan for one step:
      `max_num_seqs` and the token budget allow, reusing the KV blocks of their longest cached
      prefix (paged.py); when every slot is taken, a request with nothing running takes slots
      from one holding more than its fair share (max_num_seqs / requests present), so a large n
-     does not starve the others;
+     does not starve the others; under `priority`, a request takes the slot or blocks it lacks
+     from running ones of a lower priority;
   3. a sequence about to write into a block it shares (a forked sample, a prefix hit's last
      block) gets a private copy: the plan lists (source, destination, pool) blocks to copy first.
 If a running sequence needs a block and none is free, the sequence whose request arrived last is
@@ -214,14 +215,22 @@ class Scheduler:
                 break
             req = seq.request
             need = req.params.n if req.needs_fork else 1  # room for all its samples once it forks
+            while len(self.running) + need > self.max_num_seqs and self._outranked(seq):
+                budget += self._preempt_for(seq, plan)
             if len(self.running) + need > self.max_num_seqs:
                 freed = self._take_fair_share(req, need)
                 if freed is None:
                     break
                 budget += sum(plan.runs.pop(s, 0) for s in freed)
             self._share_prefix(seq)
+            reserve = (self.reserve_tokens or 0) - seq.num_computed
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if not self._ensure_blocks(seq, n, plan, (self.reserve_tokens or 0) - seq.num_computed):
+            placed = self._ensure_blocks(seq, n, plan, reserve)
+            while not placed and self._outranked(seq):  # blocks from a lower priority
+                budget += self._preempt_for(seq, plan)
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                placed = self._ensure_blocks(seq, n, plan, reserve)
+            if not placed:
                 self._release(seq)
                 break
             self.waiting.remove(seq)
@@ -232,6 +241,22 @@ class Scheduler:
             self.stats["prompt_tokens_hit"] += seq.num_computed
             req.prompt_tokens_hit += seq.num_computed
         return budget
+
+    def _outranked(self, seq):
+        """Under the priority policy, the running sequence a waiting `seq` may preempt: of those
+        of a lower priority (a greater value) than its own, the latest arrival; else None."""
+        if self.policy != "priority":
+            return None
+        mine = seq.request.params.priority
+        lower = [s for s in reversed(self.running) if s.request.params.priority > mine]
+        return max(lower, key=lambda s: self._rank(s)[:2]) if lower else None
+
+    def _preempt_for(self, seq, plan) -> int:
+        """Preempt the sequence seq outranks; returns the budget its plan held."""
+        victim = self._outranked(seq)
+        tokens = plan.runs.pop(victim, 0)
+        self._preempt(victim)
+        return tokens
 
     def _share_prefix(self, seq):
         """Give seq the blocks of its longest prefix cached in every pool (a reference each)."""

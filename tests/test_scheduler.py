@@ -275,6 +275,27 @@ def test_the_priority_policy_admits_and_keeps_the_lower_value_first():
     )
 
 
+def test_a_higher_priority_arrival_preempts_a_lower_one_for_its_slot_or_its_blocks():
+    """Priority policy: a request of priority 0 arriving while one of priority 5 holds the only
+    slot, or the blocks it needs, takes them at once (the lower one waits and is recomputed);
+    one of equal priority waits its turn. Every output is still its alone-run."""
+    for num_blocks, seqs in ((400, 1), (6, 2)):  # the slot; the blocks (5 usable, 4 tokens each)
+        stand_in = StandIn(scheduler(num_blocks, max_num_seqs=seqs, policy="priority"))
+        low = stand_in.add(list(range(3, 17)), 6, priority=5)  # 14 tokens: 4 blocks
+        stand_in.step()
+        same = stand_in.add(list(range(20, 30)), 3, priority=5)  # 10 tokens: 3 blocks
+        stand_in.step()
+        assert stand_in.s.stats["preemptions"] == 0 and same.seqs[0] in stand_in.s.waiting
+        high = stand_in.add(list(range(30, 40)), 3)  # 10 tokens: 3 blocks
+        plan = stand_in.step()
+        assert high.seqs[0] in plan.runs and low.seqs[0] not in plan.runs, num_blocks
+        assert stand_in.s.stats["preemptions"] == 1
+        assert [w.request for w in stand_in.s.waiting] == [low, same]  # ranks kept
+        stand_in.run()
+        for r in (low, same, high):
+            assert r.seqs[0].output == alone(r.prompt, r.params.max_new_tokens)
+
+
 def test_alone_and_too_big_for_the_pool_ends_at_length():
     stand_in = StandIn(scheduler(5))
     req = stand_in.add(list(range(20, 30)), 100)
