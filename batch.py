@@ -10,16 +10,16 @@ One request per line, every field but `prompt` optional (a prompt is text, or a 
      "n": 1}
 
 and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
-"presence_penalty", "logit_bias" ({"token id": bias}).
+"presence_penalty", "logit_bias" ({"token id": bias}); "priority" (lower first) with
+--schedule_policy priority.
 
 On stdout, one JSON line per request as it finishes: `id` (the line number if not given),
 `tokens` (generated ids), `text`, `finish_reason` ("stop", "length"), `time_to_first_token_s`;
 with n > 1, `tokens`, `text` and `finish_reason` are lists, one entry per sample. A request that
-cannot run (malformed line,
-bad parameters, a prompt longer than the context or than the whole KV pool) gets `{"id", "error"}`
-and every other request still runs. On stderr: the KV memory plan, a progress bar, and a summary
-(requests/s, output tokens/s, time to first token and per output token, peak KV blocks,
-prefix-cache hit rate, preemptions).
+cannot run (malformed line, bad parameters, a prompt longer than the context or than the whole KV
+pool) gets `{"id", "error"}` and every other request still runs. On stderr: the KV memory plan, a
+progress bar, and a summary (requests/s, output tokens/s, time to first token, time in the queue
+and per output token, peak KV blocks, prefix-cache hit rate, preemptions).
 """
 
 import argparse
@@ -50,6 +50,7 @@ REQUEST_KEYS = (
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "priority",
 )
 
 

@@ -509,6 +509,7 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
             "ignore_eos": True,
         },
         {"id": "ok2", "prompt": "the quick brown fox", "max_new_tokens": 6, "n": 2, "seed": 1},
+        {"id": "prio", "prompt": "hi", "priority": 1},  # under fcfs: refused by name
     ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
@@ -543,6 +544,7 @@ def test_bad_requests_fail_alone(tmp_path, capsys):
         "n": "n must be",
         2: "not valid JSON",
         "minp": "min_p",
+        "prio": "--schedule_policy priority",
     }
     for rid, text in errors.items():
         assert text in out[rid]["error"], (rid, out[rid])
