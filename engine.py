@@ -228,9 +228,10 @@ class Engine:
         return bool(self.requests)
 
     def metrics(self) -> dict:
-        """A snapshot (plain numbers, safe to read from another thread). Time in the queue: from
+        """A snapshot (plain numbers, which another thread may read). Time in the queue: from
         a request's arrival to its first step, over the last QUEUE_TIMES admitted; the oldest
-        waiting: the longest any request now waiting has been in the queue."""
+        waiting: the longest any request now waiting, and not yet run, has been in the queue (read
+        after a step, on the engine's thread; server/engine_loop.py keeps that snapshot)."""
         s, now = self.scheduler, time.perf_counter()
         waited = sorted(self.queue_times)
         return {
@@ -245,7 +246,10 @@ class Engine:
             "queue_time_p99_s": waited[min(len(waited) - 1, len(waited) * 99 // 100)]
             if waited
             else 0.0,
-            "oldest_waiting_s": max((now - q.request.arrival for q in s.waiting), default=0.0),
+            "oldest_waiting_s": max(
+                (now - q.request.arrival for q in s.waiting if q.request.admitted is None),
+                default=0.0,
+            ),
         }
 
     def _note_admitted(self, plan):

@@ -318,10 +318,16 @@ class Scheduler:
             return None
         present = {s.request for s in self.running} | {s.request for s in self.waiting}
         share = max(1, self.max_num_seqs // len(present))
-        held = Counter(s.request for s in self.running)
+        # under priority, never from a request that outranks req (it would take the slot back)
+        ranked = self.policy == "priority"
+        held = Counter(
+            s.request
+            for s in self.running
+            if not ranked or s.request.params.priority >= req.params.priority
+        )
         victims = []
         while len(self.running) - len(victims) + need > self.max_num_seqs:
-            hog, count = held.most_common(1)[0]
+            hog, count = (held.most_common(1) or [(None, 0)])[0]
             if count <= share:
                 return None
             victims.append(

@@ -296,6 +296,24 @@ def test_a_higher_priority_arrival_preempts_a_lower_one_for_its_slot_or_its_bloc
             assert r.seqs[0].output == alone(r.prompt, r.params.max_new_tokens)
 
 
+def test_a_fair_share_never_takes_a_slot_from_a_higher_priority():
+    """Priority policy, two slots both held by the samples of a priority -1 request (n = 2): a
+    priority 0 arrival waits. (Taking a slot by the fair share, it was outranked at once by the
+    sample it preempted, which took the slot back: schedule() never returned.)"""
+    stand_in = StandIn(scheduler(400, max_num_seqs=2, policy="priority"))
+    high = stand_in.add([3, 4, 5], 20, n=2, priority=-1)
+    for _ in range(3):
+        stand_in.step()
+    low = stand_in.add([6, 7, 8], 5)
+    stand_in.step()
+    assert stand_in.s.stats["preemptions"] == 0 and low.seqs[0] in stand_in.s.waiting
+    stand_in.run()
+    assert [s.output for s in sorted(high.seqs, key=lambda s: s.index)] == [
+        alone(high.prompt, 20, k) for k in range(2)
+    ]
+    assert low.seqs[0].output == alone(low.prompt, 5)
+
+
 def test_alone_and_too_big_for_the_pool_ends_at_length():
     stand_in = StandIn(scheduler(5))
     req = stand_in.add(list(range(20, 30)), 100)

@@ -604,7 +604,7 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
                 "messages": [{"role": "user", "content": f"story {k} " * (1 + k % 5)}],
                 "max_tokens": 24,
                 "n": 2 if k % 4 == 0 else 1,
-                "stream": k % 3 != 2,
+                "stream": k % 3 != 2 or k % 8 == 5,  # those that leave stream
                 "ignore_eos": True,
             }
             if k % 8 == 5:  # a client that leaves after five events
@@ -614,7 +614,7 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
                     for i, line in enumerate(r.iter_lines()):
                         if i == 0:  # the chunk's id: chatcmpl-<the engine's request id>
                             rid = json.loads(line.removeprefix("data: "))["id"].split("-", 1)[1]
-                        if i == 5:
+                        if i == 10:  # five events: data lines and their blank separators
                             break
                     statuses.append(r.status_code)
                 closed[rid] = time.perf_counter()  # the connection is closed here
@@ -624,7 +624,9 @@ def test_a_short_request_under_load_waits_only_for_what_came_before_it(tiny):
 
         pool = ThreadPool(64)
         pending = pool.map_async(chat, range(64))
+        deadline = time.time() + 60
         while len(engine.requests) < 48:  # most of them queued before the short one
+            assert time.time() < deadline, "the 64 clients did not queue 48 requests in 60 s"
             time.sleep(0.01)
         start = time.perf_counter()
         under_load = httpx.post(url + "/v1/completions", json=short, headers=AUTH, timeout=120)
