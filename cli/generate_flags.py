@@ -13,6 +13,7 @@ import constrain
 from compiling import COMPILE_MODES, compile_default
 from runtime import DTYPES
 from sampling import SamplingParams
+from server import engine_flags
 
 
 def parse_args(argv, description: str):
@@ -151,17 +152,7 @@ def add_run_args(p):
 def add_weight_args(p):
     """Weight formats (quantize.py) and the KV cache's kind."""
     g = p.add_argument_group("quantization (quantize.py)")
-    g.add_argument(
-        "--quantize",
-        default=None,
-        choices=("int8", "int4"),
-        help="weight-only quantization at load time (a GGUF file is dequantized first)",
-    )
-    g.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="run a GGUF file's quantized weights as --dtype (default: at the file's own bits)",
-    )
+    engine_flags.add_quantize_args(g)  # --quantize, --dequantize: the engine's own
     g.add_argument("--groupsize", type=int, default=64, help="int4 group size: 32, 64, 128 or 256")
     g.add_argument(
         "--quantize_head",

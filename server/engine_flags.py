@@ -35,6 +35,11 @@ def add_model_args(p):
         "where it can serve, else eager; off: eager; jit (plain --compile): torch.compile; aot: an "
         "ahead-of-time package cached on disk (CPU; speedups/aot.py), or an error saying why not",
     )
+    add_quantize_args(p)
+
+
+def add_quantize_args(p):
+    """The weight format at load time (generate.py's flags share these)."""
     p.add_argument(
         "--quantize",
         default=None,
