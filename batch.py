@@ -20,6 +20,12 @@ cannot run (malformed line, bad parameters, a prompt longer than the context or 
 pool) gets `{"id", "error"}` and every other request still runs. On stderr: the KV memory plan, a
 progress bar, and a summary (requests/s, output tokens/s, time to first token, time in the queue
 and per output token, peak KV blocks, prefix-cache hit rate, preemptions).
+
+With --embed, each line is an input to embed, {"id": "a", "prompt": "a text", "dimensions": 256}
+(dimensions optional), pooled as the checkpoint's sentence-transformers files say or as --pooling
+(formats/pooling.py); each output line is {"id", "embedding", "prompt_tokens"}.
+
+    python batch.py --embed --checkpoint Qwen/Qwen3-Embedding-0.6B --requests texts.jsonl
 """
 
 import argparse
@@ -28,7 +34,10 @@ import os
 import sys
 import time
 
+import torch
+
 from engine import Finished, RequestParams
+from formats.pooling import encode_input, finish, read_spec
 from runtime import log
 from server.engine_flags import add_engine_args, check_engine_args, engine_options
 from server.tp_engine import load_engine  # one process, or tensor-parallel under torchrun
@@ -76,6 +85,31 @@ def parse_request(obj: dict, tokenizer):
     elif not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         raise ValueError("prompt must be a string or a list of token ids")
     return prompt, RequestParams(**{k: obj[k] for k in REQUEST_KEYS[2:] if obj.get(k) is not None})
+
+
+def parse_embedding(obj: dict, tokenizer, spec):
+    """An --embed line -> (prompt ids, RequestParams, dimensions or None)."""
+    unknown = sorted(set(obj) - {"id", "prompt", "dimensions"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; an input has ['id', 'prompt', 'dimensions']")
+    prompt, dims = obj.get("prompt"), obj.get("dimensions")
+    if not prompt:
+        raise ValueError("the prompt is empty: give a text or token ids to embed")
+    if isinstance(prompt, str):
+        prompt = encode_input(tokenizer, prompt, spec.chat)
+    elif not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        raise ValueError("prompt must be a string or a list of token ids")
+    if dims is not None and not (isinstance(dims, int) and 1 <= dims):
+        raise ValueError(f"dimensions must be an integer >= 1, got {dims!r}")
+    return prompt, RequestParams(pooling=spec.pooling), dims
+
+
+def embedded(result: dict, spec, dims) -> dict:
+    """An embedding's output line: the pooled state finished as the checkpoint's pipeline does."""
+    if "embedding" not in result:
+        return result
+    vector = finish(torch.tensor([result["embedding"]]), spec.normalize, dims)[0]
+    return {**result, "embedding": vector.tolist()}
 
 
 def percentile(values, q: float) -> float:
@@ -150,6 +184,9 @@ def parse_args(argv):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--requests", required=True, help="JSONL file of requests, or - for stdin")
+    p.add_argument(
+        "--embed", action="store_true", help="embed each line's prompt instead of generating"
+    )
     add_engine_args(p)
     args = p.parse_args(argv)
     check_engine_args(p, args)
@@ -160,23 +197,31 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     args = parse_args(argv)
+    if args.embed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log("error: --embed runs in one process; leave out torchrun")
+        return 2
     try:
         # under torchrun only rank 0 reads them (the others follow its steps inside load_engine)
         lines = []
         if int(os.environ.get("RANK", "0")) == 0:
             lines = (sys.stdin if args.requests == "-" else open(args.requests)).read().splitlines()
-        engine, tokenizer, _ = load_engine(**engine_options(args))
+        engine, tokenizer, info = load_engine(**engine_options(args))
+        spec = read_spec(info.source, args.pooling) if args.embed else None
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2
-    start, failed, finished = time.perf_counter(), 0, []
+    start, failed, finished, dims = time.perf_counter(), 0, [], {}
     for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         request_id = line_no
         try:
             request_id, obj = read_line(line, line_no)
-            engine.add_request(*parse_request(obj, tokenizer), request_id=request_id)
+            if spec:
+                prompt, params, dims[request_id] = parse_embedding(obj, tokenizer, spec)
+                engine.add_request(prompt, params, request_id=request_id)
+            else:
+                engine.add_request(*parse_request(obj, tokenizer), request_id=request_id)
         except (ValueError, TypeError) as e:  # this request fails alone
             print(json.dumps({"id": request_id, "error": str(e)}), flush=True)
             failed += 1
@@ -184,7 +229,8 @@ def main(argv=None) -> int:
     while engine.has_unfinished():
         for event in engine.step():
             if isinstance(event, Finished):
-                print(json.dumps(event.result), flush=True)
+                result = embedded(event.result, spec, dims.get(event.request_id)) if spec else None
+                print(json.dumps(result or event.result), flush=True)
                 finished.append(event.request)
                 bar.update(1)
     bar.close()

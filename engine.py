@@ -33,7 +33,7 @@ from scoring import PromptScores, token_logprobs
 
 # RequestParams: the engine's API, imported from here by its callers
 from sequence import Request, RequestParams, check_request  # noqa: F401
-from step_layout import Layout
+from step_layout import Layout, pooled_rows
 from text_stream import TextStream
 
 QUEUE_TIMES = 1000  # the admitted requests metrics() takes queue-time percentiles over
@@ -57,6 +57,14 @@ class Finished(NamedTuple):
 def flat_forward(model, cache, tokens, input_pos, keep=None):
     """tokens, input_pos [1, N] -> logits [len(keep) or N, V]: the step's one forward."""
     return model(tokens, input_pos, cache, keep=keep)[0]
+
+
+def pooled_forward(model, cache, tokens, input_pos, keep, rows):
+    """flat_forward's logits, and the final (normed) hidden states of the flat indices `rows`,
+    float32 [len(rows), dim]: what embeddings pool, as HF's base models return them."""
+    x = model.forward_layers(model.embed(tokens), input_pos, cache, model.layers)  # [1, N, dim]
+    logits = model.head(x[:, keep])[0] if len(keep) else x.new_empty(0, model.config.vocab_size)
+    return logits, model.norm(x[0, rows]).float()
 
 
 class Engine:
@@ -163,6 +171,8 @@ class Engine:
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
         """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
         params = params or RequestParams()
+        if params.pooling is None:
+            self.model.check_head()
         check_request(
             prompt,
             params,
@@ -285,8 +295,10 @@ class Engine:
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst, pool)
         if plan.runs:
-            done, logits = self._forward(plan)
-            self.scheduler.update(plan, self._sample(plan, done, logits, events))
+            done, logits, embedded = self._forward(plan)
+            results = self._sample(plan, done, logits, events)
+            events += [self._ended(seq, "length") for seq in embedded]  # nothing to sample
+            self.scheduler.update(plan, results + [(seq, None, "length") for seq in embedded])
             for seq in plan.runs if self.scheduler.scores else ():
                 self.scheduler.scores.remember(seq)
         events, self.pending = self.pending + events, []
@@ -298,15 +310,20 @@ class Engine:
     # -- running a step ------------------------------------------------------------------------
     def _forward(self, plan):
         """The step's one forward -> (sequences that sample now, their logits [1 + drafts each,
-        V])."""
+        V], embeddings whose prompt is now whole)."""
         scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
         compiled = self.decode_fn is not None and all(
-            (n == 1 or s in plan.drafts) and not s.request.scoring for s, n in plan.runs.items()
+            (n == 1 or s in plan.drafts) and not (s.request.scoring or s.request.params.pooling)
+            for s, n in plan.runs.items()
         )
         k = self.speculate.k if plan.drafts else 0
         order, tokens, pos, groups, ends = self.layout(plan, compiled, k)
+        pooled = any(s.request.params.pooling for s in order)
         done = [
-            s for s in order if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)
+            s
+            for s in order
+            if s.num_computed + plan.runs[s] == len(s.tokens) + drafts(s)
+            and not s.request.params.pooling
         ]  # these sample
         sampling = set(done)
         sampled = [
@@ -326,10 +343,19 @@ class Engine:
                 keep = torch.tensor(
                     sampled + [e for _, e, _ in scored], dtype=torch.long, device=self.device
                 )
-                logits = flat_forward(self.model, self.cache, tokens, pos, keep)
+                if pooled:
+                    rows, spans = pooled_rows(plan, order, ends)
+                    logits, states = pooled_forward(self.model, self.cache, tokens, pos, keep, rows)
+                else:
+                    logits = flat_forward(self.model, self.cache, tokens, pos, keep)
         if scored:
             scores.score(scored, logits[len(sampled) :])
-        return done, logits[: len(sampled)]
+        embedded = []  # the embeddings' states into their requests; those whose prompt is whole
+        for s, i, m in spans if pooled else ():
+            whole = s.num_computed + plan.runs[s] == len(s.tokens)
+            s.request.pool(states[i : i + m], s.num_computed == 0, whole)
+            embedded += [s] * whole
+        return done, logits[: len(sampled)], embedded
 
     def _sample(self, plan, done, logits, events) -> list:
         """The next token(s) of each sequence in `done` (n samples fork at the first): [(sequence,

@@ -79,6 +79,9 @@ class ModelConfig:
     moe: MoEConfig | None = (
         None  # mixtures of experts (moe.py): k of E experts per token; None: dense MLPs
     )
+    # False: a base model saved without its output head (sentence-transformers' folders): it
+    # gives final hidden states (embeddings) only
+    has_head: bool = True
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: it sees the whole context)."""
@@ -107,6 +110,10 @@ class ModelConfig:
             )
 
 
+NO_HEAD = (
+    "this checkpoint is a base model saved without its output head (as sentence-transformers "
+    "saves one): it gives embeddings (serve.py's /v1/embeddings, batch.py --embed), not text"
+)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -253,7 +260,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = norm(config)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = (
+            nn.Linear(config.dim, config.vocab_size, bias=False) if config.has_head else None
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.make_rope(self.norm.weight.device)
@@ -294,7 +303,13 @@ class Transformer(nn.Module):
             x = layer(x, *tables[local], input_pos, cache)
         return x
 
+    def check_head(self):
+        """ValueError unless the model has an output head (gives text, not only embeddings)."""
+        if self.lm_head is None:
+            raise ValueError(NO_HEAD)
+
     def head(self, x):
+        self.check_head()
         logits = self.lm_head(self.norm(x)).float()
         if self.config.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap

@@ -417,7 +417,7 @@ def quantize_model(
         check_int4_device(model.norm.weight.device)
     layers = plan(model, mode, groupsize, head, embedding)
     before = model.weight_bytes()
-    tied = model.lm_head.weight is model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
     for name, reason in layers.items():
         if reason is not None:
             continue

@@ -43,6 +43,9 @@ class RequestParams:
         None  # constrain.Constraint: the output must match it (JSON schema, regex, ...)
     )
     priority: int = 0  # lower is sooner, under the "priority" schedule policy only (vLLM's)
+    # an embedding: the prompt's final hidden states pooled ("last", "mean" or "cls" token); it
+    # generates nothing (max_new_tokens is taken as 0)
+    pooling: str = None
 
     def check(self):
         check_sampling(
@@ -58,13 +61,19 @@ class RequestParams:
         self.logit_bias = parse_logit_bias(self.logit_bias)  # {"123": -100} -> {123: -100.0}
         if 0 < self.temperature < 1e-20:  # logits / temperature would overflow: its limit, greedy
             self.temperature = 0.0
-        scoring = self.prompt_logprobs is not None
+        if self.pooling is not None:
+            self._check_pooling()
+        scoring = self.prompt_logprobs is not None or self.pooling is not None
         for name, least in (("max_new_tokens", 0 if scoring else 1), ("n", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(
                     f"{name} must be an integer >= {least}, got {value!r}"
-                    + (" (0 only when scoring the prompt)" if name == "max_new_tokens" else "")
+                    + (
+                        " (0 only when scoring or embedding the prompt)"
+                        if name == "max_new_tokens"
+                        else ""
+                    )
                 )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -91,6 +100,16 @@ class RequestParams:
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
             )
 
+    def _check_pooling(self):
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.n != 1 or self.prompt_logprobs is not None:
+            raise ValueError("an embedding (pooling) is one per prompt: n 1, no prompt_logprobs")
+        self.max_new_tokens = 0
+
+
+POOLINGS = ("last", "mean", "cls")  # the token whose state is the embedding, or their mean
+
 
 def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int, s, tokenizer):
     """ValueError naming what is wrong with a request for an engine (s: its scheduler.Scheduler),
@@ -101,7 +120,7 @@ def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int,
     if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
-    if len(prompt) >= max_model_len:
+    if len(prompt) >= max_model_len + (params.pooling is not None):  # (an embedding adds none)
         raise ValueError(
             f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
             "which leaves no room to generate"
@@ -178,6 +197,26 @@ class Request:
         # per prompt token, when asked: None for the first (nothing predicts it), then as
         # Sequence.logprobs
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        # an embedding's pooled state, float32 [dim] (while "mean" runs: the sum so far)
+        self.pooled = None
+
+    def pool(self, states, from_start: bool, whole: bool):
+        """An embedding's final states of this step (float32 [count, dim]) into `pooled`. A "mean"
+        sums chunk by chunk (from the first position again after a preemption: it reuses no
+        cached prefix) and divides once the prompt is whole (from_start: the step began at
+        position 0)."""
+        part = states.sum(0)
+        if self.params.pooling == "mean":
+            self.pooled = part if from_start else self.pooled + part
+            if whole:
+                self.pooled = self.pooled / len(self.prompt)
+        elif len(states):
+            self.pooled = part
+
+    @property
+    def pools_every_token(self) -> bool:
+        """A mean or first-token embedding needs every prompt position's state: no prefix reuse."""
+        return self.params.pooling in ("mean", "cls")
 
     @property
     def scoring(self) -> bool:
@@ -198,6 +237,12 @@ class Request:
         pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
         if self.error:
             return {"id": self.id, "error": self.error}
+        if self.params.pooling:
+            return {
+                "id": self.id,
+                "embedding": self.pooled.tolist(),
+                "prompt_tokens": len(self.prompt),
+            }
         return {
             "id": self.id,
             "tokens": pick(tokens),

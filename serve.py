@@ -8,8 +8,9 @@
          -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
-server-sent events), POST /v1/responses (server/responses.py), GET /v1/models[/{id}], GET /health,
-GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
+server-sent events), POST /v1/responses (server/responses.py), POST /v1/embeddings and POST
+/v1/rerank (server/embeddings.py), GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus
+text), POST /tokenize, POST /detokenize.
 
 This file only wires the parts. server/engine_loop.py runs the engine in one background thread;
 HTTP handlers (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException
 
 from runtime import log
 from server.completions import Server
+from server.embeddings import Embeddings, embedding_spec
 from server.engine_loop import EngineThread
 from server.info_routes import ROUTES, InfoRoutes
 from server.openai_format import Refused, error, field_path
@@ -74,12 +76,20 @@ async def http_error(request, exc: HTTPException):
 
 
 def make_app(
-    engine, tokenizer, model_name: str, api_key: str = None, limits: Limits = None, thread=None
+    engine,
+    tokenizer,
+    model_name: str,
+    api_key: str = None,
+    limits: Limits = None,
+    thread=None,
+    embedding=(None, None),
 ):
     """The FastAPI app: validation, limits, the OpenAI wire format, and nothing else. `thread`:
-    the EngineThread the engine was loaded on (server/engine_loop.py says why), else a new one."""
+    the EngineThread the engine was loaded on (server/engine_loop.py says why), else a new one;
+    embedding: server/embeddings.embedding_spec's (spec, why not)."""
     limits = limits or Limits()
     server = Server(engine, tokenizer, model_name, limits, thread)
+    retrieval = Embeddings(server, *embedding)
     info = InfoRoutes(server)
     responses = Responses(server, limits.max_stored_responses)
     app = FastAPI(
@@ -106,7 +116,9 @@ def make_app(
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/responses")(responses.create)
-    app.post("/v1/embeddings")(info.embeddings)
+    app.post("/v1/embeddings")(retrieval.embeddings)
+    app.post("/v1/rerank")(retrieval.rerank)
+    app.post("/rerank")(retrieval.rerank)  # llama.cpp's and Jina's clients' path
     return app
 
 
@@ -123,12 +135,13 @@ def main(argv=None) -> int:
     thread = EngineThread()  # loads the model and then steps it (server/engine_loop.py says why)
     try:
         engine, tokenizer, info = thread.call(load_engine, **engine_options(args)).result()
+        embedding = embedding_spec(info.source, args.pooling, engine.model)
     except (ValueError, OSError) as e:
         log(f"error: {e}")
         return 2
     name = args.model_name or os.path.basename(str(info.source).rstrip("/"))
     limits = Limits(**{k: getattr(args, k) for k in Limits.__dataclass_fields__})
-    app = make_app(engine, tokenizer, name, args.api_key, limits, thread)
+    app = make_app(engine, tokenizer, name, args.api_key, limits, thread, embedding)
     gc.collect()  # loading's garbage first: what gc.freeze keeps is never collected
     # what loading made is kept: give_back_freed_memory's collections skip it (285 ms -> 0)
     gc.freeze()
@@ -177,6 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "max_n",
         "max_body_bytes",
         "max_prompts",
+        "max_inputs",
         "max_stop",
         "max_model_len",
         "max_logprob_entries",

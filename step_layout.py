@@ -136,3 +136,24 @@ class Layout:
             for ts in per_pool
         ]
         return torch.tensor(tables if len(tables) == 2 else tables[0], device=self.device)
+
+
+def pooled_rows(plan, order, ends):
+    """The embeddings' rows of a laid-out step: (flat indices whose final states they need,
+    [(sequence, first, count)] of each among them): every row of a "mean", the prompt's first of
+    a "cls", its last of a "last"."""
+    rows, spans = [], []
+    for s, end in zip(order, ends):
+        n, kind = plan.runs[s], s.request.params.pooling
+        if kind is None:
+            continue
+        first = end - n + 1  # a chunk's rows are consecutive, its last at `end`
+        if kind == "mean":
+            take = range(first, end + 1)
+        elif kind == "cls":
+            take = [first] if s.num_computed == 0 else []
+        else:
+            take = [end] if s.num_computed + n == len(s.tokens) else []
+        spans.append((s, len(rows), len(take)))
+        rows += take
+    return rows, spans

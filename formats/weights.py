@@ -242,7 +242,19 @@ def _read_hf_config(path: Path):
         raise CheckpointError(f"{path}: no config.json in this folder")
     try:
         raw = json.loads(config.read_text())
-        return raw, config_from_hf(raw, config)
+        model_config = config_from_hf(raw, config)
+        # a base model ("Qwen3Model", not "...ForCausalLM") with an untied head has none saved
+        names = raw.get("architectures") or []
+        if any(str(a).endswith("ForSequenceClassification") for a in names):
+            raise CheckpointError(
+                f"{config}: {names[0]} is a classifier (a cross-encoder's score head), which this "
+                "project does not run; /v1/rerank scores with Qwen3-Reranker-style models (yes "
+                "against no at the last position)"
+            )
+        model_config.has_head = model_config.tie_word_embeddings or not (
+            names and all(str(a).endswith("Model") for a in names)
+        )
+        return raw, model_config
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config}: not valid JSON ({e})") from None
     except RecursionError:
@@ -375,8 +387,10 @@ def build(
 
     bar = _progress_bar(total_bytes, progress)
     for file, name, tensor in tensors:
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied):
-            continue  # derived from the config, or the same tensor as the embedding
+        if name.endswith("rotary_emb.inv_freq") or (
+            name == "lm_head.weight" and (tied or not config.has_head)
+        ):
+            continue  # derived from the config, the same tensor as the embedding, or not used
         check_tensor(file, name, tensor, expected, qdtypes, quant)
         if isinstance(tensor, quant_groups.Packed):
             packed[name.removesuffix(".weight")] = tensor

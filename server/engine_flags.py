@@ -7,6 +7,7 @@ server/tp_engine.py's `load_engine` keywords, so both entry points build the sam
 
 from compiling import COMPILE_MODES, compile_default
 from memory import parse_size
+from sequence import POOLINGS
 
 
 def add_engine_args(p):
@@ -34,6 +35,13 @@ def add_model_args(p):
         help="decode steps (batch padded to a few sizes): auto (the default, $LLM_COMPILE): aot "
         "where it can serve, else eager; off: eager; jit (plain --compile): torch.compile; aot: an "
         "ahead-of-time package cached on disk (CPU; speedups/aot.py), or an error saying why not",
+    )
+    p.add_argument(
+        "--pooling",
+        default=None,
+        choices=POOLINGS,
+        help="how an embedding pools the final states: the last token's, their mean, the first's "
+        "(default: the checkpoint's sentence-transformers files; formats/pooling.py)",
     )
     add_quantize_args(p)
 

@@ -44,6 +44,7 @@ class Over(NamedTuple):
     prompt_logprobs: list  # None, or the prompt's (engine Request.prompt_logprobs)
     cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache held (at most the prompt: a
     # readmission after preemption finds its blocks again)
+    embedding: object = None  # an embedding request's pooled state, float32 [dim]
 
 
 async def events_of(rids, events, out):
@@ -177,6 +178,7 @@ class EngineLoop:
                     req.error,
                     req.prompt_logprobs,
                     min(req.prompt_tokens_hit, len(req.prompt)),
+                    req.pooled,
                 ),
             )
             return

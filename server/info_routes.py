@@ -1,6 +1,6 @@
 """The routes that run no model step: GET /health (200, or 503 while draining), GET /metrics
-(Prometheus text), GET /v1/models[/{id}], POST /tokenize and POST /detokenize (vLLM's), and a
-404 naming the routes for /v1/embeddings. `InfoRoutes` reads what it needs from
+(Prometheus text), GET /v1/models[/{id}], POST /tokenize and POST /detokenize (vLLM's).
+`InfoRoutes` reads what it needs from
 server/completions.py's `Server`: the engine loop, the tokenizer and its lanes, the model's name
 and context.
 
@@ -21,8 +21,9 @@ from server.openai_format import (
 from server.server_limits import text_size
 
 ROUTES = (
-    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models[/{id}], "
-    "POST /tokenize, POST /detokenize, GET /health, GET /metrics"
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings, "
+    "POST /v1/rerank, GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, "
+    "GET /metrics"
 )
 
 
@@ -68,13 +69,6 @@ class InfoRoutes:
                 message, response=error(404, message, param="model", code="model_not_found")
             )
         return self.card()
-
-    async def embeddings(self):
-        message = (
-            "this server does not serve embeddings (/v1/embeddings): it runs a generative model, "
-            f"and serves {ROUTES}"
-        )
-        raise Refused(message, response=error(404, message))
 
     async def tokenize(self, body: TokenizeRequest):
         try:

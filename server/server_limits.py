@@ -46,6 +46,7 @@ class Limits:
     max_model_len: int = None  # prompt + max_tokens, when lower than the model's context
     max_body_bytes: int = 4 * 2**20  # request body; more -> 413
     max_prompts: int = 64  # prompts in one completions request
+    max_inputs: int = 2048  # inputs of one embeddings request, documents of one rerank (OpenAI's)
     max_stop: int = 16  # stop strings
     max_stored_responses: int = 256  # Responses API replies kept for previous_response_id (0: none)
     max_logprob_entries: int = (
@@ -263,6 +264,12 @@ def add_size_limits(p, d):
         type=int,
         default=d.max_prompts,
         help="most prompts in one completions request",
+    )
+    p.add_argument(
+        "--max_inputs",
+        type=int,
+        default=d.max_inputs,
+        help="most inputs in one /v1/embeddings request, documents in one /v1/rerank",
     )
     p.add_argument("--max_stop", type=int, default=d.max_stop, help="most stop strings per request")
     p.add_argument(

@@ -43,7 +43,7 @@ FLOORS = {
         5: ["engine"],
     },
     "formats": {
-        1: ["chat_template", "families", "gguf_file", "quant_files", "quant_groups"],
+        1: ["chat_template", "families", "gguf_file", "pooling", "quant_files", "quant_groups"],
         2: ["checkpoint_checks", "fuse_layers", "gguf_config", "hf_quant", "mxfp4"],
         3: ["gguf_tokenizer", "gguf_weights"],
         4: ["tokenizer", "weights"],
@@ -65,7 +65,7 @@ FLOORS = {
         ],
         2: ["choices", "openai_format", "tp_engine"],
         3: ["delivery", "response_items", "server_limits"],
-        4: ["completions", "info_routes", "responses"],
+        4: ["completions", "embeddings", "info_routes", "responses"],
     },
     "cli": {1: ["generate_flags", "speculate"]},
 }
@@ -435,7 +435,9 @@ class Allocator:  # stands in for paged.BlockAllocator: plain counting, no prefi
 
 from scheduler import Scheduler
 scheduler = Scheduler(Allocator(), max_num_seqs=2, max_num_batched_tokens=8)
-request = lambda: Req(params=Req(n=1), needs_fork=False, prompt_tokens_hit=0)
+request = lambda: Req(
+    params=Req(n=1), needs_fork=False, prompt_tokens_hit=0, pools_every_token=False
+)
 seqs = [
     Req(request=request(), tokens=[1, 2, 3], num_computed=0, draft=[], blocks=[], hashes=[],
         finish_reason=None)

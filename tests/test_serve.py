@@ -30,9 +30,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = Limits(max_n=8, max_body_bytes=2**20, max_prompts=4, max_stop=4)
 
 
-def start_server(engine, tokenizer, limits=LIMITS, engine_thread=None):
-    """serve.py's app on a free port in a thread; returns (url, app, stop())."""
-    app = make_app(engine, tokenizer, "tiny", KEY, limits, engine_thread)
+def start_server(engine, tokenizer, limits=LIMITS, engine_thread=None, embedding=(None, None)):
+    """serve.py's app on a free port in a thread; returns (url, app, stop()). embedding:
+    server/embeddings.embedding_spec's (spec, why not)."""
+    app = make_app(engine, tokenizer, "tiny", KEY, limits, engine_thread, embedding)
     srv = uvicorn.Server(server_config(app, "127.0.0.1", 0, limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -481,8 +481,8 @@ def test_models_retrieve_and_endpoints_not_served(server):
     with pytest.raises(openai.NotFoundError, match="does not exist") as e:
         c.models.retrieve("gpt-nothing")
     assert e.value.code == "model_not_found"
-    with pytest.raises(openai.NotFoundError, match="does not serve embeddings"):
-        c.embeddings.create(model="tiny", input="hello")
+    with pytest.raises(openai.BadRequestError, match="does not serve embeddings"):
+        c.embeddings.create(model="tiny", input="hello")  # (tests/test_serve_embeddings.py does)
     r = httpx.get(server + "/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and "/v1/responses" in r.json()["error"]["message"]
 
