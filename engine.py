@@ -297,8 +297,8 @@ class Engine:
         if plan.runs:
             done, logits, embedded = self._forward(plan)
             results = self._sample(plan, done, logits, events)
-            events += [self._ended(seq, "length") for seq in embedded]  # nothing to sample
-            self.scheduler.update(plan, results + [(seq, None, "length") for seq in embedded])
+            events += [self._ended(seq, "stop") for seq in embedded]  # done: nothing to sample
+            self.scheduler.update(plan, results + [(seq, None, "stop") for seq in embedded])
             for seq in plan.runs if self.scheduler.scores else ():
                 self.scheduler.scores.remember(seq)
         events, self.pending = self.pending + events, []

@@ -214,6 +214,11 @@ class Request:
             self.pooled = part
 
     @property
+    def embedding(self):
+        """The pooled state, float32 [dim], once the whole prompt is in it (else None: aborted)."""
+        return self.pooled if self.seqs[0].finish_reason == "stop" else None
+
+    @property
     def pools_every_token(self) -> bool:
         """A mean or first-token embedding needs every prompt position's state: no prefix reuse."""
         return self.params.pooling in ("mean", "cls")
@@ -237,11 +242,13 @@ class Request:
         pick = (lambda v: v) if self.params.n > 1 else (lambda v: v[0])
         if self.error:
             return {"id": self.id, "error": self.error}
-        if self.params.pooling:
+        if self.params.pooling:  # an aborted one has no embedding
+            vector = self.embedding
             return {
                 "id": self.id,
-                "embedding": self.pooled.tolist(),
+                "embedding": None if vector is None else vector.tolist(),
                 "prompt_tokens": len(self.prompt),
+                "finish_reason": reasons[0],
             }
         return {
             "id": self.id,

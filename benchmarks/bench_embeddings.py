@@ -10,8 +10,10 @@ tokenize alike. Inputs are windows of data/declaration.txt decoded to text, abou
 each, `tokens` tokens in all per length. Runners, in turn: sentence-transformers' `encode`
 (batch_size 32, its default; padded batches), then engine.Engine with every input added at once
 (eager steps, q/k/v and gate/up fused as serve.py loads it, 2,048 tokens a step). Inputs/s and
-tokens/s over the whole run (tokenizing included for both); "max |diff|" is the largest difference
-between the two runners' normalized vectors.
+tokens/s over the whole run (tokenizing included for both); "vs ST" compares with
+sentence-transformers in the same dtype, "vs ST float32" with its default (float32 on CPU, where
+serve.py's default is bfloat16); "max |diff|" is the largest difference between the two runners'
+normalized vectors.
 """
 
 import argparse
@@ -91,15 +93,19 @@ def main():
         f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
         f"{torch.get_num_threads()} threads | SmolLM2-135M, last-token pooling"
     )
-    print("\n| dtype | tokens/input | inputs | runner | inputs/s | tokens/s | vs ST | max |diff| |")
-    print("|---|---|---|---|---|---|---|---|")
-    rng = random.Random(0)
+    print(
+        "\n| dtype | tokens/input | inputs | runner | inputs/s | tokens/s | vs ST | vs ST float32 "
+        "| max |diff| |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = {}  # length -> sentence-transformers' float32 seconds
     for dtype in args.dtypes:
         ours = weights.load(folder, dtype=runtime.DTYPES[dtype])[0]
         fuse_layers.fuse_projections(ours)
         st = SentenceTransformer(str(folder), device="cpu", model_kwargs={"dtype": dtype})
         run_st(st, ["warm up"] * 4)
         run_ours(ours, tokenizer, spec, ["warm up"] * 4)
+        rng = random.Random(0)  # the same texts for every dtype
         for length in args.lengths:
             texts = [
                 tokenizer.decode(window(ids, length, rng))
@@ -108,11 +114,13 @@ def main():
             st_s, want = run_st(st, texts)
             our_s, got, n_tokens = run_ours(ours, tokenizer, spec, texts)
             diff = (got - want).abs().max().item()
+            base.setdefault(length, st_s if dtype == "float32" else None)
             for name, secs in (("sentence-transformers encode", st_s), ("ours: Engine", our_s)):
                 print(
                     f"| {dtype} | {n_tokens // len(texts)} | {len(texts)} | {name} | "
                     f"{len(texts) / secs:.1f} | {n_tokens / secs:.0f} | {st_s / secs:.2f}x | "
-                    f"{diff:.1e} |",
+                    + (f"{base[length] / secs:.2f}x" if base[length] else "-")
+                    + f" | {diff:.1e} |",
                     flush=True,
                 )
         del ours, st

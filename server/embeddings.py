@@ -16,6 +16,7 @@ whose tokenizer has no single "yes" and "no" tokens is refused by name.
 
 import asyncio
 import base64
+import re
 import time
 from typing import Literal
 
@@ -102,7 +103,7 @@ class Embeddings:
             texts = [texts]  # one input of token ids
         prompts = await self._encode(texts, "input", lambda t: encode_input(self.tok, t, spec.chat))
         prompts = self._fit(prompts, "input", body.truncate)
-        states, _ = await self._pool(request, prompts, spec.pooling)
+        states, _ = await self._pool(request, prompts, spec.pooling, "input")
         vectors = finish(states, spec.normalize, body.dimensions)
         data = [
             {"object": "embedding", "index": i, "embedding": self._encoded(v, body)}
@@ -127,7 +128,7 @@ class Embeddings:
         head, tail = (self.tok.encode(t, bos=False) for t in (RERANK_PREFIX, RERANK_SUFFIX))
         prompts = await self._encode(pairs, "documents", self._plain)
         prompts = self._fit([head + p + tail for p in prompts], "documents", body.truncate)
-        states, _ = await self._pool(request, prompts, "last")
+        states, _ = await self._pool(request, prompts, "last", "documents")
         scores = await asyncio.to_thread(self._scores, states, no, yes)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n or len(docs)]
         results = [
@@ -209,21 +210,26 @@ class Embeddings:
                 )
         return [p[:context] for p in prompts]
 
-    async def _pool(self, request, prompts, pooling: str):
+    async def _pool(self, request, prompts, pooling: str, param: str):
         """Every prompt through the engine, SLICE at a time -> (states [n, dim], cached tokens)."""
         params, out = RequestParams(pooling=pooling), Out()
         for start in range(0, len(prompts), SLICE):
             part = prompts[start : start + SLICE]
             try:
                 rids, events = await self.server.loop.submit(part, params)
-            except ValueError as e:
-                raise Refused(str(e)) from None
+            except ValueError as e:  # "prompt 3: ..." (engine_loop's) counts in this slice
+                found = re.match(r"prompt (\d+): (.*)", str(e), re.S)
+                i, why = (int(found[1]), found[2]) if found else (0, str(e))
+                raise Refused(f"{param}[{start + i}]: {why}", f"{param}[{start + i}]") from None
             except Unavailable as e:
                 raise Refused(str(e), response=unavailable(str(e))) from None
             sink = Out()
             failed = await collect(self.server.loop, request, rids, events, sink)
             if failed:
                 raise Refused(str(failed), response=failed)
+            if any(v is None for v in sink.states.values()):  # aborted: a shutdown's drain
+                message = "the request was aborted before its inputs were embedded; retry"
+                raise Refused(message, response=unavailable(message))
             out.states.update((start + i, s) for i, s in sink.states.items())
             out.cached += sink.cached
         return torch.stack([out.states[i] for i in range(len(prompts))]), out.cached

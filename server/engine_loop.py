@@ -178,7 +178,7 @@ class EngineLoop:
                     req.error,
                     req.prompt_logprobs,
                     min(req.prompt_tokens_hit, len(req.prompt)),
-                    req.pooled,
+                    req.embedding if req.params.pooling else None,
                 ),
             )
             return

@@ -116,6 +116,27 @@ def test_embeddings_and_generation_share_steps_without_changing_either(tmp_path)
         torch.testing.assert_close(done[rid].pooled, want, rtol=0, atol=1e-5)
 
 
+def test_an_aborted_embedding_ends_without_a_vector_and_the_rest_go_on(folders):
+    """Aborted halfway through its prompt: its result says "abort" and holds no (partial) mean;
+    the embedding beside it is unchanged."""
+    folder = folders["published", "mean_tokens"]
+    spec = pooling.read_spec(folder)
+    engine, tok = engine_for(folder)
+    ids = [pooling.encode_input(tok, t) for t in TEXTS[1:3]]
+    cut, kept = (engine.add_request(i, RequestParams(pooling="mean")) for i in ids)
+    engine.step()
+    engine.abort(cut)
+    done = run_to_end(engine)
+    assert done[cut].result() | {"id": 0} == {
+        "id": 0,
+        "embedding": None,
+        "prompt_tokens": len(ids[0]),
+        "finish_reason": "abort",
+    }
+    got = pooling.finish(done[kept].embedding[None], spec.normalize)[0]
+    torch.testing.assert_close(got, reference(folder, TEXTS[2:3])[0], rtol=0, atol=1e-5)
+
+
 def test_int8_embeddings_stay_close_to_float(folders):
     """The headless base model quantized at load (int8 weights): every embedding within cosine
     0.99 of the float one."""
