@@ -7,6 +7,7 @@ and the rest):
                                the mean over every token ("pooling_mode": "lasttoken", or the older
                                "pooling_mode_lasttoken": true, ...)
     config_sentence_transformers.json   prompts (Qwen3-Embedding's query instruction), similarity
+    FILE.gguf                  llama.cpp's `{arch}.pooling_type` (1 mean, 2 cls, 3 last)
     sentence_bert_config.json  a "message" modality (sentence-transformers 6 saves one where the
                                tokenizer has a chat template): a text is embedded as a user turn
 
@@ -41,6 +42,7 @@ MODES = {
     "cls": "cls",
 }
 KNOWN_MODULES = ("Transformer", "Pooling", "Normalize")
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling types (0: none, 4: rank)
 
 
 @dataclass
@@ -60,6 +62,8 @@ def read_spec(folder, pooling: str = None) -> Spec:
     folder = Path(folder)
     if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    if folder.suffix == ".gguf" and pooling is None:
+        return Spec(_gguf_pooling(folder), normalize=True, source=str(folder))
     modules_file = folder / "modules.json" if folder.is_dir() else None
     if modules_file is None or not modules_file.exists():
         if pooling is None:
@@ -87,6 +91,27 @@ def read_spec(folder, pooling: str = None) -> Spec:
         _json(folder / "sentence_bert_config.json", {}).get("modality_config") or {}
     )
     return Spec(pooling or found, "Normalize" in kinds, prompts, str(modules_file), chat)
+
+
+def _gguf_pooling(path: Path) -> str:
+    """A GGUF file's `{arch}.pooling_type` (llama.cpp's converter writes it for embedding models;
+    llama.cpp normalizes their vectors by default, as here)."""
+    from formats.gguf_file import GGUFFile
+
+    try:
+        fields = GGUFFile(path).fields
+    except Exception as e:  # the loader has read it already: only a race could get here
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    arch = fields.get("general.architecture")
+    kind = fields.get(f"{arch.value if arch else ''}.pooling_type")
+    found = GGUF_POOLING.get(kind.value if kind else None)
+    if found is None:
+        said = "no pooling_type" if kind is None else f"pooling_type {kind.value}"
+        raise CheckpointError(
+            f"{path}: {said} (an embedding model's is 1 mean, 2 cls or 3 last); give --pooling "
+            f"({', '.join(POOLINGS)})"
+        )
+    return found
 
 
 def _mode(path: Path) -> str:

@@ -326,17 +326,19 @@ def gguf_arrays(hf):
             yield name, a[0] if name.endswith("shared_expert_gate.weight") else a
 
 
-def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None):
+def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None, pooling_type=None):
     """Write an HF model as a GGUF file the way llama.cpp's converter lays it out.
 
     2-D weights get `qtype` (quantized with gguf.quants); `raw_blocks` maps a GGUF tensor name to
     (quantization type, raw block bytes) to store verbatim instead (for types gguf cannot
-    encode)."""
+    encode); pooling_type: an embedding model's (gguf.PoolingType)."""
     import gguf
     import numpy as np
 
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
+    if pooling_type is not None:
+        w.add_pooling_type(pooling_type)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)

@@ -137,6 +137,30 @@ def test_an_aborted_embedding_ends_without_a_vector_and_the_rest_go_on(folders):
     torch.testing.assert_close(got, reference(folder, TEXTS[2:3])[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_a_gguf_embedding_model_pools_as_its_pooling_type_says(tmp_path, kind):
+    """A GGUF with llama.cpp's pooling_type: pooled as it says, normalized, equal to HF's
+    last_hidden_state pooled the same way; without one, a CheckpointError naming --pooling."""
+    import gguf
+    from helpers import hf_model, write_gguf
+
+    hf = hf_model("llama3")
+    path = write_gguf(hf, tmp_path / f"{kind}.gguf", pooling_type=gguf.PoolingType[kind])
+    spec = pooling.read_spec(path)
+    assert (spec.pooling, spec.normalize) == (kind.lower(), True)
+    model, _ = weights.load(path, dtype=torch.float32)
+    engine = Engine.for_model(model, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+    got = engine.run_batch(prompts, RequestParams(pooling=spec.pooling))
+    for prompt, r in zip(prompts, got):
+        states = hf.model(torch.tensor([prompt])).last_hidden_state[0]
+        want = states[-1] if kind == "LAST" else states.mean(0)
+        torch.testing.assert_close(torch.tensor(r["embedding"]), want, rtol=0, atol=1e-4)
+    plain = write_gguf(hf, tmp_path / "plain.gguf")
+    with pytest.raises(CheckpointError, match="no pooling_type .* give --pooling"):
+        pooling.read_spec(plain)
+
+
 def test_int8_embeddings_stay_close_to_float(folders):
     """The headless base model quantized at load (int8 weights): every embedding within cosine
     0.99 of the float one."""

@@ -43,8 +43,8 @@ FLOORS = {
         5: ["engine"],
     },
     "formats": {
-        1: ["chat_template", "families", "gguf_file", "pooling", "quant_files", "quant_groups"],
-        2: ["checkpoint_checks", "fuse_layers", "gguf_config", "hf_quant", "mxfp4"],
+        1: ["chat_template", "families", "gguf_file", "quant_files", "quant_groups"],
+        2: ["checkpoint_checks", "fuse_layers", "gguf_config", "hf_quant", "mxfp4", "pooling"],
         3: ["gguf_tokenizer", "gguf_weights"],
         4: ["tokenizer", "weights"],
         5: ["hf_folder"],
