@@ -23,7 +23,8 @@ and per output token, peak KV blocks, prefix-cache hit rate, preemptions).
 
 With --embed, each line is an input to embed, {"id": "a", "prompt": "a text", "dimensions": 256}
 (dimensions optional), pooled as the checkpoint's sentence-transformers files say or as --pooling
-(formats/pooling.py); each output line is {"id", "embedding", "prompt_tokens"}.
+(formats/pooling.py); each output line is {"id", "embedding", "prompt_tokens", "finish_reason"}
+("stop": embedded).
 
     python batch.py --embed --checkpoint Qwen/Qwen3-Embedding-0.6B --requests texts.jsonl
 """
@@ -87,7 +88,7 @@ def parse_request(obj: dict, tokenizer):
     return prompt, RequestParams(**{k: obj[k] for k in REQUEST_KEYS[2:] if obj.get(k) is not None})
 
 
-def parse_embedding(obj: dict, tokenizer, spec):
+def parse_embedding(obj: dict, tokenizer, spec, dim: int):
     """An --embed line -> (prompt ids, RequestParams, dimensions or None)."""
     unknown = sorted(set(obj) - {"id", "prompt", "dimensions"})
     if unknown:
@@ -99,14 +100,14 @@ def parse_embedding(obj: dict, tokenizer, spec):
         prompt = encode_input(tokenizer, prompt, spec.chat)
     elif not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         raise ValueError("prompt must be a string or a list of token ids")
-    if dims is not None and not (isinstance(dims, int) and 1 <= dims):
-        raise ValueError(f"dimensions must be an integer >= 1, got {dims!r}")
+    if dims is not None and not (isinstance(dims, int) and 1 <= dims <= dim):
+        raise ValueError(f"dimensions must be an integer in [1, {dim}] (the model's), got {dims!r}")
     return prompt, RequestParams(pooling=spec.pooling), dims
 
 
 def embedded(result: dict, spec, dims) -> dict:
     """An embedding's output line: the pooled state finished as the checkpoint's pipeline does."""
-    if "embedding" not in result:
+    if result.get("embedding") is None:  # failed, or aborted
         return result
     vector = finish(torch.tensor([result["embedding"]]), spec.normalize, dims)[0]
     return {**result, "embedding": vector.tolist()}
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
         try:
             request_id, obj = read_line(line, line_no)
             if spec:
-                prompt, params, dims[request_id] = parse_embedding(obj, tokenizer, spec)
+                dim = engine.model.config.dim
+                prompt, params, dims[request_id] = parse_embedding(obj, tokenizer, spec, dim)
                 engine.add_request(prompt, params, request_id=request_id)
             else:
                 engine.add_request(*parse_request(obj, tokenizer), request_id=request_id)

@@ -171,8 +171,10 @@ class Engine:
     def add_request(self, prompt, params: RequestParams = None, request_id=None):
         """Queue a request; returns its id. Raises ValueError (and queues nothing) if it is bad."""
         params = params or RequestParams()
-        if params.pooling is None:
+        if params.pooling is None or params.score_tokens:
             self.model.check_head()
+        if params.pooling and getattr(self, "ranks", 1) > 1:  # (pooled_forward is one process's)
+            raise ValueError("embeddings run in one process; this engine is tensor-parallel")
         check_request(
             prompt,
             params,
@@ -332,6 +334,11 @@ class Engine:
         scored = (
             scores.positions(order, ends, plan.runs) if scores else []
         )  # (request, flat index, token)
+        heads = [  # embeddings that are their last position's logits (a reranker's yes and no)
+            (s, e)
+            for s, e in zip(order, ends)
+            if s.request.params.score_tokens and s.num_computed + plan.runs[s] == len(s.tokens)
+        ]
         tokens, pos = (
             torch.tensor([tokens], device=self.device),
             torch.tensor([pos], device=self.device),
@@ -340,21 +347,23 @@ class Engine:
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[sampled]
             else:
-                keep = torch.tensor(
-                    sampled + [e for _, e, _ in scored], dtype=torch.long, device=self.device
-                )
+                flat = sampled + [e for _, e, _ in scored] + [e for _, e in heads]
+                keep = torch.tensor(flat, dtype=torch.long, device=self.device)
                 if pooled:
                     rows, spans = pooled_rows(plan, order, ends)
                     logits, states = pooled_forward(self.model, self.cache, tokens, pos, keep, rows)
                 else:
                     logits = flat_forward(self.model, self.cache, tokens, pos, keep)
         if scored:
-            scores.score(scored, logits[len(sampled) :])
+            scores.score(scored, logits[len(sampled) : len(sampled) + len(scored)])
         embedded = []  # the embeddings' states into their requests; those whose prompt is whole
         for s, i, m in spans if pooled else ():
             whole = s.num_computed + plan.runs[s] == len(s.tokens)
             s.request.pool(states[i : i + m], s.num_computed == 0, whole)
-            embedded += [s] * whole
+            if whole:
+                embedded.append(s)
+        for (s, _), row in zip(heads, logits[len(sampled) + len(scored) :]):
+            s.request.pooled = row[s.request.params.score_tokens].float().cpu()
         return done, logits[: len(sampled)], embedded
 
     def _sample(self, plan, done, logits, events) -> list:

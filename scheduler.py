@@ -261,7 +261,8 @@ class Scheduler:
     def _share_prefix(self, seq):
         """Give seq the blocks of its longest prefix cached in every pool (a reference each)."""
         bs, most, hits = self.block_size, (len(seq.tokens) - 1) // self.block_size, []
-        most *= not seq.request.pools_every_token  # an embedding of every position: none reused
+        if seq.request.pools_every_token:  # an embedding of every position: none reused
+            most = 0
         for allocator in self.pools:  # each lookup within the last: the hit every pool holds
             blocks, hashes = allocator.lookup_prefix(seq.tokens, most)
             hits, most = hits + [blocks], len(blocks)

@@ -46,6 +46,9 @@ class RequestParams:
     # an embedding: the prompt's final hidden states pooled ("last", "mean" or "cls" token); it
     # generates nothing (max_new_tokens is taken as 0)
     pooling: str = None
+    # with pooling "last": the embedding is instead the last position's logits of these token ids
+    # (a reranker's "no" and "yes")
+    score_tokens: list = None
 
     def check(self):
         check_sampling(
@@ -105,6 +108,12 @@ class RequestParams:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.n != 1 or self.prompt_logprobs is not None:
             raise ValueError("an embedding (pooling) is one per prompt: n 1, no prompt_logprobs")
+        if self.score_tokens is not None and (
+            self.pooling != "last"
+            or not self.score_tokens
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.score_tokens)
+        ):
+            raise ValueError("score_tokens: token ids, with pooling last")
         self.max_new_tokens = 0
 
 
@@ -120,11 +129,17 @@ def check_request(prompt, params: RequestParams, vocab: int, max_model_len: int,
     if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     parse_logit_bias(params.logit_bias, vocab)  # its ids in the vocabulary
-    if len(prompt) >= max_model_len + (params.pooling is not None):  # (an embedding adds none)
+    if params.pooling is not None and len(prompt) > max_model_len:  # (an embedding adds none)
+        raise ValueError(
+            f"the input has {len(prompt)} tokens; the model's context is {max_model_len}"
+        )
+    if params.pooling is None and len(prompt) >= max_model_len:
         raise ValueError(
             f"the prompt has {len(prompt)} tokens; the model's context is {max_model_len}, "
             "which leaves no room to generate"
         )
+    if not all(0 <= t < vocab for t in params.score_tokens or ()):
+        raise ValueError(f"score_tokens must be token ids in [0, {vocab})")
     usable = (
         s.allocator.num_blocks - 1
     )  # (a hybrid's windowed pool holds a sequence's window: memory.py)
@@ -212,6 +227,8 @@ class Request:
                 self.pooled = self.pooled / len(self.prompt)
         elif len(states):
             self.pooled = part
+        if whole:  # the host's from here on (a server encodes it; a GPU's would not convert)
+            self.pooled = self.pooled.cpu()
 
     @property
     def embedding(self):

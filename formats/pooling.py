@@ -1,5 +1,5 @@
 """How an embedding checkpoint turns a text into one vector, read from the files
-sentence-transformers saves beside the weights (the published layout of Qwen3-Embedding, gte-Qwen2
+sentence-transformers saves beside the weights (the published layout of Qwen3-Embedding and
 and the rest):
 
     modules.json               [Transformer, Pooling, Normalize]: the pipeline, in order
@@ -139,18 +139,22 @@ def _json(path: Path, default=None):
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-def encode_input(tokenizer, text: str, chat: bool = False) -> list:
+def encode_input(tokenizer, text: str, chat: bool = False, max_len: int = None) -> list:
     """A text's ids as sentence-transformers makes them: with the tokenizer's own special tokens
     (a BOS, or Qwen3-Embedding's closing <|endoftext|>, which its last-token pooling reads); or,
-    for a "message" modality (chat), the text as a user turn through the chat template."""
+    for a "message" modality (chat), the text as a user turn through the chat template. max_len:
+    the text cut to fit, its special tokens kept (as transformers truncates)."""
     if chat:
         messages = [{"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        return tokenizer.encode_rendered(rendered, messages)
+        return tokenizer.encode_rendered(rendered, messages)[:max_len]
     hf = getattr(tokenizer.backend, "tok", None)  # a tokenizer.json: its post-processor adds them
-    return (
-        hf.encode(text, add_special_tokens=True).ids if hf is not None else tokenizer.encode(text)
-    )
+    if hf is None:
+        return tokenizer.encode(text)[:max_len]
+    ids = hf.encode(text, add_special_tokens=False)
+    if max_len is not None:
+        ids.truncate(max(0, max_len - hf.num_special_tokens_to_add(False)))
+    return hf.post_process(ids, add_special_tokens=True).ids
 
 
 def finish(pooled: torch.Tensor, normalize: bool, dimensions: int = None) -> torch.Tensor:

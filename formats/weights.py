@@ -130,6 +130,19 @@ def _hf_tensors(folder: Path):
     )
 
 
+def _holds(folder: Path, files: list, name: str) -> bool:
+    """Whether an HF folder's safetensors hold `name` (the index, or each file's header)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return name in json.loads(index.read_text()).get("weight_map", {})
+    try:
+        return any(name in safe_open(f, framework="pt").keys() for f in files)
+    except (SafetensorError, OSError):
+        return True  # reading the tensors reports what is wrong with the file
+
+
 def _read_file(kind: str, path: Path):
     """(name, tensor) of one weight file, one tensor at a time (safetensors memory-mapped)."""
     from safetensors import SafetensorError, safe_open
@@ -198,6 +211,8 @@ def load(
     else:
         raw, config = _read_hf_config(path)
         fmt, files = _hf_tensors(path)
+        if config.has_head and (path / "modules.json").exists():  # sentence-transformers' folder
+            config.has_head = config.tie_word_embeddings or _holds(path, files, "lm_head.weight")
         tensors = _folder_tensors(raw, config, fmt, files)
         total = sum(f.stat().st_size for f in files)
         quant = _quantization(files[0]) if fmt == "safetensors" else None
@@ -245,6 +260,11 @@ def _read_hf_config(path: Path):
         model_config = config_from_hf(raw, config)
         # a base model ("Qwen3Model", not "...ForCausalLM") with an untied head has none saved
         names = raw.get("architectures") or []
+        if raw.get("is_causal") is False:
+            raise CheckpointError(
+                f"{config}: is_causal false: every token attends both ways (a bidirectional "
+                "embedding model); this project runs causal attention only"
+            )
         if any(str(a).endswith("ForSequenceClassification") for a in names):
             raise CheckpointError(
                 f"{config}: {names[0]} is a classifier (a cross-encoder's score head), which this "

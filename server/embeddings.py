@@ -10,8 +10,9 @@ Embeddings pool as the checkpoint's sentence-transformers files say (formats/poo
 serve.py's --pooling; `dimensions` keeps the first components and normalizes again (Matryoshka),
 `encoding_format` "base64" sends little-endian float32, `truncate` (an extension) cuts an input
 over the context instead of refusing it. Rerank scores each document as Qwen3-Reranker does: its
-prompt format, then at the last position p = softmax(logit("no"), logit("yes"))[1]; a checkpoint
-whose tokenizer has no single "yes" and "no" tokens is refused by name.
+prompt format, then at the last position p = softmax(logit("no"), logit("yes"))[1], the two logits
+taken by the engine from the step's own head (RequestParams.score_tokens); a checkpoint whose
+tokenizer has no single "yes" and "no" tokens is refused by name.
 """
 
 import asyncio
@@ -77,14 +78,13 @@ class Out:
     """delivery.collect's sink for pooled requests: each request's state, by its first index."""
 
     def __init__(self):
-        self.states, self.cached = {}, 0
+        self.states = {}
 
     def add(self, index, token, text, reason, logprob):
         return ""
 
     def over(self, event):
         self.states[event.first] = event.embedding
-        self.cached += event.cached_tokens
 
 
 class Embeddings:
@@ -101,9 +101,12 @@ class Embeddings:
         texts = body.input if isinstance(body.input, list) else [body.input]
         if texts and isinstance(texts[0], int):
             texts = [texts]  # one input of token ids
-        prompts = await self._encode(texts, "input", lambda t: encode_input(self.tok, t, spec.chat))
+        cut = self.server.context if body.truncate else None
+        prompts = await self._encode(
+            texts, "input", lambda t: encode_input(self.tok, t, spec.chat, cut)
+        )
         prompts = self._fit(prompts, "input", body.truncate)
-        states, _ = await self._pool(request, prompts, spec.pooling, "input")
+        states = await self._pool(request, prompts, RequestParams(pooling=spec.pooling), "input")
         vectors = finish(states, spec.normalize, body.dimensions)
         data = [
             {"object": "embedding", "index": i, "embedding": self._encoded(v, body)}
@@ -127,9 +130,12 @@ class Embeddings:
         pairs = [f"<Instruct>: {instruction}\n<Query>: {body.query}\n<Document>: {d}" for d in docs]
         head, tail = (self.tok.encode(t, bos=False) for t in (RERANK_PREFIX, RERANK_SUFFIX))
         prompts = await self._encode(pairs, "documents", self._plain)
-        prompts = self._fit([head + p + tail for p in prompts], "documents", body.truncate)
-        states, _ = await self._pool(request, prompts, "last", "documents")
-        scores = await asyncio.to_thread(self._scores, states, no, yes)
+        room = max(0, self.server.context - len(head) - len(tail))  # truncate: the document's end
+        prompts = [head + (p[:room] if body.truncate else p) + tail for p in prompts]
+        prompts = self._fit(prompts, "documents", False)
+        params = RequestParams(pooling="last", score_tokens=[no, yes])
+        logits = await self._pool(request, prompts, params, "documents")  # [n, 2]: no, yes
+        scores = logits.softmax(-1)[:, 1].tolist()
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n or len(docs)]
         results = [
             {"index": i, "relevance_score": scores[i]}
@@ -210,9 +216,10 @@ class Embeddings:
                 )
         return [p[:context] for p in prompts]
 
-    async def _pool(self, request, prompts, pooling: str, param: str):
-        """Every prompt through the engine, SLICE at a time -> (states [n, dim], cached tokens)."""
-        params, out = RequestParams(pooling=pooling), Out()
+    async def _pool(self, request, prompts, params, param: str):
+        """Every prompt through the engine, SLICE at a time -> their vectors [n, dim] (or the
+        logits of params.score_tokens)."""
+        out = Out()
         for start in range(0, len(prompts), SLICE):
             part = prompts[start : start + SLICE]
             try:
@@ -231,14 +238,7 @@ class Embeddings:
                 message = "the request was aborted before its inputs were embedded; retry"
                 raise Refused(message, response=unavailable(message))
             out.states.update((start + i, s) for i, s in sink.states.items())
-            out.cached += sink.cached
-        return torch.stack([out.states[i] for i in range(len(prompts))]), out.cached
-
-    def _scores(self, states, no: int, yes: int) -> list:
-        """P(yes) against no from the last position's final states [n, dim], as Qwen3-Reranker."""
-        with torch.no_grad():
-            logits = self.model.lm_head(states.to(self.model.norm.weight.dtype)).float()
-            return logits[:, [no, yes]].softmax(-1)[:, 1].tolist()
+        return torch.stack([out.states[i] for i in range(len(prompts))])
 
     @staticmethod
     def _encoded(vector, body):

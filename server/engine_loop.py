@@ -8,11 +8,12 @@ event a caller receives is one of:
     (choice index, token id, text, finish_reason or None, logprob)   a new token, the text it
                                                  makes final (engine.Token); logprob is its entry
                                                  (scoring.token_logprobs) when asked for, else None
-    (choice index, None, text, reason, None)     a sample ended without a token ("abort", or
-                                                 "length" when max_new_tokens = 0 scored the prompt)
-    Over(first choice index, error, prompt_logprobs, cached_tokens)   one request (one prompt) is
-                                                 over; error is None or why it failed (the others
-                                                 go on)
+    (choice index, None, text, reason, None)     a sample ended without a token ("abort";
+                                                 "length" when max_new_tokens = 0 scored the
+                                                 prompt; "stop" for an embedding)
+    Over(first choice index, error, prompt_logprobs, cached_tokens, embedding)   one request (one
+                                                 prompt) is over; error is None or why it failed
+                                                 (the others go on); embedding: its pooled vector
 
 Admission is decided in the engine thread, before anything is queued: while `draining`, or when
 `max_waiting` requests already wait for a slot, `submit` raises `Unavailable` (HTTP 503).

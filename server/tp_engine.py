@@ -362,6 +362,7 @@ def aot_refusal(engine, speculate, batch_invariant):
         (speculate and "speculative steps compile with --compile")
         or (batch_invariant and "--batch_invariant runs eager steps")
         or (engine.device.type != "cpu" and "it runs on CPU; use --compile")
+        or (engine.model.lm_head is None and "the model has no output head (embeddings only)")
     )
 
 

@@ -74,9 +74,12 @@ def _saved_by_sentence_transformers(folder: Path, pooling: str, normalize: bool)
     return folder
 
 
-def reference(folder: Path, texts, batch_size=8) -> torch.Tensor:
-    """sentence-transformers' own embeddings of `texts` [n, dim], float32."""
+def reference(folder: Path, texts, batch_size=8, max_len=None) -> torch.Tensor:
+    """sentence-transformers' own embeddings of `texts` [n, dim], float32 (max_len: its
+    max_seq_length, which truncates)."""
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(folder), device="cpu")
+    if max_len:
+        st.max_seq_length = max_len
     return st.encode(texts, batch_size=batch_size, convert_to_tensor=True).float()

@@ -189,6 +189,34 @@ def test_bad_embedding_requests_are_refused_by_name(folders):
     assert len(ok["embedding"]) == 64 and ok["prompt_tokens"] == 256
 
 
+def test_an_untied_causal_config_without_its_head_loads_for_embeddings(folders, tmp_path):
+    """A sentence-transformers folder whose config says Qwen3ForCausalLM (untied) but holds no
+    lm_head.weight loads without a head, and embeds as before; cut inputs keep their closing
+    special token, as sentence-transformers' truncation does; a tensor-parallel engine refuses."""
+    import shutil
+
+    folder = tmp_path / "causal-named"
+    shutil.copytree(folders["published", "lasttoken"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    engine, tok = engine_for(folder)
+    assert engine.model.lm_head is None
+    spec = pooling.read_spec(folder)
+    torch.testing.assert_close(
+        embed(engine, tok, spec, TEXTS), reference(folder, TEXTS), atol=1e-5, rtol=0
+    )
+    long = TEXTS[1]
+    cut = pooling.encode_input(tok, long, max_len=16)
+    assert len(cut) == 16 and cut[-1] == pooling.encode_input(tok, long)[-1]
+    got = engine.run_batch([cut], RequestParams(pooling="last"))[0]["embedding"]
+    got = pooling.finish(torch.tensor([got]), True)[0]
+    torch.testing.assert_close(got, reference(folder, [long], max_len=16)[0], rtol=0, atol=1e-5)
+    engine.ranks = 2
+    with pytest.raises(ValueError, match="one process"):
+        engine.add_request(cut, RequestParams(pooling="last"))
+
+
 def test_pipelines_this_project_cannot_run_are_named(folders, tmp_path):
     """No modules.json and no --pooling; a Dense layer; max pooling; a corrupt config; a
     classifier head: each a CheckpointError naming the file and what to do."""
@@ -225,6 +253,9 @@ def test_pipelines_this_project_cannot_run_are_named(folders, tmp_path):
         json.dumps(config | {"architectures": ["Qwen3ForSequenceClassification"]})
     )
     with pytest.raises(CheckpointError, match="a classifier"):
+        weights.load(causal)
+    (causal / "config.json").write_text(json.dumps(config | {"is_causal": False}))
+    with pytest.raises(CheckpointError, match="is_causal false"):
         weights.load(causal)
 
 

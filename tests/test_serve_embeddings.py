@@ -72,6 +72,9 @@ def test_openai_embeddings_equal_sentence_transformers(embedder):
     )
     by_one_ids = c.embeddings.create(model="tiny", input=ids[3]).data[0].embedding
     torch.testing.assert_close(torch.tensor(by_one_ids), want[3], rtol=0, atol=1e-5)
+    many = c.embeddings.create(model="tiny", input=TEXTS * 26).data  # 130: three slices of 64
+    got = torch.tensor([d.embedding for d in many])
+    torch.testing.assert_close(got, want.repeat(26, 1), rtol=0, atol=1e-5)
 
 
 def test_dimensions_cut_and_renormalize_and_base64_is_the_same_floats(embedder):
@@ -119,6 +122,9 @@ def test_bad_embedding_requests_fail_alone_by_name(embedder):
         assert r.json()["error"]["param"] == param, (body, r.text)
     cut = post(url, "/v1/embeddings", {"input": ["dog " * 300], "truncate": True})
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 256
+    want = reference(folder, ["dog " * 300], max_len=256)[0]  # its closing token kept, as here
+    got = torch.tensor(cut.json()["data"][0]["embedding"])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     r = post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert r.status_code == 400 and NO_HEAD[:40] in r.json()["error"]["message"]
     r = post(url, "/v1/rerank", {"query": "q", "documents": ["d"]})
@@ -172,6 +178,30 @@ def test_rerank_scores_equal_the_formula_with_hf_transformers(reranker):
     assert len(got) == 2 and "document" not in got[0]
     assert [x["index"] for x in got] == sorted(range(4), key=lambda i: -mine[i])[:2]
     assert abs(got[0]["relevance_score"] - mine[got[0]["index"]]) < 1e-5
+
+
+def test_rerank_truncates_a_long_document_and_keeps_the_prompt_format(reranker):
+    """A document over the context: refused naming it, or with truncate its end is cut and the
+    score is the formula's on the cut prompt (the assistant suffix kept)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    url, folder = reranker
+    docs = ["the fox", "hello world " * 300]
+    r = post(url, "/v1/rerank", {"query": "fox", "documents": docs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents[1]", r.text
+    r = post(url, "/v1/rerank", {"query": "fox", "documents": docs, "truncate": True})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(folder)
+    head = tok.encode(RERANK_PREFIX, add_special_tokens=False)
+    tail = tok.encode(RERANK_SUFFIX, add_special_tokens=False)
+    body = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: fox\n<Document>: {docs[1]}"
+    ids = head + tok.encode(body, add_special_tokens=False)[: 1024 - len(head) - len(tail)] + tail
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    logits = model(torch.tensor([ids])).logits[0, -1]
+    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+    want = logits[[no, yes]].softmax(-1)[1].item()
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert abs(got[1] - want) < 1e-5 and r.json()["usage"]["prompt_tokens"] <= 2 * 1024
 
 
 def test_a_generative_model_without_pooling_files_says_how_to_serve_embeddings(reranker):
