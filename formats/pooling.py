@@ -1,6 +1,6 @@
 """How an embedding checkpoint turns a text into one vector, read from the files
 sentence-transformers saves beside the weights (the published layout of Qwen3-Embedding and
-and the rest):
+the rest):
 
     modules.json               [Transformer, Pooling, Normalize]: the pipeline, in order
     1_Pooling/config.json      which token's state is the vector: the last, the first (cls), or
