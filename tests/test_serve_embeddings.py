@@ -1,6 +1,6 @@
 """serve.py's /v1/embeddings and /v1/rerank (server/embeddings.py) through the clients people point
-at them: the `openai` SDK (texts, token ids, `dimensions`, base64) and LangChain's
-OpenAIEmbeddings, against sentence-transformers on a tiny qwen3 embedding checkpoint built here;
+at them: the `openai` SDK (texts, token ids, `dimensions`, base64), LangChain's
+OpenAIEmbeddings and LlamaIndex's OpenAILikeEmbedding, against sentence-transformers on a tiny qwen3 embedding checkpoint built here;
 rerank scores against the formula computed with HF transformers on the same weights; bad input
 refused by name with nothing else affected."""
 
@@ -103,6 +103,18 @@ def test_langchain_openai_embeddings(embedder):
     want = reference(folder, TEXTS)
     torch.testing.assert_close(torch.tensor(lc.embed_documents(TEXTS)), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(lc.embed_query(TEXTS[2])), want[2], rtol=0, atol=1e-5)
+
+
+def test_llama_index_openai_like_embedding(embedder):
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+    url, folder = embedder
+    li = OpenAILikeEmbedding(model_name="tiny", api_base=url + "/v1", api_key=KEY)
+    want = reference(folder, TEXTS)
+    got = torch.tensor(li.get_text_embedding_batch(TEXTS))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    query = torch.tensor(li.get_query_embedding(TEXTS[4]))
+    torch.testing.assert_close(query, want[4], rtol=0, atol=1e-5)
 
 
 def test_bad_embedding_requests_fail_alone_by_name(embedder):
