@@ -1,8 +1,8 @@
 """serve.py's /v1/embeddings and /v1/rerank (server/embeddings.py) through the clients people point
-at them: the `openai` SDK (texts, token ids, `dimensions`, base64), LangChain's
-OpenAIEmbeddings and LlamaIndex's OpenAILikeEmbedding, against sentence-transformers on a tiny qwen3 embedding checkpoint built here;
-rerank scores against the formula computed with HF transformers on the same weights; bad input
-refused by name with nothing else affected."""
+at them: the `openai` SDK (texts, token ids, `dimensions`, base64), LangChain's OpenAIEmbeddings
+and LlamaIndex's OpenAILikeEmbedding, against sentence-transformers on a tiny qwen3 embedding
+checkpoint built here; rerank scores against the formula computed with HF transformers on the
+same weights; bad input refused by name with nothing else affected."""
 
 import base64
 
