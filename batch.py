@@ -42,6 +42,7 @@ from formats.pooling import encode_input, finish, read_spec
 from runtime import log
 from server.engine_flags import add_engine_args, check_engine_args, engine_options
 from server.tp_engine import load_engine  # one process, or tensor-parallel under torchrun
+from speedups.kv_tier import keep_pool
 
 REQUEST_KEYS = (
     "id",
@@ -155,6 +156,8 @@ def summary(requests, failed: int, metrics: dict, elapsed: float) -> dict:
         "peak_running": st["peak_running"],
         "draft_tokens": st["draft_tokens"],
         "draft_tokens_accepted": st["draft_tokens_accepted"],
+        "tier_tokens_hit": st["tier_tokens_hit"],
+        "tier_blocks_written": st.get("tier_blocks_written", 0),
     }
 
 
@@ -172,6 +175,11 @@ def summary_line(s: dict) -> str:
         f"prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}% | "
         f"preemptions {s['preemptions']} | peak running {s['peak_running']}"
     )
+    if s["tier_tokens_hit"] or s["tier_blocks_written"]:
+        line += (
+            f" | KV tier: {s['tier_tokens_hit']} prompt tokens loaded, "
+            f"{s['tier_blocks_written']} blocks written"
+        )
     if s["draft_tokens"]:
         line += (
             f" | drafts accepted {s['draft_tokens_accepted']} of {s['draft_tokens']} "
@@ -236,6 +244,7 @@ def main(argv=None) -> int:
                 finished.append(event.request)
                 bar.update(1)
     bar.close()
+    keep_pool(engine)  # a disk tier (--kv_disk_cache) keeps the pool's prefixes for the next run
     log(summary_line(summary(finished, failed, engine.metrics(), time.perf_counter() - start)))
     return 0
 

@@ -142,10 +142,12 @@ class Engine:
         batch_invariant: bool = False,
         window_blocks: int = None,
         speculate=None,
+        tier=None,
     ):
         """An engine with its own KV pools (memory.pools) and prompt scoring; speculate: a proposer
         (prompt_lookup.PromptLookup, draft_model.DraftModel: `propose(seqs, max_model_len)` sets
-        each seq.draft, at most `k` tokens, and seq.draft_probs) or None."""
+        each seq.draft, at most `k` tokens, and seq.draft_probs) or None; tier: a second tier for
+        evicted prefix blocks (speedups/kv_tier.py) or None."""
         allocator, windows, cache = pools(
             model,
             num_blocks,
@@ -161,7 +163,14 @@ class Engine:
             block_size, capacity=min(num_blocks, 8192) if allocator.prefix_caching else 0
         )
         scheduler = Scheduler(
-            allocator, max_num_seqs, max_num_batched_tokens, policy, reserve_tokens, scores, windows
+            allocator,
+            max_num_seqs,
+            max_num_batched_tokens,
+            policy,
+            reserve_tokens,
+            scores,
+            windows,
+            tier,
         )
         return cls(
             model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate
@@ -248,6 +257,7 @@ class Engine:
         waited = sorted(self.queue_times)
         return {
             **s.stats,
+            **(s.tier.stats if s.tier else {}),
             **self.drafted,
             "requests": len(self.requests),
             "kv_blocks_total": sum(a.num_blocks - 1 for a in s.pools),
@@ -294,6 +304,11 @@ class Engine:
         )  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
         self._note_admitted(plan)
+        for h, parent, tokens, block in plan.saves:  # evicted: out to the tier before any write
+            self.scheduler.tier.put(h, parent, tokens, *self.cache.block_kv(block))
+        for block, (k, v) in plan.loads:  # the tier's blocks of admitted prefixes, in
+            self.cache.load_block(block, k, v)
+        self.scheduler.loaded(plan)
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst, pool)
         if plan.runs:

@@ -50,7 +50,9 @@ block others reference copies it first (copy-on-write): `n > 1` samples share a 
 """
 
 import contextlib
+import hashlib
 import heapq
+from array import array
 from collections import deque
 
 import torch
@@ -105,6 +107,9 @@ class BlockAllocator:
         self.clock = 0
         self.evictable = []  # heap of (last_used, block); entries that went stale are skipped
         self.num_cached_unused = 0  # cached blocks with ref 0
+        # (hash, parent hash, tokens, block) of each cached block evicted since the scheduler last
+        # took them, when a second tier keeps them (speedups/kv_tier.py); None: not kept
+        self.evicted = None
 
     # -- counting ------------------------------------------------------------------------------
     def num_available(self) -> int:
@@ -142,6 +147,8 @@ class BlockAllocator:
         while self.evictable:
             used, block = heapq.heappop(self.evictable)
             if self._is_evictable_leaf(block) and self.last_used[block] == used:
+                if self.evicted is not None:  # its bytes are copied out before anything writes
+                    self.evicted.append((self.hash_of[block], *self.key[block], block))
                 self._uncache(block)
                 return block
         raise NoFreeBlocks("no free KV blocks")
@@ -188,7 +195,11 @@ class BlockAllocator:
     # -- prefix cache --------------------------------------------------------------------------
     @staticmethod
     def chain_hash(parent_hash, tokens) -> int:
-        return hash((parent_hash, tuple(tokens)))
+        """A 128-bit name for a block of `tokens` after the prefix named `parent_hash`: the same in
+        every process (Python's hash() of None is not), so a disk tier's files keep their names."""
+        head = b"" if parent_hash is None else parent_hash.to_bytes(16, "little")
+        data = head + array("q", tokens).tobytes()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
     def lookup_prefix(self, tokens, max_blocks: int):
         """The cached blocks holding the longest cached prefix of `tokens`, up to max_blocks
@@ -340,6 +351,16 @@ class PagedKVCache:
             yield self
         finally:
             self.groups = None
+
+    def block_kv(self, block: int):
+        """One block of every layer, what a second tier keeps (speedups/kv_tier.py): (k [layers,
+        Hkv, D, block_size], v [layers, block_size, Hkv, D])."""
+        return torch.stack([k[block] for k in self.k]), torch.stack([v[block] for v in self.v])
+
+    def load_block(self, block: int, k, v):
+        """block_kv's tensors back into `block` of every layer."""
+        for layer in range(len(self.k)):
+            self.k[layer][block], self.v[layer][block] = k[layer], v[layer]
 
     def copy_block(self, src: int, dst: int, pool: int = 0):
         """Copy-on-write: dst gets src's K/V in every layer of that pool (1: a hybrid's windowed

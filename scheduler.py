@@ -47,21 +47,21 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 
 @dataclass
 class Plan:
-    runs: dict = field(
-        default_factory=dict
-    )  # sequence -> tokens to compute this step (decodes first)
-    copies: list = field(
-        default_factory=list
-    )  # (source block, destination block, pool): copy before the forward
-    ended: list = field(
-        default_factory=list
-    )  # sequences finished at "length": alone, they still do not fit
-    forks: list = field(
-        default_factory=list
-    )  # (sequence, its new twins): the engine forks n samples here
-    drafts: dict = field(
-        default_factory=dict
-    )  # decoding sequence -> its draft tokens computed after its last one
+    # sequence -> tokens to compute this step (decodes first)
+    runs: dict = field(default_factory=dict)
+    # (source block, destination block, pool): copy before the forward
+    copies: list = field(default_factory=list)
+    # sequences finished at "length": alone, they still do not fit
+    ended: list = field(default_factory=list)
+    # (sequence, its new twins): the engine forks n samples here
+    forks: list = field(default_factory=list)
+    # decoding sequence -> its draft tokens computed after its last one
+    drafts: dict = field(default_factory=dict)
+    # a second tier (speedups/kv_tier.py): blocks evicted this step, (hash, parent hash, tokens,
+    # block), to copy out before anything writes; (block, (k, v)) to load in, each held by the
+    # plan until loaded
+    saves: list = field(default_factory=list)
+    loads: list = field(default_factory=list)
 
 
 class Scheduler:
@@ -82,6 +82,7 @@ class Scheduler:
         reserve_tokens: int = None,
         scores=None,
         window_allocator=None,
+        tier=None,
     ):
         if policy not in ("fcfs", "lpm", "priority"):
             raise ValueError(f"schedule policy must be fcfs, lpm or priority, got {policy!r}")
@@ -108,7 +109,16 @@ class Scheduler:
             prompt_tokens=0,
             prompt_tokens_hit=0,
             peak_running=0,
+            tier_tokens_hit=0,
         )
+        self.tier = tier  # a second tier for evicted prefix blocks: fetch(hash, parent, tokens)
+        if tier is not None:
+            if window_allocator is not None:
+                raise ValueError(
+                    "the KV tier keeps full-attention blocks; a hybrid model's windowed pool is "
+                    "not kept yet: leave out --kv_disk_cache / --kv_host_cache"
+                )
+            allocator.evicted = []
 
     def add(self, seq):
         if self.policy == "priority":  # before every waiting request of a later rank
@@ -143,6 +153,8 @@ class Scheduler:
         budget = self._admit(plan, budget)  # phase 2
         self._top_up(plan, budget)  # phase 3
         plan.drafts = {s: d for s, d in plan.drafts.items() if s in plan.runs}  # not the preempted
+        if self.tier is not None:  # what eviction took, to copy out before the step writes
+            plan.saves, self.allocator.evicted = self.allocator.evicted, []
         if plan.runs:
             self._count_step()
         return plan
@@ -223,6 +235,7 @@ class Scheduler:
                     break
                 budget += sum(plan.runs.pop(s, 0) for s in freed)
             self._share_prefix(seq)
+            self._from_tier(seq, plan)
             reserve = (self.reserve_tokens or 0) - seq.num_computed
             n = min(len(seq.tokens) - seq.num_computed, budget)
             placed = self._ensure_blocks(seq, n, plan, reserve)
@@ -278,6 +291,40 @@ class Scheduler:
             allocator.share(b)
         seq.blocks, seq.window_blocks = tables + [[]] * (2 - len(tables))
         seq.hashes, seq.num_computed = hashes[: reused // bs], reused
+
+    def _from_tier(self, seq, plan):
+        """The blocks of seq's prefix past the pool's hit that the second tier holds: new blocks,
+        named in the prefix cache, loaded by the engine before the forward (the plan holds a
+        reference to each until then, so nothing evicts one before its bytes arrive)."""
+        a, bs = self.allocator, self.block_size
+        if self.tier is None or seq.request.scoring or seq.request.pools_every_token:
+            return
+        i, most, found = len(seq.hashes), (len(seq.tokens) - 1) // bs, []
+        parent = seq.hashes[-1] if seq.hashes else None
+        while seq.num_computed == i * bs and i + len(found) < most:
+            chunk = seq.tokens[(i + len(found)) * bs : (i + len(found) + 1) * bs]
+            h = a.chain_hash(parent, chunk)
+            kv = self.tier.fetch(h, parent, chunk)
+            if kv is None:
+                break
+            found.append((h, parent, chunk, kv))
+            parent = h
+        blocks = a.allocate_many(len(found)) if found else None
+        for (h, parent, chunk, kv), b in zip(found, blocks or ()):
+            a.register(b, parent, chunk, seq.blocks[-1] if seq.blocks else None)
+            a.share(b)  # the plan's reference
+            plan.loads.append((b, kv))
+            seq.blocks.append(b)
+            seq.hashes.append(h)
+        seq.num_computed += len(blocks or ()) * bs
+        self.stats["tier_tokens_hit"] += len(blocks or ()) * bs
+
+    def loaded(self, plan):
+        """After the engine loaded plan.loads into the pool: the plan's references go; and the
+        evicted blocks it copied out are forgotten."""
+        for block, _ in plan.loads:
+            self.allocator.release(block)
+        plan.loads, plan.saves = [], []
 
     def blocks_used(self) -> int:
         return sum(a.num_used() for a in self.pools)

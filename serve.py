@@ -53,6 +53,7 @@ from server.server_limits import (
     fewer_malloc_arenas,
     server_config,
 )
+from speedups.kv_tier import keep_pool
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     )
     threading.Thread(target=server.announce, daemon=True).start()
     server.run()
+    keep_pool(engine)  # drained: a disk tier (--kv_disk_cache) keeps the pool's prefixes too
     return 0
 
 

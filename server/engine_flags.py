@@ -11,9 +11,10 @@ from sequence import POOLINGS
 
 
 def add_engine_args(p):
-    """Every engine flag on the argparse parser p, in three groups."""
+    """Every engine flag on the argparse parser p, in four groups."""
     add_model_args(p)
     add_cache_args(p)
+    add_tier_args(p)
     add_speculation_args(p)
 
 
@@ -105,6 +106,29 @@ def add_cache_args(p):
     )
 
 
+def add_tier_args(p):
+    """A second tier for the prefix cache's evicted blocks (speedups/kv_tier.py)."""
+    p.add_argument(
+        "--kv_disk_cache",
+        default=None,
+        metavar="DIR",
+        help="keep prefix blocks the pool evicts as files in DIR, reloaded instead of recomputed, "
+        "and still there after a restart (speedups/kv_tier.py)",
+    )
+    p.add_argument(
+        "--kv_disk_cache_size",
+        type=parse_size,
+        default=parse_size("20GiB"),
+        help="most bytes --kv_disk_cache keeps, oldest dropped first (default 20GiB)",
+    )
+    p.add_argument(
+        "--kv_host_cache",
+        type=parse_size,
+        default=None,
+        help="keep evicted prefix blocks in host memory instead, e.g. 16GiB (pinned for a GPU)",
+    )
+
+
 def add_speculation_args(p):
     """Speculative decoding inside the engine: drafts by prompt lookup or a draft model."""
     p.add_argument(
@@ -144,6 +168,10 @@ def check_engine_args(p, args):
         p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
     if (args.speculate == "draft") != bool(args.draft_checkpoint):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
+    if args.kv_disk_cache and args.kv_host_cache:
+        p.error("--kv_disk_cache and --kv_host_cache: give one (the second tier is one of them)")
+    if (args.kv_disk_cache or args.kv_host_cache) and args.no_prefix_caching:
+        p.error("the KV tier keeps prefix-cache blocks: it needs prefix caching (drop the --no_)")
     if args.batch_invariant and args.compile in ("jit", "aot"):
         p.error(
             "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); "
@@ -176,4 +204,16 @@ def engine_options(args) -> dict:
         **{n: getattr(args, n) for n in names},
         "compile": args.compile,
         "prefix_caching": not args.no_prefix_caching,
+        "kv_tier": tier_options(args),
+    }
+
+
+def tier_options(args):
+    """--kv_disk_cache / --kv_host_cache as load_one_process's kv_tier, or None."""
+    if not (args.kv_disk_cache or args.kv_host_cache):
+        return None
+    return {
+        "disk": args.kv_disk_cache,
+        "disk_size": args.kv_disk_cache_size,
+        "host": args.kv_host_cache,
     }

@@ -39,6 +39,15 @@ from engine import Finished
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
+TIER_METRICS = (
+    "tier_tokens_hit",
+    "tier_blocks_read",
+    "tier_blocks_written",
+    "tier_blocks_dropped",
+    "tier_bytes",
+)
+
+
 class Over(NamedTuple):
     first: int  # the request's first choice index
     error: str  # None, or why the request failed
@@ -277,4 +286,8 @@ class EngineLoop:
             f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
             f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}",
         ]
+        for key in [k for k in TIER_METRICS if k in m]:  # a second KV tier (speedups/kv_tier.py)
+            kind = "gauge" if key == "tier_bytes" else "counter"
+            name = f"llm_kv_{key}" + ("_total" if kind == "counter" else "")
+            lines += [f"# TYPE {name} {kind}", f"{name} {m[key]}"]
         return "\n".join(lines) + "\n"

@@ -249,10 +249,11 @@ def load_one_process(
     prompt_lookup_min=1,
     prompt_lookup_max=3,
     draft_checkpoint=None,
+    kv_tier=None,
 ):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
-    engine_flags.add_engine_args); logs the memory plan. Then, as generate.py, drops what only
-    loading needed (weights.settle)."""
+    engine_flags.add_engine_args; kv_tier: engine_flags.tier_options'); logs the memory plan.
+    Then, as generate.py, drops what only loading needed (weights.settle)."""
     proposer = (
         PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max)
         if speculate == "prompt_lookup"
@@ -281,12 +282,35 @@ def load_one_process(
         batch_invariant=batch_invariant,
         window_blocks=window_blocks,
         speculate=proposer,
+        tier=make_tier(model, block_size, kv_tier, draft),
     )
     if compile in ("auto", "aot"):
         load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
-        refusal = aot_refusal(engine, speculate, batch_invariant)
-        engine.decode_fn = aot_step(engine, load, compile, refusal)
+        engine.decode_fn = aot_step(engine, load, compile, (speculate, batch_invariant))
     return engine, tokenizer, info
+
+
+def make_tier(model, block_size: int, options, draft):
+    """A second tier for evicted prefix blocks (speedups/kv_tier.py) as --kv_disk_cache and
+    --kv_host_cache ask, logged; None without them."""
+    if not options:
+        return None
+    if draft is not None:
+        raise ValueError(
+            "--speculate draft keeps a pool of its own that the KV tier does not fill; leave out "
+            "--kv_disk_cache / --kv_host_cache, or use --speculate prompt_lookup"
+        )
+    from speedups.kv_tier import DiskTier, HostTier, fingerprint
+
+    if options.get("disk"):
+        fp = fingerprint(model, block_size, model.norm.weight.dtype)
+        tier = DiskTier(options["disk"], options["disk_size"], fp)
+        held, most = human(tier.stats["tier_bytes"]), human(tier.capacity)
+        log(f"KV disk tier: {tier.root}, {held} of {most} held")
+        return tier
+    pin = model.norm.weight.device.type == "cuda"
+    log(f"KV host tier: {human(options['host'])}" + (" (pinned)" if pin else ""))
+    return HostTier(options["host"], pin)
 
 
 def load_models(checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint):
@@ -366,19 +390,36 @@ def aot_refusal(engine, speculate, batch_invariant):
     )
 
 
-def aot_step(engine, load: dict, compile: str, refusal):
+def aot_step(engine, load: dict, compile: str, flags):
     """--compile auto|aot: the engine's decode-only steps as speedups/aot.py's paged package (built
     once, in a child process, cached on disk); None (eager) where it cannot serve: quietly for what
-    the flags rule out, with the reason in one line for a failed build. --compile aot raises
-    instead."""
+    the flags (speculate, batch_invariant) rule out, with the reason in one line for a failed
+    build. --compile aot raises instead."""
     from speedups import aot
 
+    refusal = aot_refusal(engine, *flags)
     if refusal:
         if compile == "aot":
             raise ValueError(f"--compile aot: {refusal}")
         return None
     step = aot.decode_step(engine.model, engine.cache, load, fallback=compile == "auto")
     return step if isinstance(step, aot.AotDecode) else None
+
+
+def refuse_under_torchrun(options):
+    """ValueError naming the first flag the tensor-parallel engine does not run."""
+    flags = {
+        "compile": "--compile",
+        "speculate": "--speculate",
+        "kv_tier": "--kv_disk_cache / --kv_host_cache",
+        "batch_invariant": "--batch_invariant",
+    }
+    for key, flag in flags.items():
+        value = options.get(key)
+        if value and (key != "compile" or value in ("jit", "aot", True)):
+            raise ValueError(
+                f"{flag} does not run tensor-parallel engine steps yet; leave it out under torchrun"
+            )
 
 
 def load_engine(**options):
@@ -390,19 +431,7 @@ def load_engine(**options):
 
     rank, world = tp.init(TIMEOUT_S)
     check_same_options(options)
-    if options.get("compile") in ("jit", "aot", True):
-        raise ValueError(
-            "--compile does not run tensor-parallel engine steps; leave it out under torchrun"
-        )
-    if options.get("speculate"):
-        raise ValueError(
-            "--speculate does not run tensor-parallel engine steps yet; leave it out under torchrun"
-        )
-    if options.get("batch_invariant"):
-        raise ValueError(
-            "--batch_invariant does not run tensor-parallel engine steps; leave it out under "
-            "torchrun"
-        )
+    refuse_under_torchrun(options)
     device = pick_device(options.get("device"))
     device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
     model, info = weights.load_for_inference(

@@ -50,7 +50,7 @@ FLOORS = {
         5: ["hf_folder"],
     },
     "speedups": {
-        1: ["kv_int8", "kv_window", "prompt_lookup"],
+        1: ["kv_int8", "kv_tier", "kv_window", "prompt_lookup"],
         2: ["aot_export", "draft_model"],
         3: ["aot"],
     },

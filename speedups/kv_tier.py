@@ -1,0 +1,255 @@
+"""A second tier for the prefix cache: KV blocks the pool evicts are kept (in host memory, or in a
+folder on disk) and loaded back into the pool when a prompt's prefix misses the pool but hits the
+tier, instead of being computed again; on disk they outlive the process.
+
+    engine = Engine.for_model(model, num_blocks=512, tier=DiskTier("kv", 20 * 2**30, fp))
+    python serve.py --kv_disk_cache ~/.cache/llm-kv --kv_disk_cache_size 20GiB
+
+A block is named by the prefix cache's chained hash (paged.BlockAllocator.chain_hash: stable
+across processes), so equal names mean equal whole prefixes; an entry also holds its parent's hash
+and its own tokens, checked on every read, so a collision is a miss. Its size is the pool's:
+
+    bytes per block = 2 * layers * kv_heads * head_dim * block_size * bytes per element
+    (SmolLM2-135M in bf16: 30 * 2 * 3 * 64 * 16 * 2 = 368,640 bytes, 23 KiB a token)
+
+The scheduler (host only) asks `fetch` while admitting a request and plans the loads; the engine
+copies evicted blocks out (`put`) and loaded ones in before the step's forward. A folder's files
+are written by a thread of their own (a step never waits on the disk: a full queue drops the
+block, counted), each as safetensors (never a pickle) with a fingerprint of the model and layout
+and a CRC32 of its bytes: a file from another model, block size or dtype, truncated or corrupt, is
+skipped with one warning and removed. Files are replaced atomically (written aside, renamed), so
+two processes may share a folder; each keeps it within its size, oldest first.
+"""
+
+import json
+import os
+import queue
+import threading
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from runtime import log
+
+VERSION = 1  # the file layout's: a file of another version is skipped
+
+
+def fingerprint(model, block_size: int, kv_dtype) -> str:
+    """What a block's bytes depend on: the weights (a sample of every tensor's leading values,
+    and every shape), the config, the block size and the KV dtype. 16 hex digits."""
+    import hashlib
+    from dataclasses import asdict
+
+    h = hashlib.blake2b(digest_size=8)
+    config = asdict(model.config)
+    h.update(json.dumps([config, block_size, str(kv_dtype), VERSION], default=str).encode())
+    for name, t in model.state_dict().items():
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class HostTier:
+    """Blocks kept in host memory (pinned when the pool is on a GPU), least recently used dropped
+    beyond `capacity` bytes."""
+
+    def __init__(self, capacity: int, pin: bool = False):
+        self.capacity, self.pin, self.entries = capacity, pin, OrderedDict()
+        self.stats = dict(tier_blocks_written=0, tier_blocks_read=0, tier_bytes=0)
+
+    def put(self, h: int, parent, tokens, k, v):
+        """A block evicted from the pool: k, v its tensors, copied to the host here."""
+        if h in self.entries:
+            self.entries.move_to_end(h)
+            return
+        k, v = (t.to("cpu").pin_memory() if self.pin else t.to("cpu", copy=True) for t in (k, v))
+        self.entries[h] = (parent, tuple(tokens), k, v)
+        self.stats["tier_bytes"] += _nbytes(k, v)
+        self.stats["tier_blocks_written"] += 1
+        while self.stats["tier_bytes"] > self.capacity and self.entries:
+            *_, k0, v0 = self.entries.popitem(last=False)[1]
+            self.stats["tier_bytes"] -= _nbytes(k0, v0)
+
+    def fetch(self, h: int, parent, tokens):
+        """(k, v) of the block with this name, parent and tokens, or None."""
+        entry = self.entries.get(h)
+        if entry is None or entry[:2] != (parent, tuple(tokens)):
+            return None
+        self.entries.move_to_end(h)
+        self.stats["tier_blocks_read"] += 1
+        return entry[2:]
+
+    def close(self):
+        pass  # (host memory ends with the process)
+
+
+class DiskTier:
+    """Blocks as files in `folder`/<fingerprint>/, at most `capacity` bytes, written by a thread."""
+
+    def __init__(self, folder, capacity: int, fingerprint: str, max_queued: int = 256):
+        self.root = Path(folder) / fingerprint
+        self.capacity, self.fp = capacity, fingerprint
+        self.stats = dict(
+            tier_blocks_written=0, tier_blocks_read=0, tier_blocks_dropped=0, tier_bytes=0
+        )
+        self.warned, self.broken = set(), None
+        self.lock = threading.Lock()  # `files` and `stats`: the writer thread's and the engine's
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            self.broken = f"{self.root} cannot be written ({e})"
+            log(f"warning: the KV disk tier is off: {self.broken}")
+        self.files = OrderedDict()  # hash -> bytes, oldest first
+        for p in sorted(self.root.glob("*.safetensors"), key=_mtime):
+            self._index(p)
+        self.todo = queue.Queue(max_queued)
+        self.writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-tier")
+        self.writer.start()
+
+    def _index(self, path: Path):
+        try:
+            h, size = int(path.stem, 16), path.stat().st_size
+        except (ValueError, OSError):
+            return
+        with self.lock:
+            self.files[h] = size
+            self.stats["tier_bytes"] += size
+
+    def put(self, h: int, parent, tokens, k, v):
+        """Queue a block for writing (its tensors copied now); dropped, counted, if the writer is
+        behind or the folder cannot be written."""
+        if self.broken or h in self.files:  # (a stale answer only writes a block twice)
+            return
+        try:
+            self.todo.put_nowait((h, parent, list(tokens), k.to("cpu", copy=True), v.to("cpu")))
+        except queue.Full:
+            self.stats["tier_blocks_dropped"] += 1
+
+    def fetch(self, h: int, parent, tokens):
+        """(k, v) of the block with this name, parent and tokens from its file, or None (a file
+        that fails a check is removed, with one warning per kind of failure)."""
+        with self.lock:
+            if h not in self.files:
+                return None
+        path = self.root / f"{h:032x}.safetensors"
+        try:
+            k, v, meta = _read(path)
+            why = _mismatch(meta, self.fp, parent, tokens, k, v)
+        except Exception as e:  # truncated, corrupt, gone: all a miss
+            why = f"unreadable ({type(e).__name__})"
+        if why:
+            self._drop(h, path, why)
+            return None
+        with self.lock:
+            if h in self.files:
+                self.files.move_to_end(h)
+            self.stats["tier_blocks_read"] += 1
+        return k, v
+
+    def _drop(self, h: int, path: Path, why: str):
+        kind = why.split(" ")[0]
+        if kind not in self.warned:
+            self.warned.add(kind)
+            log(f"warning: KV disk tier: skipped {path.name}: {why} (said once per kind)")
+        with self.lock:
+            self.stats["tier_bytes"] -= self.files.pop(h, 0)
+        path.unlink(missing_ok=True)
+
+    def _write_loop(self):
+        while True:
+            item = self.todo.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+            except OSError as e:  # disk full, folder gone or read-only: serve on without it
+                self.broken = f"writing to {self.root} failed ({e})"
+                log(f"warning: the KV disk tier is off: {self.broken}")
+            finally:
+                self.todo.task_done()
+
+    def _write(self, h, parent, tokens, k, v):
+        from safetensors.torch import save_file
+
+        meta = {
+            "fingerprint": self.fp,
+            "version": str(VERSION),
+            "parent": str(parent),
+            "tokens": json.dumps(tokens),
+            "crc32": str(_crc(k, v)),
+        }
+        path, tmp = self.root / f"{h:032x}.safetensors", self.root / f".{h:032x}.{os.getpid()}"
+        save_file({"k": k.contiguous(), "v": v.contiguous()}, tmp, metadata=meta)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+        gone = []
+        with self.lock:
+            self.files[h] = path.stat().st_size
+            self.stats["tier_bytes"] += self.files[h]
+            self.stats["tier_blocks_written"] += 1
+            while self.stats["tier_bytes"] > self.capacity and len(self.files) > 1:
+                old, size = self.files.popitem(last=False)
+                self.stats["tier_bytes"] -= size
+                gone.append(old)
+        for old in gone:
+            (self.root / f"{old:032x}.safetensors").unlink(missing_ok=True)
+
+    def flush(self):
+        """Wait until every queued block is on disk."""
+        self.todo.join()
+
+    def close(self):
+        self.flush()
+        self.todo.put(None)
+
+
+def keep_pool(engine):
+    """At the end of a run: every block the pool still caches into the engine's tier too (the
+    tier held only what was evicted), then the tier closed: a restart finds them all."""
+    tier, a = engine.scheduler.tier, engine.scheduler.allocator
+    if tier is None:
+        return
+    for block, h in list(a.hash_of.items()):
+        tier.put(h, *a.key[block], *engine.cache.block_kv(block))
+    tier.close()
+
+
+def _read(path: Path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("k"), f.get_tensor("v"), f.metadata() or {}
+
+
+def _mismatch(meta: dict, fp: str, parent, tokens, k, v) -> str:
+    """Why a file's block cannot be used for (parent, tokens) here, or "" if it can."""
+    if meta.get("fingerprint") != fp or meta.get("version") != str(VERSION):
+        return "foreign (another model, block size, KV dtype or file version)"
+    if meta.get("parent") != str(parent) or json.loads(meta.get("tokens", "null")) != list(tokens):
+        return "collision (another prefix under the same name)"
+    if meta.get("crc32") != str(_crc(k, v)):
+        return "corrupt (its checksum does not match its bytes)"
+    return ""
+
+
+def _crc(k, v) -> int:
+    return zlib.crc32(_bytes(v), zlib.crc32(_bytes(k)))
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def _nbytes(k, v) -> int:
+    return k.numel() * k.element_size() + v.numel() * v.element_size()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

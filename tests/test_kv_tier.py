@@ -1,0 +1,198 @@
+"""The second tier under the prefix cache (speedups/kv_tier.py): evicted blocks kept in host
+memory or on disk and loaded back instead of recomputed. Greedy float32 outputs with the tier
+equal the outputs without it under eviction pressure (n = 1 and 2) and across a restart; bad files
+(corrupt, truncated, another model's) are skipped with one warning each and their requests
+computed right; a folder that cannot be written, or a disk that fills, leaves the engine serving
+without the tier; a slow disk never holds a step; the flags refuse what the tier cannot serve."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hf_model, save_hf, tiny_checkpoint
+
+import batch
+from engine import Engine, RequestParams
+from formats import weights
+from speedups import kv_tier
+from speedups.kv_tier import DiskTier, HostTier, fingerprint
+
+GREEDY = RequestParams(max_new_tokens=6, temperature=0)
+HEADS = [list(range(10 + i, 74 + i)) for i in range(6)]  # six 64-token heads: 4 blocks each
+PROMPTS = [h + [200 + j] for h in HEADS for j in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("tier"), arch="llama3")
+    model, _ = weights.load(folder, dtype=torch.float32)
+    reference = Engine.for_model(model, num_blocks=400).run_batch(PROMPTS, GREEDY)
+    return folder, model, [r["tokens"] for r in reference]
+
+
+def small_engine(model, tier):
+    """A pool of 11 usable blocks: two requests of five blocks each fit, the six heads do not."""
+    return Engine.for_model(
+        model, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=64, tier=tier
+    )
+
+
+def one_by_one(engine, prompts, params=GREEDY) -> list:
+    return [engine.run_batch([p], params)[0]["tokens"] for p in prompts]
+
+
+def disk(model, folder, **kw):
+    return DiskTier(folder, 2**30, fingerprint(model, 16, torch.float32), **kw)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_outputs_equal_with_the_tier_under_eviction_pressure(tiny, tmp_path, kind):
+    """Twice through the six heads, one request at a time: the pool keeps about two, so the second
+    pass finds the rest in the tier (loaded, not computed) and gives the same tokens."""
+    _, model, want = tiny
+    tier = HostTier(2**30) if kind == "host" else disk(model, tmp_path)
+    engine = small_engine(model, tier)
+    first = one_by_one(engine, PROMPTS)
+    hit_before = engine.metrics()["tier_tokens_hit"]
+    getattr(tier, "flush", lambda: None)()
+    second = one_by_one(engine, PROMPTS)
+    assert first == want and second == want
+    m = engine.metrics()
+    assert m["tier_tokens_hit"] - hit_before >= 4 * 64, m  # at least four heads came back
+    assert m["tier_blocks_written"] > 0 and m["tier_blocks_read"] > 0
+
+
+def test_samples_of_n_2_equal_with_the_tier(tiny, tmp_path):
+    _, model, _ = tiny
+    sampled = RequestParams(max_new_tokens=5, temperature=0.8, n=2, seed=3)
+    plain = Engine.for_model(model, num_blocks=400)
+    want = [plain.run_batch([p], sampled)[0]["tokens"] for p in PROMPTS]
+    tier = disk(model, tmp_path)
+    engine = small_engine(model, tier)
+    one_by_one(engine, PROMPTS, sampled)
+    tier.flush()
+    assert one_by_one(engine, PROMPTS, sampled) == want
+    assert engine.metrics()["tier_tokens_hit"] > 0
+
+
+def test_a_restart_reloads_every_head_from_disk(tiny, tmp_path):
+    _, model, want = tiny
+    tier = disk(model, tmp_path)
+    engine = small_engine(model, tier)
+    one_by_one(engine, PROMPTS)
+    kv_tier.keep_pool(engine)  # what the pool still holds goes to disk too, as batch.py's end
+    again = small_engine(model, disk(model, tmp_path))  # a new pool, the same folder
+    assert one_by_one(again, PROMPTS) == want
+    assert again.metrics()["tier_tokens_hit"] == 6 * 64  # every head, its first time
+
+
+def test_bad_files_are_skipped_with_one_warning_each(tiny, tmp_path, capfd):
+    """Corrupt bytes, a truncated file, another model's file under this name: each a miss (the
+    request computes its head and gives the same tokens), said once, the file removed (and
+    written again, whole, when the recomputed block is evicted)."""
+    _, model, want = tiny
+    engine = small_engine(model, disk(model, tmp_path))
+    one_by_one(engine, PROMPTS)
+    kv_tier.keep_pool(engine)
+    tier = engine.scheduler.tier
+    files = sorted(tier.root.glob("*.safetensors"))
+    assert len(files) >= 12
+    corrupt, short, foreign = files[:3]
+    data = bytearray(corrupt.read_bytes())
+    data[-8:] = bytes(8)
+    corrupt.write_bytes(bytes(data))
+    short.write_bytes(short.read_bytes()[:100])
+    other = DiskTier(tmp_path / "other", 2**30, "0" * 16)  # another fingerprint's file
+    k, v = small_engine(model, None).cache.block_kv(1)
+    meta_src = kv_tier._read(foreign)[2]
+    other._write(
+        int(foreign.stem, 16), int(meta_src["parent"]), json.loads(meta_src["tokens"]), k, v
+    )
+    foreign.write_bytes((other.root / foreign.name).read_bytes())
+    capfd.readouterr()
+    again = small_engine(model, disk(model, tmp_path))
+    assert one_by_one(again, PROMPTS) == want
+    err = capfd.readouterr().err
+    for kind in ("corrupt", "unreadable", "foreign"):
+        assert err.count(f": {kind}") == 1, err
+    for path in (corrupt, short, foreign):  # removed, or written again whole when re-evicted
+        assert not path.exists() or kv_tier._read(path)[2]["fingerprint"] == tier.fp
+
+
+def test_a_folder_that_cannot_be_written_or_fills_up_leaves_the_engine_serving(
+    tiny, tmp_path, capfd, monkeypatch
+):
+    _, model, want = tiny
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    tier = disk(model, blocked)  # its folder cannot be made
+    assert one_by_one(small_engine(model, tier), PROMPTS) == want
+    assert "the KV disk tier is off" in capfd.readouterr().err
+    assert tier.stats["tier_blocks_written"] == 0
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    tier = disk(model, tmp_path / "full")
+    engine = small_engine(model, tier)
+    assert one_by_one(engine, PROMPTS) == want
+    tier.flush()
+    assert one_by_one(engine, PROMPTS) == want
+    assert "No space left on device" in capfd.readouterr().err and tier.broken
+
+
+def test_a_slow_disk_never_holds_a_step(tiny, tmp_path, monkeypatch):
+    """Each write takes 0.3 s: the engine's run does not wait for them (the writer's queue of 2
+    drops what it cannot take, counted)."""
+    _, model, want = tiny
+    slow = DiskTier._write
+
+    def crawl(self, *a):
+        time.sleep(0.3)
+        slow(self, *a)
+
+    monkeypatch.setattr(DiskTier, "_write", crawl)
+    tier = disk(model, tmp_path, max_queued=2)
+    engine = small_engine(model, tier)
+    start = time.perf_counter()
+    assert one_by_one(engine, PROMPTS) + one_by_one(engine, PROMPTS) == want + want
+    took = time.perf_counter() - start
+    written = tier.stats["tier_blocks_written"] + tier.stats["tier_blocks_dropped"]
+    assert tier.stats["tier_blocks_dropped"] > 0 and took < 0.3 * written, (took, tier.stats)
+    tier.close()
+
+
+def test_what_the_tier_cannot_serve_is_refused_by_name(tiny, tmp_path):
+    folder, model, _ = tiny
+    hybrid = hf_model("qwen2_windows")
+    hybrid_model, _ = weights.load(save_hf(hybrid, tmp_path / "hybrid"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="windowed pool"):
+        Engine.for_model(hybrid_model, num_blocks=40, window_blocks=40, tier=HostTier(2**20))
+    args = ["--requests", "-", "--checkpoint", str(folder)]
+    with pytest.raises(SystemExit):
+        batch.parse_args(args + ["--kv_disk_cache", "x", "--no_prefix_caching"])
+    with pytest.raises(SystemExit):
+        batch.parse_args(args + ["--kv_disk_cache", "x", "--kv_host_cache", "1GiB"])
+
+
+def test_batch_py_finds_a_previous_runs_heads_on_disk(tiny, tmp_path, capsys, monkeypatch):
+    """batch.py --kv_disk_cache twice over the same heads: the second run's requests load them."""
+    folder, _, want = tiny
+    lines = [json.dumps({"id": i, "prompt": p, "max_new_tokens": 6, "temperature": 0})
+             for i, p in enumerate(PROMPTS)]  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "kv"
+    argv = ["--requests", str(path), "--checkpoint", str(folder), "--dtype", "float32"]
+    argv += ["--num_blocks", "12", "--max_num_seqs", "2", "--max_num_batched_tokens", "64"]
+    argv += ["--kv_disk_cache", str(cache), "--compile", "off"]
+    for run in range(2):
+        assert batch.main(argv) == 0
+        out = capsys.readouterr()
+        got = {o["id"]: o["tokens"] for o in map(json.loads, out.out.strip().splitlines())}
+        assert [got[i] for i in range(len(PROMPTS))] == want
+    assert "KV tier: 384 prompt tokens loaded" in out.err, out.err[-400:]  # 6 heads x 64
+    assert any(Path(cache).rglob("*.safetensors"))
