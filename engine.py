@@ -172,6 +172,8 @@ class Engine:
             windows,
             tier,
         )
+        if tier is not None:  # what a loaded block must look like (speedups/kv_tier.py)
+            tier.expected = tuple((t.shape, t.dtype) for t in cache.block_kv(0))
         return cls(
             model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate
         )

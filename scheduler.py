@@ -301,7 +301,8 @@ class Scheduler:
             return
         i, most, found = len(seq.hashes), (len(seq.tokens) - 1) // bs, []
         parent = seq.hashes[-1] if seq.hashes else None
-        while seq.num_computed == i * bs and i + len(found) < most:
+        room = a.num_available()
+        while seq.num_computed == i * bs and i + len(found) < most and len(found) < room:
             chunk = seq.tokens[(i + len(found)) * bs : (i + len(found) + 1) * bs]
             h = a.chain_hash(parent, chunk)
             kv = self.tier.fetch(h, parent, chunk)
@@ -320,8 +321,7 @@ class Scheduler:
         self.stats["tier_tokens_hit"] += len(blocks or ()) * bs
 
     def loaded(self, plan):
-        """After the engine loaded plan.loads into the pool: the plan's references go; and the
-        evicted blocks it copied out are forgotten."""
+        """After the engine loaded plan.loads and copied plan.saves out: its references go."""
         for block, _ in plan.loads:
             self.allocator.release(block)
         plan.loads, plan.saves = [], []

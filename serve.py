@@ -153,7 +153,10 @@ def main(argv=None) -> int:
     )
     threading.Thread(target=server.announce, daemon=True).start()
     server.run()
-    keep_pool(engine)  # drained: a disk tier (--kv_disk_cache) keeps the pool's prefixes too
+    try:  # drained: a disk tier (--kv_disk_cache) keeps the pool's prefixes too
+        app.state.engine_loop.call(keep_pool, engine).result(timeout=60)
+    except Exception as e:  # (its files are renamed into place whole: none is left half written)
+        log(f"warning: the pool's prefixes were not all written to the KV disk tier ({e})")
     return 0
 
 

@@ -209,7 +209,21 @@ class EngineLoop:
             except ValueError:  # never reached the engine (refused while being added)
                 pass
 
+    def call(self, fn, *args):
+        """fn(*args) on the engine's thread between steps (torch's state is that thread's); a
+        Future of its result."""
+        done = concurrent.futures.Future()
+        self.inbox.put(("call", fn, args, done))
+        return done
+
     def _handle(self, message):
+        if message[0] == "call":
+            _, fn, args, done = message
+            try:
+                done.set_result(fn(*args))
+            except Exception as e:  # handed to the caller
+                done.set_exception(e)
+            return
         if message[0] == "abort":
             self._abort(message[1])
             return

@@ -37,17 +37,20 @@ VERSION = 1  # the file layout's: a file of another version is skipped
 
 
 def fingerprint(model, block_size: int, kv_dtype) -> str:
-    """What a block's bytes depend on: the weights (a sample of every tensor's leading values,
-    and every shape), the config, the block size and the KV dtype. 16 hex digits."""
+    """What a block's bytes depend on: the weights (64 values sampled across every tensor, and
+    every shape and dtype), the config, the block size, the KV dtype and the device type. 16 hex
+    digits."""
     import hashlib
     from dataclasses import asdict
 
     h = hashlib.blake2b(digest_size=8)
     config = asdict(model.config)
-    h.update(json.dumps([config, block_size, str(kv_dtype), VERSION], default=str).encode())
+    device = model.norm.weight.device.type
+    h.update(json.dumps([config, block_size, str(kv_dtype), device, VERSION], default=str).encode())
     for name, t in model.state_dict().items():
         h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+        flat = t.detach().reshape(-1)
+        h.update(flat[:: max(1, len(flat) // 64)][:64].float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -58,13 +61,21 @@ class HostTier:
     def __init__(self, capacity: int, pin: bool = False):
         self.capacity, self.pin, self.entries = capacity, pin, OrderedDict()
         self.stats = dict(tier_blocks_written=0, tier_blocks_read=0, tier_bytes=0)
+        self.expected = None  # ((shape, dtype) of k, of v): the engine's pool's (Engine.for_model)
 
-    def put(self, h: int, parent, tokens, k, v):
-        """A block evicted from the pool: k, v its tensors, copied to the host here."""
+    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
+        """A block evicted from the pool: k, v its tensors, copied to the host here (never
+        raises: a block that cannot be kept is only not kept)."""
         if h in self.entries:
             self.entries.move_to_end(h)
             return
-        k, v = (t.to("cpu").pin_memory() if self.pin else t.to("cpu", copy=True) for t in (k, v))
+        try:
+            k, v = (
+                t.to("cpu").pin_memory() if self.pin else t.to("cpu", copy=True) for t in (k, v)
+            )
+        except Exception as e:  # out of (pinned) memory
+            log(f"warning: the KV host tier could not keep a block ({type(e).__name__}: {e})")
+            return
         self.entries[h] = (parent, tuple(tokens), k, v)
         self.stats["tier_bytes"] += _nbytes(k, v)
         self.stats["tier_blocks_written"] += 1
@@ -75,7 +86,7 @@ class HostTier:
     def fetch(self, h: int, parent, tokens):
         """(k, v) of the block with this name, parent and tokens, or None."""
         entry = self.entries.get(h)
-        if entry is None or entry[:2] != (parent, tuple(tokens)):
+        if entry is None or entry[:2] != (parent, tuple(tokens)) or not _fits(self, *entry[2:]):
             return None
         self.entries.move_to_end(h)
         self.stats["tier_blocks_read"] += 1
@@ -94,8 +105,9 @@ class DiskTier:
         self.stats = dict(
             tier_blocks_written=0, tier_blocks_read=0, tier_blocks_dropped=0, tier_bytes=0
         )
-        self.warned, self.broken = set(), None
+        self.warned, self.broken, self.expected = set(), None, None
         self.lock = threading.Lock()  # `files` and `stats`: the writer thread's and the engine's
+        self.queued = set()  # hashes waiting for the writer
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe = self.root / f".probe-{os.getpid()}"
@@ -120,15 +132,19 @@ class DiskTier:
             self.files[h] = size
             self.stats["tier_bytes"] += size
 
-    def put(self, h: int, parent, tokens, k, v):
+    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
         """Queue a block for writing (its tensors copied now); dropped, counted, if the writer is
-        behind or the folder cannot be written."""
-        if self.broken or h in self.files:  # (a stale answer only writes a block twice)
+        behind (unless `wait`: keep_pool's) or the folder cannot be written. Never raises."""
+        if self.broken or h in self.files or h in self.queued:
             return
         try:
-            self.todo.put_nowait((h, parent, list(tokens), k.to("cpu", copy=True), v.to("cpu")))
+            item = (h, parent, list(tokens), k.to("cpu", copy=True), v.to("cpu", copy=True))
+            self.todo.put(item, block=wait)
+            self.queued.add(h)
         except queue.Full:
             self.stats["tier_blocks_dropped"] += 1
+        except Exception as e:  # out of memory copying it out
+            log(f"warning: the KV disk tier could not keep a block ({type(e).__name__}: {e})")
 
     def fetch(self, h: int, parent, tokens):
         """(k, v) of the block with this name, parent and tokens from its file, or None (a file
@@ -140,7 +156,12 @@ class DiskTier:
         try:
             k, v, meta = _read(path)
             why = _mismatch(meta, self.fp, parent, tokens, k, v)
-        except Exception as e:  # truncated, corrupt, gone: all a miss
+            why = why or ("" if _fits(self, k, v) else "foreign (another pool layout)")
+        except FileNotFoundError:  # another process sharing the folder removed it: a plain miss
+            with self.lock:
+                self.stats["tier_bytes"] -= self.files.pop(h, 0)
+            return None
+        except Exception as e:  # truncated, corrupt: a miss
             why = f"unreadable ({type(e).__name__})"
         if why:
             self._drop(h, path, why)
@@ -158,7 +179,10 @@ class DiskTier:
             log(f"warning: KV disk tier: skipped {path.name}: {why} (said once per kind)")
         with self.lock:
             self.stats["tier_bytes"] -= self.files.pop(h, 0)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # a read-only folder: it stays, and is skipped again
+            pass
 
     def _write_loop(self):
         while True:
@@ -167,10 +191,11 @@ class DiskTier:
                 return
             try:
                 self._write(*item)
-            except OSError as e:  # disk full, folder gone or read-only: serve on without it
-                self.broken = f"writing to {self.root} failed ({e})"
+            except Exception as e:  # disk full, folder gone or read-only: serve on without it
+                self.broken = f"writing to {self.root} failed ({type(e).__name__}: {e})"
                 log(f"warning: the KV disk tier is off: {self.broken}")
             finally:
+                self.queued.discard(item[0])
                 self.todo.task_done()
 
     def _write(self, h, parent, tokens, k, v):
@@ -188,6 +213,7 @@ class DiskTier:
         os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
         gone = []
         with self.lock:
+            self.stats["tier_bytes"] -= self.files.pop(h, 0)  # (a peer's file it replaced)
             self.files[h] = path.stat().st_size
             self.stats["tier_bytes"] += self.files[h]
             self.stats["tier_blocks_written"] += 1
@@ -213,8 +239,10 @@ def keep_pool(engine):
     tier, a = engine.scheduler.tier, engine.scheduler.allocator
     if tier is None:
         return
+    if isinstance(tier, HostTier):  # host memory ends with the process
+        return
     for block, h in list(a.hash_of.items()):
-        tier.put(h, *a.key[block], *engine.cache.block_kv(block))
+        tier.put(h, *a.key[block], *engine.cache.block_kv(block), wait=True)
     tier.close()
 
 
@@ -234,6 +262,11 @@ def _mismatch(meta: dict, fp: str, parent, tokens, k, v) -> str:
     if meta.get("crc32") != str(_crc(k, v)):
         return "corrupt (its checksum does not match its bytes)"
     return ""
+
+
+def _fits(tier, k, v) -> bool:
+    """Whether k, v have the shapes and dtypes of the engine's pool blocks (once it said them)."""
+    return tier.expected is None or tier.expected == ((k.shape, k.dtype), (v.shape, v.dtype))
 
 
 def _crc(k, v) -> int:

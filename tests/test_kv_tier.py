@@ -196,3 +196,34 @@ def test_batch_py_finds_a_previous_runs_heads_on_disk(tiny, tmp_path, capsys, mo
         assert [got[i] for i in range(len(PROMPTS))] == want
     assert "KV tier: 384 prompt tokens loaded" in out.err, out.err[-400:]  # 6 heads x 64
     assert any(Path(cache).rglob("*.safetensors"))
+
+
+def test_keep_pool_waits_for_the_writer_and_metrics_report_the_tier(tiny, tmp_path):
+    """keep_pool blocks rather than drop (a queue of 1 here); serve.py's /metrics has the tier's
+    lines."""
+    import httpx
+    from test_serve import start_server
+
+    from formats.tokenizer import load_tokenizer
+
+    folder, model, want = tiny
+    tier = disk(model, tmp_path, max_queued=1)
+    engine = small_engine(model, tier)
+    one_by_one(engine, PROMPTS)
+    cached = len(engine.scheduler.allocator.hash_of)
+    kv_tier.keep_pool(engine)
+    held = {int(p.stem, 16) for p in tier.root.glob("*.safetensors")}
+    assert set(engine.scheduler.allocator.cached) <= held and cached > 0
+    tok = load_tokenizer(folder)
+    served = Engine.for_model(model, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=64,
+                              tokenizer=tok, tier=HostTier(2**30))  # fmt: skip
+    url, _, stop = start_server(served, tok)
+    try:
+        for p in PROMPTS[:4]:
+            r = httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 2},
+                           headers={"Authorization": "Bearer test-key"}, timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+        text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer test-key"}).text
+    finally:
+        stop()
+    assert "llm_kv_tier_blocks_written_total" in text and "llm_kv_tier_bytes " in text, text
