@@ -39,11 +39,13 @@ from engine import Finished
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
-TIER_METRICS = (
+TIER_METRICS = (  # speedups/kv_tier.py's STATS and the scheduler's count
     "tier_tokens_hit",
     "tier_blocks_read",
     "tier_blocks_written",
     "tier_blocks_dropped",
+    "tier_bytes_read",
+    "tier_bytes_written",
     "tier_bytes",
 )
 

@@ -282,7 +282,7 @@ def load_one_process(
         batch_invariant=batch_invariant,
         window_blocks=window_blocks,
         speculate=proposer,
-        tier=make_tier(model, block_size, kv_tier, draft),
+        tier=make_tier(model, block_size, kv_tier),
     )
     if compile in ("auto", "aot"):
         load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
@@ -290,16 +290,12 @@ def load_one_process(
     return engine, tokenizer, info
 
 
-def make_tier(model, block_size: int, options, draft):
+def make_tier(model, block_size: int, options):
     """A second tier for evicted prefix blocks (speedups/kv_tier.py) as --kv_disk_cache and
-    --kv_host_cache ask, logged; None without them."""
+    --kv_host_cache ask, logged; None without them. (A draft model's pool is not kept: it trusts
+    a block only for the tokens it filled it with, so it recomputes what the tier loads.)"""
     if not options:
         return None
-    if draft is not None:
-        raise ValueError(
-            "--speculate draft keeps a pool of its own that the KV tier does not fill; leave out "
-            "--kv_disk_cache / --kv_host_cache, or use --speculate prompt_lookup"
-        )
     from speedups.kv_tier import DiskTier, HostTier, fingerprint
 
     if options.get("disk"):

@@ -34,6 +34,14 @@ import torch
 from runtime import log
 
 VERSION = 1  # the file layout's: a file of another version is skipped
+STATS = (  # engine.metrics() and /metrics report these (server/engine_loop.py)
+    "tier_blocks_read",
+    "tier_blocks_written",
+    "tier_blocks_dropped",
+    "tier_bytes_read",
+    "tier_bytes_written",
+    "tier_bytes",
+)
 
 
 def fingerprint(model, block_size: int, kv_dtype) -> str:
@@ -60,7 +68,7 @@ class HostTier:
 
     def __init__(self, capacity: int, pin: bool = False):
         self.capacity, self.pin, self.entries = capacity, pin, OrderedDict()
-        self.stats = dict(tier_blocks_written=0, tier_blocks_read=0, tier_bytes=0)
+        self.stats = dict.fromkeys(STATS, 0)
         self.expected = None  # ((shape, dtype) of k, of v): the engine's pool's (Engine.for_model)
 
     def put(self, h: int, parent, tokens, k, v, wait: bool = False):
@@ -78,6 +86,7 @@ class HostTier:
             return
         self.entries[h] = (parent, tuple(tokens), k, v)
         self.stats["tier_bytes"] += _nbytes(k, v)
+        self.stats["tier_bytes_written"] += _nbytes(k, v)
         self.stats["tier_blocks_written"] += 1
         while self.stats["tier_bytes"] > self.capacity and self.entries:
             *_, k0, v0 = self.entries.popitem(last=False)[1]
@@ -90,6 +99,7 @@ class HostTier:
             return None
         self.entries.move_to_end(h)
         self.stats["tier_blocks_read"] += 1
+        self.stats["tier_bytes_read"] += _nbytes(*entry[2:])
         return entry[2:]
 
     def close(self):
@@ -102,9 +112,7 @@ class DiskTier:
     def __init__(self, folder, capacity: int, fingerprint: str, max_queued: int = 256):
         self.root = Path(folder) / fingerprint
         self.capacity, self.fp = capacity, fingerprint
-        self.stats = dict(
-            tier_blocks_written=0, tier_blocks_read=0, tier_blocks_dropped=0, tier_bytes=0
-        )
+        self.stats = dict.fromkeys(STATS, 0)
         self.warned, self.broken, self.expected = set(), None, None
         self.lock = threading.Lock()  # `files` and `stats`: the writer thread's and the engine's
         self.queued = set()  # hashes waiting for the writer
@@ -170,6 +178,7 @@ class DiskTier:
             if h in self.files:
                 self.files.move_to_end(h)
             self.stats["tier_blocks_read"] += 1
+            self.stats["tier_bytes_read"] += _nbytes(k, v)
         return k, v
 
     def _drop(self, h: int, path: Path, why: str):
@@ -216,6 +225,7 @@ class DiskTier:
             self.stats["tier_bytes"] -= self.files.pop(h, 0)  # (a peer's file it replaced)
             self.files[h] = path.stat().st_size
             self.stats["tier_bytes"] += self.files[h]
+            self.stats["tier_bytes_written"] += self.files[h]
             self.stats["tier_blocks_written"] += 1
             while self.stats["tier_bytes"] > self.capacity and len(self.files) > 1:
                 old, size = self.files.popitem(last=False)

@@ -77,6 +77,21 @@ def test_samples_of_n_2_equal_with_the_tier(tiny, tmp_path):
     assert engine.metrics()["tier_tokens_hit"] > 0
 
 
+def test_a_draft_model_recomputes_what_the_tier_loads(tiny, tmp_path):
+    """--speculate draft beside the tier: the draft's own pool is not loaded, and it trusts a
+    block only for the tokens it filled it with, so it recomputes; the tokens stay the target's."""
+    from speedups.draft_model import DraftModel
+
+    _, model, want = tiny
+    drafter = DraftModel(model, model, k=3, num_blocks=12, block_size=16)
+    engine = Engine.for_model(model, num_blocks=12, max_num_seqs=2, max_num_batched_tokens=64,
+                              tier=HostTier(2**30), speculate=drafter)  # fmt: skip
+    first, second = one_by_one(engine, PROMPTS), one_by_one(engine, PROMPTS)
+    assert first == want and second == want
+    m = engine.metrics()
+    assert m["tier_tokens_hit"] > 0 and m["draft_tokens_accepted"] > 0, m
+
+
 def test_a_restart_reloads_every_head_from_disk(tiny, tmp_path):
     _, model, want = tiny
     tier = disk(model, tmp_path)
