@@ -10,8 +10,9 @@ flat [1, N] batch and which block table each group of rows reads (paged.py's `st
 
 Rows that decode one token (and drafted rows, 1 + k tokens each) come first, grouped: one group
 when the step is compiled (a bucket of rows, so few graphs), else rows of similar context length
-together, so each group gathers about its own length of K/V. Then each prefill chunk as a group
-of its own, then (eager steps) padding rows, so every layer's GEMMs see few row counts
+together, so each group gathers about its own length of K/V. Then the prefill chunks, those of
+one length and width bucket as one group of rows (many short prompts: one gather and one SDPA
+call, not one each), then (eager steps) padding rows, so every layer's GEMMs see few row counts
 (cpu_kernels.gemm_padding). Under batch_invariant (batch_invariant.py) a row attends over the
 blocks its own position needs, and a chunk is cut where its queries' width changes, so a row's
 arithmetic never depends on its neighbours.
@@ -60,8 +61,14 @@ class Layout:
         flat = Flat()
         for group, n in rects:
             self._lay_decode_group(flat, plan, group, n, compiled)
-        for s in chunks:
-            self._lay_prefill_chunk(flat, plan, s)
+        if self.batch_invariant:
+            for s in chunks:
+                self._lay_prefill_chunk(flat, plan, s)
+        else:  # chunks of one length and width as one group: one gather and SDPA call for all
+            shape = lambda s: (plan.runs[s], bucket(len(s.blocks)))  # noqa: E731
+            chunks.sort(key=shape)
+            for _, group in itertools.groupby(chunks, key=shape):
+                self._lay_prefill_rows(flat, plan, list(group))
         if not compiled:  # compiled steps were padded to a bucket by their decode group
             self._pad_for_gemm(flat)
         order = [s for group, _ in rects for s in group] + chunks
@@ -104,17 +111,25 @@ class Layout:
         flat.groups.append((len(group) + pad, n, self._table(group, width, pad)))
 
     def _lay_prefill_chunk(self, flat, plan, s):
-        """A group of its own; batch_invariant cuts it where its queries' width changes."""
+        """Under batch_invariant: a group of its own, cut where its queries' width changes."""
         n, start = plan.runs[s], s.num_computed
-        if self.batch_invariant:
-            pieces = self.pieces(start, n, self.block_size)
-        else:
-            pieces = [(n, bucket(len(s.blocks)))]
-        for m, width in pieces:
+        for m, width in self.pieces(start, n, self.block_size):
             flat.groups.append((1, m, self._table([s], width)))
         flat.tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
         flat.pos += range(start, start + n)
         flat.ends.append(len(flat.tokens) - 1)
+
+    def _lay_prefill_rows(self, flat, plan, group):
+        """Prefill chunks of one length n and width bucket: a group of len(group) rows of n
+        tokens, each row at its own positions (paged.py masks by position)."""
+        n = plan.runs[group[0]]
+        for s in group:
+            start = s.num_computed
+            flat.tokens += s.tokens[start : start + n]
+            flat.pos += range(start, start + n)
+            flat.ends.append(len(flat.tokens) - 1)
+        width = bucket(max(len(s.blocks) for s in group))
+        flat.groups.append((len(group), n, self._table(group, width)))
 
     def _pad_for_gemm(self, flat):
         """An eager step's token count padded as every layer's GEMMs want it
