@@ -125,7 +125,8 @@ def add_tier_args(p):
         "--kv_host_cache",
         type=parse_size,
         default=None,
-        help="keep evicted prefix blocks in host memory instead, e.g. 16GiB (pinned for a GPU)",
+        help="keep evicted prefix blocks in host memory, e.g. 16GiB (pinned for a GPU); with "
+        "--kv_disk_cache, in front of the folder",
     )
 
 
@@ -168,8 +169,6 @@ def check_engine_args(p, args):
         p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
     if (args.speculate == "draft") != bool(args.draft_checkpoint):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
-    if args.kv_disk_cache and args.kv_host_cache:
-        p.error("--kv_disk_cache and --kv_host_cache: give one (the second tier is one of them)")
     if (args.kv_disk_cache or args.kv_host_cache) and args.no_prefix_caching:
         p.error("the KV tier keeps prefix-cache blocks: it needs prefix caching (drop the --no_)")
     if args.batch_invariant and args.compile in ("jit", "aot"):

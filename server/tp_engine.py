@@ -296,17 +296,19 @@ def make_tier(model, block_size: int, options):
     a block only for the tokens it filled it with, so it recomputes what the tier loads.)"""
     if not options:
         return None
-    from speedups.kv_tier import DiskTier, HostTier, fingerprint
+    from speedups.kv_tier import DiskTier, HostOverDisk, HostTier, fingerprint
 
+    host = disk = None
+    if options.get("host"):
+        pin = model.norm.weight.device.type == "cuda"
+        log(f"KV host tier: {human(options['host'])}" + (" (pinned)" if pin else ""))
+        host = HostTier(options["host"], pin)
     if options.get("disk"):
         fp = fingerprint(model, block_size, model.norm.weight.dtype)
-        tier = DiskTier(options["disk"], options["disk_size"], fp)
-        held, most = human(tier.stats["tier_bytes"]), human(tier.capacity)
-        log(f"KV disk tier: {tier.root}, {held} of {most} held")
-        return tier
-    pin = model.norm.weight.device.type == "cuda"
-    log(f"KV host tier: {human(options['host'])}" + (" (pinned)" if pin else ""))
-    return HostTier(options["host"], pin)
+        disk = DiskTier(options["disk"], options["disk_size"], fp)
+        held, most = human(disk.stats["tier_bytes"]), human(disk.capacity)
+        log(f"KV disk tier: {disk.root}, {held} of {most} held")
+    return HostOverDisk(host, disk) if host and disk else host or disk
 
 
 def load_models(checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint):

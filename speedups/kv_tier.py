@@ -243,12 +243,44 @@ class DiskTier:
         self.todo.put(None)
 
 
+class HostOverDisk:
+    """Host memory in front of a disk folder (`--kv_host_cache` with `--kv_disk_cache`): a block
+    the pool evicts goes to both (the disk's write queued), a fetch tries host memory first and
+    the folder second, and a restart finds the folder's."""
+
+    def __init__(self, host: HostTier, disk: DiskTier):
+        self.host, self.disk = host, disk
+
+    @property
+    def stats(self) -> dict:
+        return {k: self.host.stats.get(k, 0) + self.disk.stats.get(k, 0) for k in STATS}
+
+    @property
+    def expected(self):
+        return self.host.expected
+
+    @expected.setter
+    def expected(self, shapes):
+        self.host.expected = self.disk.expected = shapes
+
+    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
+        self.host.put(h, parent, tokens, k, v)
+        self.disk.put(h, parent, tokens, k, v, wait)
+
+    def fetch(self, h: int, parent, tokens):
+        return self.host.fetch(h, parent, tokens) or self.disk.fetch(h, parent, tokens)
+
+    def close(self):
+        self.disk.close()
+
+
 def keep_pool(engine):
     """At the end of a run: every block the pool still caches into the engine's tier too (the
     tier held only what was evicted), then the tier closed: a restart finds them all."""
     tier, a = engine.scheduler.tier, engine.scheduler.allocator
     if tier is None:
         return
+    tier = tier.disk if isinstance(tier, HostOverDisk) else tier
     if isinstance(tier, HostTier):  # host memory ends with the process
         return
     for block, h in list(a.hash_of.items()):

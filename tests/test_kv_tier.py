@@ -64,6 +64,21 @@ def test_outputs_equal_with_the_tier_under_eviction_pressure(tiny, tmp_path, kin
     assert m["tier_blocks_written"] > 0 and m["tier_blocks_read"] > 0
 
 
+def test_host_memory_over_disk(tiny, tmp_path):
+    """--kv_host_cache with --kv_disk_cache: fetches try host memory first (the disk is read
+    only after a restart), every block goes to the folder too."""
+    _, model, want = tiny
+    both = kv_tier.HostOverDisk(HostTier(2**30), disk(model, tmp_path))
+    engine = small_engine(model, both)
+    assert one_by_one(engine, PROMPTS) + one_by_one(engine, PROMPTS) == want + want
+    assert both.host.stats["tier_blocks_read"] > 0 and both.disk.stats["tier_blocks_read"] == 0
+    assert engine.metrics()["tier_blocks_read"] == both.host.stats["tier_blocks_read"]
+    kv_tier.keep_pool(engine)
+    again = small_engine(model, kv_tier.HostOverDisk(HostTier(2**30), disk(model, tmp_path)))
+    assert one_by_one(again, PROMPTS) == want
+    assert again.scheduler.tier.disk.stats["tier_blocks_read"] == 6 * 4
+
+
 def test_samples_of_n_2_equal_with_the_tier(tiny, tmp_path):
     _, model, _ = tiny
     sampled = RequestParams(max_new_tokens=5, temperature=0.8, n=2, seed=3)
@@ -189,8 +204,6 @@ def test_what_the_tier_cannot_serve_is_refused_by_name(tiny, tmp_path):
     args = ["--requests", "-", "--checkpoint", str(folder)]
     with pytest.raises(SystemExit):
         batch.parse_args(args + ["--kv_disk_cache", "x", "--no_prefix_caching"])
-    with pytest.raises(SystemExit):
-        batch.parse_args(args + ["--kv_disk_cache", "x", "--kv_host_cache", "1GiB"])
 
 
 def test_batch_py_finds_a_previous_runs_heads_on_disk(tiny, tmp_path, capsys, monkeypatch):
