@@ -39,17 +39,6 @@ from engine import Finished
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
-TIER_METRICS = (  # speedups/kv_tier.py's STATS and the scheduler's count
-    "tier_tokens_hit",
-    "tier_blocks_read",
-    "tier_blocks_written",
-    "tier_blocks_dropped",
-    "tier_bytes_read",
-    "tier_bytes_written",
-    "tier_bytes",
-)
-
-
 class Over(NamedTuple):
     first: int  # the request's first choice index
     error: str  # None, or why the request failed
@@ -190,7 +179,7 @@ class EngineLoop:
                     req.error,
                     req.prompt_logprobs,
                     min(req.prompt_tokens_hit, len(req.prompt)),
-                    req.embedding if req.params.pooling else None,
+                    req.embedding,
                 ),
             )
             return
@@ -302,7 +291,7 @@ class EngineLoop:
             f"llm_time_to_first_token_seconds_sum {self.ttft_sum:.6f}",
             f"llm_time_to_first_token_seconds_count {self.ttft_counts[-1]}",
         ]
-        for key in [k for k in TIER_METRICS if k in m]:  # a second KV tier (speedups/kv_tier.py)
+        for key in sorted(k for k in m if k.startswith("tier_")):  # speedups/kv_tier.py's STATS
             kind = "gauge" if key == "tier_bytes" else "counter"
             name = f"llm_kv_{key}" + ("_total" if kind == "counter" else "")
             lines += [f"# TYPE {name} {kind}", f"{name} {m[key]}"]
