@@ -11,7 +11,8 @@ One request per line, every field but `prompt` optional (a prompt is text, or a 
 
 and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
 "presence_penalty", "logit_bias" ({"token id": bias}); "priority" (lower first) with
---schedule_policy priority.
+--schedule_policy priority; "lora" (or "model"): the name of a LoRA adapter given as --lora
+NAME=PATH, for that request alone (lora.py; the base model without one).
 
 On stdout, one JSON line per request as it finishes: `id` (the line number if not given),
 `tokens` (generated ids), `text`, `finish_reason` ("stop", "length"), `time_to_first_token_s`;
@@ -78,15 +79,20 @@ def read_line(line: str, line_no: int):
 
 def parse_request(obj: dict, tokenizer):
     """A request object -> (prompt ids, RequestParams). Raises ValueError naming what is wrong."""
-    unknown = sorted(set(obj) - set(REQUEST_KEYS))
+    unknown = sorted(set(obj) - set(REQUEST_KEYS) - {"lora", "model"})
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown}; a request has {list(REQUEST_KEYS)}")
+        raise ValueError(
+            f"unknown field(s) {unknown}; a request has {[*REQUEST_KEYS, 'lora', 'model']}"
+        )
+    if obj.get("lora") and obj.get("model") and obj["lora"] != obj["model"]:
+        raise ValueError("lora and model both name an adapter, different ones: give one")
     prompt = obj.get("prompt")
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt)
     elif not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         raise ValueError("prompt must be a string or a list of token ids")
-    return prompt, RequestParams(**{k: obj[k] for k in REQUEST_KEYS[2:] if obj.get(k) is not None})
+    params = {k: obj[k] for k in REQUEST_KEYS[2:] if obj.get(k) is not None}
+    return prompt, RequestParams(**params, adapter=obj.get("lora") or obj.get("model"))
 
 
 def parse_embedding(obj: dict, tokenizer, spec, dim: int):

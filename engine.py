@@ -96,15 +96,11 @@ class Engine:
         self.device, self.stop_ids = model.norm.weight.device, set(stop_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.queue_times = deque(maxlen=QUEUE_TIMES)  # seconds from arrival to the first step
-        self.requests, self.pending, self.next_id = (
-            {},
-            [],
-            0,
-        )  # pending: abort's events, for the next step
-        self.speculate, self.drafted = (
-            speculate,
-            dict(draft_tokens=0, draft_tokens_accepted=0),
-        )  # speedups/prompt_lookup.py
+        # pending: abort's events, for the next step
+        self.requests, self.pending, self.next_id = {}, [], 0
+        self.speculate = speculate  # speedups/prompt_lookup.py, speedups/draft_model.py
+        self.drafted = dict(draft_tokens=0, draft_tokens_accepted=0)
+        self.adapters = None  # LoRA adapters (lora.Adapters) wrapping the model, if any
         self.decode_fn = None
         if compile:  # an option: compiling.py (and torch.compile) imported where it is switched on
             from compiling import compile_decode
@@ -199,6 +195,11 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, prompt, params, self.device)
+        if params.adapter is not None:  # its rows' slot; its prefixes hashed apart from others'
+            if self.adapters is None:
+                raise ValueError(f"adapter {params.adapter!r}: this engine serves no adapters")
+            req.lora_slot = self.adapters.slot_of(params.adapter)
+            req.hash_root = self.adapters.adapters[params.adapter].key
         req.seqs[0].stream = self._stream(params)
         if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
             from constrain import compile_constraint
@@ -245,10 +246,8 @@ class Engine:
             )
         req.needs_fork = False
 
-    def has_unfinished(
-        self,
-    ) -> bool:  # pending events belong to requests not yet returned as Finished
-        return bool(self.requests)
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)  # (pending events belong to requests not yet Finished)
 
     def metrics(self) -> dict:
         """A snapshot (plain numbers, which another thread may read). Time in the queue: from
@@ -332,11 +331,14 @@ class Engine:
         V], embeddings whose prompt is now whole)."""
         scores, drafts = self.scheduler.scores, (lambda s: len(plan.drafts.get(s, ())))
         compiled = self.decode_fn is not None and all(
-            (n == 1 or s in plan.drafts) and not (s.request.scoring or s.request.params.pooling)
+            (n == 1 or s in plan.drafts)
+            and not (s.request.scoring or s.request.params.pooling or s.request.params.adapter)
             for s, n in plan.runs.items()
         )
         k = self.speculate.k if plan.drafts else 0
-        order, tokens, pos, groups, ends = self.layout(plan, compiled, k)
+        order, tokens, pos, groups, ends, slots = self.layout(plan, compiled, k)
+        if self.adapters is not None:  # each row's adapter (its slot's columns) for this forward
+            self.adapters.set_rows(slots)
         pooled = any(s.request.params.pooling for s in order)
         done = [
             s

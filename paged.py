@@ -201,12 +201,14 @@ class BlockAllocator:
         data = head + array("q", tokens).tobytes()
         return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
-    def lookup_prefix(self, tokens, max_blocks: int):
+    def lookup_prefix(self, tokens, max_blocks: int, root=None):
         """The cached blocks holding the longest cached prefix of `tokens`, up to max_blocks
-        blocks, with their hashes. Takes no reference. With a window, a prefix of h blocks needs
-        only those from (h * block_size - window) // block_size on (what positions h * bs - 1 and
-        h * bs see); the entries before them are 0, the null block."""
-        blocks, hashes, parent, bs = [], [], None, self.block_size
+        blocks, with their hashes (root: what the first block's hash chains from, e.g. a LoRA
+        adapter's key, so its prefixes never meet another's). Takes no reference. With a window,
+        a prefix of h blocks needs only those from (h * block_size - window) // block_size on
+        (what positions h * bs - 1 and h * bs see); the entries before them are 0, the null
+        block."""
+        blocks, hashes, parent, bs = [], [], root, self.block_size
         start = best = (
             0  # start: where the run of hits ending here starts; best: the longest hit so far
         )

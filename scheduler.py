@@ -277,7 +277,7 @@ class Scheduler:
         if seq.request.pools_every_token:  # an embedding of every position: none reused
             most = 0
         for allocator in self.pools:  # each lookup within the last: the hit every pool holds
-            blocks, hashes = allocator.lookup_prefix(seq.tokens, most)
+            blocks, hashes = allocator.lookup_prefix(seq.tokens, most, seq.request.hash_root)
             hits, most = hits + [blocks], len(blocks)
         reused = self.scores.reusable_tokens(seq.request, hashes) if self.scores else most * bs
         tables = [blocks[: blocks_for(reused, bs)] for blocks in hits]
@@ -300,7 +300,7 @@ class Scheduler:
         if self.tier is None or seq.request.scoring or seq.request.pools_every_token:
             return
         i, most, found = len(seq.hashes), (len(seq.tokens) - 1) // bs, []
-        parent = seq.hashes[-1] if seq.hashes else None
+        parent = seq.last_hash
         room = a.num_available()
         while seq.num_computed == i * bs and i + len(found) < most and len(found) < room:
             chunk = seq.tokens[(i + len(found)) * bs : (i + len(found) + 1) * bs]
@@ -354,7 +354,9 @@ class Scheduler:
         return max(
             ready,
             key=lambda s: len(
-                self.allocator.lookup_prefix(s.tokens, (len(s.tokens) - 1) // self.block_size)[0]
+                self.allocator.lookup_prefix(
+                    s.tokens, (len(s.tokens) - 1) // self.block_size, s.request.hash_root
+                )[0]
             ),
         )
 
@@ -476,10 +478,7 @@ class Scheduler:
                 len(seq.hashes) < seq.num_computed // bs
             ):  # blocks that filled up: into the prefix cache
                 i = len(seq.hashes)
-                parent, tokens = (
-                    seq.hashes[-1] if seq.hashes else None,
-                    seq.tokens[i * bs : (i + 1) * bs],
-                )
+                parent, tokens = seq.last_hash, seq.tokens[i * bs : (i + 1) * bs]
                 for alloc, table in self._tables(seq):
                     h = alloc.register(table[i], parent, tokens, table[i - 1] if i else None)
                 seq.hashes.append(h)

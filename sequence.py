@@ -49,6 +49,7 @@ class RequestParams:
     # with pooling "last": the embedding is instead the last position's logits of these token ids
     # (a reranker's "no" and "yes")
     score_tokens: list = None
+    adapter: str = None  # a LoRA adapter the engine holds (lora.py), by name; None: the base
 
     def check(self):
         check_sampling(
@@ -92,6 +93,8 @@ class RequestParams:
             or not -(2**63) <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
+            raise ValueError(f"adapter must be an adapter's name, got {self.adapter!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if isinstance(self.stop, str):
@@ -197,6 +200,11 @@ class Sequence:
     def output(self):
         return self.tokens[len(self.request.prompt) :]
 
+    @property
+    def last_hash(self):
+        """The prefix-cache hash its next full block chains from (its adapter's key first)."""
+        return self.hashes[-1] if self.hashes else self.request.hash_root
+
 
 class Request:
     def __init__(self, request_id, prompt, params, device):
@@ -214,6 +222,8 @@ class Request:
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         # an embedding's pooled state, float32 [dim] (while "mean" runs: the sum so far)
         self.pooled = None
+        # its adapter's slot (lora.Adapters; -1: the base) and key, where its prefix hashes start
+        self.lora_slot, self.hash_root = -1, None
 
     def pool(self, states, from_start: bool, whole: bool):
         """An embedding's final states of this step (float32 [count, dim]) into `pooled`. A "mean"

@@ -10,7 +10,9 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as
 server-sent events), POST /v1/responses (server/responses.py), POST /v1/embeddings and POST
 /v1/rerank (server/embeddings.py), GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus
-text), POST /tokenize, POST /detokenize.
+text), POST /tokenize, POST /detokenize; with LoRA adapters (--lora NAME=PATH, server/adapters.py)
+a request's "model" picks one, and POST /v1/load_lora_adapter and /v1/unload_lora_adapter change
+them while the server runs.
 
 This file only wires the parts. server/engine_loop.py runs the engine in one background thread;
 HTTP handlers (FastAPI, on asyncio) hand it requests and receive each new token through an asyncio
@@ -120,6 +122,8 @@ def make_app(
     app.post("/v1/embeddings")(retrieval.embeddings)
     app.post("/v1/rerank")(retrieval.rerank)
     app.post("/rerank")(retrieval.rerank)  # llama.cpp's and Jina's clients' path
+    app.post("/v1/load_lora_adapter")(server.adapter_routes.load)  # vLLM's names and bodies
+    app.post("/v1/unload_lora_adapter")(server.adapter_routes.unload)
     return app
 
 

@@ -3,9 +3,10 @@ run and how many tokens each (scheduler.Plan); this file decides where each toke
 flat [1, N] batch and which block table each group of rows reads (paged.py's `step_groups`).
 
     layout = Layout(block_size=16, n_pools=1, model=model)
-    order, tokens, pos, groups, ends = layout(plan, compiled=False)
+    order, tokens, pos, groups, ends, slots = layout(plan, compiled=False)
     # order: the sequences, in the order their rows were laid out
     # tokens, pos: N token ids and positions; ends: each sequence's last flat index
+    # slots: N LoRA adapter slots (lora.py; -1: the base model)
     # groups: [(rows R, tokens per row T, block table [R, W] or a hybrid's [2, R, W])]
 
 Rows that decode one token (and drafted rows, 1 + k tokens each) come first, grouped: one group
@@ -30,12 +31,17 @@ from kv_cache import bucket
 @dataclass
 class Flat:
     """A step's rows as they are laid out: token ids, positions, groups for paged.py (rows, tokens
-    per row, block table) and each sequence's last flat index."""
+    per row, block table), each sequence's last flat index, each token's adapter slot."""
 
     tokens: list = field(default_factory=list)
     pos: list = field(default_factory=list)
     groups: list = field(default_factory=list)
     ends: list = field(default_factory=list)
+    slots: list = field(default_factory=list)
+
+    def pad_slots(self):
+        """Rows laid out without a sequence (padding) use no adapter."""
+        self.slots += [-1] * (len(self.tokens) - len(self.slots))
 
 
 class Layout:
@@ -50,8 +56,9 @@ class Layout:
 
     def __call__(self, plan, compiled: bool, k: int = 0):
         """The plan's tokens flattened: (order, tokens, positions, groups for paged.py, ends: flat
-        index of each sequence's last token). Decodes (and 1-token tails), drafted rows, then
-        prefill chunks, then padding rows. k: tokens drafted per row (the proposer's), if any."""
+        index of each sequence's last token, slots: each token's adapter). Decodes (and 1-token
+        tails), drafted rows, then prefill chunks, then padding rows. k: tokens drafted per row
+        (the proposer's), if any."""
         rects = self._decode_groups(plan, compiled, k)
         chunks = [
             s
@@ -72,7 +79,8 @@ class Layout:
         if not compiled:  # compiled steps were padded to a bucket by their decode group
             self._pad_for_gemm(flat)
         order = [s for group, _ in rects for s in group] + chunks
-        return order, flat.tokens, flat.pos, flat.groups, flat.ends
+        flat.pad_slots()
+        return order, flat.tokens, flat.pos, flat.groups, flat.ends, flat.slots
 
     def _blocks_needed(self, s) -> int:
         """The blocks a row attends: its sequence's, or (batch_invariant) those its own position
@@ -103,11 +111,13 @@ class Layout:
         pad = bucket(len(group)) - len(group) if compiled else 0
         for s in group:
             d = plan.drafts.get(s, [])
+            flat.slots += [s.request.lora_slot] * n
             flat.tokens += [s.tokens[s.num_computed]] + d + [0] * (n - 1 - len(d))
             flat.pos += range(s.num_computed, s.num_computed + n)
             flat.ends.append(len(flat.tokens) - n + len(d))
         flat.tokens += [0] * pad * n
         flat.pos += [*range(n)] * pad
+        flat.pad_slots()
         flat.groups.append((len(group) + pad, n, self._table(group, width, pad)))
 
     def _lay_prefill_chunk(self, flat, plan, s):
@@ -115,6 +125,7 @@ class Layout:
         n, start = plan.runs[s], s.num_computed
         for m, width in self.pieces(start, n, self.block_size):
             flat.groups.append((1, m, self._table([s], width)))
+        flat.slots += [s.request.lora_slot] * n
         flat.tokens += (s.tokens[start:] + plan.drafts.get(s, []))[:n]
         flat.pos += range(start, start + n)
         flat.ends.append(len(flat.tokens) - 1)
@@ -125,6 +136,7 @@ class Layout:
         n = plan.runs[group[0]]
         for s in group:
             start = s.num_computed
+            flat.slots += [s.request.lora_slot] * n
             flat.tokens += s.tokens[start : start + n]
             flat.pos += range(start, start + n)
             flat.ends.append(len(flat.tokens) - 1)

@@ -31,6 +31,8 @@ def parse_args(argv, description: str):
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if (args.lora_scale != 1.0 or args.merge_lora) and not args.lora:
+        p.error("--lora_scale and --merge_lora need --lora PATH")
     try:  # JSONDecodeError is a ValueError
         args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
         SamplingParams.from_fields(args)  # checks every sampling flag
@@ -176,6 +178,14 @@ def add_weight_args(p):
         "compare speed)",
     )
     p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
+    g = p.add_argument_group("a LoRA adapter (lora.py)")
+    g.add_argument("--lora", default=None, metavar="PATH", help="a PEFT LoRA adapter folder")
+    g.add_argument("--lora_scale", type=float, default=1.0, help="the adapter's delta times this")
+    g.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="add the adapter into the float weights once (base speed) instead of on the fly",
+    )
 
 
 def add_speculation_args(p):

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from constrain import Compiled, compile_constraint
 from sampling import parse_logit_bias
 from sequence import RequestParams
+from server.adapters import AdapterRoutes
 from server.choices import Outputs
 from server.constraint_check import ConstraintChecker
 from server.delivery import sse, whole
@@ -58,6 +59,7 @@ class Server:
             limits,
         )
         self.loop = EngineLoop(engine, limits.max_waiting, thread)
+        self.adapter_routes = AdapterRoutes(self)  # LoRA: which adapter a request's model names
         self.context = min(engine.max_model_len, limits.max_model_len or engine.max_model_len)
         self.context_name = (
             "--max_model_len" if self.context < engine.max_model_len else "the model's context"
@@ -250,6 +252,7 @@ class Server:
             presence_penalty=body.presence_penalty,
             logit_bias=body.logit_bias or {},
             constraint=tool_constraint or constraint,
+            adapter=self.adapter_routes.adapter_of(body.model),
         )
 
     @staticmethod

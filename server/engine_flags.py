@@ -16,6 +16,7 @@ def add_engine_args(p):
     add_cache_args(p)
     add_tier_args(p)
     add_speculation_args(p)
+    add_lora_args(p)
 
 
 def add_model_args(p):
@@ -171,6 +172,8 @@ def check_engine_args(p, args):
         p.error("--speculate draft and --draft_checkpoint go together: give both, or neither")
     if (args.kv_disk_cache or args.kv_host_cache) and args.no_prefix_caching:
         p.error("the KV tier keeps prefix-cache blocks: it needs prefix caching (drop the --no_)")
+    if lora_options(args, p) and args.batch_invariant:
+        p.error("--batch_invariant runs no LoRA adapters (their products follow the batch)")
     if args.batch_invariant and args.compile in ("jit", "aot"):
         p.error(
             "--batch_invariant runs eager steps (a compiled step's kernels follow its batch); "
@@ -204,6 +207,7 @@ def engine_options(args) -> dict:
         "compile": args.compile,
         "prefix_caching": not args.no_prefix_caching,
         "kv_tier": tier_options(args),
+        "lora": lora_options(args),
     }
 
 
@@ -216,3 +220,46 @@ def tier_options(args):
         "disk_size": args.kv_disk_cache_size,
         "host": args.kv_host_cache,
     }
+
+
+def add_lora_args(p):
+    g = p.add_argument_group("LoRA adapters (lora.py)")
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter folder served as model NAME (repeat for several)",
+    )
+    g.add_argument(
+        "--max_loras",
+        type=int,
+        default=None,
+        help="adapters resident at once, least recently used evicted (default: 4 with --lora, "
+        "else none; give it to load adapters only at run time)",
+    )
+    g.add_argument(
+        "--max_lora_rank",
+        type=int,
+        default=16,
+        help="the largest adapter rank the slots hold",
+    )
+
+
+def lora_options(args, p=None):
+    """--lora / --max_loras / --max_lora_rank as load_one_process's `lora`, or None (p: the
+    parser, to report a malformed flag; check_engine_args passes it)."""
+    pairs = []
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p and p.error(f"--lora takes NAME=PATH, got {item!r}")
+        pairs.append((name, path))
+    if len({n for n, _ in pairs}) < len(pairs) and p:
+        p.error("--lora: each adapter needs a name of its own")
+    slots = args.max_loras if args.max_loras is not None else (4 if pairs else 0)
+    if (slots < 0 or args.max_lora_rank < 1 or len(pairs) > slots) and p:
+        p.error(
+            f"--max_loras ({slots}) must hold every --lora ({len(pairs)}), --max_lora_rank >= 1"
+        )
+    return {"adapters": pairs, "slots": slots, "rank": args.max_lora_rank} if slots else None

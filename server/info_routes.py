@@ -23,7 +23,7 @@ from server.server_limits import text_size
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/embeddings, "
     "POST /v1/rerank, GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, "
-    "GET /metrics"
+    "GET /metrics, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter"
 )
 
 
@@ -37,6 +37,7 @@ class InfoRoutes:
             server.model_name,
         )
         self.loop, self.lanes, self.context = server.loop, server.lanes, server.context
+        self.adapter_routes = server.adapter_routes
 
     # routes have no return annotations: FastAPI would take them as response models
     async def health(self):
@@ -57,18 +58,20 @@ class InfoRoutes:
             "max_model_len": self.context,
         }
 
+    def cards(self) -> list:
+        """The base model's card, then each LoRA adapter's (its "parent": the base)."""
+        return [self.card(), *self.adapter_routes.cards(self.card())]
+
     async def models(self):
-        return {"object": "list", "data": [self.card()]}
+        return {"object": "list", "data": self.cards()}
 
     async def model(self, model_id: str):
-        if model_id != self.model_name:
-            message = (
-                f"the model {model_id!r} does not exist: this server serves {self.model_name!r}"
-            )
-            raise Refused(
-                message, response=error(404, message, param="model", code="model_not_found")
-            )
-        return self.card()
+        for card in self.cards():
+            if card["id"] == model_id:
+                return card
+        names = ", ".join(repr(c["id"]) for c in self.cards())
+        message = f"the model {model_id!r} does not exist: this server serves {names}"
+        raise Refused(message, response=error(404, message, param="model", code="model_not_found"))
 
     async def tokenize(self, body: TokenizeRequest):
         try:

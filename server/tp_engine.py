@@ -250,18 +250,17 @@ def load_one_process(
     prompt_lookup_max=3,
     draft_checkpoint=None,
     kv_tier=None,
+    lora=None,
 ):
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
-    engine_flags.add_engine_args; kv_tier: engine_flags.tier_options'); logs the memory plan.
-    Then, as generate.py, drops what only loading needed (weights.settle)."""
-    proposer = (
-        PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max)
-        if speculate == "prompt_lookup"
-        else None
-    )
+    engine_flags.add_engine_args; kv_tier, lora: engine_flags.tier_options', lora_options');
+    logs the memory plan. Then, as generate.py, drops what only loading needed (weights.settle)."""
+    lookup = speculate == "prompt_lookup"
+    proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if lookup else None
     model, tokenizer, info, draft, draft_info = load_models(
         checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint
     )
+    adapters = attach_adapters(model, lora)  # (their slots before the plan: it counts them)
     sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     num_blocks, window_blocks = plan_pool(
         model, info, draft, block_size, num_blocks, kv_cache_memory, **sizes
@@ -284,10 +283,30 @@ def load_one_process(
         speculate=proposer,
         tier=make_tier(model, block_size, kv_tier),
     )
+    engine.adapters = adapters
     if compile in ("auto", "aot"):
         load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
         engine.decode_fn = aot_step(engine, load, compile, (speculate, batch_invariant))
     return engine, tokenizer, info
+
+
+def attach_adapters(model, options):
+    """The model's projections wrapped for options["slots"] adapters, those of --lora loaded:
+    lora.Adapters, logged; None without adapters."""
+    if not options:
+        return None
+    import lora
+    from formats.lora_files import read_adapter
+
+    adapters = lora.Adapters(model, options["slots"], options["rank"])
+    for name, path in options["adapters"]:
+        adapters.load(read_adapter(path, model.config, name))
+    names = ", ".join(adapters.resident()) or "none yet"
+    log(
+        f"LoRA: {options['slots']} adapter slots of rank <= {options['rank']} "
+        f"({human(adapters.nbytes())}), loaded: {names}"
+    )
+    return adapters
 
 
 def make_tier(model, block_size: int, options):
@@ -400,7 +419,9 @@ def aot_step(engine, load: dict, compile: str, flags):
         if compile == "aot":
             raise ValueError(f"--compile aot: {refusal}")
         return None
-    step = aot.decode_step(engine.model, engine.cache, load, fallback=compile == "auto")
+    # the package binds the base layers' tensors by their names: adapters' wrappers set aside
+    with engine.adapters.unwrapped() if engine.adapters else contextlib.nullcontext():
+        step = aot.decode_step(engine.model, engine.cache, load, fallback=compile == "auto")
     return step if isinstance(step, aot.AotDecode) else None
 
 
@@ -411,6 +432,7 @@ def refuse_under_torchrun(options):
         "speculate": "--speculate",
         "kv_tier": "--kv_disk_cache / --kv_host_cache",
         "batch_invariant": "--batch_invariant",
+        "lora": "--lora / --max_loras",
     }
     for key, flag in flags.items():
         value = options.get(key)

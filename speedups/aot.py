@@ -106,6 +106,11 @@ def check_usable(args, device: str):
             f"--compile aot runs on CPU: pass --device cpu, or on {device} use --compile (CUDA "
             "Graphs)"
         )
+    if getattr(args, "lora", None):
+        raise AotError(
+            "the package is compiled from the checkpoint alone, without --lora's adapter; use "
+            "--compile (jit) or --compile off"
+        )
     if args.compile_prefill:
         raise AotError(
             "--compile_prefill brings torch.compile into the process, which --compile aot keeps "
