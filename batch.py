@@ -11,8 +11,9 @@ One request per line, every field but `prompt` optional (a prompt is text, or a 
 
 and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
 "presence_penalty", "logit_bias" ({"token id": bias}); "priority" (lower first) with
---schedule_policy priority; "lora" (or "model"): the name of a LoRA adapter given as --lora
-NAME=PATH, for that request alone (lora.py; the base model without one).
+--schedule_policy priority; "lora": the name of a LoRA adapter given as --lora NAME=PATH, for
+that request alone (lora.py; the base model without one), or "model" where it names one (any
+other "model", e.g. the base's, runs the base).
 
 On stdout, one JSON line per request as it finishes: `id` (the line number if not given),
 `tokens` (generated ids), `text`, `finish_reason` ("stop", "length"), `time_to_first_token_s`;
@@ -77,14 +78,16 @@ def read_line(line: str, line_no: int):
     return obj.get("id", line_no), obj
 
 
-def parse_request(obj: dict, tokenizer):
-    """A request object -> (prompt ids, RequestParams). Raises ValueError naming what is wrong."""
+def parse_request(obj: dict, tokenizer, adapters=()):
+    """A request object -> (prompt ids, RequestParams); adapters: the names --lora serves.
+    Raises ValueError naming what is wrong."""
     unknown = sorted(set(obj) - set(REQUEST_KEYS) - {"lora", "model"})
     if unknown:
         raise ValueError(
             f"unknown field(s) {unknown}; a request has {[*REQUEST_KEYS, 'lora', 'model']}"
         )
-    if obj.get("lora") and obj.get("model") and obj["lora"] != obj["model"]:
+    model = obj.get("model") if obj.get("model") in adapters else None  # else: the base's name
+    if obj.get("lora") and model and obj["lora"] != model:
         raise ValueError("lora and model both name an adapter, different ones: give one")
     prompt = obj.get("prompt")
     if isinstance(prompt, str):
@@ -92,7 +95,7 @@ def parse_request(obj: dict, tokenizer):
     elif not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
         raise ValueError("prompt must be a string or a list of token ids")
     params = {k: obj[k] for k in REQUEST_KEYS[2:] if obj.get(k) is not None}
-    return prompt, RequestParams(**params, adapter=obj.get("lora") or obj.get("model"))
+    return prompt, RequestParams(**params, adapter=obj.get("lora") or model)
 
 
 def parse_embedding(obj: dict, tokenizer, spec, dim: int):
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
                 prompt, params, dims[request_id] = parse_embedding(obj, tokenizer, spec, dim)
                 engine.add_request(prompt, params, request_id=request_id)
             else:
-                engine.add_request(*parse_request(obj, tokenizer), request_id=request_id)
+                served = engine.adapters.served() if engine.adapters else ()
+                engine.add_request(*parse_request(obj, tokenizer, served), request_id=request_id)
         except (ValueError, TypeError) as e:  # this request fails alone
             print(json.dumps({"id": request_id, "error": str(e)}), flush=True)
             failed += 1

@@ -20,6 +20,7 @@ request alone. Prompt scoring (scoring.py) is opt-in: the scheduler's hooks, the
 `score` and `remember` around the forward.
 """
 
+import contextlib
 import time
 from collections import deque
 from typing import NamedTuple
@@ -198,8 +199,8 @@ class Engine:
         if params.adapter is not None:  # its rows' slot; its prefixes hashed apart from others'
             if self.adapters is None:
                 raise ValueError(f"adapter {params.adapter!r}: this engine serves no adapters")
-            req.lora_slot = self.adapters.slot_of(params.adapter)
-            req.hash_root = self.adapters.adapters[params.adapter].key
+            req.lora_slot = self.adapters.slot_of(params.adapter, self.requests.values())
+            req.hash_root = self.adapters.host[params.adapter].key
         req.seqs[0].stream = self._stream(params)
         if params.constraint is not None:  # compiled now, so a bad grammar fails here, alone
             from constrain import compile_constraint
@@ -337,8 +338,8 @@ class Engine:
         )
         k = self.speculate.k if plan.drafts else 0
         order, tokens, pos, groups, ends, slots = self.layout(plan, compiled, k)
-        if self.adapters is not None:  # each row's adapter (its slot's columns) for this forward
-            self.adapters.set_rows(slots)
+        # each row's adapter (lora.py: its slot's columns), for this forward only
+        rows = self.adapters.rows(slots) if self.adapters else contextlib.nullcontext()
         pooled = any(s.request.params.pooling for s in order)
         done = [
             s
@@ -362,7 +363,7 @@ class Engine:
             torch.tensor([tokens], device=self.device),
             torch.tensor([pos], device=self.device),
         )
-        with torch.no_grad(), self.cache.step_groups(groups):
+        with torch.no_grad(), self.cache.step_groups(groups), rows:
             if compiled:
                 logits = self.decode_fn(self.model, self.cache, tokens, pos)[sampled]
             else:

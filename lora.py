@@ -22,8 +22,8 @@ no row uses an adapter skips both matmuls (mask None).
 
     adapters = Adapters(model, max_loras=4, max_rank=16)  # wraps every projection, slots empty
     slot = adapters.load(adapter)                         # a formats/lora_files.read_adapter one
-    adapters.set_rows([slot, -1, slot])                   # per flat token; -1: the base
-    logits = model(tokens, input_pos, cache)
+    with adapters.rows([slot, -1, slot]):                 # per flat token; -1: the base
+        logits = model(tokens, input_pos, cache)
     adapters.use(slot)                                     # generate.py: every row, any shape
 
 Run `python -m pytest tests/test_lora.py` to see it checked against the `peft` package.
@@ -55,6 +55,10 @@ TARGETS = {
 
 class UnknownAdapter(ValueError):
     """A request names an adapter that is not loaded (a server's 404)."""
+
+
+class SlotsBusy(ValueError):
+    """Every slot has requests running: an adapter cannot be placed now (a server's 503)."""
 
 
 @dataclass
@@ -95,6 +99,10 @@ def target_shape(config, target: str) -> tuple:
 class LoraLinear(nn.Module):
     """A projection (any weight format: float, int8, int4, GGUF groups) plus the resident
     adapters' deltas. parts: the projections its outputs stack, [(name, width)]."""
+
+    # compiling.autotune: no max-autotune search with adapters (their thin GEMMs multiply its
+    # compile time: benchmarks/RESULTS.md, "LoRA adapters")
+    compile_autotune = False
 
     def __init__(self, base, slots, parts, in_features: int, dtype, device):
         super().__init__()
@@ -153,9 +161,10 @@ def _wrap(parent, names, slots, config, dtype, device) -> list:
 
 
 class Adapters:
-    """The resident adapters of one model: at most max_loras, each of rank <= max_rank, in slots
-    every projection shares. Loading past max_loras evicts the least recently used adapter no
-    request uses; unloading one in use lets its requests finish first (it takes no new ones)."""
+    """The adapters of one model: every loaded one kept on the host, at most max_loras of them
+    (rank <= max_rank) resident in the slots every projection shares. A request for one not
+    resident takes a free slot, or the least recently used one no request runs on (SlotsBusy when
+    every slot is busy); unloading one in use lets its requests finish first (no new ones)."""
 
     def __init__(self, model, max_loras: int = 4, max_rank: int = 16):
         if max_loras < 1 or max_rank < 1:
@@ -164,9 +173,8 @@ class Adapters:
             raise ValueError("this model already carries adapter slots (one Adapters per model)")
         self.max_loras, self.max_rank, self.config = max_loras, max_rank, model.config
         self.names = [None] * max_loras  # each slot's adapter name
-        self.adapters, self.last_used, self.draining = {}, {}, set()
-        self.onehot = self.everywhere = None
-        self._masks = {}
+        self.host, self.last_used, self.draining = {}, {}, set()  # host: name -> Adapter
+        self.onehot, self._masks = None, {}
         dtype, device = model.norm.weight.dtype, model.norm.weight.device
         self.where, self.wrapped = {}, []  # (layer, projection) -> its LoraLinear
         for i, layer in enumerate(model.layers):
@@ -177,6 +185,7 @@ class Adapters:
             for parent, names in groups:
                 for p, m in _wrap(parent, names, self, model.config, dtype, device):
                     self.where[i, p] = m
+        self.modules = list({id(m): m for m in self.where.values()}.values())
 
     @contextlib.contextmanager
     def unwrapped(self):
@@ -192,105 +201,121 @@ class Adapters:
                 setattr(parent, attr, layer)
 
     def nbytes(self) -> int:
-        mods = {id(m): m for m in self.where.values()}.values()
-        return sum(m.lora_A.nbytes + m.lora_B.nbytes for m in mods)
+        return sum(m.lora_A.nbytes + m.lora_B.nbytes for m in self.modules)
 
     # -- which rows use which slot -------------------------------------------------------------
-    def set_rows(self, slots):
-        """This step's slot per flat token (-1: the base model's own output)."""
-        self._masks, self.everywhere = {}, None
-        used = [s for s in slots if s >= 0]
-        self.onehot = None
-        if used:
-            dtype, device = self._dtype_device()
-            ids = torch.tensor(slots, device=device)
-            self.onehot = (ids[:, None] == torch.arange(self.max_loras, device=device)).to(dtype)
+    @contextlib.contextmanager
+    def rows(self, slots):
+        """A forward whose flat tokens use these slots (-1: the base model's own output); after
+        it, no row uses any (another forward of the model is the base's)."""
+        onehot = None
+        if any(s >= 0 for s in slots):
+            ids = torch.tensor(slots, device=self.modules[0].lora_A.device)
+            onehot = ids[:, None] == torch.arange(self.max_loras, device=ids.device)  # [N, S]
+        self._set(onehot)
+        try:
+            yield
+        finally:
+            self._set(None)
 
     def use(self, slot):
-        """Every row, whatever its shape, through `slot` (None: the base)."""
-        self._masks, self.onehot, self.everywhere = {}, None, slot
+        """Every row, whatever its shape, through `slot` from now on (None: the base)."""
+        device = self.modules[0].lora_A.device
+        self._set(None if slot is None else torch.arange(self.max_loras, device=device) == slot)
+
+    def _set(self, onehot):
+        """The masks each layer's k parts keep, [N, k*S*R] (or [k*S*R]), built before the forward
+        (a compiled step reads them as inputs)."""
+        self.onehot, self._masks = onehot, {}
+        if onehot is not None:
+            cols = onehot.to(self.modules[0].lora_A.dtype).repeat_interleave(self.max_rank, -1)
+            for k in {m.k for m in self.modules}:  # part-major, as lora_A's rows
+                self._masks[k] = cols.repeat(*[1] * (cols.dim() - 1), k)
 
     def mask(self, k: int):
-        """The columns [N, k * S * R] (or [k * S * R]) a layer of k parts keeps (part-major), or
-        None."""
-        if self.onehot is None and self.everywhere is None:
-            return None
-        if k not in self._masks:
-            if self.onehot is not None:
-                self._masks[k] = self.onehot.repeat_interleave(self.max_rank, dim=1).repeat(1, k)
-            else:
-                dtype, device = self._dtype_device()
-                m = torch.zeros(self.max_loras, self.max_rank, dtype=dtype, device=device)
-                m[self.everywhere] = 1
-                self._masks[k] = m.flatten().repeat(k)
-        return self._masks[k]
-
-    def _dtype_device(self):
-        t = next(iter(self.where.values())).lora_A
-        return t.dtype, t.device
+        """The columns a layer of k parts keeps this forward, or None (no row on an adapter)."""
+        return self._masks.get(k)
 
     # -- loading and unloading -----------------------------------------------------------------
-    def slot_of(self, name: str) -> int:
-        """The slot of a resident adapter taking requests; UnknownAdapter naming the known ones."""
-        if name not in self.adapters or name in self.draining:
-            known = ", ".join(sorted(n for n in self.adapters if n not in self.draining))
+    def served(self) -> list:
+        """The adapters taking requests, in the order they were loaded."""
+        return [n for n in self.host if n not in self.draining]
+
+    def slot_of(self, name: str, requests=()) -> int:
+        """The slot of adapter `name` for a new request, placing it if it is not resident;
+        requests: the unfinished ones (their adapters are never evicted). UnknownAdapter naming
+        those served; SlotsBusy if every slot has requests running."""
+        if name not in self.host or name in self.draining:
+            known = ", ".join(sorted(self.served()))
             raise UnknownAdapter(f"no adapter {name!r} is loaded (loaded: {known or 'none'})")
         self.last_used[name] = time.monotonic()
-        return self.names.index(name)
+        if name in self.names:
+            return self.names.index(name)
+        return self._place(name, {r.params.adapter for r in requests})
 
-    def load(self, adapter: Adapter, in_use=frozenset()) -> int:
-        """Make `adapter` resident (replacing one of the same name) -> its slot. in_use: the names
-        requests still run under; those are never evicted."""
+    def load(self, adapter: Adapter, requests=(), replace: bool = False) -> int:
+        """Keep `adapter` (checked) and place it in a slot if one is free or idle -> its slot, or
+        -1 (placed when a request asks for it). replace: a loaded one of that name gives way,
+        unless requests still run on it (SlotsBusy). ValueError if the name is taken."""
         self.check(adapter)
-        in_use = set(in_use)
-        if adapter.name in self.adapters:
+        in_use = {r.params.adapter for r in requests}
+        if adapter.name in self.host:
+            if not replace or adapter.name in self.draining:
+                raise ValueError(f"an adapter named {adapter.name!r} is already loaded")
             if adapter.name in in_use:
-                raise RuntimeError(
-                    f"adapter {adapter.name!r} is in use by running requests; unload it first"
-                )
-            self._free(self.names.index(adapter.name))
-        slot = self._free_slot(in_use)
-        for (layer, target), (a, b) in adapter.weights.items():
-            row = 0
-            for p in TARGETS[target]:  # a fused target's B split over the projections it covers
-                m = self.where[layer, p]
-                width = m.offsets[p][2]
-                m.write(slot, p, a, b[row : row + width])
-                row += width
-        self.names[slot], self.adapters[adapter.name] = adapter.name, adapter
+                raise SlotsBusy(f"adapter {adapter.name!r} has requests running; retry later")
+            self._drop(adapter.name)
+        self.host[adapter.name] = adapter
         self.last_used[adapter.name] = time.monotonic()
-        return slot
+        try:
+            return self._place(adapter.name, in_use)
+        except SlotsBusy:
+            return -1
 
-    def unload(self, name: str, in_use=frozenset()):
-        """Take no new requests for `name`; its slot frees once no request in `in_use` uses it."""
-        self.slot_of(name)
+    def unload(self, name: str, requests=()):
+        """Take no new requests for `name`; it goes once none of `requests` runs on it."""
+        self.slot_of(name)  # (UnknownAdapter)
         self.draining.add(name)
-        if name not in in_use:
-            self._free(self.names.index(name))
+        self._sweep({r.params.adapter for r in requests})
 
-    def _free_slot(self, in_use: set) -> int:
-        for slot, name in enumerate(self.names):  # drained adapters whose requests are over
-            if name in self.draining and name not in in_use:
-                self._free(slot)
-        if None in self.names:
-            return self.names.index(None)
-        idle = [n for n in self.names if n not in in_use]
-        if not idle:
-            raise RuntimeError(
-                f"all {self.max_loras} adapter slots are in use by running requests "
-                f"({', '.join(self.names)}); retry later, unload one, or raise --max_loras"
-            )
-        victim = min(idle, key=lambda n: self.last_used[n])
-        slot = self.names.index(victim)
-        self._free(slot)
+    def _sweep(self, in_use: set):
+        for name in [n for n in self.draining if n not in in_use]:  # unloaded, requests over
+            self._drop(name)
+
+    def _place(self, name: str, in_use: set) -> int:
+        """Write `name` into a free slot, or the least recently used idle one's -> the slot."""
+        self._sweep(in_use)
+        if None not in self.names:
+            idle = [n for n in self.names if n not in in_use]
+            if not idle:
+                raise SlotsBusy(
+                    f"all {self.max_loras} adapter slots have requests running "
+                    f"({', '.join(self.names)}); retry later, or raise --max_loras"
+                )
+            self._clear(self.names.index(min(idle, key=lambda n: self.last_used[n])))
+        slot = self.names.index(None)
+        try:
+            for (layer, target), (a, b) in self.host[name].weights.items():
+                row = 0
+                for p in TARGETS[target]:  # a fused target's B split over its projections
+                    m = self.where[layer, p]
+                    m.write(slot, p, a, b[row : row + m.offsets[p][2]])
+                    row += m.offsets[p][2]
+        except BaseException:  # nothing half written stays
+            self._clear(slot)
+            raise
+        self.names[slot] = name
         return slot
 
-    def _free(self, slot: int):
-        name = self.names[slot]
-        for m in {id(m): m for m in self.where.values()}.values():
+    def _clear(self, slot: int):
+        for m in self.modules:
             m.clear(slot)
         self.names[slot] = None
-        self.adapters.pop(name, None)
+
+    def _drop(self, name: str):
+        if name in self.names:
+            self._clear(self.names.index(name))
+        self.host.pop(name, None)
         self.draining.discard(name)
 
     def check(self, adapter: Adapter):
@@ -308,33 +333,37 @@ class Adapters:
                     "experts' projection: adapters on experts are not supported"
                 )
 
-    def resident(self) -> list:
-        """The names taking requests, in slot order."""
-        return [n for n in self.names if n is not None and n not in self.draining]
+
+def _weight_rows(model, i: int, p: str):
+    """(the float layer holding projection p of layer i, p's first row in it); ValueError if the
+    layer is quantized."""
+    shapes, layer = projection_shapes(model.config), model.layers[i]
+    parent = layer.self_attn if p in ("q", "k", "v", "o") else layer.mlp
+    qkv = p in ("q", "k", "v")
+    fused, order = ("qkv_proj", ("q", "k", "v")) if qkv else ("gate_up_proj", ("gate", "up"))
+    lin, start = getattr(parent, fused, None) if p in order else None, 0
+    if lin is not None:  # a fused layer: p's rows after the parts before it
+        start = sum(shapes[o][1] for o in order[: order.index(p)])
+    else:
+        lin = getattr(parent, f"{p}_proj")
+    if not isinstance(lin, nn.Linear):
+        raise ValueError(
+            f"--merge_lora needs float weights; {p}_proj of layer {i} is {type(lin).__name__} "
+            "(leave out --merge_lora: the adapter runs on the fly)"
+        )
+    return lin, start
 
 
 def merge(model, adapter: Adapter, scale: float = 1.0):
     """W += scale * B A in place, for float weights only (generate.py --merge_lora): the merged
-    model runs at the base's speed and equals the adapter applied on the fly."""
+    model runs at the base's speed and equals the adapter applied on the fly. Every layer is
+    checked before any changes."""
     shapes = projection_shapes(model.config)
+    places = {(i, p): _weight_rows(model, i, p) for i, t in adapter.weights for p in TARGETS[t]}
     for (i, target), (a, b) in adapter.weights.items():
-        layer, row = model.layers[i], 0
+        row = 0
         for p in TARGETS[target]:
-            width = shapes[p][1]
-            parent = layer.self_attn if p in ("q", "k", "v", "o") else layer.mlp
-            fused = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj"}.get(p)
-            fused = fused or {"gate": "gate_up_proj", "up": "gate_up_proj"}.get(p)
-            lin, start = getattr(parent, fused, None) if fused else None, 0
-            if lin is not None:  # a fused layer: p's rows after the parts before it
-                order = ("q", "k", "v") if fused == "qkv_proj" else ("gate", "up")
-                start = sum(shapes[o][1] for o in order[: order.index(p)])
-            else:
-                lin = getattr(parent, f"{p}_proj")
-            if not isinstance(lin, nn.Linear):
-                raise ValueError(
-                    f"--merge_lora needs float weights; {p}_proj of layer {i} is "
-                    f"{type(lin).__name__} (leave out --merge_lora: the adapter runs on the fly)"
-                )
+            (lin, start), width = places[i, p], shapes[p][1]
             delta = scale * (b[row : row + width].float() @ a.float())
             with torch.no_grad():
                 w = lin.weight[start : start + width]

@@ -60,6 +60,13 @@ def read_config(folder: Path) -> dict:
         value = config.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise CheckpointError(f"{path}: {key} must be a positive number, got {value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for v in pattern.values()
+        ):
+            raise CheckpointError(f"{path}: {key} must map module names to positive numbers")
     targets = config.get("target_modules") or []
     names = [targets] if isinstance(targets, str) else list(targets)
     for t in names:

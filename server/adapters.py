@@ -7,9 +7,11 @@ request's `model` names, and vLLM's routes that load and unload one while the se
     curl localhost:8000/v1/unload_lora_adapter -d '{"lora_name": "fr"}'
 
 The files are read and checked off the engine's thread (formats/lora_files.py); only the copy into
-a slot (lora.Adapters) runs between two steps, so streams go on. A request names an adapter by
-`model` (the base by the server's own name, or no name); with adapters on, any other name is a 404
-listing the names served.
+a slot (lora.Adapters) runs between two steps, so streams go on. Every loaded adapter stays in
+host memory until unloaded; one evicted from its slot is placed again when a request asks for it
+(a 503 while every slot has requests running). A request names an adapter by `model` (the base by
+the server's own name, or no name); with adapters on, any other name is a 404 listing the names
+served.
 """
 
 import asyncio
@@ -17,18 +19,25 @@ import asyncio
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from server.openai_format import Refused, error
+from lora import SlotsBusy
+from server.openai_format import Refused, error, unavailable
 
 
-def in_use(engine) -> set:
-    """The adapters the engine's unfinished requests run under (engine thread)."""
-    return {r.params.adapter for r in engine.requests.values()}
+def not_found(message: str, param: str = "model") -> Refused:
+    """A 404 in OpenAI's shape: a model (or adapter) this server does not serve."""
+    return Refused(message, response=error(404, message, param=param, code="model_not_found"))
+
+
+def busy(message: str) -> Refused:
+    """A 503 with Retry-After: every adapter slot has requests running."""
+    return Refused(message, response=unavailable(message))
 
 
 class LoadBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: str
     lora_path: str = None
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name
 
 
 class AdapterRoutes:
@@ -46,16 +55,16 @@ class AdapterRoutes:
         """The adapter `model` names, or None for the base; Refused (404) for another name."""
         if self.adapters is None or model is None or model == self.server.model_name:
             return None
-        if model in self.adapters.resident():
+        if model in self.adapters.served():
             return model
-        names = ", ".join([self.server.model_name, *self.adapters.resident()])
-        message = f"the model {model!r} does not exist: this server serves {names}"
-        raise Refused(message, response=error(404, message, param="model", code="model_not_found"))
+        names = ", ".join([self.server.model_name, *self.adapters.served()])
+        raise not_found(f"the model {model!r} does not exist: this server serves {names}")
 
     def cards(self, card: dict) -> list:
         """/v1/models' entries of the adapters, beside the base's `card`."""
-        names = self.adapters.resident() if self.adapters else []
-        return [{**card, "id": n, "parent": card["id"]} for n in names]
+        names = self.adapters.served() if self.adapters else []
+        host = self.adapters.host if self.adapters else {}
+        return [{**card, "id": n, "parent": card["id"], "root": host[n].path} for n in names]
 
     async def load(self, body: LoadBody):
         from formats.lora_files import read_adapter
@@ -69,12 +78,11 @@ class AdapterRoutes:
         try:  # the files read and checked here, off the engine's thread
             adapter = await asyncio.to_thread(read_adapter, body.lora_path, config, body.lora_name)
             self.adapters.check(adapter)
+            await self._call(self._load, adapter, body.load_inplace)
+        except SlotsBusy as e:  # replacing one whose requests still run
+            raise busy(str(e)) from None
         except ValueError as e:
-            raise Refused(str(e), "lora_path") from None
-        try:
-            await self._call(self._load, adapter)
-        except RuntimeError as e:  # every slot busy, or the name in use
-            raise Refused(str(e), response=error(503, str(e), "unavailable_error")) from None
+            raise Refused(str(e), "lora_name" if "already" in str(e) else "lora_path") from None
         return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "loaded": True})
 
     async def unload(self, body: LoadBody):
@@ -82,16 +90,14 @@ class AdapterRoutes:
         try:
             await self._call(self._unload, body.lora_name)
         except ValueError as e:
-            raise Refused(
-                str(e), response=error(404, str(e), param="lora_name", code="model_not_found")
-            ) from None
+            raise not_found(str(e), "lora_name") from None
         return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "loaded": False})
 
-    def _load(self, adapter):
-        return self.adapters.load(adapter, in_use(self.engine))
+    def _load(self, adapter, replace: bool):
+        return self.adapters.load(adapter, self.engine.requests.values(), replace)
 
     def _unload(self, name: str):
-        return self.adapters.unload(name, in_use(self.engine))
+        return self.adapters.unload(name, self.engine.requests.values())
 
     async def _call(self, fn, *args):
         """fn(*args) on the engine's thread, between two steps."""
@@ -99,7 +105,7 @@ class AdapterRoutes:
 
     def _enabled(self):
         if self.adapters is None:
-            raise Refused(
+            raise not_found(
                 "this server runs no adapters: start it with --lora NAME=PATH or --max_loras N",
-                response=error(404, "adapters are off (start with --max_loras N)"),
+                "lora_name",
             )

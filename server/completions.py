@@ -17,9 +17,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from constrain import Compiled, compile_constraint
+from lora import SlotsBusy, UnknownAdapter
 from sampling import parse_logit_bias
 from sequence import RequestParams
-from server.adapters import AdapterRoutes
+from server.adapters import AdapterRoutes, busy, not_found
 from server.choices import Outputs
 from server.constraint_check import ConstraintChecker
 from server.delivery import sse, whole
@@ -295,6 +296,10 @@ class Server:
             params.constraint = await self.compiled(params.constraint, body, tool_constraint)
         try:
             rids, events = await self.loop.submit(prompts, params)
+        except UnknownAdapter as e:  # its adapter unloaded since the request was read
+            raise not_found(str(e)) from None
+        except SlotsBusy as e:  # its adapter not resident, every slot running requests
+            raise busy(str(e)) from None
         except ValueError as e:  # RequestParams.check and Engine.add_request, in the engine thread
             raise Refused(str(e), param_of(str(e), body)) from None
         except Unavailable as e:
@@ -307,7 +312,7 @@ class Server:
         meta = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": params.adapter or self.model_name,  # (an adapter by its own name)
         }
         legacy = chat and body.functions is not None
         out = Outputs(

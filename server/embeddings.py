@@ -106,7 +106,9 @@ class Embeddings:
             texts, "input", lambda t: encode_input(self.tok, t, spec.chat, cut)
         )
         prompts = self._fit(prompts, "input", body.truncate)
-        states = await self._pool(request, prompts, RequestParams(pooling=spec.pooling), "input")
+        adapter = self.server.adapter_routes.adapter_of(body.model)  # a LoRA adapter's states
+        params = RequestParams(pooling=spec.pooling, adapter=adapter)
+        states = await self._pool(request, prompts, params, "input")
         vectors = finish(states, spec.normalize, body.dimensions)
         data = [
             {"object": "embedding", "index": i, "embedding": self._encoded(v, body)}
@@ -116,7 +118,7 @@ class Embeddings:
         reply = {
             "object": "list",
             "data": data,
-            "model": self.server.model_name,
+            "model": adapter or self.server.model_name,
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }
         return await asyncio.to_thread(JSONResponse, reply)
@@ -133,7 +135,8 @@ class Embeddings:
         room = max(0, self.server.context - len(head) - len(tail))  # truncate: the document's end
         prompts = [head + (p[:room] if body.truncate else p) + tail for p in prompts]
         prompts = self._fit(prompts, "documents", False)
-        params = RequestParams(pooling="last", score_tokens=[no, yes])
+        adapter = self.server.adapter_routes.adapter_of(body.model)
+        params = RequestParams(pooling="last", score_tokens=[no, yes], adapter=adapter)
         logits = await self._pool(request, prompts, params, "documents")  # [n, 2]: no, yes
         scores = logits.softmax(-1)[:, 1].tolist()
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n or len(docs)]
@@ -146,7 +149,7 @@ class Embeddings:
         return {
             "id": f"rerank-{time.time_ns()}",
             "object": "list",
-            "model": self.server.model_name,
+            "model": adapter or self.server.model_name,
             "results": results,
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }

@@ -35,7 +35,9 @@ import uuid
 from typing import NamedTuple
 
 from engine import Finished
+from lora import SlotsBusy, UnknownAdapter
 
+ADAPTER_ERRORS = (UnknownAdapter, SlotsBusy)  # kept as they are: the routes answer 404 and 503
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
@@ -239,7 +241,9 @@ class EngineLoop:
                     for rid in ids:  # all or none: the engine's events for these go nowhere
                         self.engine.abort(rid)
                         del self.streams[rid]
-                    raise ValueError(str(e) if len(prompts) == 1 else f"prompt {i}: {e}") from None
+                    message = str(e) if len(prompts) == 1 else f"prompt {i}: {e}"
+                    kind = type(e) if type(e) in ADAPTER_ERRORS else ValueError  # (a 404, a 503)
+                    raise kind(message) from None
                 self.streams[ids[-1]] = (loop, events, i * params.n)
             loop.call_soon_threadsafe(done.set_result, ids)
         except (ValueError, Unavailable) as e:

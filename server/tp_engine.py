@@ -301,7 +301,7 @@ def attach_adapters(model, options):
     adapters = lora.Adapters(model, options["slots"], options["rank"])
     for name, path in options["adapters"]:
         adapters.load(read_adapter(path, model.config, name))
-    names = ", ".join(adapters.resident()) or "none yet"
+    names = ", ".join(adapters.served()) or "none yet"
     log(
         f"LoRA: {options['slots']} adapter slots of rank <= {options['rank']} "
         f"({human(adapters.nbytes())}), loaded: {names}"

@@ -93,7 +93,7 @@ def _engine(model, folders, slots=4, **kw):
     adapters = getattr(model, "test_adapters", None) or lora.Adapters(model, slots, 8)
     model.test_adapters = engine.adapters = adapters
     for path in folders:
-        if path.name not in adapters.resident():
+        if path.name not in adapters.served():
             adapters.load(read_adapter(path, model.config))
     return engine
 
@@ -125,6 +125,8 @@ def test_a_mixed_batch_equals_each_request_alone(base, form, tmp_path):
         for p, q in zip(prompts, params)
     ]
     assert [m["tokens"] for m in mixed] == [a["tokens"] for a in alone]
+    under = {q.adapter: engine.run_batch([prompts[0]], q)[0]["tokens"] for q in params[:4]}
+    assert len({tuple(t) for t in under.values()}) == 4, "each adapter changes the tokens"
 
 
 def test_rows_of_an_adapter_differ_from_the_base_and_a_prefix_is_not_shared(base):
@@ -169,9 +171,11 @@ def test_merge_refuses_quantized_weights(base):
 
 
 def test_load_and_unload_while_requests_run(base):
-    """Two slots: adapter0 and adapter1 resident. While both run, loading adapter2 finds no idle
-    slot (refused); unloading adapter0 mid-run lets its requests finish; then adapter2 loads into
-    its slot. Every request's tokens equal its run alone."""
+    """Two slots, adapter0 and adapter1 in them with requests running: adapter2 loads onto the
+    host only, and a request for it is refused (SlotsBusy) until a slot has no requests; adapter0
+    unloaded mid-run lets its requests finish, takes no new ones, then frees its slot, which
+    adapter2 takes; the evicted adapter1 comes back when asked for. Every request's tokens equal
+    its run alone."""
     folder, adapters = base
     model, _ = weights.load_for_inference(folder, dtype=torch.float32)
     paths = [p for p, _ in adapters]
@@ -181,22 +185,28 @@ def test_load_and_unload_while_requests_run(base):
         _engine(reference, paths).run_batch([p], q)[0]["tokens"] for p, q in zip(prompts, params)
     ]
     engine = _engine(model, paths[:2], slots=2, max_num_seqs=4)
+    slots = engine.adapters
     keep = [i for i, q in enumerate(params) if q.adapter != "adapter2"]
     ids = [engine.add_request(prompts[i], params[i]) for i in keep]
     events = engine.step()
-    in_use = {r.params.adapter for r in engine.requests.values()}
-    third = read_adapter(paths[2], model.config)
-    with pytest.raises(RuntimeError, match="all 2 adapter slots are in use"):
-        engine.adapters.load(third, in_use)
-    engine.adapters.unload("adapter0", in_use)
-    with pytest.raises(ValueError, match="no adapter 'adapter0' is loaded"):
+    assert slots.load(read_adapter(paths[2], model.config), engine.requests.values()) == -1
+    with pytest.raises(lora.SlotsBusy, match="all 2 adapter slots have requests running"):
+        engine.add_request(prompts[3], params[3])
+    with pytest.raises(ValueError, match="already loaded"):
+        slots.load(read_adapter(paths[2], model.config))
+    slots.unload("adapter0", engine.requests.values())
+    assert "adapter0" in slots.names and slots.served() == ["adapter1", "adapter2"]
+    with pytest.raises(lora.UnknownAdapter, match="no adapter 'adapter0' is loaded"):
         engine.add_request([1, 2, 3], RequestParams(**GREEDY, adapter="adapter0"))
     while engine.has_unfinished():
         events += engine.step()
     results = {e.request_id: e.result for e in events if hasattr(e, "result")}
-    assert engine.adapters.load(third, set()) == 0  # adapter0's slot, free once its rows ended
     assert [results[rid]["tokens"] for rid in ids] == [want[i] for i in keep]
-    assert engine.run_batch([prompts[3]], params[3])[0]["tokens"] == want[3]  # adapter2
+    assert engine.run_batch([prompts[3]], params[3])[0]["tokens"] == want[3]  # adapter2 placed
+    assert "adapter0" not in slots.names and "adapter0" not in slots.host
+    slots.load(read_adapter(paths[0], model.config))  # evicts the least recently used: adapter1
+    assert slots.names == ["adapter0", "adapter2"] or slots.names == ["adapter2", "adapter0"]
+    assert engine.run_batch([prompts[2]], params[2])[0]["tokens"] == want[2]  # adapter1 again
 
 
 def test_unknown_adapter_names_the_loaded_ones(base):
@@ -263,6 +273,9 @@ def test_bad_adapter_files_are_refused_by_name(base, tmp_path):
     big = read_adapter(adapters[1][0], config)
     with pytest.raises(ValueError, match="rank 8; the slots hold ranks up to 4"):
         lora.Adapters(model, 1, 4).load(big)
+    odd = edit_config(_copy(adapters[0][0], tmp_path / "odd"), alpha_pattern={"q_proj": "x"})
+    with pytest.raises(CheckpointError, match="alpha_pattern must map module names"):
+        read_adapter(odd, config)
 
 
 def test_flags_refuse_what_adapters_cannot_run():
@@ -315,3 +328,52 @@ def test_batch_py_takes_an_adapter_per_line(base, tmp_path, capsys):
         name = path.name if path else None
         want = engine.run_batch([[5, 6, 7, 8]], RequestParams(**GREEDY, adapter=name))[0]
         assert out[rid]["tokens"] == want["tokens"]
+
+
+def test_generate_py_lora_on_the_fly_and_merged_equal_the_engine(base, tmp_path, capsys):
+    """generate.py --lora (eager: the ahead-of-time package has no adapter; and compiled), then
+    --merge_lora: the greedy tokens of the engine with that adapter; --lora_scale 0 gives the
+    base's."""
+    import generate
+
+    _, adapters = base
+    folder, path = tiny_checkpoint(tmp_path / "base", arch="llama3"), adapters[1][0]
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--temperature", "0"]
+    argv += ["--prompt", "hello world", "--max_new_tokens", "8", "--ignore_eos", "--json"]
+
+    def tokens(*extra):
+        assert generate.main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+
+    model, info = weights.load_for_inference(folder, dtype=torch.float32)
+    from formats.tokenizer import load_tokenizer
+
+    prompt = load_tokenizer(info.source).encode("hello world")
+    engine = _engine(model, [path])
+    params = RequestParams(max_new_tokens=8, temperature=0, ignore_eos=True, adapter=path.name)
+    want = engine.run_batch([prompt], params)[0]["tokens"]
+    assert tokens("--lora", str(path)) == want
+    assert tokens("--lora", str(path), "--compile") == want  # torch.compile traces the adapter
+    assert tokens("--lora", str(path), "--merge_lora") == want
+    params.adapter = None
+    plain = engine.run_batch([prompt], params)[0]
+    assert tokens("--lora", str(path), "--lora_scale", "0") == plain["tokens"] != want
+    with pytest.raises(SystemExit):
+        generate.main([*argv, "--merge_lora"])  # without --lora
+
+
+def test_speculation_verifies_under_each_rows_adapter(base):
+    """Prompt lookup drafts (repetitive prompts) verified in steps that mix adapters: the greedy
+    tokens of plain decoding, adapter by adapter."""
+    from speedups.prompt_lookup import PromptLookup
+
+    folder, adapters = base
+    model, _ = weights.load_for_inference(folder, dtype=torch.float32)
+    prompts = [[7, 8, 9, 10] * 6 + [7 + i] for i in range(4)]
+    names = [None, "adapter0", "adapter1", "adapter2"]
+    params = [RequestParams(max_new_tokens=16, temperature=0, adapter=n) for n in names]
+    plain = _engine(model, [p for p, _ in adapters]).run_batch(prompts, params)
+    engine = _engine(model, [], speculate=PromptLookup(4, 1, 3))
+    spec = engine.run_batch(prompts, params)
+    assert [s["tokens"] for s in spec] == [p["tokens"] for p in plain]
+    assert engine.metrics()["draft_tokens"] > 0

@@ -64,6 +64,8 @@ def test_model_picks_the_adapter_and_models_lists_them(served):
     url, paths, want = served
     assert complete(url, "adapter0") == want["adapter0"]
     assert complete(url, "tiny") == want[None] != want["adapter0"]
+    r = client(url).completions.create(model="adapter0", prompt=PROMPT, max_tokens=2)
+    assert r.model == "adapter0"  # a reply names the adapter that wrote it
     ids = [m.id for m in client(url).models.list().data]
     assert ids[:2] == ["tiny", "adapter0"]
     assert client(url).models.retrieve("adapter0").id == "adapter0"
@@ -78,9 +80,9 @@ def test_model_picks_the_adapter_and_models_lists_them(served):
 
 
 def test_load_and_unload_while_streams_run(served):
-    """Streams on adapter0 and the base run while adapter1 loads, then adapter2 in the place of
-    the least recently used one with no request running (2 slots): every stream's text is its
-    text alone."""
+    """Streams on adapter0 and the base run while adapter1 and then adapter2 load (2 slots: one
+    waits on the host, placed again when asked for): every stream's text is its text alone, and
+    every adapter, evicted or not, answers as it does alone."""
     url, paths, want = served
     texts, errors = {}, []
 
@@ -99,23 +101,25 @@ def test_load_and_unload_while_streams_run(served):
         except Exception as e:  # reported below
             errors.append(e)
 
-    threads = [
-        threading.Thread(target=stream, args=(i, m)) for i, m in enumerate(["adapter0", "tiny"] * 3)
-    ]
+    models = ["adapter0", "tiny"] * 3
+    threads = [threading.Thread(target=stream, args=(i, m)) for i, m in enumerate(models)]
     for t in threads:
         t.start()
-    r = post(url, "/v1/load_lora_adapter", {"lora_name": "adapter1", "lora_path": str(paths[1])})
-    assert r.status_code == 200, r.text
-    assert complete(url, "adapter1") == want["adapter1"]
-    r = post(url, "/v1/load_lora_adapter", {"lora_name": "adapter2", "lora_path": str(paths[2])})
-    assert r.status_code == 200, r.text
+    for name in ("adapter1", "adapter2"):
+        r = post(
+            url,
+            "/v1/load_lora_adapter",
+            {"lora_name": name, "lora_path": str(paths[int(name[-1])])},
+        )
+        assert r.status_code == 200, r.text
     for t in threads:
         t.join(timeout=60)
     assert not errors
     assert all(text == want[None if model == "tiny" else model] for model, text in texts.values())
-    assert complete(url, "adapter2") == want["adapter2"]
-    ids = [m.id for m in client(url).models.list().data]
-    assert len(ids) == 3 and "adapter2" in ids  # the base and two slots
+    for name in ("adapter1", "adapter2", "adapter0", "adapter1"):  # two slots, three adapters
+        assert complete(url, name) == want[name]
+    cards = client(url).models.list().data
+    assert [m.id for m in cards] == ["tiny", "adapter0", "adapter1", "adapter2"]
     r = post(url, "/v1/unload_lora_adapter", {"lora_name": "adapter2"})
     assert r.status_code == 200 and "adapter2" not in [m.id for m in client(url).models.list().data]
     r = post(url, "/v1/unload_lora_adapter", {"lora_name": "adapter2"})
@@ -130,4 +134,6 @@ def test_bad_loads_are_refused_by_name(served, tmp_path):
     assert r.status_code == 400 and "lora_path" in r.text
     r = post(url, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(paths[1])})
     assert r.status_code == 400 and "the base model's name" in r.text
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "adapter0", "lora_path": str(paths[1])})
+    assert r.status_code == 400 and "already loaded" in r.text
     assert complete(url, "tiny")  # nothing else affected
