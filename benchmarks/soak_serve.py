@@ -24,6 +24,9 @@ unless `--batch_invariant`:
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/soak_serve.py --embedded --batch_invariant
                                                                --requests 400 --rate 4
+
+`--fair SECONDS` runs soak_fair.py's mix instead: the load under which a short request once
+starved, against first-come-first-served's prediction.
 """
 
 import argparse
@@ -41,6 +44,8 @@ from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from soak_fair import fair_soak
 
 from batch import percentile
 from server.server_limits import GIVE_BACK_DELAY_S, fewer_malloc_arenas
@@ -369,6 +374,14 @@ def main(argv=None):
         action="store_true",
         help="with --embedded: the engine's batch-invariant mode",
     )
+    p.add_argument(
+        "--fair",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="instead: soak_fair.py's mix (64 clients, long streams, drops, a short probe) for "
+        "SECONDS, and whether anything waited longer than first-come-first-served allows",
+    )
     args = p.parse_args(argv)
     fewer_malloc_arenas()  # as serve.py does
     if args.batch_invariant and not args.embedded:
@@ -381,6 +394,10 @@ def main(argv=None):
         engine, tokenizer = tiny_engine(args.num_blocks, args.max_num_seqs)
     gc.collect()
     gc.freeze()  # as serve.py does once loaded
+    if args.fair:
+        report = fair_soak(engine, tokenizer, args.fair, start_server, KEY, seed=args.seed)
+        print(json.dumps(report, indent=1))
+        return 0 if not (report["server_errors"] or report["blocks_in_use"]) else 1
     report = soak(engine, tokenizer, args.requests, args.rate, args.seed)
     print(json.dumps(report, indent=1))
     ok = (

@@ -287,6 +287,9 @@ class Server:
                 else "structured_outputs"
             )
             raise Refused(f"{param}: {e}", param) from None
+        except (RuntimeError, OSError) as e:  # the checker's child did not start: not the client's
+            message = f"the constraint checker is unavailable ({e}); retry"
+            raise Refused(message, response=unavailable(message)) from None
 
     async def submit(self, body, prompts, chat: bool, tool_constraint=None):
         """Queue the prompts: (request ids, their events, the engine's parameters); Refused (400)

@@ -153,4 +153,5 @@ class ConstraintChecker:
             not self.conn.poll(STARTUP_S) or self.conn.recv_bytes() != b"ready"
         ):  # (torch and the tokenizer load)
             self.process.kill()
+            self.process = None  # the next check starts another
             raise RuntimeError(f"the constraint checker did not start within {STARTUP_S:g} s")

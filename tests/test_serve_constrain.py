@@ -343,6 +343,29 @@ def test_a_checker_child_killed_or_stalled_is_replaced(tiny):
     checker.close()
 
 
+def test_a_checker_that_cannot_start_is_a_503_and_the_next_request_is_served(server, monkeypatch):
+    """The checker's child fails to start (the RuntimeError its startup raises): that request gets
+    a 503 with Retry-After, never a 500, and the next one is checked and served."""
+    from server.constraint_check import ConstraintChecker
+
+    url, real, calls = server[0], ConstraintChecker._ask, []
+
+    def fails_once(self, key):
+        calls.append(key)
+        if len(calls) == 1:
+            raise RuntimeError("the constraint checker did not start within 60 s")
+        return real(self, key)
+
+    monkeypatch.setattr(ConstraintChecker, "_ask", fails_once)
+    body = {"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "[a-c]{2}[d-f]"}}
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json=body)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "constraint checker is unavailable" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json=body)
+    assert r.status_code == 200 and re.fullmatch("[a-c]{2}[d-f]", r.json()["choices"][0]["text"])
+    assert len(calls) == 2
+
+
 def test_constraints_reach_the_engine_compiled_and_late_failures_are_400s(server, monkeypatch):
     """The engine thread gets a constrain.Compiled (compiled on the two threads kept for it,
     llguidance releasing the GIL), so it never compiles; 20,000 parser alternatives, which pass
