@@ -212,6 +212,8 @@ class Engine:
                 self.stop_ids | set(params.stop_token_ids),
             )
         self.requests[request_id] = req
+        if self.scheduler.tier is not None:  # its prefix read from disk while it waits
+            self.scheduler.tier.prefetch(req.prompt, req.hash_root, self.cache.block_size)
         self.scheduler.add(req.seqs[0])
         return request_id
 

@@ -15,10 +15,12 @@ and its own tokens, checked on every read, so a collision is a miss. Its size is
 The scheduler (host only) asks `fetch` while admitting a request and plans the loads; the engine
 copies evicted blocks out (`put`) and loaded ones in before the step's forward. A folder's files
 are written by a thread of their own (a step never waits on the disk: a full queue drops the
-block, counted), each as safetensors (never a pickle) with a fingerprint of the model and layout
-and a CRC32 of its bytes: a file from another model, block size or dtype, truncated or corrupt, is
-skipped with one warning and removed. Files are replaced atomically (written aside, renamed), so
-two processes may share a folder; each keeps it within its size, oldest first.
+block, counted) and read ahead by another while a request waits (`prefetch`, from add_request:
+its admission then finds them in memory). Each is safetensors (never a pickle) with a
+fingerprint of the model and layout and a CRC32 of its bytes: a file from another model, block
+size or dtype, truncated or corrupt, is skipped with one warning and removed. Files are replaced
+atomically (written aside, renamed), so two processes may share a folder; each keeps it within
+its size, oldest first.
 """
 
 import json
@@ -41,7 +43,9 @@ STATS = (  # engine.metrics() and /metrics report these (server/engine_loop.py)
     "tier_bytes_read",
     "tier_bytes_written",
     "tier_bytes",
+    "tier_blocks_read_ahead",  # of tier_blocks_read: read while their request waited
 )
+READ_AHEAD_BYTES = 256 * 2**20  # blocks read ahead and not yet asked for, at most
 
 
 def fingerprint(model, block_size: int, kv_dtype) -> str:
@@ -102,6 +106,9 @@ class HostTier:
         self.stats["tier_bytes_read"] += _nbytes(*entry[2:])
         return entry[2:]
 
+    def prefetch(self, prompt, root, block_size: int):
+        pass  # (already in memory)
+
     def close(self):
         pass  # (host memory ends with the process)
 
@@ -130,6 +137,10 @@ class DiskTier:
         self.todo = queue.Queue(max_queued)
         self.writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-tier")
         self.writer.start()
+        # read ahead: a waiting request's prefix blocks read by a thread of their own
+        self.ahead, self.ahead_bytes, self.wanted = OrderedDict(), 0, queue.Queue(4096)
+        reader = threading.Thread(target=self._read_loop, daemon=True, name="kv-tier-read")
+        reader.start()
 
     def _index(self, path: Path):
         try:
@@ -154,9 +165,59 @@ class DiskTier:
         except Exception as e:  # out of memory copying it out
             log(f"warning: the KV disk tier could not keep a block ({type(e).__name__}: {e})")
 
+    def prefetch(self, prompt, root, block_size: int):
+        """Read a queued request's prefix blocks ahead, on the reader thread, so its admission
+        finds them in memory (the prefix cache's hash chain from `root`). Never raises."""
+        from paged import BlockAllocator
+
+        parent = root
+        for i in range((len(prompt) - 1) // block_size):
+            tokens = tuple(prompt[i * block_size : (i + 1) * block_size])
+            h = BlockAllocator.chain_hash(parent, tokens)
+            if h not in self.files:  # (a prefix is read in order: a gap ends it)
+                return
+            try:
+                self.wanted.put_nowait((h, parent, tokens))
+            except queue.Full:
+                return
+            parent = h
+
+    def _read_loop(self):
+        while True:
+            h, parent, tokens = self.wanted.get()
+            kv = None if h in self.ahead else self._load(h, parent, tokens)
+            with self.lock:
+                if kv is not None:
+                    self.ahead[h] = (parent, tokens, *kv)
+                    self.ahead_bytes += _nbytes(*kv)
+                while self.ahead_bytes > READ_AHEAD_BYTES:  # never asked for: oldest out
+                    self.ahead_bytes -= _nbytes(*self.ahead.popitem(last=False)[1][2:])
+
     def fetch(self, h: int, parent, tokens):
-        """(k, v) of the block with this name, parent and tokens from its file, or None (a file
-        that fails a check is removed, with one warning per kind of failure)."""
+        """(k, v) of the block with this name, parent and tokens: read ahead, or from its file,
+        or None (a file that fails a check is removed, with one warning per kind of failure)."""
+        with self.lock:
+            entry = self.ahead.pop(h, None)
+            if entry is not None:
+                self.ahead_bytes -= _nbytes(*entry[2:])
+                if entry[:2] == (parent, tuple(tokens)):
+                    self._count_read(h, *entry[2:])
+                    self.stats["tier_blocks_read_ahead"] += 1
+                    return entry[2:]
+        kv = self._load(h, parent, tokens)
+        if kv is not None:
+            with self.lock:
+                self._count_read(h, *kv)
+        return kv
+
+    def _count_read(self, h: int, k, v):
+        if h in self.files:
+            self.files.move_to_end(h)
+        self.stats["tier_blocks_read"] += 1
+        self.stats["tier_bytes_read"] += _nbytes(k, v)
+
+    def _load(self, h: int, parent, tokens):
+        """(k, v) from the block's file, checked, or None (a bad file removed, warned of)."""
         with self.lock:
             if h not in self.files:
                 return None
@@ -174,11 +235,6 @@ class DiskTier:
         if why:
             self._drop(h, path, why)
             return None
-        with self.lock:
-            if h in self.files:
-                self.files.move_to_end(h)
-            self.stats["tier_blocks_read"] += 1
-            self.stats["tier_bytes_read"] += _nbytes(k, v)
         return k, v
 
     def _drop(self, h: int, path: Path, why: str):
@@ -269,6 +325,9 @@ class HostOverDisk:
 
     def fetch(self, h: int, parent, tokens):
         return self.host.fetch(h, parent, tokens) or self.disk.fetch(h, parent, tokens)
+
+    def prefetch(self, prompt, root, block_size: int):
+        self.disk.prefetch(prompt, root, block_size)
 
     def close(self):
         self.disk.close()

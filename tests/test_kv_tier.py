@@ -6,6 +6,7 @@ computed right; a folder that cannot be written, or a disk that fills, leaves th
 without the tier; a slow disk never holds a step; the flags refuse what the tier cannot serve."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +117,42 @@ def test_a_restart_reloads_every_head_from_disk(tiny, tmp_path):
     again = small_engine(model, disk(model, tmp_path))  # a new pool, the same folder
     assert one_by_one(again, PROMPTS) == want
     assert again.metrics()["tier_tokens_hit"] == 6 * 64  # every head, its first time
+
+
+def test_a_waiting_request_s_prefix_is_read_ahead(tiny, tmp_path, monkeypatch):
+    """After a restart, each request's prefix is read from disk by the reader thread while it
+    waits; its admission then reads no file (the step's own reads made to fail), and the outputs
+    are those computed without the tier."""
+    _, model, want = tiny
+    engine = small_engine(model, disk(model, tmp_path))
+    one_by_one(engine, PROMPTS)
+    kv_tier.keep_pool(engine)
+    tier = disk(model, tmp_path)
+    again = small_engine(model, tier)
+    ids = [again.add_request(p, GREEDY) for p in PROMPTS]  # all queued: 2 run at a time
+    deadline = time.time() + 30
+    while len(tier.ahead) < 6 * 4 and time.time() < deadline:  # six heads of four blocks
+        time.sleep(0.01)
+    assert len(tier.ahead) == 6 * 4
+    engine_thread = threading.current_thread()
+    read = kv_tier._read
+
+    def not_on_the_engine_thread(path):
+        assert threading.current_thread() is not engine_thread, "a step read a file"
+        return read(path)
+
+    monkeypatch.setattr(kv_tier, "_read", not_on_the_engine_thread)
+    done = {e.request_id: e.result["tokens"] for e in run_all(again)}
+    assert [done[i] for i in ids] == want
+    stats = again.metrics()
+    assert stats["tier_blocks_read_ahead"] == stats["tier_blocks_read"] == 6 * 4
+
+
+def run_all(engine) -> list:
+    events = []
+    while engine.has_unfinished():
+        events += [e for e in engine.step() if hasattr(e, "result")]
+    return events
 
 
 def test_bad_files_are_skipped_with_one_warning_each(tiny, tmp_path, capfd):
