@@ -1,6 +1,7 @@
 """The KV tier (speedups/kv_tier.py) on the embedded SmolLM2-135M, bf16, eager steps:
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_kv_tier.py [--head 4000] [--heads 16]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_kv_tier.py --shape llama3.2-1b   # 1. only
 
 1. Restart: a request sharing a `--head`-token head with one served before a "restart" (a new
    engine and a new DiskTier object over the same folder; the OS page cache dropped first where
@@ -9,6 +10,10 @@
 2. Hot prefixes 4x the pool: `--heads` heads of 512 tokens, each asked 4 times in turn (a 16-token
    tail, 16 new tokens), through a pool of 4 sequences' worth: output tokens/s and the prefix-cache
    hit rate (pool and tier together) without a tier, with the host tier and with the disk tier.
+
+`--shape llama3.2-1b`: Llama-3.2-1B's proportions (16 layers of 2,048, 8 KV heads of 64: 32 KiB
+of KV a token) with random weights in bf16, the restart only (its prefill is what a reload
+saves, at a size where the hot-prefix run would take too long here).
 """
 
 import argparse
@@ -31,7 +36,20 @@ from engine import Engine, RequestParams
 from formats import fuse_layers, weights
 from formats.tokenizer import load_tokenizer
 from kv_cache import kv_bytes_per_token
+from model import ModelConfig
 from speedups.kv_tier import DiskTier, HostTier, fingerprint, keep_pool
+
+LLAMA_1B = ModelConfig(  # Llama-3.2-1B's sizes (its RoPE unscaled: the weights are random)
+    vocab_size=128256,
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    intermediate_size=8192,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 def drop_page_cache() -> str:
@@ -116,17 +134,23 @@ def main():
     )
     p.add_argument("--head", type=int, default=4000)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--shape", choices=("smollm2-135m", "llama3.2-1b"), default="smollm2-135m")
     args = p.parse_args()
     model, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
+    ids = corpus(load_tokenizer(info.source))  # (SmolLM2's ids: valid in either vocabulary)
+    if args.shape == "llama3.2-1b":
+        from gpu_check import random_model
+
+        model = random_model(LLAMA_1B, "cpu", torch.bfloat16)
     fuse_layers.fuse_projections(model)
-    ids = corpus(load_tokenizer(info.source))
     print(
         f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
-        f"{torch.get_num_threads()} threads | SmolLM2-135M bf16, eager"
+        f"{torch.get_num_threads()} threads | {args.shape} bf16, eager"
     )
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as folder:
         restart(model, ids, args.head, folder)
-        hot_prefixes(model, ids, args.heads, folder)
+        if args.shape == "smollm2-135m":
+            hot_prefixes(model, ids, args.heads, folder)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ block, counted) and read ahead by another while a request waits (`prefetch`, fro
 its admission then finds them in memory). Each is safetensors (never a pickle) with a
 fingerprint of the model and layout and a CRC32 of its bytes: a file from another model, block
 size or dtype, truncated or corrupt, is skipped with one warning and removed. Files are replaced
-atomically (written aside, renamed), so two processes may share a folder; each keeps it within
-its size, oldest first.
+atomically (written aside, renamed), so two processes may share a folder; each re-reads it every
+256 writes, so together they keep it within its size, oldest first.
 """
 
 import json
@@ -116,9 +116,14 @@ class HostTier:
 class DiskTier:
     """Blocks as files in `folder`/<fingerprint>/, at most `capacity` bytes, written by a thread."""
 
-    def __init__(self, folder, capacity: int, fingerprint: str, max_queued: int = 256):
+    def __init__(
+        self, folder, capacity: int, fingerprint: str, max_queued: int = 256, rescan_every=256
+    ):
         self.root = Path(folder) / fingerprint
         self.capacity, self.fp = capacity, fingerprint
+        # a peer process sharing the folder writes files this one's index lacks: re-read the
+        # folder every rescan_every writes, so the two together keep it within its size
+        self.rescan_every, self.writes = rescan_every, 0
         self.stats = dict.fromkeys(STATS, 0)
         self.warned, self.broken, self.expected = set(), None, None
         self.lock = threading.Lock()  # `files` and `stats`: the writer thread's and the engine's
@@ -132,8 +137,7 @@ class DiskTier:
             self.broken = f"{self.root} cannot be written ({e})"
             log(f"warning: the KV disk tier is off: {self.broken}")
         self.files = OrderedDict()  # hash -> bytes, oldest first
-        for p in sorted(self.root.glob("*.safetensors"), key=_mtime):
-            self._index(p)
+        self._rescan()
         self.todo = queue.Queue(max_queued)
         self.writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-tier")
         self.writer.start()
@@ -141,6 +145,14 @@ class DiskTier:
         self.ahead, self.ahead_bytes, self.wanted = OrderedDict(), 0, queue.Queue(4096)
         reader = threading.Thread(target=self._read_loop, daemon=True, name="kv-tier-read")
         reader.start()
+
+    def _rescan(self):
+        """The index rebuilt from the folder, oldest file first."""
+        with self.lock:
+            self.files.clear()
+            self.stats["tier_bytes"] = 0
+        for p in sorted(self.root.glob("*.safetensors"), key=_mtime):
+            self._index(p)
 
     def _index(self, path: Path):
         try:
@@ -276,6 +288,9 @@ class DiskTier:
         path, tmp = self.root / f"{h:032x}.safetensors", self.root / f".{h:032x}.{os.getpid()}"
         save_file({"k": k.contiguous(), "v": v.contiguous()}, tmp, metadata=meta)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+        self.writes += 1
+        if self.writes % self.rescan_every == 0:
+            self._rescan()
         gone = []
         with self.lock:
             self.stats["tier_bytes"] -= self.files.pop(h, 0)  # (a peer's file it replaced)

@@ -148,6 +148,26 @@ def test_a_waiting_request_s_prefix_is_read_ahead(tiny, tmp_path, monkeypatch):
     assert stats["tier_blocks_read_ahead"] == stats["tier_blocks_read"] == 6 * 4
 
 
+def test_two_processes_on_one_folder_keep_it_within_its_size(tmp_path):
+    """Two tiers on one folder (two servers): each re-reads the folder as it writes, so their
+    files together stay within the size; the other's blocks are read back whole."""
+    k, v = torch.ones(2, 3, 4, 16), torch.ones(2, 16, 3, 4)
+    size = len(kv_tier._bytes(k)) + len(kv_tier._bytes(v)) + 1024  # a block's file, and room
+    a = DiskTier(tmp_path, 5 * size, "fp", rescan_every=1)
+    b = DiskTier(tmp_path, 5 * size, "fp", rescan_every=1)
+    for h in range(1, 5):
+        a.put(h, None, [h] * 16, k, v)
+    a.flush()
+    for h in range(5, 9):
+        b.put(h, None, [h] * 16, k * h, v)
+    b.flush()
+    held = sum(p.stat().st_size for p in (tmp_path / "fp").glob("*.safetensors"))
+    assert held <= 5 * size and len(list((tmp_path / "fp").glob("*.safetensors"))) < 8
+    a._rescan()
+    got = a.fetch(8, None, [8] * 16)  # b's newest, read by a
+    assert got is not None and torch.equal(got[0], k * 8)
+
+
 def run_all(engine) -> list:
     events = []
     while engine.has_unfinished():
