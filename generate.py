@@ -53,7 +53,7 @@ from kv_cache import StaticKVCache
 from memory import memory_plan, peak_memory_bytes
 from runtime import DTYPES, cpu_capability, human, log, pick_device
 from sampling import SamplingParams, parse_logit_bias, sample
-from speedups import aot
+from speedups import aot, kv_tier
 from speedups.kv_int8 import Int8KVCache
 from speedups.kv_window import WindowedKVCache
 from text_stream import Printer
@@ -250,7 +250,8 @@ def run(args) -> int:
             log(compiled_message(compile_s, model, device))
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
-    with profiler:
+    disk = (args.kv_disk_cache, args.kv_disk_cache_size, model, cache, ids)  # --cache paged
+    with profiler, kv_tier.prompt_cache(*disk) as start:  # start: the prompt's tokens loaded
         for _ in range(args.num_samples):
             stream = not args.json and args.batch_size == 1
             printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
@@ -266,8 +267,11 @@ def run(args) -> int:
                 matchers=constrain.row_matchers(
                     args.constraint, tokenizer, model.config.vocab_size, args.batch_size
                 ),
+                start_pos=start,
+                context=prompt,
             )
-            rows, timing = generate(model, cache, prompt, args.max_new_tokens, params, options)
+            n = args.max_new_tokens
+            rows, timing = generate(model, cache, prompt[:, start:], n, params, options)
             if stream:
                 printer.flush()
             report(

@@ -11,6 +11,7 @@ import json
 
 import constrain
 from compiling import COMPILE_MODES, compile_default
+from memory import parse_size
 from runtime import DTYPES
 from sampling import SamplingParams
 from server import engine_flags
@@ -33,6 +34,12 @@ def parse_args(argv, description: str):
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if (args.lora_scale != 1.0 or args.merge_lora) and not args.lora:
         p.error("--lora_scale and --merge_lora need --lora PATH")
+    speculating = args.draft_checkpoint or args.draft_layers or args.prompt_lookup
+    if args.kv_disk_cache and (args.cache != "paged" or args.interactive or speculating):
+        p.error(
+            "--kv_disk_cache keeps a paged cache's blocks: give --cache paged (one prompt, no "
+            "--interactive or speculative decoding)"
+        )
     try:  # JSONDecodeError is a ValueError
         args.logit_bias = json.loads(args.logit_bias) if args.logit_bias else None
         SamplingParams.from_fields(args)  # checks every sampling flag
@@ -178,6 +185,19 @@ def add_weight_args(p):
         "compare speed)",
     )
     p.add_argument("--block_size", type=int, default=16, help="tokens per block of the paged cache")
+    p.add_argument(
+        "--kv_disk_cache",
+        default=None,
+        metavar="DIR",
+        help="with --cache paged: the prompt's K/V blocks kept in DIR, and a later run's prompt "
+        "with the same head loads them instead of computing them (speedups/kv_tier.py)",
+    )
+    p.add_argument(
+        "--kv_disk_cache_size",
+        type=parse_size,
+        default=parse_size("20GiB"),
+        help="most bytes --kv_disk_cache keeps, oldest dropped first",
+    )
     g = p.add_argument_group("a LoRA adapter (lora.py)")
     g.add_argument("--lora", default=None, metavar="PATH", help="a PEFT LoRA adapter folder")
     g.add_argument("--lora_scale", type=float, default=1.0, help="the adapter's delta times this")

@@ -23,6 +23,7 @@ atomically (written aside, renamed), so two processes may share a folder; each r
 256 writes, so together they keep it within its size, oldest first.
 """
 
+import contextlib
 import json
 import os
 import queue
@@ -359,6 +360,42 @@ def keep_pool(engine):
         return
     for block, h in list(a.hash_of.items()):
         tier.put(h, *a.key[block], *engine.cache.block_kv(block), wait=True)
+    tier.close()
+
+
+@contextlib.contextmanager
+def prompt_cache(folder, size: int, model, cache, prompt: list):
+    """generate.py --kv_disk_cache with --cache paged: yields how many of the prompt's first tokens
+    were loaded from the folder's blocks into every row's (whole blocks, never the last token:
+    the prefill computes at least one); on exit the prompt's whole blocks are written for the
+    next run. Without a folder: 0, and nothing is read or written."""
+    from paged import BlockAllocator
+
+    if not folder:
+        yield 0
+        return
+    bs = cache.block_size
+    tier = DiskTier(folder, size, fingerprint(model, bs, cache.k[0].dtype))
+    tier.expected = tuple((t.shape, t.dtype) for t in cache.block_kv(0))
+    chain, parent = [], None  # (hash, parent, tokens) of each whole block of the prompt
+    for i in range(len(prompt) // bs):
+        tokens = tuple(prompt[i * bs : (i + 1) * bs])
+        chain.append((BlockAllocator.chain_hash(parent, tokens), parent, tokens))
+        parent = chain[-1][0]
+    loaded = 0
+    for i, (h, parent, tokens) in enumerate(chain[: (len(prompt) - 1) // bs]):
+        kv = tier.fetch(h, parent, tokens)
+        if kv is None:
+            break
+        for row in cache.block_tables.tolist():
+            cache.load_block(row[i], *kv)
+        loaded += bs
+    log(
+        f"KV disk tier: the prompt's first {loaded} of {len(prompt)} tokens loaded from {tier.root}"
+    )
+    yield loaded
+    for i, (h, parent, tokens) in enumerate(chain):  # row 0's blocks, for the next run
+        tier.put(h, parent, tokens, *cache.block_kv(int(cache.block_tables[0, i])), wait=True)
     tier.close()
 
 

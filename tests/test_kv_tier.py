@@ -312,3 +312,31 @@ def test_keep_pool_waits_for_the_writer_and_metrics_report_the_tier(tiny, tmp_pa
     finally:
         stop()
     assert "llm_kv_tier_blocks_written_total" in text and "llm_kv_tier_bytes " in text, text
+
+
+def test_generate_py_keeps_its_prompt_on_disk_for_the_next_run(tmp_path, capsys):
+    """generate.py --cache paged --kv_disk_cache: the second run loads the prompt's whole blocks
+    (all but the one holding its last token) and prefills the rest; its tokens equal the first
+    run's and the static cache's."""
+    import generate
+
+    folder = tiny_checkpoint(tmp_path / "ckpt", arch="llama3")
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--temperature", "0", "--json"]
+    argv += ["--prompt", "hello world, the quick brown fox jumps over the lazy dog " * 4]
+    argv += ["--max_new_tokens", "8", "--ignore_eos", "--compile", "off"]
+    disk = ["--cache", "paged", "--kv_disk_cache", str(tmp_path / "kv")]
+
+    def run(*extra):
+        assert generate.main([*argv, *extra]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out.strip().splitlines()[-1]), err
+
+    static, _ = run()
+    first, log1 = run(*disk)
+    second, log2 = run(*disk)
+    n = len(static["prompt_tokens"])
+    assert f"first 0 of {n} tokens loaded" in log1
+    assert f"first {(n - 1) // 16 * 16} of {n} tokens loaded" in log2 and n > 32
+    assert first["tokens"] == second["tokens"] == static["tokens"]
+    with pytest.raises(SystemExit):
+        generate.main([*argv, "--kv_disk_cache", str(tmp_path / "kv")])  # a static cache
