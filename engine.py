@@ -213,7 +213,7 @@ class Engine:
             )
         self.requests[request_id] = req
         if self.scheduler.tier is not None:  # its prefix read from disk while it waits
-            self.scheduler.tier.prefetch(req.prompt, req.hash_root, self.cache.block_size)
+            self.scheduler.tier.prefetch(req, self.scheduler.allocator)
         self.scheduler.add(req.seqs[0])
         return request_id
 

@@ -145,6 +145,7 @@ def fair_soak(engine, tokenizer, seconds: float, start_server, key, clients=64, 
         blocks, left = engine.scheduler.blocks_used(), len(engine.requests)
     finally:
         stop()
+    del engine.step  # (the alone-run below is not part of the trace)
     ids = tokenizer.encode(PROBE["prompt"])
     alone = engine.run_batch([ids], RequestParams(max_new_tokens=24, temperature=0))[0]["text"]
     return report(trace, probes, statuses, alone, engine.scheduler.max_num_seqs, blocks, left)

@@ -397,7 +397,8 @@ def main(argv=None):
     if args.fair:
         report = fair_soak(engine, tokenizer, args.fair, start_server, KEY, seed=args.seed)
         print(json.dumps(report, indent=1))
-        return 0 if not (report["server_errors"] or report["blocks_in_use"]) else 1
+        bad = report["server_errors"] or report["blocks_in_use"] or report["requests_left"]
+        return 1 if bad else 0
     report = soak(engine, tokenizer, args.requests, args.rate, args.seed)
     print(json.dumps(report, indent=1))
     ok = (

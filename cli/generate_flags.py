@@ -8,6 +8,7 @@ read so a bad flag fails before any weights load.
 
 import argparse
 import json
+import os
 
 import constrain
 from compiling import COMPILE_MODES, compile_default
@@ -35,6 +36,8 @@ def parse_args(argv, description: str):
     if (args.lora_scale != 1.0 or args.merge_lora) and not args.lora:
         p.error("--lora_scale and --merge_lora need --lora PATH")
     speculating = args.draft_checkpoint or args.draft_layers or args.prompt_lookup
+    if args.kv_disk_cache and os.environ.get("WORLD_SIZE", "1") != "1":
+        p.error("--kv_disk_cache runs in one process; leave out torchrun")
     if args.kv_disk_cache and (args.cache != "paged" or args.interactive or speculating):
         p.error(
             "--kv_disk_cache keeps a paged cache's blocks: give --cache paged (one prompt, no "

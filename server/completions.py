@@ -22,7 +22,7 @@ from sampling import parse_logit_bias
 from sequence import RequestParams
 from server.adapters import AdapterRoutes, busy, not_found
 from server.choices import Outputs
-from server.constraint_check import ConstraintChecker
+from server.constraint_check import CheckerUnavailable, ConstraintChecker
 from server.delivery import sse, whole
 from server.engine_loop import EngineLoop, Unavailable
 from server.openai_format import (
@@ -287,7 +287,7 @@ class Server:
                 else "structured_outputs"
             )
             raise Refused(f"{param}: {e}", param) from None
-        except (RuntimeError, OSError) as e:  # the checker's child did not start: not the client's
+        except CheckerUnavailable as e:  # its child did not start: not the client's fault
             message = f"the constraint checker is unavailable ({e}); retry"
             raise Refused(message, response=unavailable(message)) from None
 

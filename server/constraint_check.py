@@ -72,6 +72,10 @@ def probe(matcher, vocab_size: int, stop_ids: set) -> str:
     return ""
 
 
+class CheckerUnavailable(RuntimeError):
+    """The checker's child did not start or cannot be reached: the server's fault, a 503."""
+
+
 class ConstraintChecker:
     """check(constraint): None if the engine can take it, else ValueError saying why."""
 
@@ -110,12 +114,12 @@ class ConstraintChecker:
                 self._start()
             try:
                 return self.conn.send_bytes(key.encode())
-            except OSError:
+            except OSError as e:
                 self.process.kill()
                 self.process.join(timeout=5)
                 self.process = None
                 if attempt:
-                    raise
+                    raise CheckerUnavailable(f"the constraint checker cannot be reached ({e})")
 
     def _ask(self, key: str) -> str:
         self._send(key)
@@ -149,9 +153,12 @@ class ConstraintChecker:
         )
         self.process.start()
         theirs.close()
-        if (
-            not self.conn.poll(STARTUP_S) or self.conn.recv_bytes() != b"ready"
-        ):  # (torch and the tokenizer load)
+        try:  # (torch and the tokenizer load)
+            ready = self.conn.poll(STARTUP_S) and self.conn.recv_bytes() == b"ready"
+        except (EOFError, OSError):  # it died while starting
+            ready = False
+        if not ready:
             self.process.kill()
+            self.process.join(timeout=5)
             self.process = None  # the next check starts another
-            raise RuntimeError(f"the constraint checker did not start within {STARTUP_S:g} s")
+            raise CheckerUnavailable(f"the constraint checker did not start within {STARTUP_S:g} s")

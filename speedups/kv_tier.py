@@ -108,7 +108,7 @@ class HostTier:
         self.stats["tier_bytes_read"] += _nbytes(*entry[2:])
         return entry[2:]
 
-    def prefetch(self, prompt, root, block_size: int):
+    def prefetch(self, request, allocator):
         pass  # (already in memory)
 
     def close(self):
@@ -145,25 +145,22 @@ class DiskTier:
         self.writer.start()
         # read ahead: a waiting request's prefix blocks read by a thread of their own
         self.ahead, self.ahead_bytes, self.wanted = OrderedDict(), 0, queue.Queue(4096)
+        self.asked = set()  # hashes queued for the reader
         reader = threading.Thread(target=self._read_loop, daemon=True, name="kv-tier-read")
         reader.start()
 
     def _rescan(self):
-        """The index rebuilt from the folder, oldest file first."""
-        with self.lock:
-            self.files.clear()
-            self.stats["tier_bytes"] = 0
+        """The index rebuilt from the folder, least recently used file first (built aside, then
+        swapped in: a lookup meanwhile sees the old one)."""
+        files = OrderedDict()
         for p in sorted(self.root.glob("*.safetensors"), key=_mtime):
-            self._index(p)
-
-    def _index(self, path: Path):
-        try:
-            h, size = int(path.stem, 16), path.stat().st_size
-        except (ValueError, OSError):
-            return
+            try:
+                files[int(p.stem, 16)] = p.stat().st_size
+            except (ValueError, OSError):
+                pass
         with self.lock:
-            self.files[h] = size
-            self.stats["tier_bytes"] += size
+            self.files = files
+            self.stats["tier_bytes"] = sum(files.values())
 
     def put(self, h: int, parent, tokens, k, v, wait: bool = False):
         """Queue a block for writing (its tensors copied now); dropped, counted, if the writer is
@@ -172,40 +169,50 @@ class DiskTier:
             return
         try:
             item = (h, parent, list(tokens), k.to("cpu", copy=True), v.to("cpu", copy=True))
+            self.queued.add(h)  # (before the writer can finish it)
             self.todo.put(item, block=wait)
-            self.queued.add(h)
         except queue.Full:
+            self.queued.discard(h)
             self.stats["tier_blocks_dropped"] += 1
         except Exception as e:  # out of memory copying it out
             log(f"warning: the KV disk tier could not keep a block ({type(e).__name__}: {e})")
 
-    def prefetch(self, prompt, root, block_size: int):
+    def prefetch(self, request, allocator):
         """Read a queued request's prefix blocks ahead, on the reader thread, so its admission
-        finds them in memory (the prefix cache's hash chain from `root`). Never raises."""
+        finds them in memory: those of its hash chain (from its adapter's root) that the pool
+        (`allocator`) does not hold and no earlier prefetch has asked for. Never raises."""
         from paged import BlockAllocator
 
-        parent = root
-        for i in range((len(prompt) - 1) // block_size):
-            tokens = tuple(prompt[i * block_size : (i + 1) * block_size])
+        if request.scoring or request.pools_every_token:  # (these compute their prefix)
+            return
+        parent, bs, prompt = request.hash_root, allocator.block_size, request.prompt
+        for i in range((len(prompt) - 1) // bs):
+            tokens = tuple(prompt[i * bs : (i + 1) * bs])
             h = BlockAllocator.chain_hash(parent, tokens)
-            if h not in self.files:  # (a prefix is read in order: a gap ends it)
-                return
-            try:
-                self.wanted.put_nowait((h, parent, tokens))
-            except queue.Full:
-                return
+            if h not in allocator.cached and h not in self.asked:
+                if h not in self.files:  # (a prefix is read in order: a gap ends it)
+                    return
+                try:
+                    self.wanted.put_nowait((h, parent, tokens))
+                except queue.Full:
+                    return
+                self.asked.add(h)
             parent = h
 
     def _read_loop(self):
-        while True:
-            h, parent, tokens = self.wanted.get()
-            kv = None if h in self.ahead else self._load(h, parent, tokens)
+        while (item := self.wanted.get()) is not None:
+            h, parent, tokens = item
+            now = time.monotonic()
+            with self.lock:  # entries never asked for within a minute (their request left) go
+                while self.ahead and now - next(iter(self.ahead.values()))[0] > 60:
+                    self.ahead_bytes -= _nbytes(*self.ahead.popitem(last=False)[1][3:])
+            full = self.ahead_bytes > READ_AHEAD_BYTES  # then later requests' blocks wait
+            kv = None if h in self.ahead or full else self._load(h, parent, tokens)
             with self.lock:
+                self.asked.discard(h)
                 if kv is not None:
-                    self.ahead[h] = (parent, tokens, *kv)
+                    self.ahead[h] = (now, parent, tokens, *kv)
                     self.ahead_bytes += _nbytes(*kv)
-                while self.ahead_bytes > READ_AHEAD_BYTES:  # never asked for: oldest out
-                    self.ahead_bytes -= _nbytes(*self.ahead.popitem(last=False)[1][2:])
 
     def fetch(self, h: int, parent, tokens):
         """(k, v) of the block with this name, parent and tokens: read ahead, or from its file,
@@ -213,11 +220,11 @@ class DiskTier:
         with self.lock:
             entry = self.ahead.pop(h, None)
             if entry is not None:
-                self.ahead_bytes -= _nbytes(*entry[2:])
-                if entry[:2] == (parent, tuple(tokens)):
-                    self._count_read(h, *entry[2:])
+                self.ahead_bytes -= _nbytes(*entry[3:])
+                if entry[1:3] == (parent, tuple(tokens)):
+                    self._count_read(h, *entry[3:])
                     self.stats["tier_blocks_read_ahead"] += 1
-                    return entry[2:]
+                    return entry[3:]
         kv = self._load(h, parent, tokens)
         if kv is not None:
             with self.lock:
@@ -227,6 +234,10 @@ class DiskTier:
     def _count_read(self, h: int, k, v):
         if h in self.files:
             self.files.move_to_end(h)
+            try:  # the file's time is its last use: a rescan (or a peer) keeps that order
+                os.utime(self.root / f"{h:032x}.safetensors")
+            except OSError:
+                pass
         self.stats["tier_blocks_read"] += 1
         self.stats["tier_bytes_read"] += _nbytes(k, v)
 
@@ -314,6 +325,10 @@ class DiskTier:
     def close(self):
         self.flush()
         self.todo.put(None)
+        self.wanted.put(None)  # the reader ends; what it read ahead goes
+        with self.lock:
+            self.ahead.clear()
+            self.ahead_bytes = 0
 
 
 class HostOverDisk:
@@ -343,8 +358,8 @@ class HostOverDisk:
     def fetch(self, h: int, parent, tokens):
         return self.host.fetch(h, parent, tokens) or self.disk.fetch(h, parent, tokens)
 
-    def prefetch(self, prompt, root, block_size: int):
-        self.disk.prefetch(prompt, root, block_size)
+    def prefetch(self, request, allocator):
+        self.disk.prefetch(request, allocator)
 
     def close(self):
         self.disk.close()
