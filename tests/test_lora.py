@@ -362,9 +362,11 @@ def test_generate_py_lora_on_the_fly_and_merged_equal_the_engine(base, tmp_path,
         generate.main([*argv, "--merge_lora"])  # without --lora
 
 
-def test_speculation_verifies_under_each_rows_adapter(base):
-    """Prompt lookup drafts (repetitive prompts) verified in steps that mix adapters: the greedy
-    tokens of plain decoding, adapter by adapter."""
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_model"])
+def test_speculation_verifies_under_each_rows_adapter(base, drafter):
+    """Drafts (prompt lookup on repetitive prompts; or a draft model, the base without adapters)
+    verified in steps that mix adapters: the greedy tokens of plain decoding, adapter by adapter."""
+    from speedups.draft_model import DraftModel
     from speedups.prompt_lookup import PromptLookup
 
     folder, adapters = base
@@ -373,7 +375,12 @@ def test_speculation_verifies_under_each_rows_adapter(base):
     names = [None, "adapter0", "adapter1", "adapter2"]
     params = [RequestParams(max_new_tokens=16, temperature=0, adapter=n) for n in names]
     plain = _engine(model, [p for p, _ in adapters]).run_batch(prompts, params)
-    engine = _engine(model, [], speculate=PromptLookup(4, 1, 3))
+    if drafter == "prompt_lookup":
+        proposer = PromptLookup(4, 1, 3)
+    else:
+        draft, _ = weights.load_for_inference(folder, dtype=torch.float32)
+        proposer = DraftModel(draft, model, k=4, num_blocks=96, block_size=16)
+    engine = _engine(model, [], speculate=proposer)
     spec = engine.run_batch(prompts, params)
     assert [s["tokens"] for s in spec] == [p["tokens"] for p in plain]
     assert engine.metrics()["draft_tokens"] > 0
