@@ -12,8 +12,8 @@ One request per line, every field but `prompt` optional (a prompt is text, or a 
 and the sampling controls of sampling.py: "min_p", "repetition_penalty", "frequency_penalty",
 "presence_penalty", "logit_bias" ({"token id": bias}); "priority" (lower first) with
 --schedule_policy priority; "lora": the name of a LoRA adapter given as --lora NAME=PATH, for
-that request alone (lora.py; the base model without one), or "model" where it names one (any
-other "model", e.g. the base's, runs the base).
+that request alone (speedups/lora.py; the base model without one), or "model" where it names
+one (any other "model", e.g. the base's, runs the base).
 
 On stdout, one JSON line per request as it finishes: `id` (the line number if not given),
 `tokens` (generated ids), `text`, `finish_reason` ("stop", "length"), `time_to_first_token_s`;

@@ -340,7 +340,7 @@ class Engine:
         )
         k = self.speculate.k if plan.drafts else 0
         order, tokens, pos, groups, ends, slots = self.layout(plan, compiled, k)
-        # each row's adapter (lora.py: its slot's columns), for this forward only
+        # each row's adapter (speedups/lora.py: its columns), for this forward only
         rows = self.adapters.rows(slots) if self.adapters else contextlib.nullcontext()
         pooled = any(s.request.params.pooling for s in order)
         done = [

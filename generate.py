@@ -53,7 +53,7 @@ from kv_cache import StaticKVCache
 from memory import memory_plan, peak_memory_bytes
 from runtime import DTYPES, cpu_capability, human, log, pick_device
 from sampling import SamplingParams, parse_logit_bias, sample
-from speedups import aot, kv_tier
+from speedups import aot, kv_tier, lora
 from speedups.kv_int8 import Int8KVCache
 from speedups.kv_window import WindowedKVCache
 from text_stream import Printer
@@ -285,7 +285,7 @@ def run(args) -> int:
 
 def load(args, device):
     """(model, tokenizer, LoadInfo, device) for the flags, sharded across ranks under torchrun."""
-    from formats import lora_files, weights
+    from formats import weights
 
     rank, world = tp.init()  # (0, 1) unless started by torchrun with several processes
     if world > 1:
@@ -300,10 +300,10 @@ def load(args, device):
         args.seed = tp.shared_seed(args.seed)
         held = human(model.weight_bytes())
         log(f"tensor parallel over {world} ranks: this rank holds {held} of weights")
-    if args.lora:  # a LoRA adapter merged, or applied on the fly (lora.py)
+    if args.lora:  # a LoRA adapter merged, or applied on the fly (speedups/lora.py)
         if world > 1:
             raise ValueError("--lora runs in one process; leave out torchrun")
-        log(lora_files.apply(model, args.lora, args.lora_scale, args.merge_lora))
+        log(lora.apply(model, args.lora, args.lora_scale, args.merge_lora))
     parse_logit_bias(args.logit_bias, model.config.vocab_size)  # its ids in this model's vocabulary
     tokenizer = load_tokenizer(info.source)
     weights.settle()

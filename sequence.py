@@ -49,7 +49,9 @@ class RequestParams:
     # with pooling "last": the embedding is instead the last position's logits of these token ids
     # (a reranker's "no" and "yes")
     score_tokens: list = None
-    adapter: str = None  # a LoRA adapter the engine holds (lora.py), by name; None: the base
+    adapter: str = (
+        None  # a LoRA adapter the engine holds (speedups/lora.py), by name; None: the base
+    )
 
     def check(self):
         check_sampling(

@@ -6,7 +6,7 @@ flat [1, N] batch and which block table each group of rows reads (paged.py's `st
     order, tokens, pos, groups, ends, slots = layout(plan, compiled=False)
     # order: the sequences, in the order their rows were laid out
     # tokens, pos: N token ids and positions; ends: each sequence's last flat index
-    # slots: N LoRA adapter slots (lora.py; -1: the base model)
+    # slots: N LoRA adapter slots (speedups/lora.py; -1: the base)
     # groups: [(rows R, tokens per row T, block table [R, W] or a hybrid's [2, R, W])]
 
 Rows that decode one token (and drafted rows, 1 + k tokens each) come first, grouped: one group

@@ -36,20 +36,7 @@ from engine import Engine, RequestParams
 from formats import fuse_layers, weights
 from formats.tokenizer import load_tokenizer
 from kv_cache import kv_bytes_per_token
-from model import ModelConfig
 from speedups.kv_tier import DiskTier, HostTier, fingerprint, keep_pool
-
-LLAMA_1B = ModelConfig(  # Llama-3.2-1B's sizes (its RoPE unscaled: the weights are random)
-    vocab_size=128256,
-    dim=2048,
-    n_layers=16,
-    n_heads=32,
-    n_kv_heads=8,
-    intermediate_size=8192,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
 
 
 def drop_page_cache() -> str:
@@ -139,9 +126,9 @@ def main():
     model, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     ids = corpus(load_tokenizer(info.source))  # (SmolLM2's ids: valid in either vocabulary)
     if args.shape == "llama3.2-1b":
-        from gpu_check import random_model
+        from gpu_check import SHAPES, random_model
 
-        model = random_model(LLAMA_1B, "cpu", torch.bfloat16)
+        model = random_model(SHAPES["llama3.2-1b"], "cpu", torch.bfloat16)
     fuse_layers.fuse_projections(model)
     print(
         f"# {runtime.cpu_capability()} | torch {torch.__version__} | "

@@ -9,7 +9,7 @@ timed once every row decodes (median of `steps`; each engine runner `repeats` ti
 median run kept). Rows of the engine:
 - base: no adapter slots at all;
 - slots, base rows: the slots resident, no row using one (the mask is None: no extra matmul);
-- mixed: the rows spread over the adapters in turn (lora.py's two matmuls per projection).
+- mixed: the rows spread over the adapters in turn (speedups/lora.py's two matmuls per projection).
 Then HF transformers + peft on the same weights (dense bf16) and adapters: one decode step of the
 same rows
 (a KV cache of the same length), the base and with `adapter_names` (PEFT's mixed-batch
@@ -31,10 +31,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import lora
 from engine import Engine, RequestParams
 from formats import hf_folder, weights
-from formats.lora_files import read_adapter
+from formats.lora_files import read_adapter, target_shape
+from speedups import lora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -47,7 +47,7 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:
     g, tensors = torch.Generator().manual_seed(seed), {}
     for i in range(config.n_layers):
         for t in TARGETS:
-            d_in, d_out = lora.target_shape(config, t)
+            d_in, d_out = target_shape(config, t)
             part = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{i}.{part}.{t}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * 0.02

@@ -54,6 +54,17 @@ SHAPES = {  # name -> (ModelConfig, tiny stand-in)
         max_position_embeddings=8192,
         tie_word_embeddings=True,
     ),
+    "llama3.2-1b": ModelConfig(  # its RoPE unscaled: the weights are random
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     "llama2-7b": ModelConfig(
         vocab_size=32000,
         dim=4096,

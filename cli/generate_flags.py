@@ -201,7 +201,7 @@ def add_weight_args(p):
         default=parse_size("20GiB"),
         help="most bytes --kv_disk_cache keeps, oldest dropped first",
     )
-    g = p.add_argument_group("a LoRA adapter (lora.py)")
+    g = p.add_argument_group("a LoRA adapter (speedups/lora.py)")
     g.add_argument("--lora", default=None, metavar="PATH", help="a PEFT LoRA adapter folder")
     g.add_argument("--lora_scale", type=float, default=1.0, help="the adapter's delta times this")
     g.add_argument(

@@ -13,7 +13,7 @@ refused by name: DoRA, trained biases, `modules_to_save` (whole modules replaced
 the output head as targets, another method than LoRA.
 
     python -m formats.lora_files ADAPTER_FOLDER     # what it holds
-    adapter = read_adapter("./sql-adapter", model.config)     # -> lora.Adapter
+    adapter = read_adapter("./sql-adapter", model.config)  # -> Adapter (speedups/lora.py runs it)
 """
 
 import hashlib
@@ -21,12 +21,61 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lora import TARGETS, Adapter, target_shape
 from runtime import CheckpointError
+
+# what a PEFT target names -> the projections it covers (a fused one covers several, in order)
+TARGETS = {
+    "q_proj": ("q",),
+    "k_proj": ("k",),
+    "v_proj": ("v",),
+    "o_proj": ("o",),
+    "gate_proj": ("gate",),
+    "up_proj": ("up",),
+    "down_proj": ("down",),
+    "qkv_proj": ("q", "k", "v"),  # Phi-3's
+    "gate_up_proj": ("gate", "up"),
+}
+
+
+@dataclass
+class Adapter:
+    """One fine-tune, read from its files: weights {(layer, target): (A [r, in], B [out, r] times
+    its scale)} in float32; key: a 128-bit fingerprint of them, the root of its prefix-cache
+    hashes (a prefix computed under one adapter never serves another)."""
+
+    name: str
+    weights: dict
+    rank: int
+    key: int
+    path: str = ""
+
+
+def projection_shapes(config) -> dict:
+    """{projection: (in, out)} of every decoder layer, from the config alone."""
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    d, f = config.dim, config.intermediate_size
+    return {
+        "q": (d, q),
+        "k": (d, kv),
+        "v": (d, kv),
+        "o": (q, d),
+        "gate": (d, f),
+        "up": (d, f),
+        "down": (f, d),
+    }
+
+
+def target_shape(config, target: str) -> tuple:
+    """(in, out) of a PEFT target: a fused one's outputs are its parts' stacked."""
+    shapes = projection_shapes(config)
+    parts = TARGETS[target]
+    return shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+
 
 KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
@@ -125,9 +174,8 @@ def read_adapter(path, model_config, name: str = None) -> Adapter:
     weights, digest = {}, hashlib.blake2b(digest_size=16)
     for (layer, target), ab in sorted(pairs.items()):
         a, b = _check_pair(folder, config, model_config, layer, target, ab)
-        module = f"model.layers.{layer}.{'mlp' if target in MLPS else 'self_attn'}.{target}"
         r = a.shape[0]
-        alpha = _pattern(config.get("alpha_pattern"), module, config["lora_alpha"])
+        alpha = _pattern(config.get("alpha_pattern"), _module(layer, target), config["lora_alpha"])
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
         weights[layer, target] = (a, b * scale)
         digest.update(f"{layer}.{target}.{scale}".encode())
@@ -138,6 +186,11 @@ def read_adapter(path, model_config, name: str = None) -> Adapter:
 
 
 MLPS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def _module(layer: int, target: str) -> str:
+    """The module's name in the base model, as PEFT's patterns match it."""
+    return f"model.layers.{layer}.{'mlp' if target in MLPS else 'self_attn'}.{target}"
 
 
 def _check_pair(folder, config, model_config, layer: int, target: str, ab: dict):
@@ -153,8 +206,7 @@ def _check_pair(folder, config, model_config, layer: int, target: str, ab: dict)
         )
     (ka, a), (kb, b) = ab["A"], ab["B"]
     d_in, d_out = target_shape(model_config, target)
-    module = f"model.layers.{layer}.{'mlp' if target in MLPS else 'self_attn'}.{target}"
-    r = _pattern(config.get("rank_pattern"), module, config["r"])
+    r = _pattern(config.get("rank_pattern"), _module(layer, target), config["r"])
     for key, t, want in ((ka, a, (r, d_in)), (kb, b, (d_out, r))):
         if tuple(t.shape) != want:
             raise CheckpointError(
@@ -164,21 +216,6 @@ def _check_pair(folder, config, model_config, layer: int, target: str, ab: dict)
         if not t.is_floating_point() or not torch.isfinite(t).all():
             raise CheckpointError(f"{folder}: {key} holds non-finite or non-float values")
     return a.float(), b.float()
-
-
-def apply(model, path, scale: float = 1.0, merge: bool = False) -> str:
-    """generate.py --lora: the adapter in `path`, times `scale`, merged into the float weights
-    (lora.merge) or applied on the fly to every row (one slot of lora.Adapters) -> a line to log."""
-    import lora
-
-    adapter = read_adapter(path, model.config)
-    if merge:
-        lora.merge(model, adapter, scale)
-        return f"LoRA adapter {path} (rank {adapter.rank}) merged into the weights, scale {scale}"
-    adapter.weights = {k: (a, b * scale) for k, (a, b) in adapter.weights.items()}
-    adapters = lora.Adapters(model, 1, adapter.rank)
-    adapters.use(adapters.load(adapter))
-    return f"LoRA adapter {path} (rank {adapter.rank}) applied on the fly, scale {scale}"
 
 
 def main(argv=None):

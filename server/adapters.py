@@ -6,12 +6,12 @@ request's `model` names, and vLLM's routes that load and unload one while the se
     curl localhost:8000/v1/load_lora_adapter -d '{"lora_name": "fr", "lora_path": "./fr"}'
     curl localhost:8000/v1/unload_lora_adapter -d '{"lora_name": "fr"}'
 
-The files are read and checked off the engine's thread (formats/lora_files.py); only the copy into
-a slot (lora.Adapters) runs between two steps, so streams go on. Every loaded adapter stays in
-host memory until unloaded; one evicted from its slot is placed again when a request asks for it
-(a 503 while every slot has requests running). A request names an adapter by `model` (the base by
-the server's own name, or no name); with adapters on, any other name is a 404 listing the names
-served.
+The files are read and checked off the engine's thread (formats/lora_files.py); only the copy into a
+slot (speedups/lora.py's Adapters) runs between two steps, so streams go on. Every loaded adapter
+stays in host memory until unloaded; one evicted from its slot is placed again when a request asks
+for it (a 503 while every slot has requests running). A request names an adapter by `model` (the
+base by the server's own name, or no name); with adapters on, any other name is a 404 listing the
+names served.
 """
 
 import asyncio
@@ -19,8 +19,8 @@ import asyncio
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from lora import SlotsBusy
 from server.openai_format import Refused, error, unavailable
+from speedups.lora import SlotsBusy
 
 
 def not_found(message: str, param: str = "model") -> Refused:

@@ -17,7 +17,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from constrain import Compiled, compile_constraint
-from lora import SlotsBusy, UnknownAdapter
 from sampling import parse_logit_bias
 from sequence import RequestParams
 from server.adapters import AdapterRoutes, busy, not_found
@@ -39,6 +38,7 @@ from server.openai_format import (
 )
 from server.server_limits import Limits, TokenizerLanes, text_size
 from server.tool_calls import call_constraint, check_tools, legacy_tools, render_args, tool_format
+from speedups.lora import SlotsBusy, UnknownAdapter
 
 
 def param_of(message: str, body):

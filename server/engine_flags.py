@@ -223,7 +223,7 @@ def tier_options(args):
 
 
 def add_lora_args(p):
-    g = p.add_argument_group("LoRA adapters (lora.py)")
+    g = p.add_argument_group("LoRA adapters (speedups/lora.py)")
     g.add_argument(
         "--lora",
         action="append",

@@ -35,7 +35,7 @@ import uuid
 from typing import NamedTuple
 
 from engine import Finished
-from lora import SlotsBusy, UnknownAdapter
+from speedups.lora import SlotsBusy, UnknownAdapter
 
 ADAPTER_ERRORS = (UnknownAdapter, SlotsBusy)  # kept as they are: the routes answer 404 and 503
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))

@@ -295,8 +295,8 @@ def attach_adapters(model, options):
     lora.Adapters, logged; None without adapters."""
     if not options:
         return None
-    import lora
     from formats.lora_files import read_adapter
+    from speedups import lora
 
     adapters = lora.Adapters(model, options["slots"], options["rank"])
     for name, path in options["adapters"]:

@@ -181,14 +181,12 @@ class DiskTier:
         """Read a queued request's prefix blocks ahead, on the reader thread, so its admission
         finds them in memory: those of its hash chain (from its adapter's root) that the pool
         (`allocator`) does not hold and no earlier prefetch has asked for. Never raises."""
-        from paged import BlockAllocator
-
         if request.scoring or request.pools_every_token:  # (these compute their prefix)
             return
-        parent, bs, prompt = request.hash_root, allocator.block_size, request.prompt
-        for i in range((len(prompt) - 1) // bs):
-            tokens = tuple(prompt[i * bs : (i + 1) * bs])
-            h = BlockAllocator.chain_hash(parent, tokens)
+        prompt, bs = request.prompt, allocator.block_size
+        for h, parent, tokens in prefix_chain(
+            prompt, request.hash_root, bs, (len(prompt) - 1) // bs
+        ):
             if h not in allocator.cached and h not in self.asked:
                 if h not in self.files:  # (a prefix is read in order: a gap ends it)
                     return
@@ -197,7 +195,6 @@ class DiskTier:
                 except queue.Full:
                     return
                 self.asked.add(h)
-            parent = h
 
     def _read_loop(self):
         while (item := self.wanted.get()) is not None:
@@ -379,25 +376,32 @@ def keep_pool(engine):
     tier.close()
 
 
+def prefix_chain(tokens, root, block_size: int, n: int) -> list:
+    """[(hash, parent hash, tokens)] of the first n blocks of `tokens`: the prefix cache's chain
+    (paged.BlockAllocator.chain_hash) from `root`, the names the tier's blocks have."""
+    from paged import BlockAllocator
+
+    chain, parent = [], root
+    for i in range(n):
+        block = tuple(tokens[i * block_size : (i + 1) * block_size])
+        chain.append((BlockAllocator.chain_hash(parent, block), parent, block))
+        parent = chain[-1][0]
+    return chain
+
+
 @contextlib.contextmanager
 def prompt_cache(folder, size: int, model, cache, prompt: list):
     """generate.py --kv_disk_cache with --cache paged: yields how many of the prompt's first tokens
     were loaded from the folder's blocks into every row's (whole blocks, never the last token:
     the prefill computes at least one); on exit the prompt's whole blocks are written for the
     next run. Without a folder: 0, and nothing is read or written."""
-    from paged import BlockAllocator
-
     if not folder:
         yield 0
         return
     bs = cache.block_size
     tier = DiskTier(folder, size, fingerprint(model, bs, cache.k[0].dtype))
     tier.expected = tuple((t.shape, t.dtype) for t in cache.block_kv(0))
-    chain, parent = [], None  # (hash, parent, tokens) of each whole block of the prompt
-    for i in range(len(prompt) // bs):
-        tokens = tuple(prompt[i * bs : (i + 1) * bs])
-        chain.append((BlockAllocator.chain_hash(parent, tokens), parent, tokens))
-        parent = chain[-1][0]
+    chain = prefix_chain(prompt, None, bs, len(prompt) // bs)  # each whole block of the prompt
     loaded, start = 0, time.perf_counter()
     for i, (h, parent, tokens) in enumerate(chain[: (len(prompt) - 1) // bs]):
         kv = tier.fetch(h, parent, tokens)

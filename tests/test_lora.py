@@ -1,9 +1,9 @@
-"""LoRA adapters (lora.py, formats/lora_files.py): logits equal the `peft` package's on tiny random
-models and adapters built here (prefill and token-by-token decode, float32), fused targets
-(Phi-3's qkv_proj, gate_up_proj) included; one engine step mixing rows of three adapters and the
-base equals each row run alone, on float, int8, int4 and GGUF base weights; prefixes never shared
-across adapters; merged equals on the fly; loading and unloading while requests run fails none;
-bad adapters and bad requests refused by name."""
+"""LoRA adapters (speedups/lora.py, formats/lora_files.py): logits equal the `peft` package's on
+tiny random models and adapters built here (prefill and token-by-token decode, float32), fused
+targets (Phi-3's qkv_proj, gate_up_proj) included; one engine step mixing rows of three adapters and
+the base equals each row run alone, on float, int8, int4 and GGUF base weights; prefixes never
+shared across adapters; merged equals on the fly; loading and unloading while requests run fails
+none; bad adapters and bad requests refused by name."""
 
 import json
 
@@ -12,12 +12,13 @@ import torch
 from helpers import hf_model, save_hf, tiny_checkpoint, write_gguf
 from lora_adapters import KINDS, adapter_folders, edit_config, peft_model, save_adapter
 
-import lora
 from engine import Engine, RequestParams
 from formats import weights
-from formats.lora_files import apply, read_adapter
+from formats.lora_files import read_adapter
 from kv_cache import StaticKVCache
 from runtime import CheckpointError
+from speedups import lora
+from speedups.lora import apply
 
 GREEDY = dict(max_new_tokens=8, temperature=0)
 
@@ -113,6 +114,7 @@ def _load_base(folder, form, tmp_path):
     return weights.load_for_inference(folder, dtype=torch.float32, quantize=quantize)[0]
 
 
+@pytest.mark.isa  # (the int4 and GGUF group kernels follow the instruction set)
 @pytest.mark.parametrize("form", ["float", "int8", "int4", "gguf"])
 def test_a_mixed_batch_equals_each_request_alone(base, form, tmp_path):
     folder, adapters = base

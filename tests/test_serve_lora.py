@@ -13,11 +13,11 @@ from helpers import tiny_checkpoint
 from lora_adapters import adapter_folders
 from test_serve import AUTH, client, start_server
 
-import lora
 from engine import Engine, RequestParams
 from formats import weights
 from formats.lora_files import read_adapter
 from formats.tokenizer import load_tokenizer
+from speedups import lora
 
 PROMPT = "hello world, the quick"
 

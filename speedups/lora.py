@@ -31,26 +31,13 @@ Run `python -m pytest tests/test_lora.py` to see it checked against the `peft` p
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from formats.lora_files import TARGETS, Adapter, projection_shapes, target_shape  # noqa: F401
 from model import MLP
-
-# what a PEFT target names -> the projections it covers (a fused one covers several, in order)
-TARGETS = {
-    "q_proj": ("q",),
-    "k_proj": ("k",),
-    "v_proj": ("v",),
-    "o_proj": ("o",),
-    "gate_proj": ("gate",),
-    "up_proj": ("up",),
-    "down_proj": ("down",),
-    "qkv_proj": ("q", "k", "v"),  # Phi-3's
-    "gate_up_proj": ("gate", "up"),
-}
 
 
 class UnknownAdapter(ValueError):
@@ -59,41 +46,6 @@ class UnknownAdapter(ValueError):
 
 class SlotsBusy(ValueError):
     """Every slot has requests running: an adapter cannot be placed now (a server's 503)."""
-
-
-@dataclass
-class Adapter:
-    """One fine-tune, read from its files: weights {(layer, target): (A [r, in], B [out, r] times
-    its scale)} in float32; key: a 128-bit fingerprint of them, the root of its prefix-cache
-    hashes (a prefix computed under one adapter never serves another)."""
-
-    name: str
-    weights: dict
-    rank: int
-    key: int
-    path: str = ""
-
-
-def projection_shapes(config) -> dict:
-    """{projection: (in, out)} of every decoder layer, from the config alone."""
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    d, f = config.dim, config.intermediate_size
-    return {
-        "q": (d, q),
-        "k": (d, kv),
-        "v": (d, kv),
-        "o": (q, d),
-        "gate": (d, f),
-        "up": (d, f),
-        "down": (f, d),
-    }
-
-
-def target_shape(config, target: str) -> tuple:
-    """(in, out) of a PEFT target: a fused one's outputs are its parts' stacked."""
-    shapes = projection_shapes(config)
-    parts = TARGETS[target]
-    return shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
 
 
 class LoraLinear(nn.Module):
@@ -354,7 +306,7 @@ def _weight_rows(model, i: int, p: str):
     return lin, start
 
 
-def merge(model, adapter: Adapter, scale: float = 1.0):
+def merge_into(model, adapter: Adapter, scale: float = 1.0):
     """W += scale * B A in place, for float weights only (generate.py --merge_lora): the merged
     model runs at the base's speed and equals the adapter applied on the fly. Every layer is
     checked before any changes."""
@@ -369,3 +321,18 @@ def merge(model, adapter: Adapter, scale: float = 1.0):
                 w = lin.weight[start : start + width]
                 w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
             row += width
+
+
+def apply(model, path, scale: float = 1.0, merge: bool = False) -> str:
+    """generate.py --lora: the adapter in `path`, times `scale`, merged into the float weights
+    (merge_into) or applied on the fly to every row (one slot of Adapters) -> a line to log."""
+    from formats.lora_files import read_adapter
+
+    adapter = read_adapter(path, model.config)
+    if merge:
+        merge_into(model, adapter, scale)
+        return f"LoRA adapter {path} (rank {adapter.rank}) merged into the weights, scale {scale}"
+    adapter.weights = {k: (a, b * scale) for k, (a, b) in adapter.weights.items()}
+    adapters = Adapters(model, 1, adapter.rank)
+    adapters.use(adapters.load(adapter))
+    return f"LoRA adapter {path} (rank {adapter.rank}) applied on the fly, scale {scale}"
