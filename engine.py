@@ -170,7 +170,7 @@ class Engine:
             tier,
         )
         if tier is not None:  # what a loaded block must look like (speedups/kv_tier.py)
-            tier.expected = tuple((t.shape, t.dtype) for t in cache.block_kv(0))
+            tier.expected = cache.block_shapes()  # per pool
         return cls(
             model, cache, scheduler, tokenizer, stop_ids, compile, batch_invariant, speculate
         )
@@ -213,7 +213,7 @@ class Engine:
             )
         self.requests[request_id] = req
         if self.scheduler.tier is not None:  # its prefix read from disk while it waits
-            self.scheduler.tier.prefetch(req, self.scheduler.allocator)
+            self.scheduler.tier.prefetch(req, self.scheduler.pools)
         self.scheduler.add(req.seqs[0])
         return request_id
 
@@ -308,10 +308,10 @@ class Engine:
         )  # pending stays until returned (a step may raise)
         self.pending += [self._ended(seq, "length") for seq in plan.ended]
         self._note_admitted(plan)
-        for h, parent, tokens, block in plan.saves:  # evicted: out to the tier before any write
-            self.scheduler.tier.put(h, parent, tokens, *self.cache.block_kv(block))
-        for block, (k, v) in plan.loads:  # the tier's blocks of admitted prefixes, in
-            self.cache.load_block(block, k, v)
+        for h, parent, tokens, block, pool in plan.saves:  # evicted: to the tier before writes
+            self.scheduler.tier.put(h, parent, tokens, *self.cache.block_kv(block, pool), pool)
+        for block, kv, pool in plan.loads:  # the tier's blocks of admitted prefixes, in
+            self.cache.load_block(block, *kv, pool)
         self.scheduler.loaded(plan)
         for src, dst, pool in plan.copies:  # copy-on-write, before the forward writes
             self.cache.copy_block(src, dst, pool)

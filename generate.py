@@ -53,7 +53,7 @@ from kv_cache import StaticKVCache
 from memory import memory_plan, peak_memory_bytes
 from runtime import DTYPES, cpu_capability, human, log, pick_device
 from sampling import SamplingParams, parse_logit_bias, sample
-from speedups import aot, kv_tier, lora
+from speedups import aot, kv_disk, lora
 from speedups.kv_int8 import Int8KVCache
 from speedups.kv_window import WindowedKVCache
 from text_stream import Printer
@@ -251,7 +251,7 @@ def run(args) -> int:
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     profiler = torch.profiler.profile() if args.profile else contextlib.nullcontext()
     disk = (args.kv_disk_cache, args.kv_disk_cache_size, model, cache, ids)  # --cache paged
-    with profiler, kv_tier.prompt_cache(*disk) as start:  # start: the prompt's tokens loaded
+    with profiler, kv_disk.prompt_cache(*disk) as start:  # start: the prompt's tokens loaded
         for _ in range(args.num_samples):
             stream = not args.json and args.batch_size == 1
             printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())

@@ -354,20 +354,32 @@ class PagedKVCache:
         finally:
             self.groups = None
 
-    def block_kv(self, block: int):
-        """One block of every layer, what a second tier keeps (speedups/kv_tier.py): (k [layers,
-        Hkv, D, block_size], v [layers, block_size, Hkv, D])."""
-        return torch.stack([k[block] for k in self.k]), torch.stack([v[block] for v in self.v])
+    def block_kv(self, block: int, pool: int = 0):
+        """One block of every layer of a pool (1: a hybrid's windowed layers), what a second tier
+        keeps (speedups/kv_tier.py): (k [layers, Hkv, D, block_size], v [layers, block_size, Hkv,
+        D])."""
+        layers = self._layers(pool)
+        return torch.stack([self.k[i][block] for i in layers]), torch.stack(
+            [self.v[i][block] for i in layers]
+        )
 
-    def load_block(self, block: int, k, v):
-        """block_kv's tensors back into `block` of every layer."""
-        for layer in range(len(self.k)):
-            self.k[layer][block], self.v[layer][block] = k[layer], v[layer]
+    def load_block(self, block: int, k, v, pool: int = 0):
+        """block_kv's tensors back into `block` of every layer of the pool."""
+        for j, layer in enumerate(self._layers(pool)):
+            self.k[layer][block], self.v[layer][block] = k[j], v[j]
+
+    def block_shapes(self) -> list:
+        """[((k shape, dtype), (v shape, dtype)) of block_kv] per pool."""
+        pools = range(1 + bool(self.window_blocks))
+        return [tuple((t.shape, t.dtype) for t in self.block_kv(0, p)) for p in pools]
+
+    def _layers(self, pool: int) -> list:
+        return [i for i, p in enumerate(self.pool_of) if p == pool]
 
     def copy_block(self, src: int, dst: int, pool: int = 0):
         """Copy-on-write: dst gets src's K/V in every layer of that pool (1: a hybrid's windowed
         layers)."""
-        for layer in (i for i, p in enumerate(self.pool_of) if p == pool):
+        for layer in self._layers(pool):
             self.k[layer][dst], self.v[layer][dst] = self.k[layer][src], self.v[layer][src]
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):

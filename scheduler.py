@@ -58,8 +58,8 @@ class Plan:
     # decoding sequence -> its draft tokens computed after its last one
     drafts: dict = field(default_factory=dict)
     # a second tier (speedups/kv_tier.py): blocks evicted this step, (hash, parent hash, tokens,
-    # block), to copy out before anything writes; (block, (k, v)) to load in, each held by the
-    # plan until loaded
+    # block, pool), to copy out before anything writes; (block, (k, v), pool) to load in, each
+    # held by the plan until loaded
     saves: list = field(default_factory=list)
     loads: list = field(default_factory=list)
 
@@ -111,14 +111,9 @@ class Scheduler:
             peak_running=0,
             tier_tokens_hit=0,
         )
-        self.tier = tier  # a second tier for evicted prefix blocks: fetch(hash, parent, tokens)
-        if tier is not None:
-            if window_allocator is not None:
-                raise ValueError(
-                    "the KV tier keeps full-attention blocks; a hybrid model's windowed pool is "
-                    "not kept yet: leave out --kv_disk_cache / --kv_host_cache"
-                )
-            allocator.evicted = []
+        self.tier = tier  # a second tier for evicted prefix blocks (speedups/kv_tier.py)
+        for a in self.pools if tier is not None else ():
+            a.evicted = []
 
     def add(self, seq):
         if self.policy == "priority":  # before every waiting request of a later rank
@@ -154,7 +149,9 @@ class Scheduler:
         self._top_up(plan, budget)  # phase 3
         plan.drafts = {s: d for s, d in plan.drafts.items() if s in plan.runs}  # not the preempted
         if self.tier is not None:  # what eviction took, to copy out before the step writes
-            plan.saves, self.allocator.evicted = self.allocator.evicted, []
+            plan.saves = [(*e, p) for p, a in enumerate(self.pools) for e in a.evicted]
+            for a in self.pools:
+                a.evicted = []
         if plan.runs:
             self._count_step()
         return plan
@@ -293,37 +290,17 @@ class Scheduler:
         seq.hashes, seq.num_computed = hashes[: reused // bs], reused
 
     def _from_tier(self, seq, plan):
-        """The blocks of seq's prefix past the pool's hit that the second tier holds: new blocks,
-        named in the prefix cache, loaded by the engine before the forward (the plan holds a
-        reference to each until then, so nothing evicts one before its bytes arrive)."""
-        a, bs = self.allocator, self.block_size
+        """The blocks of seq's prefix past the pools' hit that the second tier holds, taken by
+        the tier (Tier.extend: new blocks named in the prefix cache, loaded by the engine before
+        the forward; the plan holds a reference to each until then)."""
         if self.tier is None or seq.request.scoring or seq.request.pools_every_token:
             return
-        i, most, found = len(seq.hashes), (len(seq.tokens) - 1) // bs, []
-        parent = seq.last_hash
-        room = a.num_available()
-        while seq.num_computed == i * bs and i + len(found) < most and len(found) < room:
-            chunk = seq.tokens[(i + len(found)) * bs : (i + len(found) + 1) * bs]
-            h = a.chain_hash(parent, chunk)
-            kv = self.tier.fetch(h, parent, chunk)
-            if kv is None:
-                break
-            found.append((h, parent, chunk, kv))
-            parent = h
-        blocks = a.allocate_many(len(found)) if found else None
-        for (h, parent, chunk, kv), b in zip(found, blocks or ()):
-            a.register(b, parent, chunk, seq.blocks[-1] if seq.blocks else None)
-            a.share(b)  # the plan's reference
-            plan.loads.append((b, kv))
-            seq.blocks.append(b)
-            seq.hashes.append(h)
-        seq.num_computed += len(blocks or ()) * bs
-        self.stats["tier_tokens_hit"] += len(blocks or ()) * bs
+        self.stats["tier_tokens_hit"] += self.tier.extend(seq, self.pools, plan.loads)
 
     def loaded(self, plan):
         """After the engine loaded plan.loads and copied plan.saves out: its references go."""
-        for block, _ in plan.loads:
-            self.allocator.release(block)
+        for block, _, pool in plan.loads:
+            self.pools[pool].release(block)
         plan.loads, plan.saves = [], []
 
     def blocks_used(self) -> int:

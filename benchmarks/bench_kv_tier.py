@@ -2,11 +2,12 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_kv_tier.py [--head 4000] [--heads 16]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_kv_tier.py --shape llama3.2-1b   # 1. only
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_kv_tier.py --hybrid 512
 
 1. Restart: a request sharing a `--head`-token head with one served before a "restart" (a new
    engine and a new DiskTier object over the same folder; the OS page cache dropped first where
    the process may): time to first token loading the head from disk, against computing it, and
-   the rate the reload reaches (the head's KV bytes over the time to first token).
+   the rate the reload reaches (the KV bytes read over the time to first token).
 2. Hot prefixes 4x the pool: `--heads` heads of 512 tokens, each asked 4 times in turn (a 16-token
    tail, 16 new tokens), through a pool of 4 sequences' worth: output tokens/s and the prefix-cache
    hit rate (pool and tier together) without a tier, with the host tier and with the disk tier.
@@ -14,9 +15,14 @@
 `--shape llama3.2-1b`: Llama-3.2-1B's proportions (16 layers of 2,048, 8 KV heads of 64: 32 KiB
 of KV a token) with random weights in bf16, the restart only (its prefill is what a reload
 saves, at a size where the hot-prefix run would take too long here).
+
+`--hybrid W`: every other layer given a W-token window (Gemma 2's pattern), so the engine has a
+hybrid's two pools: a reload reads the full layers' blocks of the whole head and the windowed
+layers' of its last window only (the GB/s column counts the bytes read).
 """
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -35,8 +41,8 @@ import runtime
 from engine import Engine, RequestParams
 from formats import fuse_layers, weights
 from formats.tokenizer import load_tokenizer
-from kv_cache import kv_bytes_per_token
-from speedups.kv_tier import DiskTier, HostTier, fingerprint, keep_pool
+from speedups.kv_disk import DiskTier
+from speedups.kv_tier import HostTier, fingerprint, keep_pool
 
 
 def drop_page_cache() -> str:
@@ -72,10 +78,8 @@ def restart(model, ids, head_len: int, folder: str):
     cache = drop_page_cache()
     again = engine(DiskTier(folder, 2**34, fp))
     loaded = ttft(again, b)
-    hit = again.metrics()["tier_tokens_hit"]
-    c = model.config
-    per_token = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, model.norm.weight.dtype)
-    gb = hit * per_token / loaded / 1e9
+    hit, read = again.metrics()["tier_tokens_hit"], again.metrics()["tier_bytes_read"]
+    gb = read / loaded / 1e9
     print(
         "\n| head | computed TTFT | loaded from disk TTFT | ratio | tokens loaded | GB/s | cache |"
     )
@@ -115,6 +119,16 @@ def hot_prefixes(model, ids, n_heads: int, folder: str):
         )
 
 
+def hybrid(model, window: int):
+    """Gemma 2's layout on this model: a window on the odd layers (the outputs change, the work
+    per layer does not, bar the window's attention)."""
+    n = model.config.n_layers
+    types = tuple("sliding_attention" if i % 2 else "full_attention" for i in range(n))
+    model.config = dataclasses.replace(model.config, sliding_window=window, layer_types=types)
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.window = model.config.window(i)
+
+
 def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,6 +136,7 @@ def main():
     p.add_argument("--head", type=int, default=4000)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--shape", choices=("smollm2-135m", "llama3.2-1b"), default="smollm2-135m")
+    p.add_argument("--hybrid", type=int, default=0, metavar="W", help="windows on odd layers")
     args = p.parse_args()
     model, info = weights.load(None, dtype=torch.bfloat16, dequantize=True)
     ids = corpus(load_tokenizer(info.source))  # (SmolLM2's ids: valid in either vocabulary)
@@ -130,9 +145,12 @@ def main():
 
         model = random_model(SHAPES["llama3.2-1b"], "cpu", torch.bfloat16)
     fuse_layers.fuse_projections(model)
+    if args.hybrid:
+        hybrid(model, args.hybrid)
     print(
         f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
         f"{torch.get_num_threads()} threads | {args.shape} bf16, eager"
+        + (f", a {args.hybrid}-token window on every other layer" if args.hybrid else "")
     )
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as folder:
         restart(model, ids, args.head, folder)

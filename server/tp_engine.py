@@ -315,7 +315,8 @@ def make_tier(model, block_size: int, options):
     a block only for the tokens it filled it with, so it recomputes what the tier loads.)"""
     if not options:
         return None
-    from speedups.kv_tier import DiskTier, HostOverDisk, HostTier, fingerprint
+    from speedups.kv_disk import DiskTier
+    from speedups.kv_tier import HostOverDisk, HostTier, fingerprint
 
     host = disk = None
     if options.get("host"):

@@ -1,6 +1,6 @@
 """A second tier for the prefix cache: KV blocks the pool evicts are kept (in host memory, or in a
-folder on disk) and loaded back into the pool when a prompt's prefix misses the pool but hits the
-tier, instead of being computed again; on disk they outlive the process.
+folder on disk: speedups/kv_disk.py) and loaded back into the pool when a prompt's prefix misses
+the pool but hits the tier, instead of being computed again; on disk they outlive the process.
 
     engine = Engine.for_model(model, num_blocks=512, tier=DiskTier("kv", 20 * 2**30, fp))
     python serve.py --kv_disk_cache ~/.cache/llm-kv --kv_disk_cache_size 20GiB
@@ -12,28 +12,17 @@ and its own tokens, checked on every read, so a collision is a miss. Its size is
     bytes per block = 2 * layers * kv_heads * head_dim * block_size * bytes per element
     (SmolLM2-135M in bf16: 30 * 2 * 3 * 64 * 16 * 2 = 368,640 bytes, 23 KiB a token)
 
-The scheduler (host only) asks `fetch` while admitting a request and plans the loads; the engine
-copies evicted blocks out (`put`) and loaded ones in before the step's forward. A folder's files
-are written by a thread of their own (a step never waits on the disk: a full queue drops the
-block, counted) and read ahead by another while a request waits (`prefetch`, from add_request:
-its admission then finds them in memory). Each is safetensors (never a pickle) with a
-fingerprint of the model and layout and a CRC32 of its bytes: a file from another model, block
-size or dtype, truncated or corrupt, is skipped with one warning and removed. Files are replaced
-atomically (written aside, renamed), so two processes may share a folder; each re-reads it every
-256 writes, so together they keep it within its size, oldest first.
+A hybrid model (Gemma 2/3, windowed Qwen2) has two pools, its full layers' and its windowed
+layers'; each keeps its own blocks in the tier (Tier.name), and a prefix loaded back needs the
+full layers' blocks from its start but the windowed layers' for its last window only (Tier.extend:
+a windowed block missing there ends the prefix before it).
+
+The scheduler (host only) asks `extend` while admitting a request and plans the loads; the engine
+copies evicted blocks out (`put`) and loaded ones in before the step's forward.
 """
 
-import contextlib
 import json
-import os
-import queue
-import threading
-import time
-import zlib
 from collections import OrderedDict
-from pathlib import Path
-
-import torch
 
 from runtime import log
 
@@ -47,7 +36,6 @@ STATS = (  # engine.metrics() and /metrics report these (server/engine_loop.py)
     "tier_bytes",
     "tier_blocks_read_ahead",  # of tier_blocks_read: read while their request waited
 )
-READ_AHEAD_BYTES = 256 * 2**20  # blocks read ahead and not yet asked for, at most
 
 
 def fingerprint(model, block_size: int, kv_dtype) -> str:
@@ -68,18 +56,106 @@ def fingerprint(model, block_size: int, kv_dtype) -> str:
     return h.hexdigest()
 
 
-class HostTier:
+class Tier:
+    """What every tier shares: its blocks' names, and which of a prompt's blocks it supplies."""
+
+    expected = None  # [((k shape, dtype), (v shape, dtype))] per pool: Engine.for_model's
+
+    def name(self, h: int, pool: int) -> int:
+        """A block's name here: its prefix-cache hash for a one-pool model's (every layer); a
+        hybrid's pools hold other layers, so theirs chain one more token, -1 - pool."""
+        if len(self.expected or ()) < 2:
+            return h
+        from paged import BlockAllocator
+
+        return BlockAllocator.chain_hash(h, (-1 - pool,))
+
+    def extend(self, seq, pools, loads) -> int:
+        """Lengthen seq's prefix hit (its tables, hashes and num_computed, as the pools' lookup set
+        them) with the blocks this tier holds, and the pools' own cached ones past the hit;
+        returns the tokens gained. A full pool needs every block up to the end, a windowed one
+        those of the end's last window only (walked newest first: a gap ends the hit before it;
+        a hybrid has one windowed pool). Loaded blocks go to `loads` (block, (k, v), pool)."""
+        bs = pools[0].block_size
+        start, most = len(seq.hashes), (len(seq.tokens) - 1) // bs
+        if seq.num_computed != start * bs or most <= start:  # (prompt scoring cut the hit)
+            return 0
+        chain = prefix_chain(seq.tokens[start * bs :], seq.last_hash, bs, most - start)
+        picks, end = [{} for _ in pools], most  # per pool: block index -> cached block or (k, v)
+        for p, a in [(p, a) for p, a in enumerate(pools) if not a.window]:
+            for i, link in enumerate(chain[: end - start], start):
+                if (src := self._source(a, p, *link)) is None:
+                    end = i
+                    break
+                picks[p][i] = src
+        for p, a in [(p, a) for p, a in enumerate(pools) if a.window]:
+            i = end - 1
+            while i >= max(start, window_start(a, end)):
+                if (src := self._source(a, p, *chain[i - start])) is None:
+                    end = i
+                else:
+                    picks[p][i] = src
+                i -= 1
+        return self._take(seq, pools, picks, chain, start, end, loads) if end > start else 0
+
+    def _source(self, allocator, pool: int, h: int, parent, tokens):
+        """Block h of a pool: the pool's own cached block, else (k, v) from here, else None."""
+        block = allocator.cached.get(h)
+        if block is not None and allocator.key[block] == (parent, tokens):
+            return block
+        return self.fetch(h, parent, tokens, pool)
+
+    def _take(self, seq, pools, picks, chain, start: int, end: int, loads) -> int:
+        """seq's tables extended to `end` blocks: picked cached blocks shared, the others new
+        blocks named in their pool's prefix cache and queued for loading, each with one more
+        reference, the plan's, until loaded; the blocks behind a window released. All or none:
+        0 if a pool lacks the room."""
+        tables = [seq.blocks, seq.window_blocks][: len(pools)]
+        wanted = [
+            [(i, picks[p][i]) for i in range(max(start, window_start(a, end)), end)]
+            for p, a in enumerate(pools)
+        ]
+        for a, want in zip(pools, wanted):
+            for _, b in [w for w in want if isinstance(w[1], int)]:
+                a.share(b)
+        loaded = [[s for _, s in want if not isinstance(s, int)] for want in wanted]
+        got = [a.allocate_many(len(kvs)) for a, kvs in zip(pools, loaded)]
+        if None in got:
+            for a, want, blocks in zip(pools, wanted, got):
+                for b in [s for _, s in want if isinstance(s, int)] + (blocks or []):
+                    a.release(b)
+            return 0
+        for p, (a, table, want, new) in enumerate(zip(pools, tables, wanted, got)):
+            for i in range(min(window_start(a, end), len(table))):  # behind the new hit's window
+                if table[i]:
+                    a.release(table[i])
+                    table[i] = 0
+            table += [0] * (want[0][0] - len(table)) if want else []
+            for i, src in want:
+                if not isinstance(src, int):
+                    b, (_, parent, tokens) = new.pop(0), chain[i - start]
+                    a.register(b, parent, tokens, table[-1] if table else None)
+                    a.share(b)  # the plan's reference
+                    loads.append((b, src, p))
+                    src = b
+                table.append(src)
+        seq.hashes += [h for h, _, _ in chain[: end - start]]
+        seq.num_computed = end * pools[0].block_size
+        return (end - start) * pools[0].block_size
+
+
+class HostTier(Tier):
     """Blocks kept in host memory (pinned when the pool is on a GPU), least recently used dropped
     beyond `capacity` bytes."""
 
     def __init__(self, capacity: int, pin: bool = False):
         self.capacity, self.pin, self.entries = capacity, pin, OrderedDict()
         self.stats = dict.fromkeys(STATS, 0)
-        self.expected = None  # ((shape, dtype) of k, of v): the engine's pool's (Engine.for_model)
 
-    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
-        """A block evicted from the pool: k, v its tensors, copied to the host here (never
-        raises: a block that cannot be kept is only not kept)."""
+    def put(self, h: int, parent, tokens, k, v, pool: int = 0, wait: bool = False):
+        """A block evicted from a pool: k, v its tensors, copied to the host here (never raises:
+        a block that cannot be kept is only not kept)."""
+        h = self.name(h, pool)
         if h in self.entries:
             self.entries.move_to_end(h)
             return
@@ -91,249 +167,41 @@ class HostTier:
             log(f"warning: the KV host tier could not keep a block ({type(e).__name__}: {e})")
             return
         self.entries[h] = (parent, tuple(tokens), k, v)
-        self.stats["tier_bytes"] += _nbytes(k, v)
-        self.stats["tier_bytes_written"] += _nbytes(k, v)
+        self.stats["tier_bytes"] += kv_nbytes(k, v)
+        self.stats["tier_bytes_written"] += kv_nbytes(k, v)
         self.stats["tier_blocks_written"] += 1
         while self.stats["tier_bytes"] > self.capacity and self.entries:
             *_, k0, v0 = self.entries.popitem(last=False)[1]
-            self.stats["tier_bytes"] -= _nbytes(k0, v0)
+            self.stats["tier_bytes"] -= kv_nbytes(k0, v0)
 
-    def fetch(self, h: int, parent, tokens):
-        """(k, v) of the block with this name, parent and tokens, or None."""
+    def fetch(self, h: int, parent, tokens, pool: int = 0):
+        """(k, v) of the pool's block with this hash, parent and tokens, or None."""
+        h = self.name(h, pool)
         entry = self.entries.get(h)
-        if entry is None or entry[:2] != (parent, tuple(tokens)) or not _fits(self, *entry[2:]):
+        if (
+            entry is None
+            or entry[:2] != (parent, tuple(tokens))
+            or not fits(self, pool, *entry[2:])
+        ):
             return None
         self.entries.move_to_end(h)
         self.stats["tier_blocks_read"] += 1
-        self.stats["tier_bytes_read"] += _nbytes(*entry[2:])
+        self.stats["tier_bytes_read"] += kv_nbytes(*entry[2:])
         return entry[2:]
 
-    def prefetch(self, request, allocator):
+    def prefetch(self, request, pools):
         pass  # (already in memory)
 
     def close(self):
         pass  # (host memory ends with the process)
 
 
-class DiskTier:
-    """Blocks as files in `folder`/<fingerprint>/, at most `capacity` bytes, written by a thread."""
-
-    def __init__(
-        self, folder, capacity: int, fingerprint: str, max_queued: int = 256, rescan_every=256
-    ):
-        self.root = Path(folder) / fingerprint
-        self.capacity, self.fp = capacity, fingerprint
-        # a peer process sharing the folder writes files this one's index lacks: re-read the
-        # folder every rescan_every writes, so the two together keep it within its size
-        self.rescan_every, self.writes = rescan_every, 0
-        self.stats = dict.fromkeys(STATS, 0)
-        self.warned, self.broken, self.expected = set(), None, None
-        self.lock = threading.Lock()  # `files` and `stats`: the writer thread's and the engine's
-        self.queued = set()  # hashes waiting for the writer
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            self.broken = f"{self.root} cannot be written ({e})"
-            log(f"warning: the KV disk tier is off: {self.broken}")
-        self.files = OrderedDict()  # hash -> bytes, oldest first
-        self._rescan()
-        self.todo = queue.Queue(max_queued)
-        self.writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-tier")
-        self.writer.start()
-        # read ahead: a waiting request's prefix blocks read by a thread of their own
-        self.ahead, self.ahead_bytes, self.wanted = OrderedDict(), 0, queue.Queue(4096)
-        self.asked = set()  # hashes queued for the reader
-        reader = threading.Thread(target=self._read_loop, daemon=True, name="kv-tier-read")
-        reader.start()
-
-    def _rescan(self):
-        """The index rebuilt from the folder, least recently used file first (built aside, then
-        swapped in: a lookup meanwhile sees the old one)."""
-        files = OrderedDict()
-        for p in sorted(self.root.glob("*.safetensors"), key=_mtime):
-            try:
-                files[int(p.stem, 16)] = p.stat().st_size
-            except (ValueError, OSError):
-                pass
-        with self.lock:
-            self.files = files
-            self.stats["tier_bytes"] = sum(files.values())
-
-    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
-        """Queue a block for writing (its tensors copied now); dropped, counted, if the writer is
-        behind (unless `wait`: keep_pool's) or the folder cannot be written. Never raises."""
-        if self.broken or h in self.files or h in self.queued:
-            return
-        try:
-            item = (h, parent, list(tokens), k.to("cpu", copy=True), v.to("cpu", copy=True))
-            self.queued.add(h)  # (before the writer can finish it)
-            self.todo.put(item, block=wait)
-        except queue.Full:
-            self.queued.discard(h)
-            self.stats["tier_blocks_dropped"] += 1
-        except Exception as e:  # out of memory copying it out
-            log(f"warning: the KV disk tier could not keep a block ({type(e).__name__}: {e})")
-
-    def prefetch(self, request, allocator):
-        """Read a queued request's prefix blocks ahead, on the reader thread, so its admission
-        finds them in memory: those of its hash chain (from its adapter's root) that the pool
-        (`allocator`) does not hold and no earlier prefetch has asked for. Never raises."""
-        if request.scoring or request.pools_every_token:  # (these compute their prefix)
-            return
-        prompt, bs = request.prompt, allocator.block_size
-        for h, parent, tokens in prefix_chain(
-            prompt, request.hash_root, bs, (len(prompt) - 1) // bs
-        ):
-            if h not in allocator.cached and h not in self.asked:
-                if h not in self.files:  # (a prefix is read in order: a gap ends it)
-                    return
-                try:
-                    self.wanted.put_nowait((h, parent, tokens))
-                except queue.Full:
-                    return
-                self.asked.add(h)
-
-    def _read_loop(self):
-        while (item := self.wanted.get()) is not None:
-            h, parent, tokens = item
-            now = time.monotonic()
-            with self.lock:  # entries never asked for within a minute (their request left) go
-                while self.ahead and now - next(iter(self.ahead.values()))[0] > 60:
-                    self.ahead_bytes -= _nbytes(*self.ahead.popitem(last=False)[1][3:])
-            full = self.ahead_bytes > READ_AHEAD_BYTES  # then later requests' blocks wait
-            kv = None if h in self.ahead or full else self._load(h, parent, tokens)
-            with self.lock:
-                self.asked.discard(h)
-                if kv is not None:
-                    self.ahead[h] = (now, parent, tokens, *kv)
-                    self.ahead_bytes += _nbytes(*kv)
-
-    def fetch(self, h: int, parent, tokens):
-        """(k, v) of the block with this name, parent and tokens: read ahead, or from its file,
-        or None (a file that fails a check is removed, with one warning per kind of failure)."""
-        with self.lock:
-            entry = self.ahead.pop(h, None)
-            if entry is not None:
-                self.ahead_bytes -= _nbytes(*entry[3:])
-                if entry[1:3] == (parent, tuple(tokens)):
-                    self._count_read(h, *entry[3:])
-                    self.stats["tier_blocks_read_ahead"] += 1
-                    return entry[3:]
-        kv = self._load(h, parent, tokens)
-        if kv is not None:
-            with self.lock:
-                self._count_read(h, *kv)
-        return kv
-
-    def _count_read(self, h: int, k, v):
-        if h in self.files:
-            self.files.move_to_end(h)
-            try:  # the file's time is its last use: a rescan (or a peer) keeps that order
-                os.utime(self.root / f"{h:032x}.safetensors")
-            except OSError:
-                pass
-        self.stats["tier_blocks_read"] += 1
-        self.stats["tier_bytes_read"] += _nbytes(k, v)
-
-    def _load(self, h: int, parent, tokens):
-        """(k, v) from the block's file, checked, or None (a bad file removed, warned of)."""
-        with self.lock:
-            if h not in self.files:
-                return None
-        path = self.root / f"{h:032x}.safetensors"
-        try:
-            k, v, meta = _read(path)
-            why = _mismatch(meta, self.fp, parent, tokens, k, v)
-            why = why or ("" if _fits(self, k, v) else "foreign (another pool layout)")
-        except FileNotFoundError:  # another process sharing the folder removed it: a plain miss
-            with self.lock:
-                self.stats["tier_bytes"] -= self.files.pop(h, 0)
-            return None
-        except Exception as e:  # truncated, corrupt: a miss
-            why = f"unreadable ({type(e).__name__})"
-        if why:
-            self._drop(h, path, why)
-            return None
-        return k, v
-
-    def _drop(self, h: int, path: Path, why: str):
-        kind = why.split(" ")[0]
-        if kind not in self.warned:
-            self.warned.add(kind)
-            log(f"warning: KV disk tier: skipped {path.name}: {why} (said once per kind)")
-        with self.lock:
-            self.stats["tier_bytes"] -= self.files.pop(h, 0)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:  # a read-only folder: it stays, and is skipped again
-            pass
-
-    def _write_loop(self):
-        while True:
-            item = self.todo.get()
-            if item is None:
-                return
-            try:
-                self._write(*item)
-            except Exception as e:  # disk full, folder gone or read-only: serve on without it
-                self.broken = f"writing to {self.root} failed ({type(e).__name__}: {e})"
-                log(f"warning: the KV disk tier is off: {self.broken}")
-            finally:
-                self.queued.discard(item[0])
-                self.todo.task_done()
-
-    def _write(self, h, parent, tokens, k, v):
-        from safetensors.torch import save_file
-
-        meta = {
-            "fingerprint": self.fp,
-            "version": str(VERSION),
-            "parent": str(parent),
-            "tokens": json.dumps(tokens),
-            "crc32": str(_crc(k, v)),
-        }
-        path, tmp = self.root / f"{h:032x}.safetensors", self.root / f".{h:032x}.{os.getpid()}"
-        save_file({"k": k.contiguous(), "v": v.contiguous()}, tmp, metadata=meta)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-        self.writes += 1
-        if self.writes % self.rescan_every == 0:
-            self._rescan()
-        gone = []
-        with self.lock:
-            self.stats["tier_bytes"] -= self.files.pop(h, 0)  # (a peer's file it replaced)
-            self.files[h] = path.stat().st_size
-            self.stats["tier_bytes"] += self.files[h]
-            self.stats["tier_bytes_written"] += self.files[h]
-            self.stats["tier_blocks_written"] += 1
-            while self.stats["tier_bytes"] > self.capacity and len(self.files) > 1:
-                old, size = self.files.popitem(last=False)
-                self.stats["tier_bytes"] -= size
-                gone.append(old)
-        for old in gone:
-            (self.root / f"{old:032x}.safetensors").unlink(missing_ok=True)
-
-    def flush(self):
-        """Wait until every queued block is on disk."""
-        self.todo.join()
-
-    def close(self):
-        self.flush()
-        self.todo.put(None)
-        self.wanted.put(None)  # the reader ends; what it read ahead goes
-        with self.lock:
-            self.ahead.clear()
-            self.ahead_bytes = 0
-
-
-class HostOverDisk:
+class HostOverDisk(Tier):
     """Host memory in front of a disk folder (`--kv_host_cache` with `--kv_disk_cache`): a block
     the pool evicts goes to both (the disk's write queued), a fetch tries host memory first and
     the folder second, and a restart finds the folder's."""
 
-    def __init__(self, host: HostTier, disk: DiskTier):
+    def __init__(self, host: HostTier, disk):
         self.host, self.disk = host, disk
 
     @property
@@ -348,32 +216,40 @@ class HostOverDisk:
     def expected(self, shapes):
         self.host.expected = self.disk.expected = shapes
 
-    def put(self, h: int, parent, tokens, k, v, wait: bool = False):
-        self.host.put(h, parent, tokens, k, v)
-        self.disk.put(h, parent, tokens, k, v, wait)
+    def put(self, h: int, parent, tokens, k, v, pool: int = 0, wait: bool = False):
+        self.host.put(h, parent, tokens, k, v, pool)
+        self.disk.put(h, parent, tokens, k, v, pool, wait)
 
-    def fetch(self, h: int, parent, tokens):
-        return self.host.fetch(h, parent, tokens) or self.disk.fetch(h, parent, tokens)
+    def fetch(self, h: int, parent, tokens, pool: int = 0):
+        got = self.host.fetch(h, parent, tokens, pool)
+        return got or self.disk.fetch(h, parent, tokens, pool)
 
-    def prefetch(self, request, allocator):
-        self.disk.prefetch(request, allocator)
+    def prefetch(self, request, pools):
+        self.disk.prefetch(request, pools)
 
     def close(self):
         self.disk.close()
 
 
 def keep_pool(engine):
-    """At the end of a run: every block the pool still caches into the engine's tier too (the
+    """At the end of a run: every block the pools still cache into the engine's tier too (the
     tier held only what was evicted), then the tier closed: a restart finds them all."""
-    tier, a = engine.scheduler.tier, engine.scheduler.allocator
+    tier = engine.scheduler.tier
     if tier is None:
         return
     tier = tier.disk if isinstance(tier, HostOverDisk) else tier
     if isinstance(tier, HostTier):  # host memory ends with the process
         return
-    for block, h in list(a.hash_of.items()):
-        tier.put(h, *a.key[block], *engine.cache.block_kv(block), wait=True)
+    for pool, a in enumerate(engine.scheduler.pools):
+        for block, h in list(a.hash_of.items()):
+            tier.put(h, *a.key[block], *engine.cache.block_kv(block, pool), pool, wait=True)
     tier.close()
+
+
+def window_start(allocator, end: int) -> int:
+    """The first block that a query after `end` blocks sees in the allocator's pool."""
+    bs, window = allocator.block_size, allocator.window
+    return max(0, (end * bs - window) // bs) if window else 0
 
 
 def prefix_chain(tokens, root, block_size: int, n: int) -> list:
@@ -389,75 +265,11 @@ def prefix_chain(tokens, root, block_size: int, n: int) -> list:
     return chain
 
 
-@contextlib.contextmanager
-def prompt_cache(folder, size: int, model, cache, prompt: list):
-    """generate.py --kv_disk_cache with --cache paged: yields how many of the prompt's first tokens
-    were loaded from the folder's blocks into every row's (whole blocks, never the last token:
-    the prefill computes at least one); on exit the prompt's whole blocks are written for the
-    next run. Without a folder: 0, and nothing is read or written."""
-    if not folder:
-        yield 0
-        return
-    bs = cache.block_size
-    tier = DiskTier(folder, size, fingerprint(model, bs, cache.k[0].dtype))
-    tier.expected = tuple((t.shape, t.dtype) for t in cache.block_kv(0))
-    chain = prefix_chain(prompt, None, bs, len(prompt) // bs)  # each whole block of the prompt
-    loaded, start = 0, time.perf_counter()
-    for i, (h, parent, tokens) in enumerate(chain[: (len(prompt) - 1) // bs]):
-        kv = tier.fetch(h, parent, tokens)
-        if kv is None:
-            break
-        for row in cache.block_tables.tolist():
-            cache.load_block(row[i], *kv)
-        loaded += bs
-    ms = (time.perf_counter() - start) * 1000  # (before the time to first token is counted)
-    log(
-        f"KV disk tier: the prompt's first {loaded} of {len(prompt)} tokens loaded from "
-        f"{tier.root} in {ms:.0f} ms"
-    )
-    yield loaded
-    for i, (h, parent, tokens) in enumerate(chain):  # row 0's blocks, for the next run
-        tier.put(h, parent, tokens, *cache.block_kv(int(cache.block_tables[0, i])), wait=True)
-    tier.close()
+def fits(tier, pool: int, k, v) -> bool:
+    """Whether k, v have the shapes and dtypes of the pool's blocks (once the engine said them)."""
+    shapes = ((k.shape, k.dtype), (v.shape, v.dtype))
+    return tier.expected is None or (pool < len(tier.expected) and tier.expected[pool] == shapes)
 
 
-def _read(path: Path):
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("k"), f.get_tensor("v"), f.metadata() or {}
-
-
-def _mismatch(meta: dict, fp: str, parent, tokens, k, v) -> str:
-    """Why a file's block cannot be used for (parent, tokens) here, or "" if it can."""
-    if meta.get("fingerprint") != fp or meta.get("version") != str(VERSION):
-        return "foreign (another model, block size, KV dtype or file version)"
-    if meta.get("parent") != str(parent) or json.loads(meta.get("tokens", "null")) != list(tokens):
-        return "collision (another prefix under the same name)"
-    if meta.get("crc32") != str(_crc(k, v)):
-        return "corrupt (its checksum does not match its bytes)"
-    return ""
-
-
-def _fits(tier, k, v) -> bool:
-    """Whether k, v have the shapes and dtypes of the engine's pool blocks (once it said them)."""
-    return tier.expected is None or tier.expected == ((k.shape, k.dtype), (v.shape, v.dtype))
-
-
-def _crc(k, v) -> int:
-    return zlib.crc32(_bytes(v), zlib.crc32(_bytes(k)))
-
-
-def _bytes(t):
-    return t.contiguous().view(torch.uint8).numpy()
-
-
-def _nbytes(k, v) -> int:
+def kv_nbytes(k, v) -> int:
     return k.numel() * k.element_size() + v.numel() * v.element_size()
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0

@@ -17,10 +17,12 @@ from helpers import hf_model, save_hf, tiny_checkpoint
 import batch
 from engine import Engine, RequestParams
 from formats import weights
-from speedups import kv_tier
-from speedups.kv_tier import DiskTier, HostTier, fingerprint
+from speedups import kv_disk, kv_tier
+from speedups.kv_disk import DiskTier
+from speedups.kv_tier import HostTier, fingerprint
 
 GREEDY = RequestParams(max_new_tokens=6, temperature=0)
+SAMPLED = RequestParams(max_new_tokens=5, temperature=0.8, n=2, seed=3)
 HEADS = [list(range(10 + i, 74 + i)) for i in range(6)]  # six 64-token heads: 4 blocks each
 PROMPTS = [h + [200 + j] for h in HEADS for j in range(2)]
 
@@ -82,7 +84,7 @@ def test_host_memory_over_disk(tiny, tmp_path):
 
 def test_samples_of_n_2_equal_with_the_tier(tiny, tmp_path):
     _, model, _ = tiny
-    sampled = RequestParams(max_new_tokens=5, temperature=0.8, n=2, seed=3)
+    sampled = SAMPLED
     plain = Engine.for_model(model, num_blocks=400)
     want = [plain.run_batch([p], sampled)[0]["tokens"] for p in PROMPTS]
     tier = disk(model, tmp_path)
@@ -134,13 +136,13 @@ def test_a_waiting_request_s_prefix_is_read_ahead(tiny, tmp_path, monkeypatch):
     while len(tier.ahead) < 6 * 4 and time.time() < deadline:  # six heads of four blocks
         time.sleep(0.01)
     assert len(tier.ahead) == 6 * 4
-    engine_thread, read, on_engine_thread = threading.current_thread(), kv_tier._read, []
+    engine_thread, read, on_engine_thread = threading.current_thread(), kv_disk._read, []
 
     def recorded(path):
         on_engine_thread.append(threading.current_thread() is engine_thread)
         return read(path)
 
-    monkeypatch.setattr(kv_tier, "_read", recorded)
+    monkeypatch.setattr(kv_disk, "_read", recorded)
     done = {e.request_id: e.result["tokens"] for e in run_all(again)}
     assert not any(on_engine_thread), "a step read a file"
     assert [done[i] for i in ids] == want
@@ -152,7 +154,7 @@ def test_two_processes_on_one_folder_keep_it_within_its_size(tmp_path):
     """Two tiers on one folder (two servers): each re-reads the folder as it writes, so their
     files together stay within the size; the other's blocks are read back whole."""
     k, v = torch.ones(2, 3, 4, 16), torch.ones(2, 16, 3, 4)
-    size = len(kv_tier._bytes(k)) + len(kv_tier._bytes(v)) + 1024  # a block's file, and room
+    size = len(kv_disk._bytes(k)) + len(kv_disk._bytes(v)) + 1024  # a block's file, and room
     a = DiskTier(tmp_path, 5 * size, "fp", rescan_every=1)
     b = DiskTier(tmp_path, 5 * size, "fp", rescan_every=1)
     for h in range(1, 5):
@@ -193,7 +195,7 @@ def test_bad_files_are_skipped_with_one_warning_each(tiny, tmp_path, capfd):
     short.write_bytes(short.read_bytes()[:100])
     other = DiskTier(tmp_path / "other", 2**30, "0" * 16)  # another fingerprint's file
     k, v = small_engine(model, None).cache.block_kv(1)
-    meta_src = kv_tier._read(foreign)[2]
+    meta_src = kv_disk._read(foreign)[2]
     other._write(
         int(foreign.stem, 16), int(meta_src["parent"]), json.loads(meta_src["tokens"]), k, v
     )
@@ -205,7 +207,7 @@ def test_bad_files_are_skipped_with_one_warning_each(tiny, tmp_path, capfd):
     for kind in ("corrupt", "unreadable", "foreign"):
         assert err.count(f": {kind}") == 1, err
     for path in (corrupt, short, foreign):  # removed, or written again whole when re-evicted
-        assert not path.exists() or kv_tier._read(path)[2]["fingerprint"] == tier.fp
+        assert not path.exists() or kv_disk._read(path)[2]["fingerprint"] == tier.fp
 
 
 def test_a_folder_that_cannot_be_written_or_fills_up_leaves_the_engine_serving(
@@ -252,15 +254,89 @@ def test_a_slow_disk_never_holds_a_step(tiny, tmp_path, monkeypatch):
     tier.close()
 
 
-def test_what_the_tier_cannot_serve_is_refused_by_name(tiny, tmp_path):
-    folder, model, _ = tiny
-    hybrid = hf_model("qwen2_windows")
-    hybrid_model, _ = weights.load(save_hf(hybrid, tmp_path / "hybrid"), dtype=torch.float32)
-    with pytest.raises(ValueError, match="windowed pool"):
-        Engine.for_model(hybrid_model, num_blocks=40, window_blocks=40, tier=HostTier(2**20))
+def test_what_the_tier_cannot_serve_is_refused_by_name(tiny):
+    folder, _, _ = tiny
     args = ["--requests", "-", "--checkpoint", str(folder)]
     with pytest.raises(SystemExit):
         batch.parse_args(args + ["--kv_disk_cache", "x", "--no_prefix_caching"])
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Gemma 2 with a window of 24 on layer 0 (of 16-token blocks: a 64-token head's last two are
+    in the window of the token after it) and full attention on layer 1: two pools."""
+    folder = save_hf(hf_model("gemma2", sliding_window=24), tmp_path_factory.mktemp("hybrid"))
+    model, _ = weights.load(folder, dtype=torch.float32)
+    plain = Engine.for_model(model, num_blocks=400, window_blocks=400)
+    greedy = [r["tokens"] for r in plain.run_batch(PROMPTS, GREEDY)]
+    return model, greedy, [plain.run_batch([p], SAMPLED)[0]["tokens"] for p in PROMPTS[:4]]
+
+
+def hybrid_engine(model, tier, num_blocks=12):
+    """Pools of 11 full blocks (as small_engine's) and 9 windowed ones (one window and chunk);
+    engine.pools_loaded records which pool each block the tier loads goes to."""
+    engine = Engine.for_model(model, num_blocks=num_blocks, window_blocks=9, max_num_seqs=2,
+                              max_num_batched_tokens=64, tier=tier)  # fmt: skip
+    engine.pools_loaded, load = [], engine.cache.load_block
+
+    def recorded(block, k, v, pool):
+        engine.pools_loaded.append(pool)
+        load(block, k, v, pool)
+
+    engine.cache.load_block = recorded
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_hybrid_model_s_two_pools_come_back_from_the_tier(hybrid, tmp_path, kind):
+    """Both pools evict under pressure; the second pass loads the full layers' blocks of each
+    head and the windowed layers' of its last window, and the tokens (greedy, then n = 2
+    sampled) are those computed without the tier."""
+    model, greedy, sampled = hybrid
+    tier = HostTier(2**30) if kind == "host" else disk(model, tmp_path)
+    engine = hybrid_engine(model, tier)
+    assert engine.scheduler.window_allocator is not None  # (a hybrid's two pools)
+    assert one_by_one(engine, PROMPTS) == greedy
+    getattr(tier, "flush", lambda: None)()
+    hit = engine.metrics()["tier_tokens_hit"]
+    assert one_by_one(engine, PROMPTS) == greedy
+    assert engine.metrics()["tier_tokens_hit"] - hit >= 4 * 64
+    assert one_by_one(engine, PROMPTS[:4], SAMPLED) == sampled
+    assert set(engine.pools_loaded) == {0, 1}
+
+
+def test_a_hybrid_s_windowed_blocks_alone_come_from_the_tier(hybrid, tmp_path):
+    """A full pool that holds every head beside a windowed pool that keeps none: a hit shares
+    the full pool's blocks and loads only the windowed layers' last window."""
+    model, greedy, _ = hybrid
+    engine = hybrid_engine(model, HostTier(2**30), num_blocks=400)
+    assert one_by_one(engine, PROMPTS) + one_by_one(engine, PROMPTS) == greedy + greedy
+    assert engine.metrics()["tier_tokens_hit"] >= 4 * 64
+    assert set(engine.pools_loaded) == {1}
+
+
+def test_a_hybrid_restart_loads_each_head_up_to_a_missing_windowed_block(hybrid, tmp_path):
+    """After a restart every head comes from disk (read ahead: four full blocks and two windowed
+    ones each), except that the windowed file of head 0's last block is gone: its hit ends a
+    block earlier (three blocks, whose window starts at block 1)."""
+    model, greedy, _ = hybrid
+    engine = hybrid_engine(model, disk(model, tmp_path))
+    one_by_one(engine, PROMPTS)
+    kv_tier.keep_pool(engine)
+    tier = disk(model, tmp_path)
+    tier.expected = engine.cache.block_shapes()
+    h, _, _ = kv_tier.prefix_chain(HEADS[0], None, 16, 4)[3]
+    (tier.root / f"{tier.name(h, 1):032x}.safetensors").unlink()
+    tier._rescan()
+    again = hybrid_engine(model, tier)
+    ids = [again.add_request(p, GREEDY) for p in PROMPTS]
+    deadline = time.time() + 30
+    while len(tier.ahead) < 6 * 6 - 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(tier.ahead) == 6 * 6 - 1  # (head 0's windowed blocks 2 and 3 wanted, 3 absent)
+    done = {e.request_id: e.result["tokens"] for e in run_all(again)}
+    assert [done[i] for i in ids] == greedy
+    assert again.metrics()["tier_tokens_hit"] == 6 * 64 - 16
 
 
 def test_batch_py_finds_a_previous_runs_heads_on_disk(tiny, tmp_path, capsys, monkeypatch):

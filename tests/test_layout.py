@@ -51,7 +51,7 @@ FLOORS = {
     },
     "speedups": {
         1: ["kv_int8", "kv_tier", "kv_window", "lora", "prompt_lookup"],
-        2: ["aot_export", "draft_model"],
+        2: ["aot_export", "draft_model", "kv_disk"],
         3: ["aot"],
     },
     "server": {
