@@ -186,7 +186,7 @@ def summary_line(s: dict) -> str:
     )
     if s["tier_tokens_hit"] or s["tier_blocks_written"]:
         line += (
-            f" | KV tier: {s['tier_tokens_hit']} prompt tokens loaded, "
+            f" | KV tier: {s['tier_tokens_hit']} prompt tokens not recomputed, "
             f"{s['tier_blocks_written']} blocks written"
         )
     if s["draft_tokens"]:

@@ -193,7 +193,7 @@ def add_weight_args(p):
         default=None,
         metavar="DIR",
         help="with --cache paged: the prompt's K/V blocks kept in DIR, and a later run's prompt "
-        "with the same head loads them instead of computing them (speedups/kv_tier.py)",
+        "with the same head loads them instead of computing them (speedups/kv_disk.py)",
     )
     p.add_argument(
         "--kv_disk_cache_size",

@@ -105,35 +105,29 @@ class DiskTier(Tier):
         except Exception as e:  # out of memory copying it out
             log(f"warning: the KV disk tier could not keep a block ({type(e).__name__}: {e})")
 
+    def holds(self, h: int, pool: int) -> bool:
+        name = self.name(h, pool)
+        return name in self.files or name in self.ahead
+
     def prefetch(self, request, pools):
         """Read a queued request's prefix blocks ahead, on the reader thread, so its admission
-        finds them in memory: those of its hash chain (from its adapter's root) that Tier.extend
-        would load (a full pool's up to the first block held nowhere, a windowed pool's within
-        that end's last window), unless the pool holds them or an earlier prefetch asked. Never
-        raises."""
+        finds them in memory: those Tier.extend would load (Tier.reach's), unless the pool holds
+        them or an earlier prefetch asked for them. Never raises."""
         if request.scoring or request.pools_every_token:  # (these compute their prefix)
             return
         prompt, bs = request.prompt, pools[0].block_size
         chain = prefix_chain(prompt, request.hash_root, bs, (len(prompt) - 1) // bs)
-        want, end = [], len(chain)  # want: (pool, block index)
-        for p, a in [(p, a) for p, a in enumerate(pools) if not a.window]:
-            for i, (h, _, _) in enumerate(chain[:end]):
-                if h not in a.cached and self.name(h, p) not in self.files:
-                    end = i
-                    break
-                want.append((p, i))
-        for p, a in [(p, a) for p, a in enumerate(pools) if a.window]:
-            want += [(p, i) for i in range(window_start(a, end), end)]
-        for p, i in want:
-            h, parent, tokens = chain[i]
-            name = self.name(h, p)
-            if h in pools[p].cached or name in self.asked or name not in self.files:
-                continue
-            try:
-                self.wanted.put_nowait((name, parent, tokens, p))
-            except queue.Full:
-                return
-            self.asked.add(name)
+        end = self.reach(pools, chain, 0, len(chain))
+        for p, a in enumerate(pools):
+            for h, parent, tokens in chain[window_start(a, end) : end]:
+                name = self.name(h, p)
+                if h in a.cached or name in self.asked or name not in self.files:
+                    continue
+                try:
+                    self.wanted.put_nowait((name, parent, tokens, p))
+                except queue.Full:
+                    return
+                self.asked.add(name)
 
     def _read_loop(self):
         while (item := self.wanted.get()) is not None:

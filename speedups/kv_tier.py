@@ -2,7 +2,7 @@
 folder on disk: speedups/kv_disk.py) and loaded back into the pool when a prompt's prefix misses
 the pool but hits the tier, instead of being computed again; on disk they outlive the process.
 
-    engine = Engine.for_model(model, num_blocks=512, tier=DiskTier("kv", 20 * 2**30, fp))
+    engine = Engine.for_model(model, num_blocks=512, tier=HostTier(16 * 2**30))
     python serve.py --kv_disk_cache ~/.cache/llm-kv --kv_disk_cache_size 20GiB
 
 A block is named by the prefix cache's chained hash (paged.BlockAllocator.chain_hash: stable
@@ -10,7 +10,8 @@ across processes), so equal names mean equal whole prefixes; an entry also holds
 and its own tokens, checked on every read, so a collision is a miss. Its size is the pool's:
 
     bytes per block = 2 * layers * kv_heads * head_dim * block_size * bytes per element
-    (SmolLM2-135M in bf16: 30 * 2 * 3 * 64 * 16 * 2 = 368,640 bytes, 23 KiB a token)
+    (SmolLM2-135M in bf16: 30 * 2 * 3 * 64 * 16 * 2 = 368,640 bytes, 23 KiB a token; a hybrid's
+    pools: the same over their own layers)
 
 A hybrid model (Gemma 2/3, windowed Qwen2) has two pools, its full layers' and its windowed
 layers'; each keeps its own blocks in the tier (Tier.name), and a prefix loaded back needs the
@@ -70,40 +71,53 @@ class Tier:
 
         return BlockAllocator.chain_hash(h, (-1 - pool,))
 
+    def holds(self, h: int, pool: int) -> bool:
+        """Whether a pool's block h is here (a probe: fetch may still find it bad)."""
+        raise NotImplementedError
+
     def extend(self, seq, pools, loads) -> int:
         """Lengthen seq's prefix hit (its tables, hashes and num_computed, as the pools' lookup set
-        them) with the blocks this tier holds, and the pools' own cached ones past the hit;
-        returns the tokens gained. A full pool needs every block up to the end, a windowed one
-        those of the end's last window only (walked newest first: a gap ends the hit before it;
-        a hybrid has one windowed pool). Loaded blocks go to `loads` (block, (k, v), pool)."""
+        them) with the blocks this tier holds, and the pools' own cached ones past the hit, as far
+        as the pools have room; returns the tokens gained (recomputed without the tier). Loaded
+        blocks go to `loads` (block, (k, v), pool). A block that fails its checks when read is
+        gone from the tier, so the hit is sought again."""
         bs = pools[0].block_size
         start, most = len(seq.hashes), (len(seq.tokens) - 1) // bs
         if seq.num_computed != start * bs or most <= start:  # (prompt scoring cut the hit)
             return 0
         chain = prefix_chain(seq.tokens[start * bs :], seq.last_hash, bs, most - start)
-        picks, end = [{} for _ in pools], most  # per pool: block index -> cached block or (k, v)
+        for _ in range(3):
+            end = self.reach(pools, chain, start, most)
+            while end > start and (short := _shortfall(pools, chain, start, end)) > 0:
+                end = self.reach(pools, chain, start, end - short)
+            if end <= start:
+                return 0
+            picks = [{} for _ in pools]  # per pool: block index -> cached block or (k, v)
+            for p, a in enumerate(pools):
+                for i in range(max(start, window_start(a, end)), end):
+                    picks[p][i] = _cached(a, *chain[i - start]) or self.fetch(*chain[i - start], p)
+            if all(src is not None for pick in picks for src in pick.values()):
+                return self._take(seq, pools, picks, chain, start, end, loads)
+        return 0
+
+    def reach(self, pools, chain, start: int, upper: int) -> int:
+        """How many blocks of the prompt (chain: its blocks from `start` on) the pools and this
+        tier hold together, at most `upper`: a full pool needs every block from `start` to the
+        end, a windowed one only those of the end's last window (walked newest first: a gap ends
+        the hit before it; a hybrid has one windowed pool). Probes only; reads nothing."""
+        end = upper
         for p, a in [(p, a) for p, a in enumerate(pools) if not a.window]:
-            for i, link in enumerate(chain[: end - start], start):
-                if (src := self._source(a, p, *link)) is None:
+            for i in range(start, end):
+                if not (_cached(a, *chain[i - start]) or self.holds(chain[i - start][0], p)):
                     end = i
                     break
-                picks[p][i] = src
         for p, a in [(p, a) for p, a in enumerate(pools) if a.window]:
             i = end - 1
             while i >= max(start, window_start(a, end)):
-                if (src := self._source(a, p, *chain[i - start])) is None:
+                if not (_cached(a, *chain[i - start]) or self.holds(chain[i - start][0], p)):
                     end = i
-                else:
-                    picks[p][i] = src
                 i -= 1
-        return self._take(seq, pools, picks, chain, start, end, loads) if end > start else 0
-
-    def _source(self, allocator, pool: int, h: int, parent, tokens):
-        """Block h of a pool: the pool's own cached block, else (k, v) from here, else None."""
-        block = allocator.cached.get(h)
-        if block is not None and allocator.key[block] == (parent, tokens):
-            return block
-        return self.fetch(h, parent, tokens, pool)
+        return end
 
     def _take(self, seq, pools, picks, chain, start: int, end: int, loads) -> int:
         """seq's tables extended to `end` blocks: picked cached blocks shared, the others new
@@ -174,15 +188,18 @@ class HostTier(Tier):
             *_, k0, v0 = self.entries.popitem(last=False)[1]
             self.stats["tier_bytes"] -= kv_nbytes(k0, v0)
 
+    def holds(self, h: int, pool: int) -> bool:
+        return self.name(h, pool) in self.entries
+
     def fetch(self, h: int, parent, tokens, pool: int = 0):
-        """(k, v) of the pool's block with this hash, parent and tokens, or None."""
+        """(k, v) of the pool's block with this hash, parent and tokens, or None (an entry of
+        this name that is not, another prefix's or another layout's, goes)."""
         h = self.name(h, pool)
         entry = self.entries.get(h)
-        if (
-            entry is None
-            or entry[:2] != (parent, tuple(tokens))
-            or not fits(self, pool, *entry[2:])
-        ):
+        if entry is None:
+            return None
+        if entry[:2] != (parent, tuple(tokens)) or not fits(self, pool, *entry[2:]):
+            self.stats["tier_bytes"] -= kv_nbytes(*self.entries.pop(h)[2:])
             return None
         self.entries.move_to_end(h)
         self.stats["tier_blocks_read"] += 1
@@ -206,7 +223,11 @@ class HostOverDisk(Tier):
 
     @property
     def stats(self) -> dict:
-        return {k: self.host.stats.get(k, 0) + self.disk.stats.get(k, 0) for k in STATS}
+        """The two tiers' STATS summed, and the blocks each served (hits per tier)."""
+        both = {k: self.host.stats.get(k, 0) + self.disk.stats.get(k, 0) for k in STATS}
+        both["tier_host_blocks_read"] = self.host.stats["tier_blocks_read"]
+        both["tier_disk_blocks_read"] = self.disk.stats["tier_blocks_read"]
+        return both
 
     @property
     def expected(self):
@@ -219,6 +240,9 @@ class HostOverDisk(Tier):
     def put(self, h: int, parent, tokens, k, v, pool: int = 0, wait: bool = False):
         self.host.put(h, parent, tokens, k, v, pool)
         self.disk.put(h, parent, tokens, k, v, pool, wait)
+
+    def holds(self, h: int, pool: int) -> bool:
+        return self.host.holds(h, pool) or self.disk.holds(h, pool)
 
     def fetch(self, h: int, parent, tokens, pool: int = 0):
         got = self.host.fetch(h, parent, tokens, pool)
@@ -244,6 +268,24 @@ def keep_pool(engine):
         for block, h in list(a.hash_of.items()):
             tier.put(h, *a.key[block], *engine.cache.block_kv(block, pool), pool, wait=True)
     tier.close()
+
+
+def _cached(allocator, h: int, parent, tokens):
+    """The allocator's cached block holding block h (after `parent`, of `tokens`), or None."""
+    block = allocator.cached.get(h)
+    return block if block is not None and allocator.key[block] == (parent, tokens) else None
+
+
+def _shortfall(pools, chain, start: int, end: int) -> int:
+    """How many blocks more than it has room for some pool needs to take the hit to `end`: new
+    ones, and cached ones no sequence holds (shared, they are no longer available). The blocks a
+    windowed pool would release behind the new window are not counted: they free later."""
+    short = 0
+    for a in pools:
+        held = [_cached(a, *chain[i - start]) for i in range(max(start, window_start(a, end)), end)]
+        takes = sum(b is None or a.ref[b] == 0 for b in held)
+        short = max(short, takes - a.num_available())
+    return short
 
 
 def window_start(allocator, end: int) -> int:
