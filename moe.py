@@ -9,6 +9,13 @@ so); Qwen2-MoE adds a shared expert every token passes through, scaled by a sigm
     w, idx = topk(p, k)                             [T, k]   (w / w.sum() if norm_topk_prob)
     y = sum_j w[:, j] * expert[idx[:, j]](x)        [T, dim] (+ sigmoid(gate(x)) * shared(x))
 
+DeepSeek's routers (MoEConfig.scoring, topk_method) choose within groups of experts and scale:
+V2 scores by softmax and, group-limited, keeps the topk_group groups of the highest score; V3
+("noaux_tc") scores by sigmoid, adds a per-expert correction bias for the choice only (its
+balance without an auxiliary loss), ranks groups by the sum of their two best, weights by the
+unbiased scores (renormalised); both multiply by routed_scaling_factor; shared experts are
+added ungated.
+
 Per token only k experts' weights are read, so decode is bound by the *active* bytes, not the
 total (Qwen3-30B-A3B: 3B of 30B parameters per token). Two ways to run the chosen experts:
 
@@ -34,6 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+ROUTERS = {  # MoEConfig's names and what each may be
+    "scoring": ("softmax", "sigmoid"),
+    "topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
+}
+
 
 @dataclass
 class MoEConfig:
@@ -47,12 +59,34 @@ class MoEConfig:
     expert_bias: bool = False  # gpt-oss: a bias on every expert projection
     glu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (Experts.glu); 0: plain act(gate) * up
     glu_alpha: float = 1.702  # its sigmoid's slope
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on it; DeepSeek adds it as it is
+    scoring: str = "softmax"  # DeepSeek-V3: "sigmoid"
+    topk_method: str = "greedy"  # DeepSeek: "group_limited_greedy" (V2), "noaux_tc" (V3)
+    n_group: int = 1  # groups of experts, of which topk_group are chosen from
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by it
+    correction_bias: bool = False  # noaux_tc's e_score_correction_bias
 
     def __post_init__(self):
         if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
             raise ValueError(
                 f"a mixture of experts needs 1 <= experts per token ({self.n_experts_per_tok}) <= "
                 f"experts ({self.n_experts}) and a positive expert width ({self.intermediate_size})"
+            )
+        for name, value in (("scoring", self.scoring), ("topk_method", self.topk_method)):
+            if value not in ROUTERS[name]:
+                raise ValueError(f"{name} {value!r} is not supported: {', '.join(ROUTERS[name])}")
+        grouped = self.topk_method != "greedy"
+        size = self.n_experts // max(1, self.n_group)
+        if grouped and not (
+            self.n_experts % self.n_group == 0
+            and 0 < self.topk_group <= self.n_group
+            and self.n_experts_per_tok <= self.topk_group * size
+        ):
+            raise ValueError(
+                f"{self.topk_method} needs n_group ({self.n_group}) to divide the "
+                f"{self.n_experts} experts and topk_group ({self.topk_group}) groups, at most "
+                f"n_group, to hold the {self.n_experts_per_tok} experts per token"
             )
 
     def widths(self) -> list:
@@ -64,7 +98,8 @@ class MoEConfig:
         name like Qwen3-30B-A3B states (30.5B and 3.3B by this count)."""
         attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
         sparse, expert = c.n_layers - len(self.dense_layers), 3 * c.dim * self.intermediate_size
-        shared = 3 * c.dim * self.shared_expert_size + c.dim * bool(self.shared_expert_size)
+        gate = c.dim * (bool(self.shared_expert_size) and self.shared_expert_gate)
+        shared = 3 * c.dim * self.shared_expert_size + gate
         common = (
             c.vocab_size * c.dim * (1 if c.tie_word_embeddings else 2)
             + c.n_layers * attention
@@ -332,13 +367,17 @@ def portable_shapes(experts: Experts, mode: str, groupsize: int) -> dict:
 
 
 class SparseMoE(nn.Module):
-    """The router and the experts of one layer (and Qwen2-MoE's shared expert with its gate)."""
+    """The router and the experts of one layer (and a shared expert: Qwen2-MoE's with its gate,
+    DeepSeek's without)."""
 
     def __init__(self, config, act, shared_expert=None):
         super().__init__()
-        moe = config.moe
+        moe = self.moe = config.moe
         self.top_k, self.norm_topk_prob = moe.n_experts_per_tok, moe.norm_topk_prob
         self.gate = nn.Linear(config.dim, moe.n_experts, bias=moe.router_bias)  # the router
+        # noaux_tc: added to the scores for the choice only (on the router, where HF keeps it)
+        bias = torch.zeros(moe.n_experts) if moe.correction_bias else None
+        self.gate.register_buffer("e_score_correction_bias", bias)
         self.experts = Experts(
             moe.n_experts,
             config.dim,
@@ -348,10 +387,9 @@ class SparseMoE(nn.Module):
             moe.glu_limit,
             moe.glu_alpha,
         )
-        self.shared_expert = shared_expert  # a dense MLP (Qwen2-MoE), scaled by a sigmoid gate
-        self.shared_expert_gate = (
-            nn.Linear(config.dim, 1, bias=False) if shared_expert is not None else None
-        )
+        self.shared_expert = shared_expert  # a dense MLP, scaled by a sigmoid gate (Qwen2-MoE)
+        gated = shared_expert is not None and moe.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False) if gated else None
 
     @classmethod
     def for_layer(cls, config, layer: int, mlp, act):
@@ -366,18 +404,33 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """x [T, dim] -> the chosen experts idx [T, k] and their weights w [T, k] (float32)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        moe, logits = self.moe, self.gate(x).float()  # [T, E]
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1)
+        choice = scores
+        if self.gate.e_score_correction_bias is not None:
+            choice = scores + self.gate.e_score_correction_bias.float()
+        if moe.topk_method != "greedy":  # only the experts of the topk_group best groups
+            groups = choice.view(len(x), moe.n_group, -1)  # [T, G, E / G]
+            if moe.topk_method == "noaux_tc":
+                best = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            else:
+                best = groups.amax(dim=-1)
+            kept = torch.zeros_like(best).scatter_(1, best.topk(moe.topk_group, dim=-1)[1], 1)
+            choice = groups.masked_fill(kept[..., None] == 0, float("-inf")).view_as(choice)
+        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
         if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return idx, w
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * moe.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [B*T, dim]
         y = self.experts(x, *self.route(x))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         return y.reshape(shape)
 
     def inactive_bytes(self) -> int:

@@ -43,7 +43,15 @@ FLOORS = {
         5: ["engine"],
     },
     "formats": {
-        1: ["chat_template", "families", "gguf_file", "lora_files", "quant_files", "quant_groups"],
+        1: [
+            "chat_template",
+            "deepseek",
+            "families",
+            "gguf_file",
+            "lora_files",
+            "quant_files",
+            "quant_groups",
+        ],
         2: ["checkpoint_checks", "fuse_layers", "gguf_config", "hf_quant", "mxfp4", "pooling"],
         3: ["gguf_tokenizer", "gguf_weights"],
         4: ["tokenizer", "weights"],
