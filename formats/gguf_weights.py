@@ -14,7 +14,8 @@ into integers and per-group scales without passing through float:
                             groups of 32 (bf16 on CPU: the    order); the int4 kernel takes bf16
                             int4 kernel on two halves of q)   scales
     Q6_K                    Int8GroupLinear, groups of 16     yes
-    Q2_K, Q3_K              float (--dtype), decoded by gguf.quants
+    Q2_K, Q3_K              float (--dtype), decoded by gguf.quants; the load line names them
+                            and their bytes in memory against the file's (dequantized_note)
     IQ* and others          refused, naming the tensor and its type
     token_embd (Q4_*, Q5_*, Q6_K,  quant_groups.Int8GroupEmbedding (rows looked up, then scaled;
       Q8_0)                        tied to a head run as two int4 halves: rows read from those)
@@ -325,10 +326,12 @@ def dequantize(t, path) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
-def open_gguf(path: Path, keep_quantized: bool = True):
+def open_gguf(path: Path, keep_quantized: bool = True, dequantized: dict = None):
     """(ModelConfig, iterator of (file, name, tensor), total bytes) for a GGUF file, under
     model.py's names (llama's Q/K rows unpermuted). The tensors are float32, or with keep_quantized
-    a quant_groups.Packed for each weight matrix of a type decode_blocks reads."""
+    a quant_groups.Packed for each weight matrix of a type decode_blocks reads; `dequantized` (a
+    dict, if given) then collects the quantized tensors that could not stay so
+    (dequantized_note)."""
     reader = read(path)
     config = config_from_gguf(reader, path)
     arch = field(reader, "general.architecture")
@@ -339,6 +342,9 @@ def open_gguf(path: Path, keep_quantized: bool = True):
                 continue  # folded into config.rope_scaling
             name = model_name(t.name, arch)
             w = (keep_quantized and packed(t, name, path)) or dequantize(t, path)
+            kind = t.tensor_type.name
+            if keep_quantized and dequantized is not None and kind not in ("F32", "F16", "BF16"):
+                dequantized.setdefault(kind, []).append((name, t.data.nbytes, w.numel()))
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
                 w = (
@@ -354,6 +360,24 @@ def open_gguf(path: Path, keep_quantized: bool = True):
             yield from split_fused(path, name, w, config) if arch == "phi3" else [(path, name, w)]
 
     return config, tensors(), path.stat().st_size
+
+
+def dequantized_note(dequantized: dict, dtype) -> str:
+    """open_gguf's `dequantized` {type: [(name, file bytes, elements)]} -> "Q3_K -> bfloat16, no
+    kernel at its bits (3.0 MiB in memory against 0.7 MiB in the file): v_proj, down_proj", one
+    clause per type ("" if none)."""
+    from runtime import human
+
+    size = torch.tensor([], dtype=dtype).element_size()
+    notes = []
+    for kind, tensors in sorted(dequantized.items()):
+        leaves = ", ".join(dict.fromkeys(n.split(".")[-2] for n, _, _ in tensors))
+        held, stored = sum(n for _, _, n in tensors) * size, sum(b for _, b, _ in tensors)
+        notes.append(
+            f"{kind} -> {str(dtype).removeprefix('torch.')}, no kernel at its bits ({human(held)} "
+            f"in memory against {human(stored)} in the file): {leaves}"
+        )
+    return "; ".join(notes)
 
 
 def split_fused(path, name, w, config):

@@ -203,10 +203,10 @@ def load(
     (tp.py)."""
     start = time.perf_counter()
     path = resolve(checkpoint)
-    sharded = shard is not None and shard[1] > 1
+    sharded, dequantized = shard is not None and shard[1] > 1, {}
     if path.is_file():
         keep = not dequantize and not sharded  # tp.py shards float tensors
-        config, tensors, total = _open_gguf(path, keep_quantized=keep)
+        config, tensors, total = _open_gguf(path, keep, dequantized)
         fmt, quant, quantized = "gguf", None, False
     else:
         raw, config = _read_hf_config(path)
@@ -233,21 +233,28 @@ def load(
         fmt + (f" {quant['mode']}" if quant else ""),
         time.perf_counter() - start,
         model.weight_bytes(),
-        quant_groups.describe(own_bits),
+        "; ".join(filter(None, [quant_groups.describe(own_bits), _note(dequantized, dtype)])),
     )
     return model, info
 
 
-def _open_gguf(path: Path, keep_quantized: bool):
+def _note(dequantized: dict, dtype) -> str:
+    """What a GGUF file's tensors dequantized for want of a kernel cost (gguf_weights)."""
+    from formats import gguf_weights
+
+    return gguf_weights.dequantized_note(dequantized, dtype) if dequantized else ""
+
+
+def _open_gguf(path: Path, keep_quantized: bool, dequantized: dict):
     """(config, (file, name, tensor) triples, total bytes) of a .gguf file
-    (formats/gguf_weights.py)."""
+    (formats/gguf_weights.py); `dequantized` collects what could not stay quantized."""
     if path.suffix != ".gguf":
         raise CheckpointError(
             f"{path}: a file checkpoint must be .gguf; for safetensors give the folder"
         )
     from formats import gguf_weights
 
-    return gguf_weights.open_gguf(path, keep_quantized=keep_quantized)
+    return gguf_weights.open_gguf(path, keep_quantized, dequantized)
 
 
 def _read_hf_config(path: Path):

@@ -348,3 +348,30 @@ def test_quantize_refuses_an_already_quantized_model():
     model, _ = weights.load(None)
     with pytest.raises(ValueError, match="already quantized"):
         quantize.quantize_model(model, "int8")
+
+
+def test_a_type_without_a_kernel_says_what_it_costs(tmp_path):
+    """Q3_K tensors have no kernel at their bits: they are dequantized to the dtype asked for,
+    and the load says which and what they hold in memory against the file (by hand: v_proj
+    128 x 256 and down_proj 256 x 512 in bf16, 320 KiB; 640 blocks of 110 bytes, 68.8 KiB)."""
+    import gguf
+
+    hf = hf_model("llama3", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q3_K]
+    rng, raw = np.random.default_rng(0), {}
+    shapes = {"blk.0.attn_v.weight": (128, 256), "blk.0.ffn_down.weight": (256, 512)}
+    for gname, (rows, cols) in shapes.items():
+        blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+        d = np.full(blocks.shape[:2], 0.01, dtype=np.float16).view(np.uint8)
+        blocks[:, :, size - 2 :] = d.reshape(*blocks.shape[:2], 2)  # its scale, finite
+        raw[gname] = ("Q3_K", blocks.reshape(rows, -1))
+    path = write_gguf(hf, tmp_path / "q3k.gguf", raw_blocks=raw)
+    model, info = weights.load(path, dtype=torch.bfloat16)
+    assert (
+        "Q3_K -> bfloat16, no kernel at its bits (320.0 KiB in memory against 68.8 KiB in the "
+        "file): v_proj, down_proj" in info.own_bits
+    ), info.own_bits
+    v = model.layers[0].self_attn.v_proj
+    assert isinstance(v, torch.nn.Linear)
+    want = gguf_reference(raw["blk.0.attn_v.weight"][1], "Q3_K").to(torch.bfloat16)
+    assert torch.equal(v.weight, want)
