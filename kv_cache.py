@@ -79,8 +79,12 @@ def eager_attend_len(n_positions: int, capacity: int) -> int:
     return min(-(-n_positions // EAGER_SLOTS) * EAGER_SLOTS, capacity)
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+def kv_bytes_per_token(
+    n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, latent: bool = False
+) -> int:
+    """K and V of every layer (latent: one latent "head" of head_dim, model.MLAttention's)."""
+    parts = 1 if latent else 2
+    return parts * n_layers * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class StaticKVCache:
@@ -98,12 +102,19 @@ class StaticKVCache:
         dtype=torch.float32,
         device=None,
         decode=None,
+        latent=0,
     ):
         # One tensor per layer, not one [layers, ...] tensor: Inductor then updates each in place,
         # where writes into a view of one big buffer can become copies of the whole buffer.
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # latent (model.MLAttention): V is K's first `latent` values, read from K, never stored
+        self.latent = latent
+        self.v = (
+            []
+            if latent
+            else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        )
         self.slots = torch.arange(max_seq_len, device=device)  # [S]
         self.rows = torch.arange(batch_size, device=device)  # [B]
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
@@ -114,12 +125,11 @@ class StaticKVCache:
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int):
         a, w = model.config, model.norm.weight  # the activations' dtype and device
-        decode = (
-            cpu_kernels.static_decode if w.device.type == "cpu" else None
-        )  # the reference elsewhere
-        return cls(
-            a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim, w.dtype, w.device, decode
-        )
+        latent = a.mla.kv_lora_rank if a.mla else 0
+        # the reference elsewhere (and for a latent cache, whose V is narrower than its K)
+        decode = cpu_kernels.static_decode if w.device.type == "cpu" and not latent else None
+        shape = (a.n_layers, batch_size, a.n_kv_heads, max_seq_len, a.head_dim)
+        return cls(*shape, w.dtype, w.device, decode, latent)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -149,14 +159,14 @@ class StaticKVCache:
         self.k[layer][rows, :, input_pos] = k.to(
             self.k[layer].dtype
         )  # an in-place index_put_ of [B, T, Hkv, D]
-        self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
+        if not self.latent:
+            self.v[layer][rows, :, input_pos] = v.to(self.v[layer].dtype)
         L = self.attend_len  # the slots in use, rounded up: a view, nothing is copied
         # narrow, not [:, :, :L]: the same view, and torch.export (speedups/aot.py) derives L <= S
         # from it, not L < S
-        k_cache, v_cache = (
-            self.k[layer].narrow(2, 0, L),
-            self.v[layer].narrow(2, 0, L),
-        )  # [B, Hkv, L, D]
+        k_cache = self.k[layer].narrow(2, 0, L)  # [B, Hkv, L, D]
+        v_cache = (self.k[layer] if self.latent else self.v[layer]).narrow(2, 0, L)
+        v_cache = v_cache[..., : self.latent] if self.latent else v_cache  # [B, Hkv, L, Dv]
         mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]: slot visible to query
         if (
             q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None

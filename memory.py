@@ -129,7 +129,19 @@ def memory_plan(model, cache) -> str:
     return (
         weights
         + f"KV cache {human(per_token)}/token x {cache.max_seq_len} tokens x {cache.batch_size} "
-        f"= {human(cache.nbytes())}"
+        f"= {human(cache.nbytes())}" + _latent_note(model.config, cache)
+    )
+
+
+def _latent_note(c, cache) -> str:
+    """For latent attention (model.MLAttention): what per-head K and V would have taken."""
+    if not c.mla:
+        return ""
+    m, size = c.mla, cache.k[0].element_size()
+    heads = c.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return (
+        f" (a latent of {m.kv_lora_rank} + a rotary key of {m.qk_rope_head_dim} per token; "
+        f"expanded heads: {human(c.n_layers * heads * size)}/token)"
     )
 
 

@@ -6,7 +6,8 @@ One decoder-only architecture covers Llama 2 / 3.x, Mistral, Mixtral, TinyLlama,
 (Qwen2), RMSNorm on q and k (Qwen3, Gemma 3), tied heads, how RoPE is stretched (rope.py: llama3,
 linear, yarn, longrope, dynamic), sliding windows per layer, Gemma's (1 + w) norms, sqrt(dim)
 embeddings, GeGLU, sandwich norms, query_pre_attn_scalar, tanh soft-capping, k-of-E expert routers
-(moe.py), gpt-oss's attention sinks.
+(moe.py), gpt-oss's attention sinks; DeepSeek-V2 / V3's multi-head latent attention (MLAttention)
+hands the cache one latent "head" per token instead of per-head K and V.
 
 The model never knows how K and V are stored. Each attention layer projects q, k, v, rotates q and k
 by RoPE at `input_pos`, and hands them to the cache with the layer's window, soft cap and sinks:
@@ -33,6 +34,19 @@ from torch import nn
 
 from moe import MoEConfig, SparseMoE
 from rope import RotaryEmbedding
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (MLAttention): what the cache keeps per token is the
+    latent (kv_lora_rank) and the rotary key shared by every head (qk_rope_head_dim)."""
+
+    kv_lora_rank: int  # R: the latent each head's K and V are projected up from
+    qk_nope_head_dim: int  # each head's K/Q part without RoPE
+    qk_rope_head_dim: int  # each head's Q part with RoPE, and K's one shared rotary part
+    v_head_dim: int
+    q_lora_rank: int = 0  # q through a low-rank bottleneck with its own norm; 0: one projection
+    softmax_scale: float = 0.0  # 0: (nope + rope) ** -0.5; YaRN's mscale_all_dim squares into it
 
 
 @dataclass
@@ -82,6 +96,9 @@ class ModelConfig:
     # False: a base model saved without its output head (sentence-transformers' folders): it
     # gives final hidden states (embeddings) only
     has_head: bool = True
+    # DeepSeek's latent attention; with it n_kv_heads is 1 and head_dim the latent "head" the
+    # cache keeps, kv_lora_rank + qk_rope_head_dim
+    mla: MLAConfig | None = None
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: it sees the whole context)."""
@@ -206,6 +223,64 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 / V3). Each token's K and V come from one latent
+    c [R] (R = kv_lora_rank, 512) and one rotary key k_pe [P] (P = qk_rope_head_dim, 64) shared by
+    the H heads; the cache keeps [c | k_pe], R + P values a token, not H * (N + P + V)
+    (N = qk_nope_head_dim, V = v_head_dim). Head h's key is [W_uk[h] c | k_pe] and value
+    W_uv[h] c, with W_uk [H, N, R], W_uv [H, V, R] the rows of kv_b_proj. So
+
+        q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_pe_h . k_pe     ("weight absorption")
+        y_h = W_uv[h] (sum_s p_s c_s)
+
+    and attention runs in the latent space as one shared KV "head" of width R + P whose value is
+    its first R values: per cached token H * (R + P) multiply-adds for the scores and H * R for
+    the values, reading R + P values; expanding instead reads the same R + P but first multiplies
+    every cached token's latent by kv_b_proj (H * (N + V) * R each, every step) and attends over
+    H * (N + P + V) values. This absorbs on every step, prefill included (a prefill of T tokens
+    would expand in T * H * (N + V) * R and attend in H * (N + P + V) per pair instead of
+    H * (2R + P): fewer FLOPs when T is large; one path keeps it small). The scale is
+    folded into q so that every kernel keeps its 1 / sqrt(R + P)."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        m, H, dim = config.mla, config.n_heads, config.dim
+        self.layer, self.m, self.n_heads = layer, m, H
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        self.q_proj = None if m.q_lora_rank else nn.Linear(dim, H * qk, bias=False)
+        if m.q_lora_rank:  # HF's own norms here are eps 1e-6 whatever the config says
+            self.q_a_proj = nn.Linear(dim, m.q_lora_rank, bias=config.qkv_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk, bias=False)
+        R = m.kv_lora_rank
+        self.kv_a_proj_with_mqa = nn.Linear(dim, R + m.qk_rope_head_dim, bias=config.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(R, 1e-6)
+        self.kv_b_proj = nn.Linear(R, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * m.v_head_dim, dim, bias=config.o_bias)
+        # the kernels' 1 / sqrt(R + P) becomes the model's scale
+        self.q_scale = (m.softmax_scale or qk**-0.5) * (R + m.qk_rope_head_dim) ** 0.5
+        self.window, self.softcap, self.sinks = 0, 0.0, None
+
+    def forward(self, x, cos, sin, input_pos, cache):
+        B, T, _ = x.shape
+        m, H, R = self.m, self.n_heads, self.m.kv_lora_rank
+        q = (
+            self.q_proj(x)
+            if self.q_proj is not None
+            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        )
+        q_nope, q_pe = q.view(B, T, H, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([R, m.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe[:, :, None], cos, sin)
+        w = self.kv_b_proj.weight.view(H, -1, R)  # [H, N + V, R]: W_uk rows, then W_uv rows
+        q_c = torch.einsum("bthn,hnr->bthr", q_nope, w[:, : m.qk_nope_head_dim])  # [B, T, H, R]
+        q = torch.cat((q_c, q_pe), dim=-1) * self.q_scale  # [B, T, H, R + P]
+        k = torch.cat((self.kv_a_layernorm(c)[:, :, None], k_pe), dim=-1)  # [B, T, 1, R + P]
+        y = cache.attend(self.layer, q, k, k[..., :R], input_pos)  # [B, T, H, R]
+        y = torch.einsum("bthr,hvr->bthv", y, w[:, m.qk_nope_head_dim :])  # [B, T, H, V]
+        return self.o_proj(y.reshape(B, T, H * m.v_head_dim))
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); Gemma's GeGLU has tanh-GELU in place of silu."""
 
@@ -230,7 +305,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = norm(config)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = (MLAttention if config.mla else Attention)(config, layer)
         self.post_attention_layernorm = norm(
             config
         )  # Llama: before the MLP; Gemma: on attention's output

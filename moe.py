@@ -97,6 +97,8 @@ class MoEConfig:
         """(total, active per token) parameters of ModelConfig c, norms and biases left out: what a
         name like Qwen3-30B-A3B states (30.5B and 3.3B by this count)."""
         attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+        if c.mla:  # DeepSeek's latent attention (model.MLAttention)
+            attention = latent_attention_parameters(c)
         sparse, expert = c.n_layers - len(self.dense_layers), 3 * c.dim * self.intermediate_size
         gate = c.dim * (bool(self.shared_expert_size) and self.shared_expert_gate)
         shared = 3 * c.dim * self.shared_expert_size + gate
@@ -119,6 +121,16 @@ class MoEConfig:
             intermediate_size=self.intermediate_size // world,
             shared_expert_size=self.shared_expert_size // world,
         )
+
+
+def latent_attention_parameters(c) -> int:
+    """One layer's MLAttention projections, of ModelConfig c (whose mla is set)."""
+    m, H = c.mla, c.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = m.q_lora_rank * (c.dim + H * qk) if m.q_lora_rank else c.dim * H * qk
+    kv = c.dim * (m.kv_lora_rank + m.qk_rope_head_dim)
+    up = m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + up + H * m.v_head_dim * c.dim
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -311,6 +311,11 @@ class PagedKVCache:
         cls, model, num_blocks: int, block_size: int = 16, window_blocks: int = 0
     ):  # (a hybrid's)
         a, w = model.config, model.norm.weight
+        if a.mla:
+            raise ValueError(
+                "DeepSeek's latent attention runs on generate.py's static cache (--cache static) "
+                "so far; the paged cache (batch.py, serve.py, --cache paged) keeps no latents yet"
+            )
         decode = PagedDecodeInPlace() if w.device.type == "cpu" else None  # the reference elsewhere
         windowed = [i for i in range(a.n_layers) if a.window(i)]
         return cls(

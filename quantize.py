@@ -367,6 +367,8 @@ def plan(
         N, K = m.weight.shape
         if name.endswith(("mlp.gate", "shared_expert_gate")):
             out[name] = "router (it picks the experts; a few KiB)"
+        elif name.endswith("kv_b_proj"):  # model.MLAttention multiplies by its rows, per head
+            out[name] = "latent attention's up-projection (read as a matrix, absorbed)"
         elif name == "lm_head" and not head:
             out[name] = "output head (--quantize_head to include it)"
         elif mode == "int4" and K % groupsize:

@@ -57,6 +57,10 @@ def working_world_sizes(config) -> list:
 
 def shard_config(config, world: int):
     """The ModelConfig of one rank's slice: 1/world of the heads, KV heads and FFN width."""
+    if config.mla and world > 1:
+        raise ValueError(
+            "DeepSeek's latent attention is not split over ranks yet; run it in one process"
+        )
     if world not in working_world_sizes(config):
         raise ValueError(
             f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, "

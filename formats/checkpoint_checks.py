@@ -21,9 +21,9 @@ formats/weights.py calls them in that order, e.g. for SmolLM2-135M (dim 576):
 import torch
 
 from formats import quant_groups
-from formats.families import check_rope_scaling
 from model import ModelConfig
 from moe import PROJECTIONS
+from rope import SUPPORTED, kind_of
 from runtime import CheckpointError
 
 MAX_CONTEXT = 2**24  # tokens; the longest context of any released model is below this
@@ -146,3 +146,52 @@ def check_complete(expected, state, packed, built, source):
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+
+
+ROPE_NUMBERS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("original_max_position_embeddings",),
+}
+# numbers a type may give (null or absent: its default); each positive where given
+ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor")}
+
+
+def check_rope_scaling(scaling: dict, rotary_dim: int, source):
+    """Each number its RoPE scaling type needs, present and positive (high_freq_factor above
+    low_freq_factor; LongRoPE's factors one per rotated pair), named if not; the type supported."""
+    kind = kind_of(scaling)
+    if kind not in SUPPORTED:
+        raise CheckpointError(
+            f"{source}: RoPE scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED)})"
+        )
+    given = [k for k in ROPE_OPTIONAL.get(kind, ()) if scaling.get(k) is not None]
+    for key in ROPE_NUMBERS.get(kind, ()) + tuple(given):
+        value = scaling.get(key)
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < float("inf")
+        ):
+            raise CheckpointError(
+                f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}"
+            )
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise CheckpointError(
+            f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
+            f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}"
+        )
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        value = scaling.get(key)
+        if not (
+            isinstance(value, list)
+            and len(value) == rotary_dim // 2
+            and all(isinstance(x, (int, float)) and x > 0 for x in value)
+        ):
+            raise CheckpointError(
+                f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
+                f"numbers (one per rotated pair), got {str(value)[:80]}"
+            )

@@ -19,6 +19,7 @@ renames or splits tensors whose layout differs from Llama's:
     qwen2_moe           experts plus a gated shared expert, norm_topk_prob, decoder_sparse_step,
                         mlp_only_layers
     qwen3_moe           experts, q/k norms
+    deepseek_v2, _v3    multi-head latent attention, routed and shared experts (deepseek.py)
     gpt_oss             experts with biases and a clamped SwiGLU, a router bias, attention sinks,
                         biases on q/k/v/o, sliding and full layers alternating, YaRN;
                         gate_up_proj [E, dim, 2 ff] (gate and up columns interleaved) split here;
@@ -28,13 +29,16 @@ renames or splits tensors whose layout differs from Llama's:
         print(families.config_from_hf(json.load(open('config.json')), 'config.json'))"
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from formats.deepseek import KINDS as DEEPSEEK
+from formats.deepseek import deepseek_fields, deepseek_tensors
 from model import ModelConfig
 from moe import MoEConfig
-from rope import SUPPORTED, kind_of
+from rope import kind_of
 from runtime import CheckpointError
 
 SUPPORTED_HF = (
@@ -50,6 +54,8 @@ SUPPORTED_HF = (
     "qwen2_moe",
     "qwen3_moe",
     "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 GEMMA3_DEFAULTS = dict(
@@ -197,12 +203,12 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
     gemma = kind in ("gemma2", "gemma3_text")
     mlp_act = _mlp_act_of(cfg, gemma, source)
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
         n_heads=heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        n_kv_heads=1 if kind in DEEPSEEK else cfg.get("num_key_value_heads") or heads,
         intermediate_size=cfg["intermediate_size"],
         head_dim=head_dim,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -223,6 +229,7 @@ def _config_from_hf(cfg: dict, source) -> ModelConfig:
         **_gemma_switches(cfg, gemma),
         **experts_of(cfg, kind),
     )
+    return replace(config, **deepseek_fields(cfg, scaling)) if kind in DEEPSEEK else config
 
 
 def _check_architecture(cfg: dict, source):
@@ -332,6 +339,8 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
             name = name.removeprefix("language_model.").removeprefix("model.")
         if kind == "gpt_oss" and ".mlp." in name:
             yield from gpt_oss_experts(file, name, t)
+        elif kind in DEEPSEEK:
+            yield deepseek_tensors(cfg, config, file, name, t)
         elif kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
             _check_rows(file, name, t, q + 2 * kv)
             for part, w in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
@@ -448,52 +457,3 @@ def _check_rows(file, name, t, rows):
             f"{file}: tensor {name!r} has shape {tuple(getattr(t, 'shape', ()))}, "
             f"expected {rows} rows (the fused projections of the config)"
         )
-
-
-ROPE_NUMBERS = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor", "original_max_position_embeddings"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "longrope": ("original_max_position_embeddings",),
-}
-# numbers a type may give (null or absent: its default); each positive where given
-ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor")}
-
-
-def check_rope_scaling(scaling: dict, rotary_dim: int, source):
-    """Each number its RoPE scaling type needs, present and positive (high_freq_factor above
-    low_freq_factor; LongRoPE's factors one per rotated pair), named if not; the type supported."""
-    kind = kind_of(scaling)
-    if kind not in SUPPORTED:
-        raise CheckpointError(
-            f"{source}: RoPE scaling type {kind!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED)})"
-        )
-    given = [k for k in ROPE_OPTIONAL.get(kind, ()) if scaling.get(k) is not None]
-    for key in ROPE_NUMBERS.get(kind, ()) + tuple(given):
-        value = scaling.get(key)
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not 0 < value < float("inf")
-        ):
-            raise CheckpointError(
-                f"{source}: {kind} RoPE scaling needs a positive number {key}, got {value!r}"
-            )
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise CheckpointError(
-            f"{source}: llama3 RoPE scaling needs high_freq_factor above low_freq_factor, "
-            f"got {scaling['high_freq_factor']} and {scaling['low_freq_factor']}"
-        )
-    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
-        value = scaling.get(key)
-        if not (
-            isinstance(value, list)
-            and len(value) == rotary_dim // 2
-            and all(isinstance(x, (int, float)) and x > 0 for x in value)
-        ):
-            raise CheckpointError(
-                f"{source}: longrope RoPE scaling needs {key} as {rotary_dim // 2} positive "
-                f"numbers (one per rotated pair), got {str(value)[:80]}"
-            )

@@ -94,7 +94,7 @@ def fuse_projections(model) -> int:
             layer.self_attn,
             getattr(layer.mlp, "shared_expert", layer.mlp),
         )  # (moe.py: its dense shared expert)
-        if a.qkv_proj is None and a.q_proj is not None:
+        if getattr(a, "qkv_proj", 0) is None and a.q_proj is not None:  # (not latent attention)
             qkv = concat_rows([a.q_proj, a.k_proj, a.v_proj])
             if qkv is not None:
                 a.qkv_proj, a.q_proj, a.k_proj, a.v_proj = qkv, None, None, None

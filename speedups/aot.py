@@ -289,6 +289,8 @@ def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
             + ("" if paged else f", a cache of {cache.max_seq_len} slots")
             + "); use --compile"
         )
+    if model.config.mla:  # (its cache holds K alone: the package's inputs are K and V)
+        raise AotRefusal("--compile aot does not export latent attention (DeepSeek); use --compile")
     step, kind = (PagedStep, AotPaged) if paged else (Step, AotDecode)
     step = step(model, cache)
     folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)

@@ -39,7 +39,13 @@ class Int8KVCache(StaticKVCache):
         dtype=torch.float32,
         device=None,
         decode=None,
+        latent=0,
     ):
+        if latent:
+            raise ValueError(
+                "the int8 KV cache holds no latents yet (DeepSeek's latent attention): drop "
+                "--kv_cache_dtype int8"
+            )
         super().__init__(
             n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode
         )

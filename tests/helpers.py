@@ -17,6 +17,21 @@ TINY = dict(
 )
 
 # One entry per architecture the model claims, each exercising its distinguishing switch.
+DEEPSEEK = dict(  # MLA sizes (a latent of 32, a rotary key of 8) and four experts in groups of 2
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
 ARCHS = {
     "llama2": dict(model_type="llama", num_key_value_heads=4),  # multi-head attention
     "llama3": dict(
@@ -129,6 +144,26 @@ ARCHS = {
         norm_topk_prob=True,
         head_dim=32,
     ),
+    # latent attention (q through one projection, or a low-rank one with its norm), routed and
+    # shared experts after a dense first layer; V2's group-limited softmax router, V3's sigmoid one
+    # with a correction bias, and YaRN with DeepSeek's mscale in the softmax
+    "deepseek_v2": dict(model_type="deepseek_v2", **DEEPSEEK, topk_method="group_limited_greedy"),
+    "deepseek_v2_q_lora": dict(model_type="deepseek_v2", **{**DEEPSEEK, "q_lora_rank": 24}),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        **{**DEEPSEEK, "q_lora_rank": 24},
+        norm_topk_prob=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "rope_theta": 10000.0,
+        },
+    ),
     # sinks, biases everywhere, a clamped SwiGLU that bites (limit 1.5), windows of 8 on every other
     # layer, YaRN
     "gpt_oss": dict(
@@ -163,6 +198,9 @@ def hf_model(arch: str, seed: int = 0, **sizes):
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms around 1, everything else around 0
             p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: one that moves choices
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     return model.eval()
 
 

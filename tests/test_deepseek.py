@@ -1,0 +1,242 @@
+"""DeepSeek-V2 / V3 (model.MLAttention, moe.py's routers, formats/deepseek.py) against HF
+transformers. The whole model: greedy tokens for 32 through generate.py's static cache, whose
+latent cache holds exactly (kv_lora_rank + qk_rope_head_dim) values a token (the memory plan
+says what expanded heads would take); compiled equals eager; int8 weights stay close (the
+absorbed up-projection kept float); what does not run MLA yet refuses by name (the paged cache,
+--compile aot, the int8 KV cache, tensor parallelism); the published parameter counts.
+tests/test_model.py runs the three tiny configs (tests/helpers.py's ARCHS) through its prefill
+and static-cache logit checks. The experts alone, against HF's own DeepseekV2Moe and
+DeepseekV3MoE blocks: V2's softmax router greedy and group-limited, V3's sigmoid router with a
+correction bias (noaux_tc), shared experts added ungated, the routed scaling factor; both expert
+paths; the dense layers a config keeps; bad configs named."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import hf_model, save_hf
+from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+import compiling
+import generate
+import memory
+import quantize
+import tp
+from engine import Engine
+from formats import weights
+from formats.deepseek import deepseek_experts
+from kv_cache import NoCache, StaticKVCache
+from model import MLP, ModelConfig
+from moe import SparseMoE
+from runtime import CheckpointError
+from sampling import SamplingParams
+from speedups.kv_int8 import Int8KVCache
+
+SIZES = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+             n_shared_experts=2, num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
+CASES = {
+    "v2 greedy": (DeepseekV2Config, DeepseekV2Moe, dict(routed_scaling_factor=1.5)),
+    "v2 group-limited": (
+        DeepseekV2Config,
+        DeepseekV2Moe,
+        dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    ),
+    "v3 noaux_tc": (
+        DeepseekV3Config,
+        DeepseekV3MoE,
+        dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+    ),
+}
+
+
+def moe_pair(case: str):
+    """(HF's block with random weights, ours with the same, our MoEConfig)."""
+    config_class, block_class, extra = CASES[case]
+    hf_config = config_class(**SIZES, **extra)
+    torch.manual_seed(0)
+    hf = block_class(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+        if hasattr(hf.gate, "e_score_correction_bias"):  # large enough to move choices
+            hf.gate.e_score_correction_bias.copy_(0.5 * torch.randn(8))
+    cfg = {**hf_config.to_dict(), "model_type": hf_config.model_type}
+    moe = deepseek_experts(cfg)
+    config = ModelConfig(256, 64, 2, 4, 4, intermediate_size=96, moe=moe)
+    ours = SparseMoE(config, torch.nn.functional.silu, MLP(config, moe.shared_expert_size)).eval()
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        if moe.correction_bias:
+            ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        gate, up = hf.experts.gate_up_proj.chunk(2, dim=1)
+        ours.experts.gate_proj.copy_(gate)
+        ours.experts.up_proj.copy_(up)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared_expert, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+    return hf, ours, moe
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_block_equals_hf(case):
+    hf, ours, moe = moe_pair(case)
+    x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = hf(x), ours(x)
+        flat = x.reshape(-1, 64)
+        idx, w = ours.route(flat)
+        gathered = ours.experts.gathered(flat, idx, w) + ours.shared_expert(flat)
+    assert ours.shared_expert_gate is None and moe.shared_expert_size == 64
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gathered.view_as(want), want, atol=1e-4, rtol=1e-4)  # (sum order)
+
+
+def test_groups_and_the_correction_bias_change_the_choice():
+    """The switch bites: without the group limit some token picks other experts; with it, every
+    token's experts lie in at most topk_group (2) groups of 8 / 4 = 2."""
+    for case in ("v2 group-limited", "v3 noaux_tc"):
+        _, ours, moe = moe_pair(case)
+        x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            idx = ours.route(x)[0].sort(dim=-1).values
+            ours.moe = replace(moe, topk_method="greedy")
+            free = ours.route(x)[0].sort(dim=-1).values
+        assert not torch.equal(idx, free), case
+        assert all(len(set((row // 2).tolist())) <= 2 for row in idx), case
+
+
+def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    cfg = dict(model_type="deepseek_v2", num_hidden_layers=6, n_routed_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+               moe_layer_freq=2)  # fmt: skip
+    moe = deepseek_experts(cfg)
+    assert moe.dense_layers == (0, 1, 3, 5)  # MoE where i >= 1 and i % 2 == 0
+    v3 = deepseek_experts({**cfg, "model_type": "deepseek_v3", "n_group": 2, "topk_group": 1})
+    assert (v3.scoring, v3.topk_method, v3.correction_bias) == ("sigmoid", "noaux_tc", True)
+    assert v3.routed_scaling_factor == 2.5 and v3.norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(topk_method="best"), "topk_method 'best' is not supported: greedy, group_limited"),
+        (dict(scoring_func="relu"), "scoring 'relu' is not supported: softmax, sigmoid"),
+        (dict(n_routed_experts=None), "needs n_routed_experts"),
+        (dict(topk_method="noaux_tc", n_group=3, topk_group=1), "n_group \\(3\\) to divide"),
+        (dict(topk_method="noaux_tc", n_group=4, topk_group=1), "to hold the 3 experts"),
+    ],
+)
+def test_bad_router_configs_are_named(change, message):
+    with pytest.raises(CheckpointError, match=message):
+        deepseek_experts({"model_type": "deepseek_v2", **SIZES, **change})
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3"])
+def pair(request, tmp_path_factory):
+    hf = hf_model(request.param)
+    model, _ = weights.load(save_hf(hf, tmp_path_factory.mktemp(request.param)))
+    return request.param, hf, model
+
+
+def greedy(model, prompt, n, decode_fn=compiling.decode_one):
+    cache = StaticKVCache.for_model(model, prompt.shape[0], 64)
+    options = generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn)
+    return generate.generate(model, cache, prompt, n, SamplingParams(0.0), options)[0]
+
+
+def test_greedy_tokens_match_hf(pair):
+    _, hf, model = pair
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    hf.generation_config.eos_token_id = None  # (V3's is token 1, which these weights pick)
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 8:]
+    assert len(ref) == 32 and greedy(model, prompt, 32)[0] == ref.tolist()
+
+
+def test_the_cache_keeps_the_latent_and_says_what_heads_would_take(pair):
+    """2 layers x (32 + 8) values x 4 bytes a token; expanded: 4 heads x (16 + 8 + 16) values."""
+    _, _, model = pair
+    cache = StaticKVCache.for_model(model, 2, 64)
+    assert cache.nbytes() == 2 * 64 * 2 * (32 + 8) * 4 and cache.v == []
+    line = memory.memory_plan(model, cache)
+    assert "KV cache 320 B/token" in line, line
+    assert "expanded heads: 1.2 KiB/token" in line, line  # 2 * 4 * 40 * 4 = 1,280 bytes
+
+
+def test_compiled_decode_equals_eager(pair):
+    import torch._dynamo
+
+    _, _, model = pair
+    torch._dynamo.reset()
+    prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    jit = compiling.compile_decode("cpu", autotune=False)
+    assert greedy(model, prompt, 16, jit) == greedy(model, prompt, 16)
+
+
+def test_int8_weights_stay_close_and_keep_the_up_projection_float(tmp_path):
+    """The latent up-projection is read as a matrix (absorbed): kept float; the rest int8, the
+    logits within 1.5x the relative error of a dense Llama quantized the same way."""
+
+    def error(arch):
+        model, _ = weights.load(save_hf(hf_model(arch), tmp_path / arch))
+        x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            ref = model(x, torch.arange(24)[None], NoCache())
+            report = quantize.quantize_model(model, "int8")
+            got = model(x, torch.arange(24)[None], NoCache())
+        return float((got - ref).norm() / ref.norm()), report
+
+    (mine, report), (dense, _) = error("deepseek_v3"), error("llama3")
+    assert "layers.0.self_attn.kv_b_proj" in report["kept"]
+    assert "layers.0.self_attn.q_a_proj" in report["quantized"]
+    assert mine < 1.5 * dense, (mine, dense)
+
+
+def test_what_does_not_run_latent_attention_yet_refuses_by_name(pair):
+    _, _, model = pair
+    with pytest.raises(ValueError, match="latent attention runs on generate.py's static cache"):
+        Engine.for_model(model, num_blocks=64)
+    from speedups import aot
+    from speedups.aot_export import AotRefusal
+
+    with pytest.raises(AotRefusal, match="does not export latent attention"):
+        aot.package_step(model, StaticKVCache.for_model(model, 1, 64), {})
+    with pytest.raises(ValueError, match="int8 KV cache holds no latents"):
+        Int8KVCache.for_model(model, 1, 64)
+    with pytest.raises(ValueError, match="latent attention is not split over ranks"):
+        tp.shard_config(model.config, 2)
+
+
+def test_a_config_without_its_latent_sizes_is_named(tmp_path):
+    import json
+
+    folder = save_hf(hf_model("deepseek_v2"), tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["kv_lora_rank"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="deepseek_v2 needs kv_lora_rank"):
+        weights.load(folder)
+
+
+def test_parameter_counts_match_the_published_totals():
+    """Model cards: DeepSeek-V3 671B parameters, 37B active; DeepSeek-V2-Lite 15.7B (its card's
+    2.4B active leaves out the embedding table, which the others count)."""
+    from model import MLAConfig
+
+    def config(kind, dims, mla, **experts):
+        vocab, dim, layers, heads, ff = dims
+        cfg = dict(model_type=kind, num_hidden_layers=layers, **experts)
+        return ModelConfig(vocab, dim, layers, heads, 1, ff, 576, rotary_dim=64, mla=mla,
+                           moe=deepseek_experts(cfg))  # fmt: skip
+
+    v3 = config("deepseek_v3", (129280, 7168, 61, 128, 18432), MLAConfig(512, 128, 64, 128, 1536),
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4)  # fmt: skip
+    lite = config("deepseek_v2", (102400, 2048, 27, 16, 10944), MLAConfig(512, 128, 64, 128),
+                  n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                  n_shared_experts=2, first_k_dense_replace=1)  # fmt: skip
+    total, active = (n / 1e9 for n in v3.moe.parameter_counts(v3))
+    assert (total, active) == pytest.approx((671, 37), rel=0.02)
+    assert lite.moe.parameter_counts(lite)[0] / 1e9 == pytest.approx(15.7, rel=0.01)
