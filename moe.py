@@ -66,6 +66,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by it
     correction_bias: bool = False  # noaux_tc's e_score_correction_bias
+    router_fp32: bool = False  # DeepSeek: the router's logits computed in float32
 
     def __post_init__(self):
         if not 0 < self.n_experts_per_tok <= self.n_experts or self.intermediate_size <= 0:
@@ -82,11 +83,13 @@ class MoEConfig:
             self.n_experts % self.n_group == 0
             and 0 < self.topk_group <= self.n_group
             and self.n_experts_per_tok <= self.topk_group * size
+            and (size >= 2 or self.topk_method != "noaux_tc")  # (a group's two best)
         ):
             raise ValueError(
                 f"{self.topk_method} needs n_group ({self.n_group}) to divide the "
                 f"{self.n_experts} experts and topk_group ({self.topk_group}) groups, at most "
-                f"n_group, to hold the {self.n_experts_per_tok} experts per token"
+                f"n_group, to hold the {self.n_experts_per_tok} experts per token (noaux_tc: "
+                "groups of two or more)"
             )
 
     def widths(self) -> list:
@@ -416,7 +419,16 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """x [T, dim] -> the chosen experts idx [T, k] and their weights w [T, k] (float32)."""
-        moe, logits = self.moe, self.gate(x).float()  # [T, E]
+        moe = self.moe  # DeepSeek's routers in float32, as HF computes them
+        logits = (
+            self.gate(x).float()
+            if not moe.router_fp32
+            else F.linear(
+                x.float(),
+                self.gate.weight.float(),
+                None if self.gate.bias is None else self.gate.bias.float(),
+            )
+        )  # [T, E]
         scores = logits.sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1)
         choice = scores
         if self.gate.e_score_correction_bias is not None:

@@ -71,6 +71,7 @@ def deepseek_experts(cfg: dict) -> MoEConfig:
             topk_group=get("topk_group") or 1,
             routed_scaling_factor=float(get("routed_scaling_factor")),
             correction_bias=get("topk_method") == "noaux_tc",
+            router_fp32=True,
         )
     except ValueError as e:  # an unknown router, or groups that cannot hold k experts
         raise CheckpointError(f"config.json: {e}") from None
@@ -80,6 +81,11 @@ def deepseek_fields(cfg: dict, scaling: dict) -> dict:
     """ModelConfig's fields that DeepSeek's keys set (over those of a Llama-like reading): the
     latent attention (one latent "head" per token, n_kv_heads 1), its rotary dims, the experts.
     scaling: the RoPE scaling read from the config (YaRN's mscale_all_dim scales the softmax)."""
+    if cfg.get("quantization_config"):
+        raise CheckpointError(
+            f"config.json: a quantized {cfg['model_type']} folder (quantization_config) is not "
+            "read yet; load its float original, with --quantize int8 or int4 if you like"
+        )
     for key in MLA_KEYS:
         value = cfg.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -93,7 +99,7 @@ def deepseek_fields(cfg: dict, scaling: dict) -> dict:
         )
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     scale = qk**-0.5
-    if scaling.get("mscale_all_dim") and scaling.get("factor", 1) > 1:
+    if scaling.get("mscale_all_dim") and (scaling.get("factor") or 1) > 1:
         scale *= (0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0) ** 2
     mla = MLAConfig(
         cfg["kv_lora_rank"],
@@ -113,9 +119,18 @@ def deepseek_fields(cfg: dict, scaling: dict) -> dict:
 
 
 def deepseek_tensors(cfg: dict, config, file, name: str, t):
-    """(file, name, tensor) in model.py's names: shared_experts as shared_expert, the rotary rows
+    """[(file, name, tensor)] in model.py's names: shared_experts as shared_expert, the rotary rows
     of q (every head's last qk_rope_head_dim) and of the rotary key (kv_a_proj_with_mqa's last
-    ones) from interleaved pairs to halves."""
+    ones) from interleaved pairs to halves; V3's multi-token-prediction layers (numbered from
+    num_hidden_layers on) left out, as transformers leaves them."""
+    parts = name.split(".") + [""]
+    layer = parts[parts.index("layers") + 1] if "layers" in parts else ""
+    if layer.isdigit() and int(layer) >= config.n_layers:
+        return []
+    return [_renamed(cfg, config, file, name, t)]
+
+
+def _renamed(cfg: dict, config, file, name: str, t):
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     m = config.mla
     interleaved = cfg.get("model_type") == "deepseek_v2" or cfg.get("rope_interleave", True)

@@ -340,7 +340,7 @@ def hf_tensors(cfg: dict, config: ModelConfig, tensors):
         if kind == "gpt_oss" and ".mlp." in name:
             yield from gpt_oss_experts(file, name, t)
         elif kind in DEEPSEEK:
-            yield deepseek_tensors(cfg, config, file, name, t)
+            yield from deepseek_tensors(cfg, config, file, name, t)
         elif kind == "phi3" and name.endswith("self_attn.qkv_proj.weight"):
             _check_rows(file, name, t, q + 2 * kv)
             for part, w in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):

@@ -342,9 +342,10 @@ def open_gguf(path: Path, keep_quantized: bool = True, dequantized: dict = None)
                 continue  # folded into config.rope_scaling
             name = model_name(t.name, arch)
             w = (keep_quantized and packed(t, name, path)) or dequantize(t, path)
-            kind = t.tensor_type.name
-            if keep_quantized and dequantized is not None and kind not in ("F32", "F16", "BF16"):
-                dequantized.setdefault(kind, []).append((name, t.data.nbytes, w.numel()))
+            kind, floats = t.tensor_type.name, ("F32", "F16", "BF16")
+            if keep_quantized and dequantized is not None and isinstance(w, torch.Tensor):
+                if kind not in floats:  # no Packed for it: it runs as floats
+                    dequantized.setdefault(kind, []).append((name, t.data.nbytes, w.numel()))
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.n_heads if "q_proj" in name else config.n_kv_heads
                 w = (

@@ -101,6 +101,11 @@ def hf_config(model) -> dict:
     """config.json for the model's family (formats/families.py reads it back to the same
     ModelConfig)."""
     a = model.config
+    if a.mla:
+        raise ValueError(
+            "a DeepSeek model (latent attention) is not written as an HF folder here; keep the "
+            "original folder (its weights load at --quantize's bits each run)"
+        )
     if a.rotary_dim or (a.rope_scaling or {}).get("rope_type") == "longrope":
         raise ValueError(
             "a Phi-3 style model (partial rotary, LongRoPE) is not written as an HF folder here: "

@@ -375,6 +375,9 @@ class _NoInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+FLOAT32 = ("e_score_correction_bias",)  # kept as stored: DeepSeek-V3's router bias (HF: float32)
+
+
 def build(
     config: ModelConfig,
     tensors,
@@ -424,9 +427,8 @@ def build(
             build_when_ready(name.removesuffix(".weight"))
             bar.update(tensor.nbytes())
             continue
-        state[name] = (
-            tensor.to(device) if name in qdtypes else tensor.to(device=device, dtype=dtype)
-        )
+        keep = name in qdtypes or name.endswith(FLOAT32)
+        state[name] = tensor.to(device) if keep else tensor.to(device=device, dtype=dtype)
         build_when_ready(name.removesuffix(".bias"))
         bar.update(tensor.numel() * tensor.element_size())
     bar.close()

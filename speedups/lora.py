@@ -123,6 +123,8 @@ class Adapters:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras}, {max_rank}")
         if any(isinstance(m, LoraLinear) for m in model.modules()):
             raise ValueError("this model already carries adapter slots (one Adapters per model)")
+        if model.config.mla:
+            raise ValueError("LoRA adapters on DeepSeek's latent attention are not served yet")
         self.max_loras, self.max_rank, self.config = max_loras, max_rank, model.config
         self.names = [None] * max_loras  # each slot's adapter name
         self.host, self.last_used, self.draining = {}, {}, set()  # host: name -> Adapter

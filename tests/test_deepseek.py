@@ -240,3 +240,42 @@ def test_parameter_counts_match_the_published_totals():
     total, active = (n / 1e9 for n in v3.moe.parameter_counts(v3))
     assert (total, active) == pytest.approx((671, 37), rel=0.02)
     assert lite.moe.parameter_counts(lite)[0] / 1e9 == pytest.approx(15.7, rel=0.01)
+
+
+def test_a_bf16_load_keeps_the_router_in_float32_and_skips_the_mtp_layer(tmp_path):
+    """V3's correction bias stays float32 (HF keeps it so; bf16 would move close choices), the
+    router's logits are float32; a multi-token-prediction layer past num_hidden_layers (as V3's
+    published folders carry) is left out, as transformers does."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_hf(hf_model("deepseek_v3"), tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    model, _ = weights.load(folder, dtype=torch.bfloat16)
+    gate = model.layers[1].mlp.gate
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    want = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(gate.e_score_correction_bias, want)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    idx, w = model.layers[1].mlp.route(x)
+    scores = torch.sigmoid(x.float() @ gate.weight.float().T)
+    chosen = scores.gather(1, idx)
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w, chosen / chosen.sum(-1, keepdim=True) * 2.5)  # (V3's scaling)
+
+
+def test_quantized_folders_and_lora_refuse_by_name(tmp_path):
+    import json
+
+    from speedups.lora import Adapters
+
+    folder = save_hf(hf_model("deepseek_v2"), tmp_path)
+    model, _ = weights.load(folder)
+    with pytest.raises(ValueError, match="LoRA adapters on DeepSeek's latent attention"):
+        Adapters(model)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="a quantized deepseek_v2 folder"):
+        weights.load(folder)
