@@ -92,6 +92,8 @@ class StaticKVCache:
     so one compiled decode step serves every cache of the same shape (module buffers would be
     guarded by identity once Inductor freezes the model's weights, and recompile per cache)."""
 
+    latent = 0  # (a class default too: speedups/aot_export.py rebuilds caches without __init__)
+
     def __init__(
         self,
         n_layers,

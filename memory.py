@@ -151,7 +151,7 @@ def _latent_note(c, cache) -> str:
 def bytes_per_block(model, block_size: int, n_layers: int = None) -> int:
     c = model.config  # (n_layers: those of one pool of a hybrid cache)
     return block_size * kv_bytes_per_token(
-        n_layers or c.n_layers, c.n_kv_heads, c.head_dim, model.norm.weight.dtype
+        n_layers or c.n_layers, c.n_kv_heads, c.head_dim, model.norm.weight.dtype, bool(c.mla)
     )
 
 
@@ -264,7 +264,8 @@ def plan_line(model, block_size: int, num_blocks: int, n_full: int, extra: int) 
     layers = f"{n_full} full layers" if n_full else f"{c.n_layers} layers"
     per_block = bytes_per_block(model, block_size, n_full or c.n_layers)
     line = (
-        f"KV cache: {per_block} bytes per block (2 * {layers} * {block_size} tokens * "
+        f"KV cache: {per_block} bytes per block ({1 if c.mla else 2} * {layers} * {block_size} "
+        f"tokens * "
         f"{c.n_kv_heads} kv heads * {c.head_dim} dims * {model.norm.weight.element_size()} bytes) "
         f"| {num_blocks} blocks = {num_blocks * per_block / 2**20:.1f} MiB | "
         f"{(num_blocks - 1) * block_size} tokens (block 0 is the null block)"

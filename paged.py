@@ -268,6 +268,8 @@ class PagedKVCache:
     a pool of that many blocks, with ids of their own, and a group's table is [2, R, W]: [0] for
     the full layers, [1] for the windowed ones, whose blocks behind the window are freed."""
 
+    latent = 0  # (as kv_cache.StaticKVCache's)
+
     def __init__(
         self,
         n_layers,
@@ -280,6 +282,7 @@ class PagedKVCache:
         decode=None,
         window_layers=(),
         window_blocks=0,
+        latent=0,
     ):
         self.pool_of = [
             int(bool(window_blocks) and i in window_layers) for i in range(n_layers)
@@ -292,8 +295,10 @@ class PagedKVCache:
             torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device)
             for p in self.pool_of
         ]
+        # latent (model.MLAttention): V is K's first `latent` values, so V's pools hold nothing
+        self.latent, dv = latent, 0 if latent else head_dim
         self.v = [
-            torch.zeros(sizes[p], block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(sizes[p], block_size, n_kv_heads, dv, dtype=dtype, device=device)
             for p in self.pool_of
         ]
         self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
@@ -311,12 +316,9 @@ class PagedKVCache:
         cls, model, num_blocks: int, block_size: int = 16, window_blocks: int = 0
     ):  # (a hybrid's)
         a, w = model.config, model.norm.weight
-        if a.mla:
-            raise ValueError(
-                "DeepSeek's latent attention runs on generate.py's static cache (--cache static) "
-                "so far; the paged cache (batch.py, serve.py, --cache paged) keeps no latents yet"
-            )
-        decode = PagedDecodeInPlace() if w.device.type == "cpu" else None  # the reference elsewhere
+        latent = a.mla.kv_lora_rank if a.mla else 0
+        # the reference elsewhere (and for latents, whose V is narrower than K)
+        decode = PagedDecodeInPlace() if w.device.type == "cpu" and not latent else None
         windowed = [i for i in range(a.n_layers) if a.window(i)]
         return cls(
             a.n_layers,
@@ -329,6 +331,7 @@ class PagedKVCache:
             decode,
             windowed,
             window_blocks if 0 < len(windowed) < a.n_layers else 0,
+            latent,
         )
 
     @classmethod
@@ -388,8 +391,9 @@ class PagedKVCache:
             self.k[layer][dst], self.v[layer][dst] = self.k[layer][src], self.v[layer][src]
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
-        # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
-        B, T, H, D = q.shape
+        # q [B, T, H, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv]; input_pos [B, T] -> [B, T, H, Dv]
+        # (Dv = D but for latents)
+        (B, T, H, D), Dv = q.shape, v.shape[-1]
         groups = self.groups if self.groups is not None else [(B, T, self.block_tables)]
         if len(groups) == 1:  # the common case: no slicing of the flat token axis
             rows, t, table = groups[0]
@@ -397,17 +401,17 @@ class PagedKVCache:
                 layer,
                 q.view(rows, t, H, D),
                 k.view(rows, t, -1, D),
-                v.view(rows, t, -1, D),
+                v.view(rows, t, -1, Dv),
                 input_pos.view(rows, t),
                 table,
                 window,
                 softcap,
                 sinks,
-            ).reshape(B, T, H, D)
+            ).reshape(B, T, H, Dv)
         q, k, v, pos = (
             q.reshape(B * T, H, D),
             k.reshape(B * T, -1, D),
-            v.reshape(B * T, -1, D),
+            v.reshape(B * T, -1, Dv),
             input_pos.reshape(-1),
         )
         out, start = [], 0
@@ -417,16 +421,16 @@ class PagedKVCache:
                 layer,
                 q[s].view(rows, t, H, D),
                 k[s].view(rows, t, -1, D),
-                v[s].view(rows, t, -1, D),
+                v[s].view(rows, t, -1, Dv),
                 pos[s].view(rows, t),
                 table,
                 window,
                 softcap,
                 sinks,
             )
-            out.append(y.reshape(rows * t, H, D))
+            out.append(y.reshape(rows * t, H, Dv))
             start += rows * t
-        return torch.cat(out).view(B, T, H, D)
+        return torch.cat(out).view(B, T, H, Dv)
 
     def _attend_group(self, layer, q, k, v, pos, table, window, softcap, sinks):
         # q [R, T, H, D]; k, v [R, T, Hkv, D]; pos [R, T]; table [R, W] -> [R, T, H, D]
@@ -436,7 +440,8 @@ class PagedKVCache:
         pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(
             pool_k.dtype
         )  # in-place index_put_ of [R, T, Hkv, D]
-        pool_v[block, offset] = v.to(pool_v.dtype)
+        if not self.latent:
+            pool_v[block, offset] = v.to(pool_v.dtype)
         T, H, D = q.shape[1:]
         # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than
         # the prefill's)
@@ -464,5 +469,9 @@ class PagedKVCache:
         # D]. F.embedding is the gather, several times faster than pool[table] on CPU.
         k_ctx = F.embedding(table, pool_k.view(len(pool_k), -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
-        v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)
+        v_ctx = (
+            k_ctx[..., : self.latent]
+            if self.latent
+            else F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)
+        )
         return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)

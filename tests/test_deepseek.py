@@ -2,8 +2,9 @@
 transformers. The whole model: greedy tokens for 32 through generate.py's static cache, whose
 latent cache holds exactly (kv_lora_rank + qk_rope_head_dim) values a token (the memory plan
 says what expanded heads would take); compiled equals eager; int8 weights stay close (the
-absorbed up-projection kept float); what does not run MLA yet refuses by name (the paged cache,
---compile aot, the int8 KV cache, tensor parallelism); the published parameter counts.
+absorbed up-projection kept float); the engine's paged latents give the static cache's tokens;
+what does not run MLA yet refuses by name (--compile aot, the int8 KV cache, tensor parallelism,
+LoRA, quantized folders); the published parameter counts.
 tests/test_model.py runs the three tiny configs (tests/helpers.py's ARCHS) through its prefill
 and static-cache logit checks. The experts alone, against HF's own DeepseekV2Moe and
 DeepseekV3MoE blocks: V2's softmax router greedy and group-limited, V3's sigmoid router with a
@@ -196,8 +197,6 @@ def test_int8_weights_stay_close_and_keep_the_up_projection_float(tmp_path):
 
 def test_what_does_not_run_latent_attention_yet_refuses_by_name(pair):
     _, _, model = pair
-    with pytest.raises(ValueError, match="latent attention runs on generate.py's static cache"):
-        Engine.for_model(model, num_blocks=64)
     from speedups import aot
     from speedups.aot_export import AotRefusal
 
@@ -279,3 +278,22 @@ def test_quantized_folders_and_lora_refuse_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="a quantized deepseek_v2 folder"):
         weights.load(folder)
+
+
+def test_the_engine_s_paged_latents_equal_the_static_cache(pair):
+    """batch.py's engine (paged latents, prefix caching, chunked prefill, requests of different
+    lengths in one step) gives each prompt the static cache's greedy tokens; a request sharing a
+    cached head reuses its blocks."""
+    from engine import RequestParams
+
+    _, _, model = pair
+    gen = torch.Generator().manual_seed(5)
+    head = torch.randint(3, 256, (20,), generator=gen).tolist()
+    prompts = [head + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 14)]
+    engine = Engine.for_model(model, num_blocks=64, max_num_seqs=3, max_num_batched_tokens=24)
+    got = engine.run_batch(prompts, RequestParams(max_new_tokens=12, temperature=0))
+    for prompt, result in zip(prompts, got):
+        want = greedy(model, torch.tensor([prompt]), 12)[0]
+        assert result["tokens"] == want
+    assert engine.metrics()["prompt_tokens_hit"] >= 16  # the head's first block, shared
+    assert engine.cache.v[0].numel() == 0  # V read from K's latent: nothing stored
