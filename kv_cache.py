@@ -11,7 +11,9 @@ Its size is the number every user should be able to compute:
     bytes = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_elem * S * B
 
 e.g. Llama-3-8B in bf16: 2 * 32 * 8 * 128 * 2 = 128 KiB per token, 1 GiB per 8K-token sequence.
-The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16.
+The embedded SmolLM2-135M: 2 * 30 * 3 * 64 * 2 = 22.5 KiB per token in bf16. DeepSeek's latent
+attention (model.MLAttention) keeps one "head" of kv_lora_rank + qk_rope_head_dim values and no V
+(`latent`: V is K's first kv_lora_rank values): DeepSeek-V2-Lite, 1 * 27 * 1 * 576 * 2 = 30 KiB.
 
 `attend` writes this step's k/v at `input_pos` and attends over a prefix of the slots under a mask
 that hides slots after each query's position (unwritten slots are zero, and masked). A query at

@@ -297,3 +297,30 @@ def test_the_engine_s_paged_latents_equal_the_static_cache(pair):
         assert result["tokens"] == want
     assert engine.metrics()["prompt_tokens_hit"] >= 16  # the head's first block, shared
     assert engine.cache.v[0].numel() == 0  # V read from K's latent: nothing stored
+
+
+def test_the_kv_tier_keeps_latent_blocks_across_a_restart(tmp_path):
+    """Latent blocks (K only: V's pools are empty) go to disk and come back after a restart: every
+    head loaded, the tokens those computed without the tier."""
+    from engine import RequestParams
+    from speedups.kv_disk import DiskTier
+    from speedups.kv_tier import fingerprint, keep_pool
+
+    model, _ = weights.load(save_hf(hf_model("deepseek_v3"), tmp_path / "m"))
+    prompts = [list(range(10 + i, 74 + i)) + [200] for i in range(4)]  # four 4-block heads
+    params = RequestParams(max_new_tokens=4, temperature=0)
+
+    def engine(tier=None, blocks=12):
+        limits = dict(max_num_seqs=2, max_num_batched_tokens=64)
+        return Engine.for_model(model, num_blocks=blocks, tier=tier, **limits)
+
+    def disk():
+        return DiskTier(tmp_path / "kv", 2**30, fingerprint(model, 16, torch.float32))
+
+    want = [engine(blocks=400).run_batch([p], params)[0]["tokens"] for p in prompts]
+    first = engine(disk())
+    assert [first.run_batch([p], params)[0]["tokens"] for p in prompts] == want
+    keep_pool(first)
+    again = engine(disk())
+    assert [again.run_batch([p], params)[0]["tokens"] for p in prompts] == want
+    assert again.metrics()["tier_tokens_hit"] == 4 * 64
