@@ -176,6 +176,8 @@ class StaticKVCache:
             q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None
         ):  # picked at build time
             return self.decode(q, k_cache, v_cache, mask)
+        if self.latent:
+            return latent_attention(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap, sinks)
 
     def reset(self):
@@ -218,6 +220,19 @@ def attention(q, k_cache, v_cache, mask, softcap=0.0, sinks=None):
         q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True
     )
     return y.transpose(1, 2)
+
+
+def latent_attention(q, k_cache, v_cache, mask):
+    """`attention` for one KV head under every query head (model.MLAttention's latent): the heads
+    folded into the query rows, so SDPA reads the cache once (with enable_gqa its CPU path copies
+    K and V per head: 90% of a step at 2K tokens; benchmarks/RESULTS.md, "Latent attention").
+
+    q [B, T, H, D]; k_cache [B, 1, S, D]; v_cache [B, 1, S, Dv]; mask [B, 1, T, S]
+    -> [B, T, H, Dv]"""
+    B, T, H, D = q.shape
+    rows = mask[:, :, :, None].expand(B, 1, T, H, mask.shape[-1]).reshape(B, 1, T * H, -1)
+    y = F.scaled_dot_product_attention(q.reshape(B, 1, T * H, D), k_cache, v_cache, attn_mask=rows)
+    return y.view(B, T, H, -1)
 
 
 class NoCache:
