@@ -471,6 +471,7 @@ class PagedKVCache:
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         if self.latent and self.attention is attention:  # (kv_cache.latent_attention's reason)
             return latent_attention(q, k_ctx, k_ctx[..., : self.latent], mask)
+        if self.latent:  # (batch_invariant.py's attention)
+            return self.attention(q, k_ctx, k_ctx[..., : self.latent], mask, softcap, sinks)
         v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)
-        v_ctx = k_ctx[..., : self.latent] if self.latent else v_ctx
         return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)
