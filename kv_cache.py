@@ -176,8 +176,6 @@ class StaticKVCache:
             q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None
         ):  # picked at build time
             return self.decode(q, k_cache, v_cache, mask)
-        if self.latent:
-            return latent_attention(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap, sinks)
 
     def reset(self):
@@ -201,7 +199,12 @@ def attention(q, k_cache, v_cache, mask, softcap=0.0, sinks=None):
     softcap); sinks [H] (gpt-oss), one learned logit per head that joins every row's softmax as an
     extra column and is dropped after it, so a row's weights sum to less than 1.
 
-    q [B, T, H, D]; k_cache, v_cache [B, Hkv, S, D]; mask [B, 1, T, S] -> [B, T, H, D]"""
+    (*) With one KV head the query heads are folded into the query rows instead, so SDPA reads K
+    and V once: with enable_gqa its CPU path copies them per head (90% of a latent decode step at
+    2K tokens; benchmarks/RESULTS.md, "Latent attention").
+
+    q [B, T, H, D]; k_cache [B, Hkv, S, D], v_cache [B, Hkv, S, Dv]; mask [B, 1, T, S]
+    -> [B, T, H, Dv] (Dv = D but for a latent cache)"""
     if softcap or sinks is not None:
         B, T, H, D = q.shape
         Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -216,23 +219,15 @@ def attention(q, k_cache, v_cache, mask, softcap=0.0, sinks=None):
             )
         p = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :S].to(v_cache.dtype)
         return (p @ v_cache[:, :, None]).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    B, T, H, D = q.shape
+    if k_cache.shape[1] == 1:  # one KV head (multi-query, model.MLAttention's latent): (*)
+        rows = mask[:, :, :, None].expand(B, 1, T, H, mask.shape[-1]).reshape(B, 1, T * H, -1)
+        y = F.scaled_dot_product_attention(q.reshape(B, 1, T * H, D), k_cache, v_cache, rows)
+        return y.view(B, T, H, -1)
     y = F.scaled_dot_product_attention(
         q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True
     )
     return y.transpose(1, 2)
-
-
-def latent_attention(q, k_cache, v_cache, mask):
-    """`attention` for one KV head under every query head (model.MLAttention's latent): the heads
-    folded into the query rows, so SDPA reads the cache once (with enable_gqa its CPU path copies
-    K and V per head: 90% of a step at 2K tokens; benchmarks/RESULTS.md, "Latent attention").
-
-    q [B, T, H, D]; k_cache [B, 1, S, D]; v_cache [B, 1, S, Dv]; mask [B, 1, T, S]
-    -> [B, T, H, Dv]"""
-    B, T, H, D = q.shape
-    rows = mask[:, :, :, None].expand(B, 1, T, H, mask.shape[-1]).reshape(B, 1, T * H, -1)
-    y = F.scaled_dot_product_attention(q.reshape(B, 1, T * H, D), k_cache, v_cache, attn_mask=rows)
-    return y.view(B, T, H, -1)
 
 
 class NoCache:

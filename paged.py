@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import PagedDecodeInPlace
-from kv_cache import attention, bucket, latent_attention, visible
+from kv_cache import attention, bucket, visible
 from scheduler import blocks_for
 
 NULL_BLOCK = 0
@@ -469,9 +469,9 @@ class PagedKVCache:
         # D]. F.embedding is the gather, several times faster than pool[table] on CPU.
         k_ctx = F.embedding(table, pool_k.view(len(pool_k), -1)).view(R, W, Hkv, D, bs)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
-        if self.latent and self.attention is attention:  # (kv_cache.latent_attention's reason)
-            return latent_attention(q, k_ctx, k_ctx[..., : self.latent], mask)
-        if self.latent:  # (batch_invariant.py's attention)
-            return self.attention(q, k_ctx, k_ctx[..., : self.latent], mask, softcap, sinks)
-        v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D).transpose(1, 2)
+        if self.latent:  # V: K's first values (V's pools are empty)
+            v_ctx = k_ctx[..., : self.latent]
+        else:
+            v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D)
+            v_ctx = v_ctx.transpose(1, 2)
         return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)
