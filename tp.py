@@ -5,7 +5,9 @@
 Each transformer layer is two matrix pairs, and each pair needs one all-reduce:
 - attention: q/k/v are split by output columns, so rank r computes heads r*H/W .. (r+1)*H/W
   (and the KV heads they read), attends locally, and o_proj, split by input rows, produces a
-  partial sum of the layer output: all-reduce it.
+  partial sum of the layer output: all-reduce it. DeepSeek's latent attention splits its heads
+  the same way (q_b_proj or q_proj, kv_b_proj, o_proj); its latent, one KV "head" shared by
+  every head, is computed and cached whole on each rank (kv_a_proj, q_a_proj replicated).
 - MLP: gate/up split by columns, down split by rows, one all-reduce. A mixture of experts
   (moe.py) splits each expert's width the same way; the router is replicated, so every rank
   picks the same experts, and one all-reduce follows the layer.
@@ -31,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split output features
+# split output features (DeepSeek's q_b_proj and kv_b_proj: per-head rows of latent attention)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")  # split input features; outputs are partial sums
 
 
@@ -49,29 +52,28 @@ def init(timeout_s: float = 300.0):
 
 
 def working_world_sizes(config) -> list:
-    widths = [config.n_heads, config.n_kv_heads, config.intermediate_size] + (
+    kv_heads = [] if config.mla else [config.n_kv_heads]  # a latent is replicated, not split
+    widths = [config.n_heads, *kv_heads, config.intermediate_size] + (
         config.moe.widths() if config.moe else []
     )
     return [w for w in range(1, config.n_heads + 1) if all(n % w == 0 for n in widths)]
 
 
 def shard_config(config, world: int):
-    """The ModelConfig of one rank's slice: 1/world of the heads, KV heads and FFN width."""
-    if config.mla and world > 1:
-        raise ValueError(
-            "DeepSeek's latent attention is not split over ranks yet; run it in one process"
-        )
+    """The ModelConfig of one rank's slice: 1/world of the heads, KV heads and FFN width. A latent
+    attention's one latent "head" stays whole on every rank: each rank computes it (kv_a_proj,
+    replicated) and caches it, then projects it up for its own heads only (kv_b_proj split)."""
     if world not in working_world_sizes(config):
         raise ValueError(
             f"tensor parallelism over {world} ranks needs the model's {config.n_heads} heads, "
-            f"{config.n_kv_heads} KV heads "
-            f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that "
+            + ("" if config.mla else f"{config.n_kv_heads} KV heads ")
+            + f"and FFN width {config.intermediate_size} to divide by {world}; world sizes that "
             f"work: {working_world_sizes(config)}"
         )
     return dataclasses.replace(
         config,
         n_heads=config.n_heads // world,
-        n_kv_heads=config.n_kv_heads // world,
+        n_kv_heads=config.n_kv_heads if config.mla else config.n_kv_heads // world,
         intermediate_size=config.intermediate_size // world,
         moe=config.moe and config.moe.sharded(world),
     )

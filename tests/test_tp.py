@@ -77,10 +77,11 @@ def single_process(checkpoint):
 
 
 def check_ranks(results, model, logits, tokens, world, atol):
+    weights = [*model.named_parameters(), *model.named_buffers()]  # a router's correction bias
     replicated = sum(
         p.numel() * p.element_size()
-        for n, p in model.named_parameters()
-        if not any(k in n for k in tp.COLUMN_PARALLEL + tp.ROW_PARALLEL)
+        for n, p in weights
+        if not any(k in n for k in tp.COLUMN_PARALLEL + tp.ROW_PARALLEL + ("rotary",))
     )
     sharded = model.weight_bytes() - replicated
     row_biases = sum(
@@ -194,5 +195,13 @@ def test_gpt_oss_on_two_ranks_equals_one_process(tmp_path):
     """Attention sinks split with their heads, expert biases split with the experts' width (down's
     added once), the router and its bias replicated."""
     folder = save_hf(hf_model("gpt_oss"), tmp_path / "ckpt")
+    model, logits, tokens = single_process(folder)
+    check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
+
+
+def test_deepseek_v3_on_two_ranks_equals_one_process(tmp_path):
+    """Latent attention: each rank its half of the heads (q_b_proj, kv_b_proj, o_proj), the latent
+    computed and cached whole on both; sigmoid routing with a correction bias, replicated."""
+    folder = save_hf(hf_model("deepseek_v3"), tmp_path / "ckpt")
     model, logits, tokens = single_process(folder)
     check_ranks(spawn([folder, folder], tmp_path), model, logits, tokens, 2, atol=1e-5)
