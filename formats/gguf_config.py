@@ -4,7 +4,8 @@ A GGUF file names its architecture (`general.architecture`) and keeps the model'
 prefixed by it (`llama.block_count`, `qwen3moe.expert_count`, ...). This file reads them, with what
 each converter leaves out (Gemma's layer pattern and query_pre_attn_scalar, gpt-oss's SwiGLU limit:
 llama.cpp keeps those in its code), RoPE scaling from `rope.scaling.*` and the factor tensors,
-sliding windows, and the experts of a mixture (`expert_*`, a router tensor per sparse layer).
+sliding windows, the experts of a mixture (`expert_*`, a router tensor per sparse layer), and
+DeepSeek's latent attention (`deepseek2`: formats/deepseek.py reads its keys as config.json's).
 formats/gguf_weights.py reads the tensors; formats/gguf_tokenizer.py the vocabulary; both through
 `read`, which keeps the last files' parsed metadata.
 
@@ -30,6 +31,7 @@ SUPPORTED_ARCH = (
     "qwen2moe",
     "qwen3moe",
     "gpt-oss",
+    "deepseek2",
 )
 GEMMA = ("gemma2", "gemma3")
 
@@ -83,7 +85,7 @@ def config_from_gguf(reader, path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     heads = get("attention.head_count")
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
-    return ModelConfig(
+    fields = dict(
         vocab_size=vocab,
         dim=get("embedding_length"),
         n_layers=get("block_count"),
@@ -100,8 +102,27 @@ def config_from_gguf(reader, path) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         **family_switches(reader, arch, path, get),
-        moe=experts_of(reader, arch, path, get, names),
     )
+    if arch == "deepseek2":
+        return ModelConfig(**{**fields, **_deepseek2(reader, path, get, fields, names)})
+    return ModelConfig(**fields, moe=experts_of(reader, arch, path, get, names))
+
+
+def _deepseek2(reader, path, get, fields: dict, names) -> dict:
+    """DeepSeek-V2 / V3's latent attention and experts (formats/deepseek.py). llama.cpp keeps
+    YaRN's mscale_all_dim as 0.1 x it (yarn_log_multiplier) and leaves cos and sin unscaled."""
+    from formats import deepseek
+
+    scaling = fields["rope_scaling"]
+    if scaling.get("rope_type") == "yarn":
+        log_multiplier = field(reader, "deepseek2.rope.scaling.yarn_log_multiplier", 0.0)
+        scaling.update(mscale_all_dim=log_multiplier / 0.1, attention_factor=1.0)
+    cfg = deepseek.gguf_cfg(
+        get,
+        lambda key, default=None: field(reader, f"deepseek2.{key}", default),
+        any(n.endswith("exp_probs_b.bias") for n in names),
+    )
+    return deepseek.deepseek_fields(cfg, scaling, str(path))
 
 
 def experts_of(reader, arch, path, get, names):

@@ -36,9 +36,10 @@ Two facts a reader needs:
 - llama.cpp stores the Q and K projections of `llama` models with each head's rows interleaved
   for its RoPE kernel ("Meta" layout: pairs are adjacent elements). model.py rotates pairs
   (i, i + D/2) as Hugging Face does, so those rows are permuted back here. Qwen2/Qwen3, Gemma and
-  Phi-3 files use the other RoPE kind and are stored unpermuted. Gemma's norms are stored as 1 + w
-  (model.py adds the 1 itself, so it is taken off here) and Phi-3's attn_qkv and ffn_up hold fused
-  projections (split here).
+  Phi-3 files use the other RoPE kind and are stored unpermuted; deepseek2 files keep HF's rows,
+  interleaved pairs in their rotary dims alone (formats/deepseek.py reorders those). Gemma's norms
+  are stored as 1 + w (model.py adds the 1 itself, so it is taken off here) and Phi-3's attn_qkv
+  and ffn_up hold fused projections (split here).
 - GGUF lists shapes innermost first; formats/gguf_file.py hands arrays in PyTorch order
   (block-quantized ones as bytes [rows, row_bytes]).
 """
@@ -48,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from formats import deepseek
 from formats.gguf_config import GEMMA, config_from_gguf, field, read
 from runtime import CheckpointError
 
@@ -94,6 +96,7 @@ LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "attn_sinks": "self_attn.sinks",
     "post_attention_norm": "post_attention_layernorm",  # gpt-oss (its pre-MLP norm)
+    **deepseek.GGUF_LAYER_NAMES,  # latent attention's own (deepseek2)
 }
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 GEMMA_NAMES = {
@@ -360,7 +363,10 @@ def open_gguf(path: Path, keep_quantized: bool = True, dequantized: dict = None)
             reader.release(t)  # w is a copy: its pages of the file need not stay resident
             yield from split_fused(path, name, w, config) if arch == "phi3" else [(path, name, w)]
 
-    return config, tensors(), path.stat().st_size
+    stream = tensors()
+    if arch == "deepseek2":  # kv_b_proj from its two halves, the rotary rows as model.py's
+        stream = deepseek.gguf_tensors(config, stream, path)
+    return config, stream, path.stat().st_size
 
 
 def dequantized_note(dequantized: dict, dtype) -> str:

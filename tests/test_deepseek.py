@@ -3,8 +3,9 @@ transformers. The whole model: greedy tokens for 32 through generate.py's static
 latent cache holds exactly (kv_lora_rank + qk_rope_head_dim) values a token (the memory plan
 says what expanded heads would take); compiled equals eager; int8 weights stay close (the
 absorbed up-projection kept float); the engine's paged latents give the static cache's tokens;
-what does not run MLA yet refuses by name (--compile aot, the int8 KV cache, tensor parallelism,
-LoRA, quantized folders); the published parameter counts.
+what does not run MLA yet refuses by name (--compile aot, the int8 KV cache, LoRA, quantized
+folders); the published parameter counts; GGUF deepseek2 files as llama.cpp writes them
+(tests/deepseek_gguf.py) against their HF twin. Tensor parallelism: tests/test_tp.py.
 tests/test_model.py runs the three tiny configs (tests/helpers.py's ARCHS) through its prefill
 and static-cache logit checks. The experts alone, against HF's own DeepseekV2Moe and
 DeepseekV3MoE blocks: V2's softmax router greedy and group-limited, V3's sigmoid router with a
@@ -321,3 +322,72 @@ def test_the_kv_tier_keeps_latent_blocks_across_a_restart(tmp_path):
     again = engine(disk())
     assert [again.run_batch([p], params)[0]["tokens"] for p in prompts] == want
     assert again.metrics()["tier_tokens_hit"] == 4 * 64
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_a_deepseek2_gguf_equals_its_hf_twin(arch, tmp_path):
+    """llama.cpp's layout (tests/deepseek_gguf.py): kv_b_proj from attn_k_b and attn_v_b, the
+    rotary rows reordered, V2's grouped softmax router and V3's sigmoid one with its correction
+    bias read from expert_* metadata, YaRN's mscale_all_dim from yarn_log_multiplier; prefill then
+    token-by-token decode against HF, and a file with one attn_kv_b (older converters) the same."""
+    from deepseek_gguf import write_deepseek2
+
+    hf = hf_model(arch)
+    model, _ = weights.load(write_deepseek2(hf, tmp_path / "m.gguf"), dtype=torch.float32)
+    twin, _ = weights.load(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    assert model.config.moe == twin.config.moe and model.config.mla.kv_lora_rank == 32
+    torch.testing.assert_close(model.config.mla.softmax_scale, twin.config.mla.softmax_scale)
+    x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
+    cache = StaticKVCache.for_model(model, 1, 32)
+    with torch.no_grad():
+        ref = hf(x).logits
+        ours = [model(x[:, :16], torch.arange(16)[None], cache)]
+        ours += [model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
+        legacy, _ = weights.load(write_deepseek2(hf, tmp_path / "kv_b.gguf", split_kv_b=False))
+        old = legacy(x, torch.arange(24)[None], NoCache())
+    torch.testing.assert_close(torch.cat(ours, 1), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(old, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["k_b v_b", "kv_b"])
+def test_a_q8_0_deepseek2_gguf_runs_at_its_bits_near_its_dequantized_twin(split, tmp_path):
+    """The projections stay 8-bit groups (q_a_proj, kv_a_proj_with_mqa with its rotary rows
+    reordered, o_proj, the experts); kv_b_proj is float whatever the file holds (an 8-bit attn_kv_b
+    too)."""
+    from deepseek_gguf import write_deepseek2
+
+    hf = hf_model("deepseek_v3")
+    path = write_deepseek2(hf, tmp_path / "q8.gguf", qtype="Q8_0", split_kv_b=split)
+    model, info = weights.load(path, dtype=torch.float32)
+    plain, _ = weights.load(path, dtype=torch.float32, dequantize=True)
+    attn = model.layers[1].self_attn
+    assert "Q8_0 -> int8 g32: q_a_proj, kv_a_proj_with_mqa, o_proj" in info.own_bits
+    assert type(attn.kv_a_proj_with_mqa) is not torch.nn.Linear
+    assert type(attn.kv_b_proj) is torch.nn.Linear
+    x = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours, ref = (m(x, torch.arange(12).expand(2, 12), NoCache()) for m in (model, plain))
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_a_deepseek2_gguf_missing_a_size_or_with_a_bad_half_is_named(tmp_path):
+    import numpy as np
+    from deepseek_gguf import tensors, write_deepseek2
+
+    hf = hf_model("deepseek_v2")
+    path = write_deepseek2(hf, tmp_path / "a.gguf", drop=("attention.kv_lora_rank",))
+    with pytest.raises(CheckpointError, match="deepseek2.attention.kv_lora_rank is missing"):
+        weights.load(path)
+    import deepseek_gguf
+
+    def short_k_b(c, name, a, split):  # attn_k_b one latent row short
+        out = tensors(c, name, a, split)
+        return [(n, np.ascontiguousarray(t[:, :-1]) if "k_b" in n else t) for n, t in out]
+
+    deepseek_gguf.tensors, saved = short_k_b, deepseek_gguf.tensors
+    try:
+        path = write_deepseek2(hf, tmp_path / "b.gguf")
+    finally:
+        deepseek_gguf.tensors = saved
+    with pytest.raises(CheckpointError, match=r"attn_k_b|k_b.weight has shape \[4, 31, 16\]"):
+        weights.load(path)
