@@ -434,7 +434,7 @@ class SparseMoE(nn.Module):
         if self.gate.e_score_correction_bias is not None:
             choice = scores + self.gate.e_score_correction_bias.float()
         if moe.topk_method != "greedy":  # only the experts of the topk_group best groups
-            groups = choice.view(len(x), moe.n_group, -1)  # [T, G, E / G]
+            groups = choice.unflatten(-1, (moe.n_group, -1))  # [T, G, E / G] (T symbolic)
             if moe.topk_method == "noaux_tc":
                 best = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
             else:

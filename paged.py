@@ -347,7 +347,7 @@ class PagedKVCache:
         return cache
 
     def tensors(self) -> list:
-        return self.k + self.v
+        return self.k + ([] if self.latent else self.v)  # (a latent's V pools are empty)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -454,10 +454,7 @@ class PagedKVCache:
                 pos - first * bs
             )  # positions within the window's blocks (the mask is shift-invariant)
         R, W = table.shape
-        Hkv, L = (
-            pool_v.shape[2],
-            W * bs,
-        )  # L: the gather width, this group's blocks, not the model's context
+        Hkv, L = pool_k.shape[1], W * bs  # L: the gather width, this group's blocks
         mask = visible(
             self.slots[:L], pos, window
         )  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
@@ -467,11 +464,11 @@ class PagedKVCache:
             return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L,
         # D]. F.embedding is the gather, several times faster than pool[table] on CPU.
-        k_ctx = F.embedding(table, pool_k.view(len(pool_k), -1)).view(R, W, Hkv, D, bs)
+        k_ctx = F.embedding(table, pool_k.flatten(1)).view(R, W, Hkv, D, bs)  # (no len(): export)
         k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
         if self.latent:  # V: K's first values (V's pools are empty)
             v_ctx = k_ctx[..., : self.latent]
         else:
-            v_ctx = F.embedding(table, pool_v.view(len(pool_v), -1)).view(R, L, Hkv, D)
+            v_ctx = F.embedding(table, pool_v.flatten(1)).view(R, L, Hkv, D)
             v_ctx = v_ctx.transpose(1, 2)
         return self.attention(q, k_ctx, v_ctx, mask, softcap, sinks)

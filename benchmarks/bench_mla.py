@@ -8,10 +8,12 @@ published (16 heads, a latent of 512, q/k heads of 128 + 64 rotary, v heads of 1
 64 experts of width 704 (top 6, 2 shared, softmax routing) after one dense layer, vocabulary
 32768, `--layers` layers, bf16.
 
-- KV bytes per token: ours (latent + rotary key per layer), what per-head K and V would take, and
-  the share of the expanded cache's bytes a decode step at `--context` reads;
-- decode, batch 1, greedy, EOS ignored, after a `--context`-token prompt: ours eager and compiled
-  (generate.py's loop and --compile step, static cache), HF transformers eager
+- KV bytes per token: ours (latent + rotary key per layer, in bf16 and int8), what per-head K and V
+  would take in bf16, and our cache at `--context`;
+- decode, batch 1, greedy, EOS ignored, after a `--context`-token prompt: ours eager, compiled
+  (generate.py's loop and --compile step, static cache; and over the int8 latent cache,
+  --kv_cache_dtype int8) and its default (--compile auto: the ahead-of-time package, built here
+  once), HF transformers eager
   (DeepseekV2ForCausalLM, a loop of forwards with its DynamicCache); tok/s, median of `--rounds`
   interleaved rounds after a warm-up.
 """
@@ -34,12 +36,13 @@ import runtime
 from formats import weights
 from kv_cache import StaticKVCache
 from sampling import SamplingParams
+from speedups.kv_int8 import Int8KVCache
 
 VOCAB = 32768
 
 
-def build(layers: int):
-    """(HF model, our model) on the same random weights, bf16."""
+def build(layers: int, folder: str):
+    """(HF model, our model) on the same random weights, bf16, saved in `folder`."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=1024, intermediate_size=5472,
@@ -54,15 +57,23 @@ def build(layers: int):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn_like(p))
-    with tempfile.TemporaryDirectory(prefix="mla-") as folder:
-        hf.save_pretrained(folder, safe_serialization=True)
-        model, _ = weights.load_for_inference(folder, dtype=torch.bfloat16)
+    hf.save_pretrained(folder, safe_serialization=True)
+    model, _ = weights.load_for_inference(folder, dtype=torch.bfloat16)
     return hf.to(torch.bfloat16).eval(), model
 
 
-def ours(model, prompt, n, decode_fn):
+def package(model, folder: str, slots: int):
+    """generate.py's default decode step for a batch-1 cache of `slots`: the AOT package."""
+    from speedups import aot
+
+    spec = dict(checkpoint=folder, dtype="bfloat16", quantize=None, groupsize=32,
+                quantize_head=False, quantize_embedding=False, dequantize=False)  # fmt: skip
+    return aot.decode_step(model, StaticKVCache.for_model(model, 1, slots), spec)
+
+
+def ours(model, prompt, n, decode_fn, kind=StaticKVCache):
     def run():
-        cache = StaticKVCache.for_model(model, 1, len(prompt) + n)
+        cache = kind.for_model(model, 1, len(prompt) + n)
         options = generate.DecodeOptions(ignore_eos=True, decode_fn=decode_fn)
         x = torch.tensor([prompt])
         return generate.generate(model, cache, x, n, SamplingParams(0.0), options)[1][
@@ -93,14 +104,15 @@ def kv_table(model, context: int):
     c, m, size = model.config, model.config.mla, 2
     latent = c.n_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * size
     heads = c.n_layers * c.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * size
-    cache = StaticKVCache.for_model(model, 1, context)
     print("\n| KV per token | ours (latent) | expanded heads | ratio | our cache at the context |")
     print("|---|---|---|---|---|")
-    ratio, held = heads / latent, cache.nbytes()
-    print(
-        f"| {c.n_layers} layers, bf16 | {latent:,} B | {heads:,} B | 1/{ratio:.1f} | "
-        f"{held / 2**20:.1f} MiB ({held // context:,} B/token) |"
-    )
+    for name, kind in (("bf16", StaticKVCache), ("int8 (+ 2 scales)", Int8KVCache)):
+        held = kind.for_model(model, 1, context).nbytes()
+        print(
+            f"| {c.n_layers} layers, {name} | {held // context:,} B | {heads:,} B (bf16) | "
+            f"1/{heads / (held // context):.1f} | {held / 2**20:.1f} MiB |"
+        )
+    assert StaticKVCache.for_model(model, 1, context).nbytes() == latent * context
 
 
 def main():
@@ -114,7 +126,8 @@ def main():
     args = p.parse_args()
     print(f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
           f"{torch.get_num_threads()} threads | bf16", flush=True)  # fmt: skip
-    hf, model = build(args.layers)
+    folder = tempfile.TemporaryDirectory(prefix="mla-")
+    hf, model = build(args.layers, folder.name)
     kv_table(model, args.context + args.new_tokens)
     prompt = torch.randint(3, VOCAB, (args.context,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
@@ -122,6 +135,19 @@ def main():
         "ours, eager": ours(model, prompt, args.new_tokens, compiling.decode_one),
         "ours, --compile": ours(
             model, prompt, args.new_tokens, compiling.compile_decode("cpu", autotune=False)
+        ),
+        "ours, --compile, int8 latent cache": ours(
+            model,
+            prompt,
+            args.new_tokens,
+            compiling.compile_decode("cpu", autotune=False),
+            Int8KVCache,
+        ),
+        "ours, default (the AOT package)": ours(
+            model,
+            prompt,
+            args.new_tokens,
+            package(model, folder.name, len(prompt) + args.new_tokens),
         ),
         "HF transformers, eager": hf_decode(hf, prompt, args.new_tokens),
     }

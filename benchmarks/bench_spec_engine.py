@@ -1,8 +1,8 @@
 """Speculation inside continuous batching (prompt lookup, engine.py) against the same engine
 without it, and HF transformers' own prompt lookup at batch 1, in one process.
 
-    .venv/bin/python benchmarks/bench_spec_engine.py [--dtype bfloat16] [--compile] [--k 4]
-        [--concurrency 1 2 4 8 16 32] [--max_rows 64]          # ~10 min eager on 2 cores
+    .venv/bin/python benchmarks/bench_spec_engine.py [--dtype bfloat16] [--compile | --aot]
+        [--k 4] [--concurrency 1 2 4 8 16 32] [--max_rows 64]  # ~10 min eager on 2 cores
 
 Workloads (greedy, 128 new tokens each, EOS ignored; the embedded SmolLM2-135M):
   quoting    prompts that contain most of their answer: a passage of data/declaration.txt (60-200
@@ -95,10 +95,17 @@ class Counted:
 
 
 def run(model, prompts, speculate, compile):
-    """-> (seconds, outputs, engine metrics, seconds per decode step)."""
+    """-> (seconds, outputs, engine metrics, seconds per decode step). compile: False, True
+    (torch.compile) or a dict, batch.py's default: the ahead-of-time packages (decode and verify
+    steps) for a model loaded as the dict says."""
     engine = Engine.for_model(
-        model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile
+        model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile is True
     )
+    if isinstance(compile, dict):
+        from speedups import aot
+
+        verify = 1 + speculate.k if speculate else 0
+        engine.decode_fn = aot.decode_step(model, engine.cache, compile, verify=verify)
     params = RequestParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     ids, done, decode_s, decode_steps = [engine.add_request(p, params) for p in prompts], {}, 0.0, 0
     start = time.perf_counter()
@@ -117,6 +124,10 @@ def run(model, prompts, speculate, compile):
         engine.metrics(),
         decode_s / max(decode_steps, 1),
     )
+
+
+def mode(args) -> str:
+    return "ahead-of-time packages" if args.aot else "torch.compile" if args.compile else "eager"
 
 
 def median(xs):
@@ -165,7 +176,7 @@ def profile_steps(model, prompts, k, compile):
     of 5."""
     for speculate in (None, Rejected(k)):
         engine = Engine.for_model(
-            model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile
+            model, num_blocks=4000, block_size=16, speculate=speculate, compile=compile is True
         )
         for p in prompts:
             engine.add_request(
@@ -221,7 +232,12 @@ def main():
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compiled decode-only steps (drafted steps run eager)",
+        help="torch.compile's decode and verify steps (--compile jit)",
+    )
+    p.add_argument(
+        "--aot",
+        action="store_true",
+        help="batch.py's default: the ahead-of-time packages' decode and verify steps",
     )
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max_rows", type=int, default=64)
@@ -248,6 +264,8 @@ def main():
     args = p.parse_args()
 
     model, info = weights.load(None, dtype=runtime.DTYPES[args.dtype], dequantize=True)
+    if args.aot:  # how the packages' child loads the same model (fused as below)
+        args.compile = dict(checkpoint=None, dtype=args.dtype, quantize=None, dequantize=True)
     tok = load_tokenizer(info.source)
     with open(os.path.join(os.path.dirname(HERE), "data", "declaration.txt")) as f:
         words = f.read().split()
@@ -282,7 +300,7 @@ def main():
     print(
         f"# {runtime.cpu_capability()} | torch {torch.__version__} | "
         f"{torch.get_num_threads()} threads | "
-        f"SmolLM2-135M {args.dtype} | {'compiled decode steps' if args.compile else 'eager'} | "
+        f"SmolLM2-135M {args.dtype} | {mode(args)} | "
         f"k={args.k} | max_rows={args.max_rows} | "
         + (
             f"draft model: an {args.draft} copy"

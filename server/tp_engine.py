@@ -286,7 +286,7 @@ def load_one_process(
     engine.adapters = adapters
     if compile in ("auto", "aot"):
         load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
-        engine.decode_fn = aot_step(engine, load, compile, (speculate, batch_invariant))
+        engine.decode_fn = aot_step(engine, load, compile, batch_invariant)
     return engine, tokenizer, info
 
 
@@ -398,31 +398,31 @@ def draft_proposer(draft, draft_info, model, speculate_k, num_blocks, block_size
     return proposer
 
 
-def aot_refusal(engine, speculate, batch_invariant):
+def aot_refusal(engine, batch_invariant):
     """Why the ahead-of-time compiled step cannot serve this engine, or a false value."""
     return (
-        (speculate and "speculative steps compile with --compile")
-        or (batch_invariant and "--batch_invariant runs eager steps")
+        (batch_invariant and "--batch_invariant runs eager steps")
         or (engine.device.type != "cpu" and "it runs on CPU; use --compile")
         or (engine.model.lm_head is None and "the model has no output head (embeddings only)")
     )
 
 
-def aot_step(engine, load: dict, compile: str, flags):
-    """--compile auto|aot: the engine's decode-only steps as speedups/aot.py's paged package (built
-    once, in a child process, cached on disk); None (eager) where it cannot serve: quietly for what
-    the flags (speculate, batch_invariant) rule out, with the reason in one line for a failed
-    build. --compile aot raises instead."""
+def aot_step(engine, load: dict, compile: str, batch_invariant):
+    """--compile auto|aot: the engine's decode-only steps (and with speculation its verify steps,
+    1 + k tokens a row) as speedups/aot.py's paged packages (built once, in a child process, cached
+    on disk); None (eager) where they cannot serve: quietly for what --batch_invariant rules out,
+    with the reason in one line for a failed build. --compile aot raises instead."""
     from speedups import aot
 
-    refusal = aot_refusal(engine, *flags)
+    refusal = aot_refusal(engine, batch_invariant)
     if refusal:
         if compile == "aot":
             raise ValueError(f"--compile aot: {refusal}")
         return None
     # the package binds the base layers' tensors by their names: adapters' wrappers set aside
     with engine.adapters.unwrapped() if engine.adapters else contextlib.nullcontext():
-        step = aot.decode_step(engine.model, engine.cache, load, fallback=compile == "auto")
+        verify = 1 + engine.speculate.k if engine.speculate else 0
+        step = aot.decode_step(engine.model, engine.cache, load, compile == "auto", verify)
     return step if isinstance(step, aot.AotDecode) else None
 
 

@@ -71,10 +71,11 @@ from speedups.aot_export import (
 )
 
 
-def parts_for(cache) -> list:
-    """The packages a cache needs (header): the int8 cache one, a static cache one or two."""
+def parts_for(cache, verify: int = 0) -> list:
+    """The packages a cache needs (header): the int8 cache one, a static cache one or two; a paged
+    one its decode step's and, with speculation, its verify steps' (`verify` tokens a row)."""
     if isinstance(cache, PagedKVCache):
-        return ["paged"]
+        return ["paged"] + ([f"verify{verify}"] if verify > 1 else [])
     if hasattr(cache, "k_scale"):
         return ["any"]
     return ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
@@ -200,60 +201,64 @@ class AotDecode:
 
 
 class AotPaged(AotDecode):
-    """The paged package, called as the engine calls its compiled step: (model, cache, tokens [1,
-    R], pos [1, R]) -> logits [R, V] inside cache.step_groups. Built for 2 to MAX_ROWS rows (the
-    layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a branch
-    splits), a longer step runs in pieces of max_rows rows (a decode step's rows are independent:
-    each writes and reads only its own blocks); drafted steps run eager (RESULTS.md, "Compiled by
-    default")."""
+    """The paged packages, called as the engine calls its compiled step: (model, cache, tokens [1,
+    R * T], pos [1, R * T]) -> logits [R * T, V] inside cache.step_groups, T = 1 ("paged") or a
+    verify step's 1 + k ("verifyT", where speculation asks for it). Built for 2 to MAX_ROWS rows
+    (the layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a
+    branch splits), a longer step runs in pieces of max_rows rows (a row's tokens write and read
+    only its own blocks); a step no package serves runs eager."""
 
     max_rows = MAX_ROWS
 
     def __call__(self, model, cache, tokens, pos):
         if model is not self.step.model or cache is not self.step.cache:
             raise AotError("this compiled step was loaded for another model or cache")
+        T = cache.groups[0][1]
+        part = "paged" if T == 1 else f"verify{T}"
         if (
             len(cache.groups) != 1
-            or cache.groups[0][1] != 1
+            or part not in self.loaders
             or cache.groups[0][2].shape[-1] > MAX_WIDTH
             or cache.num_blocks > MAX_BLOCKS
         ):  # sizes it was built for
             return model(tokens, pos, cache)[0]
         table, m = cache.groups[0][2], self.max_rows
         pieces = [
-            self._rows(cache, tokens[:, i : i + m], pos[:, i : i + m], table[i : i + m])
-            for i in range(0, tokens.shape[1], m)
+            self._rows(
+                cache,
+                part,
+                tokens[:, i * T : (i + m) * T],
+                pos[:, i * T : (i + m) * T],
+                table[i : i + m],
+            )  # fmt: skip
+            for i in range(0, table.shape[0], m)
         ]
         return (
             pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         )  # (one piece: no copy of its logits)
 
-    def _rows(self, cache, tokens, pos, table):
-        """One package call: tokens/pos [1, R], table [R, W], 1 <= R <= MAX_ROWS -> logits [R,
-        V]."""
-        R = tokens.shape[1]
-        if (
-            R == 1
-        ):  # export specializes sizes 0 and 1: a second row, of the null block at position 0
-            tokens, pos, table = (
-                F.pad(tokens, (0, 1)),
-                F.pad(pos, (0, 1)),
-                F.pad(table, (0, 0, 0, 1)),
-            )
+    def _rows(self, cache, part, tokens, pos, table):
+        """One package call: tokens/pos [1, R * T], table [R, W], 1 <= R <= MAX_ROWS -> logits
+        [R * T, V]."""
+        R, T = table.shape[0], tokens.shape[1] // table.shape[0]
+        if R == 1:  # export specializes sizes 0 and 1: a second row, of the null block at 0
+            pad = torch.arange(T, device=pos.device)[None]  # positions 0..T-1 of the null block
+            tokens, pos = F.pad(tokens, (0, T)), torch.cat((pos, pad), dim=1)
+            table = F.pad(table, (0, 0, 0, 1))
         if table.shape[1] == 1:  # and a second block, the null block (never visible: after pos)
             table = F.pad(table, (0, 1))
         inputs = [tokens.contiguous(), pos.contiguous(), table.contiguous(), *cache.tensors()]
-        return self.loaders["paged"].run(inputs)[0][:R]
+        return self.loaders[part].run(inputs)[0][: R * T]
 
 
-def decode_step(model, cache, load: dict, fallback: bool = False):
+def decode_step(model, cache, load: dict, fallback: bool = False, verify: int = 0):
     """The decode step for `model` and caches like `cache` (any length), compiled ahead of time once
     per key by a child process, then loaded. load: how the child builds the same model,
     weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name.
     fallback: where it cannot be built or loaded, say why in one line and return eager
-    decode_one."""
+    decode_one. verify: a paged cache's verify steps too, of that many tokens a row (1 + k)."""
     try:
-        return package_step(model, cache, load, retry=not fallback)
+        return package_step(model, cache, load, retry=not fallback, verify=verify)
     except (
         AotError,
         OSError,
@@ -272,7 +277,7 @@ def one_line(e: Exception) -> str:
     return str(e).splitlines()[0]
 
 
-def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
+def package_step(model, cache, load: dict, retry: bool = True, verify: int = 0) -> AotDecode:
     import fcntl
 
     paged = isinstance(cache, PagedKVCache)
@@ -289,11 +294,9 @@ def package_step(model, cache, load: dict, retry: bool = True) -> AotDecode:
             + ("" if paged else f", a cache of {cache.max_seq_len} slots")
             + "); use --compile"
         )
-    if model.config.mla:  # (its cache holds K alone: the package's inputs are K and V)
-        raise AotRefusal("--compile aot does not export latent attention (DeepSeek); use --compile")
     step, kind = (PagedStep, AotPaged) if paged else (Step, AotDecode)
     step = step(model, cache)
-    folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache)
+    folder, parts = os.path.join(cache_root(), package_key(step)), parts_for(cache, verify)
     try:
         os.makedirs(folder, exist_ok=True)
         lock = open(os.path.join(folder, ".lock"), "w")

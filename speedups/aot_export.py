@@ -73,7 +73,8 @@ class Step(torch.nn.Module):
     def __init__(self, model, cache):
         super().__init__()
         self.model, self.kind, self.decode = model, type(cache), cache.decode
-        self.fields = [f for f in CACHE_FIELDS if hasattr(cache, f)]
+        self.fields = [f for f in CACHE_FIELDS if getattr(cache, f, None)]  # a latent's V: none
+        self.latent = cache.latent  # (0 but for model.MLAttention's cache)
         self.register_buffer("rows", torch.arange(cache.batch_size))
         self.signature = f"batch {cache.batch_size}"
 
@@ -87,7 +88,9 @@ class Step(torch.nn.Module):
             slots,
             slots.shape[0],
         )  # all that attend reads
-        cache.decode = self.decode
+        cache.decode, cache.latent = self.decode, self.latent
+        if self.latent:
+            cache.v = []
         return decode_one(self.model, cache, token, pos)
 
 
@@ -97,7 +100,9 @@ class PagedStep(torch.nn.Module):
 
         logits [R, V] = step(tokens [1, R], pos [1, R], table [R, W], *pools)  # pools [N, ...]
 
-    `cache` gives the block size and the decode kernel; its tensors are swapped for the inputs."""
+    or a verify step of speculative decoding, T = 1 + k tokens a row (a package per T: "verifyT"),
+    logits [R * T, V] from tokens and pos [1, R * T]. `cache` gives the block size and the decode
+    kernel; its tensors are swapped for the inputs."""
 
     def __init__(self, model, cache):
         super().__init__()
@@ -105,9 +110,11 @@ class PagedStep(torch.nn.Module):
         self.signature = f"block_size {cache.block_size}"
 
     def forward(self, tokens, pos, table, *pools):
-        c, n = self.cache, len(pools) // 2
+        c = self.cache
+        n = len(c.k)  # pools: cache.tensors(), K's then V's (a latent's: none)
         saved = c.k, c.v, c.slots, c.groups
-        c.k, c.v, c.groups = list(pools[:n]), list(pools[n:]), [(table.shape[0], 1, table)]
+        T = tokens.shape[1] // table.shape[0]  # tokens a row: 1, or a verify package's 1 + k
+        c.k, c.v, c.groups = list(pools[:n]), list(pools[n:]) or c.v, [(table.shape[0], T, table)]
         c.slots = torch.arange(
             table.shape[1] * c.block_size, device=table.device
         )  # the slots one row's blocks hold
@@ -356,14 +363,15 @@ def package_part(step, inputs, dynamic, folder: str, part: str, made: dict):
 def example(part, step, kind, B):
     """A package's example inputs and their dynamic sizes (header)."""
     n_layers = step.model.config.n_layers
-    if part == "paged":  # 4 rows of 3 blocks; rows, width and pool size dynamic
+    if part == "paged" or part.startswith("verify"):  # 4 rows of 3 blocks, T tokens a row
+        T = int(part.removeprefix("verify")) if part != "paged" else 1
         R, W = (
             torch.export.Dim("rows", min=2, max=MAX_ROWS),
             torch.export.Dim("width", min=2, max=MAX_WIDTH),
         )
         N, rows = (
             torch.export.Dim("blocks", min=2, max=MAX_BLOCKS),
-            torch.zeros(1, 4, dtype=torch.long),
+            torch.zeros(1, 4 * T, dtype=torch.long),
         )
         inputs = (
             rows,
@@ -371,7 +379,8 @@ def example(part, step, kind, B):
             torch.ones(4, 3, dtype=torch.long),
             *step.cache.tensors(),
         )  # (never aliased)
-        return inputs, ({1: R}, {1: R}, {0: R, 1: W}, ({0: N},) * (2 * n_layers))
+        flat = R * T if T > 1 else R  # rows, width and pool size dynamic
+        return inputs, ({1: flat}, {1: flat}, {0: R, 1: W}, ({0: N},) * (len(inputs) - 3))
     (low, high), attend, slots = PARTS[part]
     cache, token = kind.for_model(step.model, B, slots), torch.zeros(B, 1, dtype=torch.long)
     L, S = (

@@ -5,6 +5,9 @@ step (`generate.py --kv_cache_dtype int8`, `perplexity.py --kv_cache_dtype int8`
 
     bytes per token = 2 * layers * kv_heads * (head_dim * 1 + bytes of one scale)
 
+or, for DeepSeek's latent attention (one latent "head" holding K, whose first values are V),
+layers * (kv_lora_rank + qk_rope_head_dim + bytes of two scales).
+
 It is kv_cache.StaticKVCache with int8 buffers plus scale buffers; the reference path dequantizes
 and runs the same attention, and a compiled one-token step reads the int8 bytes directly.
 """
@@ -41,23 +44,33 @@ class Int8KVCache(StaticKVCache):
         decode=None,
         latent=0,
     ):
-        if latent:
-            raise ValueError(
-                "the int8 KV cache holds no latents yet (DeepSeek's latent attention): drop "
-                "--kv_cache_dtype int8"
-            )
         super().__init__(
-            n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, torch.int8, device, decode
+            n_layers,
+            batch_size,
+            n_kv_heads,
+            max_seq_len,
+            head_dim,
+            torch.int8,
+            device,
+            decode,
+            latent,
         )
-        shape = (batch_size, n_kv_heads, max_seq_len, 1)
+        # a latent's K is [c | k_pe]: one scale for each part (k_pe's magnitudes are its own)
+        shape = (batch_size, n_kv_heads, max_seq_len, 2 if latent else 1)
         self.k_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v_scale = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v_scale = (
+            []
+            if latent
+            else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        )
 
     def tensors(self) -> list:
         return self.k + self.v + self.k_scale + self.v_scale
 
     def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
         # q [B, T, H, D]; k, v [B, T, Hkv, D]; input_pos [B, T] -> [B, T, H, D]
+        if self.latent:
+            return self.attend_latent(layer, q, k, input_pos, window)
         rows = self.rows[: k.shape[0], None]
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             xq, xs = quantize_per_token(x)
@@ -79,3 +92,22 @@ class Int8KVCache(StaticKVCache):
         if q.shape[1] == 1 and self.decode is not None and not softcap and sinks is None:
             return self.decode(q, k_cache, v_cache, mask)
         return attention(q, k_cache, v_cache, mask, softcap, sinks)
+
+    def attend_latent(self, layer, q, k, input_pos, window=0):
+        """model.MLAttention's one latent "head" per token, K = [c | k_pe] (V: c), as int8 with one
+        scale for c and one for k_pe; dequantized, then kv_cache.attention (heads folded into the
+        query rows), compiled or not.
+
+        q [B, T, H, R + P]; k [B, T, 1, R + P] -> [B, T, H, R]"""
+        R, rows = self.latent, self.rows[: k.shape[0], None]
+        parts = [quantize_per_token(x) for x in (k[..., :R], k[..., R:])]
+        self.k[layer][rows, :, input_pos] = torch.cat([p[0] for p in parts], dim=-1)
+        self.k_scale[layer][rows, :, input_pos] = torch.cat([p[1] for p in parts], dim=-1)
+        L = self.attend_len
+        kq, scale = (t[layer].narrow(2, 0, L) for t in (self.k, self.k_scale))  # [B, 1, L, *]
+        k_cache = torch.cat(
+            (kq[..., :R].to(q.dtype) * scale[..., :1], kq[..., R:].to(q.dtype) * scale[..., 1:]),
+            dim=-1,
+        )  # [B, 1, L, R + P]
+        mask = visible(self.slots[:L], input_pos, window)  # [B, 1, T, L]
+        return attention(q, k_cache, k_cache[..., :R], mask)

@@ -417,3 +417,56 @@ def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
     assert not [
         f for f in files if f.startswith(("server/", "tests/")) or f in ("serve.py", "batch.py")
     ], files
+
+
+def test_latent_attention_packages_and_verify_steps_equal_eager(tmp_path):
+    """DeepSeek-V2 (model.MLAttention, its group-limited router): generate.py's package over a
+    latent static cache (K alone among its inputs) equals the eager step and writes the same
+    latents; the engine's paged packages (latent pools, no V), its decode steps' and, with prompt
+    lookup, its verify steps' (1 + k tokens a row), give the eager engine's tokens."""
+    import random
+
+    from sequence import RequestParams
+    from server import tp_engine
+
+    folder = tiny_checkpoint(tmp_path, arch="deepseek_v2", max_position_embeddings=512)
+    model, spec = load(folder)
+    step = aot.decode_step(model, StaticKVCache.for_model(model, 2, 256), spec)
+    cache = StaticKVCache.for_model(model, 2, 256)
+    fill(model, cache, 200)
+    for p in (3, 130, 200):
+        twin = StaticKVCache.for_model(model, 2, 256)
+        twin.k, twin.attend_len = [t.clone() for t in cache.k], cache.use_positions(p + 1)
+        token, pos = torch.tensor([[5], [9]]), torch.full((2, 1), p)
+        with torch.no_grad():
+            ours, eager = (
+                step(model, cache, token, pos),
+                compiling.decode_one(model, twin, token, pos),
+            )
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+        assert cache.v == [] and all(
+            torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.k, twin.k)
+        )
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 10))] * 3 for _ in range(8)]
+    params = [RequestParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 8
+    flags = dict(checkpoint=str(folder), dtype="float32", block_size=4, num_blocks=80,
+                 speculate="prompt_lookup", speculate_k=3)  # fmt: skip
+    eager, _, _ = tp_engine.load_one_process(compile="off", **flags)
+    engine, _, _ = tp_engine.load_one_process(compile="aot", **flags)
+    package, calls = engine.decode_fn, []
+    assert isinstance(package, aot.AotPaged) and set(package.loaders) == {"paged", "verify4"}
+
+    class Counted:  # the C++ loader, each call's part recorded
+        def __init__(self, part, loader):
+            self.part, self.loader = part, loader
+
+        def run(self, inputs):
+            calls.append(self.part)
+            return self.loader.run(inputs)
+
+    package.loaders = {part: Counted(part, loader) for part, loader in package.loaders.items()}
+    ours, theirs = engine.run_batch(prompts, params), eager.run_batch(prompts, params)
+    assert [o["tokens"] for o in ours] == [o["tokens"] for o in theirs]
+    assert calls.count("verify4") > 5 and calls.count("paged") > 0, calls
+    assert engine.metrics()["draft_tokens_accepted"] > 0

@@ -3,9 +3,10 @@ transformers. The whole model: greedy tokens for 32 through generate.py's static
 latent cache holds exactly (kv_lora_rank + qk_rope_head_dim) values a token (the memory plan
 says what expanded heads would take); compiled equals eager; int8 weights stay close (the
 absorbed up-projection kept float); the engine's paged latents give the static cache's tokens;
-what does not run MLA yet refuses by name (--compile aot, the int8 KV cache, LoRA, quantized
-folders); the published parameter counts; GGUF deepseek2 files as llama.cpp writes them
-(tests/deepseek_gguf.py) against their HF twin. Tensor parallelism: tests/test_tp.py.
+the int8 cache's latent at two scales; LoRA and quantized folders refuse it by name; the published
+parameter counts; GGUF deepseek2 files as llama.cpp writes them (tests/deepseek_gguf.py) against
+their HF twin. Tensor parallelism: tests/test_tp.py; packages compiled ahead of time:
+tests/test_aot.py.
 tests/test_model.py runs the three tiny configs (tests/helpers.py's ARCHS) through its prefill
 and static-cache logit checks. The experts alone, against HF's own DeepseekV2Moe and
 DeepseekV3MoE blocks: V2's softmax router greedy and group-limited, V3's sigmoid router with a
@@ -195,15 +196,42 @@ def test_int8_weights_stay_close_and_keep_the_up_projection_float(tmp_path):
     assert mine < 1.5 * dense, (mine, dense)
 
 
-def test_what_does_not_run_latent_attention_yet_refuses_by_name(pair):
-    _, _, model = pair
-    from speedups import aot
-    from speedups.aot_export import AotRefusal
+def test_the_int8_cache_keeps_a_latent_and_its_rotary_key_each_at_its_own_scale(pair):
+    """K = [c | k_pe] as int8 with one scale per part: each part within half its own scale step
+    even where k_pe is 100x c; R + P bytes and two scales a token and layer; the logits of a
+    prefill and 15 decode steps equal those of a float cache holding the same rounded values."""
+    from speedups.kv_int8 import quantize_per_token
 
-    with pytest.raises(AotRefusal, match="does not export latent attention"):
-        aot.package_step(model, StaticKVCache.for_model(model, 1, 64), {})
-    with pytest.raises(ValueError, match="int8 KV cache holds no latents"):
-        Int8KVCache.for_model(model, 1, 64)
+    _, _, model = pair
+    cache = Int8KVCache.for_model(model, 2, 64)
+    k = torch.randn(2, 5, 1, 40) * torch.cat((torch.ones(32), 100 * torch.ones(8)))
+    cache.attend(0, torch.randn(2, 5, 4, 40), k, None, torch.arange(5).expand(2, 5))
+    stored = cache.k[0][:, :, :5].float()  # [2, 1, 5, 40]
+    scale = cache.k_scale[0][:, :, :5].float()  # [2, 1, 5, 2]
+    back = torch.cat((stored[..., :32] * scale[..., :1], stored[..., 32:] * scale[..., 1:]), -1)
+    error = (back - k.transpose(1, 2)).abs()
+    assert (error[..., :32] <= scale[..., :1] / 2 + 1e-6).all() and (scale[..., :1] < 0.1).all()
+    assert (error[..., 32:] <= scale[..., 1:] / 2 + 1e-4).all()
+    assert cache.nbytes() == 2 * 64 * 2 * (40 + 2 * 4) and cache.v == []
+
+    class Rounded(StaticKVCache):  # the slow twin: float K holding what the int8 cache keeps
+        def attend(self, layer, q, k, v, input_pos, window=0, softcap=0.0, sinks=None):
+            parts = [quantize_per_token(x) for x in (k[..., :32], k[..., 32:])]
+            k = torch.cat([values.to(k.dtype) * s for values, s in parts], dim=-1)
+            return super().attend(layer, q, k, k[..., :32], input_pos, window, softcap, sinks)
+
+    seq = torch.randint(3, 256, (2, 28), generator=torch.Generator().manual_seed(5))
+
+    def run(kind):  # the logits of a 12-token prefill's last token and of 15 decode steps
+        c = kind.for_model(model, 2, 64)
+        with torch.no_grad():
+            out = [model(seq[:, :12], torch.arange(12).expand(2, 12), c)[:, -1]]
+            out += [
+                model(seq[:, t : t + 1], torch.full((2, 1), t), c)[:, -1] for t in range(12, 27)
+            ]
+        return torch.stack(out)
+
+    torch.testing.assert_close(run(Int8KVCache), run(Rounded), atol=1e-4, rtol=0)
 
 
 def test_a_config_without_its_latent_sizes_is_named(tmp_path):
