@@ -30,7 +30,7 @@ from engine import Engine
 from formats import weights
 from formats.deepseek import deepseek_experts
 from kv_cache import NoCache, StaticKVCache
-from model import MLP, ModelConfig
+from model import MLP, ModelConfig, apply_rope
 from moe import SparseMoE
 from runtime import CheckpointError
 from sampling import SamplingParams
@@ -175,6 +175,37 @@ def test_compiled_decode_equals_eager(pair):
     prompt = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
     jit = compiling.compile_decode("cpu", autotune=False)
     assert greedy(model, prompt, 16, jit) == greedy(model, prompt, 16)
+
+
+def test_absorbed_attention_equals_expanded_heads(pair):
+    """MLAttention's absorbed form (q and the output through kv_b_proj, attention over the latent)
+    against every head's K = [W_uk c | k_pe] and V = W_uv c expanded and attended the plain way,
+    a prefill then two decode steps through the static latent cache."""
+    _, _, model = pair
+    attn, m = model.layers[0].self_attn, model.layers[0].self_attn.m
+    H, R, N = attn.n_heads, m.kv_lora_rank, m.qk_nope_head_dim
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(12).expand(2, 12)
+    cos, sin = model.rotary(pos, torch.float32)
+    with torch.no_grad():
+        cache = StaticKVCache.for_model(model, 2, 16)
+        ours = [attn(x[:, :10], cos[:, :10], sin[:, :10], pos[:, :10], cache)]
+        ours += [attn(x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1], pos[:, t : t + 1],
+                      cache) for t in (10, 11)]  # fmt: skip
+        q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(
+            attn.q_a_layernorm(attn.q_a_proj(x)))  # fmt: skip
+        q_nope, q_pe = q.view(2, 12, H, -1).split([N, m.qk_rope_head_dim], -1)
+        c, k_pe = attn.kv_a_proj_with_mqa(x).split([R, m.qk_rope_head_dim], -1)
+        kv = (attn.kv_a_layernorm(c) @ attn.kv_b_proj.weight.T).view(2, 12, H, -1)  # expanded
+        k_nope, v = kv.split([N, m.v_head_dim], -1)
+        k_pe = apply_rope(k_pe[:, :, None], cos, sin).expand(-1, -1, H, -1)
+        q = torch.cat((q_nope, apply_rope(q_pe, cos, sin)), -1).transpose(1, 2)
+        k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), is_causal=True, scale=m.softmax_scale
+        )
+        expanded = attn.o_proj(y.transpose(1, 2).reshape(2, 12, -1))
+    torch.testing.assert_close(torch.cat(ours, 1), expanded, atol=1e-5, rtol=1e-5)
 
 
 def test_int8_weights_stay_close_and_keep_the_up_projection_float(tmp_path):
