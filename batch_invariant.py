@@ -132,7 +132,7 @@ def attention(q, k, v, mask, softcap=0.0, sinks=None):
     so a row's bits do not depend on how many queries share the call. Softcap (Gemma 2) and sinks
     (gpt-oss) as kv_cache.attention defines them.
 
-    q [R, T, H, D]; k, v [R, Hkv, L, D]; mask [R, 1, T, L] -> [R, T, H, D]"""
+    q [R, T, H, D]; k [R, Hkv, L, D], v [R, Hkv, L, Dv]; mask [R, 1, T, L] -> [R, T, H, Dv]"""
     R, T, H, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -157,8 +157,9 @@ def attention(q, k, v, mask, softcap=0.0, sinks=None):
         p = torch.softmax(torch.cat((scores, column), -1), dim=-1)[..., :L]
     else:
         p = torch.softmax(scores, dim=-1)
-    y = in_blocks(p.reshape(R, Hkv, T * G, L).to(v.dtype), v)  # [R, Hkv, T*G, D]
-    return y.view(R, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(R, T, H, D)
+    y = in_blocks(p.reshape(R, Hkv, T * G, L).to(v.dtype), v)  # [R, Hkv, T*G, Dv]
+    Dv = v.shape[-1]  # D but for a latent cache (model.MLAttention: V is K's first values)
+    return y.view(R, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(R, T, H, Dv)
 
 
 def in_blocks(a, b):

@@ -137,12 +137,19 @@ def _latent_note(c, cache) -> str:
     """For latent attention (model.MLAttention): what per-head K and V would have taken."""
     if not c.mla:
         return ""
-    m, size = c.mla, cache.k[0].element_size()
+    m, dtype = c.mla, model_dtype(cache)
     heads = c.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    size = torch.tensor([], dtype=dtype).element_size()
     return (
         f" (a latent of {m.kv_lora_rank} + a rotary key of {m.qk_rope_head_dim} per token; "
-        f"expanded heads: {human(c.n_layers * heads * size)}/token)"
+        f"expanded heads: {human(c.n_layers * heads * size)}/token in "
+        f"{str(dtype).removeprefix('torch.')})"
     )
+
+
+def model_dtype(cache):
+    """The activations' dtype a cache was made for (an int8 cache's scales are in it)."""
+    return cache.k_scale[0].dtype if getattr(cache, "k_scale", None) else cache.k[0].dtype
 
 
 # ---- the paged KV cache's plan ----------------------------------------------------------

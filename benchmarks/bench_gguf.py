@@ -2,7 +2,8 @@
 
     .venv/bin/pip install -r benchmarks/requirements-bench.txt   # llama-cpp-python: see that file
     .venv/bin/python benchmarks/bench_gguf.py [--types Q4_1 Q4_K_M Q8_0] [--new_tokens 128]
-                                              [--rounds 2]
+                                              [--rounds 2] [--runners ...]
+    .venv/bin/python benchmarks/bench_gguf.py --shape 1b --llama_cpp_src SRC   # see below
 
 The embedded SmolLM2-135M Q4_1 file, and Q4_K_M and Q8_0 copies of it made by llama.cpp's own
 quantizer (llama_model_quantize with allow_requantize, as `llama-quantize --allow-requantize` does:
@@ -22,6 +23,12 @@ activations all). The aot package is compiled by the first round's run (in a chi
 generate.py, into a fresh cache folder): that run's peak RSS and compile time are printed below the
 table; the table's figures are the best rounds (with --rounds 2 or more, a round whose package was
 already compiled, as every later run of a user finds it; with --rounds 1, the compiling run).
+
+--shape 1b (or 3b) measures the sizes people run instead: random weights in Llama-3.2-1B's (3B's)
+proportions with SmolLM2's vocabulary of 49,152, converted to a bf16 GGUF by llama.cpp's own
+convert_hf_to_gguf.py from SRC (the same llama.cpp the benchmarks build: llama-cpp-python's sdist
+holds it under vendor/llama.cpp) and quantized by its quantizer to Q4_0, Q4_K_M, Q5_K_M, Q6_K and
+Q8_0 (at these widths K-quants are real K-quants, not the Q5_0 fallback of 576-wide layers).
 """
 
 import argparse
@@ -40,7 +47,13 @@ sys.path.insert(0, str(ROOT))
 from formats import weights
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # LLAMA_FTYPE_MOSTLY_*
+# random weights in published proportions, SmolLM2's vocabulary and tokenizer (--shape)
+SHAPES = {
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192),  # 3.2-1B
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, intermediate_size=8192),  # 3.2-3B
+}
+RUNNERS = ("llama.cpp", "ours eager", "ours --compile", "ours --compile aot")
 
 # A build with GGML_BACKEND_DL=ON installs its per-CPU backends in site-packages/bin; they are
 # loaded through libllama's own handle (the same ggml instance the model uses), best variant first.
@@ -166,24 +179,73 @@ def llama_cpp(path, new, threads) -> dict:
     }
 
 
+def shaped_file(shape: str, src: Path, folder: Path) -> Path:
+    """A bf16 GGUF of random weights in SHAPES[shape]'s proportions, written by llama.cpp's own
+    converter (`src`: its source tree, convert_hf_to_gguf.py and gguf-py) from an HF folder made
+    here: model.py's Llama with tied embeddings, N(0, 0.02) weights, and SmolLM2's tokenizer (the
+    embedded file's, turned into tokenizer.json by transformers)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from formats import hf_folder
+    from model import ModelConfig, Transformer
+
+    hf = folder / f"random-{shape}"
+    config = ModelConfig(vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0,
+                         max_position_embeddings=8192, **SHAPES[shape])  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
+    hf_folder.save_hf_folder(model, hf)
+    del model
+    source = weights.default_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tokenizer.save_pretrained(str(hf))
+    out = folder / f"random-{shape}.BF16.gguf"
+    convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16"]
+    run_rss([*convert, "--outfile", str(out)], {"PYTHONPATH": str(src / "gguf-py")})
+    return out
+
+
+def quantized_files(args, folder: Path) -> dict:
+    """{type: path}: the embedded Q4_1 file and copies requantized by llama.cpp, or with --shape a
+    converted bf16 file quantized to each type."""
+    source = (
+        shaped_file(args.shape, Path(args.llama_cpp_src), folder)
+        if args.shape
+        else weights.default_checkpoint()
+    )
+    files = {}
+    for kind in args.types:
+        if kind == "Q4_1" and not args.shape:
+            files[kind] = source
+            continue
+        files[kind] = folder / f"{source.stem.split('.')[0]}.{kind}.gguf"
+        run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
+    return files
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--types", nargs="+", default=["Q4_1", "Q4_K_M", "Q8_0"])
+    p.add_argument("--types", nargs="+", default=None)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shape", choices=list(SHAPES), default=None)
+    p.add_argument("--llama_cpp_src", default=None, help="llama.cpp's source tree (with --shape)")
+    p.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS))
     args = p.parse_args()
+    if args.shape and not args.llama_cpp_src:
+        p.error("--shape converts with llama.cpp's converter: pass --llama_cpp_src")
+    args.types = args.types or (
+        ["Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"] if args.shape else ["Q4_1", "Q4_K_M", "Q8_0"]
+    )
     import torch
 
     threads = torch.get_num_threads()
-    source = weights.default_checkpoint()
     folder = Path(tempfile.mkdtemp(prefix="bench-gguf-"))
-    files = {}
-    for kind in args.types:
-        if kind == "Q4_1":
-            files[kind] = source
-            continue
-        files[kind] = folder / f"SmolLM2-135M-Instruct.{kind}.gguf"
-        run_rss([sys.executable, "-c", QUANTIZE, str(source), str(files[kind]), str(FTYPES[kind])])
+    files = quantized_files(args, folder)
     bare = run_rss([sys.executable, "-c", "import torch"])[2]
     print(
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {threads} threads; bare "
@@ -194,8 +256,14 @@ def main():
             if AMX
             else ""
         )
+        + (f"; random weights in the {args.shape} shape {SHAPES[args.shape]}" if args.shape else "")
         + "\n"
     )
+    table(args, files, bare, threads, folder)
+
+
+def table(args, files: dict, bare: int, threads: int, folder: Path):
+    """Each file's rows: every runner, best of the rounds; then the CPU variant and AOT builds."""
     print(
         "| file | size MiB | runner | decode tok/s | load s | peak RSS MiB | RSS - bare torch MiB "
         "| vs llama.cpp RSS |"
@@ -203,15 +271,16 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     first_aot, variants = {}, set()
     for kind, path in files.items():
+        runs = {
+            "llama.cpp": lambda: llama_cpp(path, args.new_tokens, threads),
+            "ours eager": lambda: ours(path, args.new_tokens, None, folder / "aot"),
+            "ours --compile": lambda: ours(path, args.new_tokens, "jit", folder / "aot"),
+            "ours --compile aot": lambda: ours(path, args.new_tokens, "aot", folder / "aot"),
+        }
         best = {}
         for _ in range(args.rounds):
-            for name, fn in (
-                ("llama.cpp", lambda: llama_cpp(path, args.new_tokens, threads)),
-                ("ours eager", lambda: ours(path, args.new_tokens, None, folder / "aot")),
-                ("ours --compile", lambda: ours(path, args.new_tokens, "jit", folder / "aot")),
-                ("ours --compile aot", lambda: ours(path, args.new_tokens, "aot", folder / "aot")),
-            ):
-                r = fn()
+            for name in ["llama.cpp"] + [r for r in args.runners if r != "llama.cpp"]:
+                r = runs[name]()
                 if r.get("aot_compile") is not None:
                     first_aot[kind] = r
                 b = best.setdefault(name, r)
@@ -229,7 +298,8 @@ def main():
                 f"| {kind} | {path.stat().st_size / 2**20:.0f} | {name} | "
                 f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x) | "
                 f"{r['load']:.2f} | {r['rss'] / 2**20:.0f} | {net / 2**20:.0f} | "
-                f"{net / ref['rss']:.2f}x |"
+                f"{net / ref['rss']:.2f}x |",
+                flush=True,
             )
     print(f"\nllama.cpp's CPU variant (ggml's pick): {', '.join(sorted(variants))}")
     for kind, r in first_aot.items():

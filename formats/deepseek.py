@@ -203,7 +203,7 @@ def gguf_tensors(config, items, path):
     attn_v_b joined back into kv_b_proj (kept float: MLAttention reads it as a matrix), the
     correction bias renamed, the rotary rows of q and of the rotary key from interleaved pairs to
     halves (llama.cpp rotates deepseek2's pairs interleaved and stores HF's rows unchanged)."""
-    halves = {}  # layer -> the first of its k_b, v_b
+    halves, joined = {}, set()  # layer -> the first of its k_b, v_b; layers given kv_b_proj
     for file, name, w in items:
         if name.endswith(".e_score_correction.bias"):
             name = name.replace(".e_score_correction.bias", ".e_score_correction_bias")
@@ -216,6 +216,10 @@ def gguf_tensors(config, items, path):
             name = f"{stem}.kv_b_proj.weight"
         elif name.endswith("kv_b_proj.weight") and not isinstance(w, torch.Tensor):
             w = w.dequantize()
+        if name.endswith("kv_b_proj.weight"):  # (a file with both forms: the first one kept)
+            if name in joined:
+                continue
+            joined.add(name)
         order = rope_rows(config, name, w.shape[0])
         if order is not None:
             w = w[order].contiguous() if isinstance(w, torch.Tensor) else w.rows(order)
@@ -231,9 +235,11 @@ def _kv_b(config, pair: dict, path) -> torch.Tensor:
     for name, w in pair.items():
         want = (H, R, N) if name.endswith("k_b.weight") else (H, V, R)
         if tuple(w.shape) != want:
+            layer, half = name.split(".")[1], "k_b" if name.endswith("k_b.weight") else "v_b"
             raise CheckpointError(
-                f"{path}: tensor {name} has shape {list(w.shape)}, expected {list(want)} for the "
-                f"file's {H} heads, kv_lora_rank {R}, qk_nope_head_dim {N} and v_head_dim {V}"
+                f"{path}: tensor blk.{layer}.attn_{half}.weight has shape {list(w.shape)}, "
+                f"expected {list(want)} for the file's {H} heads, kv_lora_rank {R}, "
+                f"qk_nope_head_dim {N} and v_head_dim {V}"
             )
     k_b, v_b = (pair[n] for n in sorted(pair))  # (k_b, v_b)
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(H * (N + V), R).contiguous()

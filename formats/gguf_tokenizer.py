@@ -37,6 +37,16 @@ O200K_PATTERN = "|".join(
     ]
 )
 
+# DeepSeek-V3's (`deepseek-v3`): three splits in turn, each match its own piece (llama.cpp's
+# llama-vocab.cpp, as DeepSeek's tokenizer.json): digits in threes, CJK runs, then words
+DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+KNOWN_PRE = ("gpt2", "default", "llama-bpe", "llama3", "qwen2", "gpt-4o", "deepseek-v3")
+
 CONTROL, USER_DEFINED = 3, 4
 # `tokenizer.ggml.pre` values whose models split every digit into its own word.
 SINGLE_DIGIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r")
@@ -48,11 +58,21 @@ def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in SINGLE_DIGIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "qwen2", "gpt-4o"):
+    if pre in ("llama-bpe", "llama3", "qwen2", "gpt-4o", "deepseek-v3"):
         pattern = {"qwen2": QWEN2_PATTERN, "gpt-4o": O200K_PATTERN}.get(pre, LLAMA3_PATTERN)
-        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+        patterns = DEEPSEEK_V3_SPLITS if pre == "deepseek-v3" else (pattern,)
+        splits = [
+            pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns
+        ]
         return pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    if pre not in KNOWN_PRE:
+        from runtime import log
+
+        log(
+            f"tokenizer.ggml.pre {pre!r} has no pre-tokenizer here: GPT-2's regex splits the text, "
+            "so digits, CJK or code may become other tokens than the model was trained on"
         )
     return byte_level  # "gpt2", "default" and unknown kinds: GPT-2's own regex
 

@@ -173,9 +173,25 @@ def _family_config(a, gemma: bool) -> dict:
     return out
 
 
+# config.json's "architectures": the class transformers (and llama.cpp's converter) picks by it
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+
 def _common_config(model, kind: str) -> dict:
     a = model.config
     return {
+        "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
         "vocab_size": a.vocab_size,
         "hidden_size": a.dim,

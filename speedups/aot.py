@@ -2,6 +2,7 @@
 
     python generate.py --prompt "Once upon"  # CPU: the default (--compile auto), a static cache
     python batch.py --requests requests.jsonl  # the engine's decode-only steps, paged cache
+                                               # (and with --speculate its verify steps)
 
 --compile auto (generate.py, batch.py, serve.py) uses a package where one can serve and falls back
 to eager with the reason in one line (a failed build is remembered in its folder, failed.txt, so
@@ -68,6 +69,7 @@ from speedups.aot_export import (
     build_in_child,
     named_tensors,
     package_key,
+    part_rows,
 )
 
 
@@ -204,9 +206,10 @@ class AotPaged(AotDecode):
     """The paged packages, called as the engine calls its compiled step: (model, cache, tokens [1,
     R * T], pos [1, R * T]) -> logits [R * T, V] inside cache.step_groups, T = 1 ("paged") or a
     verify step's 1 + k ("verifyT", where speculation asks for it). Built for 2 to MAX_ROWS rows
-    (the layers' kernels change at row counts, quantize.INT4_LARGE_M, and export refuses a range a
-    branch splits), a longer step runs in pieces of max_rows rows (a row's tokens write and read
-    only its own blocks); a step no package serves runs eager."""
+    (a verify package fewer, aot_export.part_rows: the layers' kernels change at row counts,
+    quantize.INT4_LARGE_M, and export refuses a range a branch splits), a longer step runs in
+    pieces of that many rows (a row's tokens write and read only its own blocks); a step no package
+    serves runs eager."""
 
     max_rows = MAX_ROWS
 
@@ -222,7 +225,7 @@ class AotPaged(AotDecode):
             or cache.num_blocks > MAX_BLOCKS
         ):  # sizes it was built for
             return model(tokens, pos, cache)[0]
-        table, m = cache.groups[0][2], self.max_rows
+        table, m = cache.groups[0][2], min(self.max_rows, part_rows(part)[2])
         pieces = [
             self._rows(
                 cache,
@@ -240,11 +243,11 @@ class AotPaged(AotDecode):
     def _rows(self, cache, part, tokens, pos, table):
         """One package call: tokens/pos [1, R * T], table [R, W], 1 <= R <= MAX_ROWS -> logits
         [R * T, V]."""
-        R, T = table.shape[0], tokens.shape[1] // table.shape[0]
-        if R == 1:  # export specializes sizes 0 and 1: a second row, of the null block at 0
-            pad = torch.arange(T, device=pos.device)[None]  # positions 0..T-1 of the null block
-            tokens, pos = F.pad(tokens, (0, T)), torch.cat((pos, pad), dim=1)
-            table = F.pad(table, (0, 0, 0, 1))
+        (T, low, _), R = part_rows(part), table.shape[0]
+        if R < low:  # (export specializes sizes 0 and 1): rows of the null block, at 0..T-1
+            pad = torch.arange(T, device=pos.device).repeat(low - R)[None]
+            tokens, pos = F.pad(tokens, (0, T * (low - R))), torch.cat((pos, pad), dim=1)
+            table = F.pad(table, (0, 0, 0, low - R))
         if table.shape[1] == 1:  # and a second block, the null block (never visible: after pos)
             table = F.pad(table, (0, 1))
         inputs = [tokens.contiguous(), pos.contiguous(), table.contiguous(), *cache.tensors()]
@@ -316,7 +319,7 @@ def package_step(model, cache, load: dict, retry: bool = True, verify: int = 0) 
         )  # a process compiling the same key: wait for it, then use its packages
         todo = [p for p in parts if not os.path.exists(os.path.join(folder, p + ".pt2"))]
         if todo:
-            build_once(folder, todo, load, cache, retry)
+            parts = build_parts(folder, parts, todo, load, cache, retry)
             log(f"compiled in {time.perf_counter() - start:.1f} s")
             start = time.perf_counter()
     aot = kind(folder, step, parts)
@@ -324,11 +327,30 @@ def package_step(model, cache, load: dict, retry: bool = True, verify: int = 0) 
     return aot
 
 
-def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
-    """build_in_child, a failure remembered in the folder (failed.txt): without retry (--compile
+def build_parts(folder: str, parts: list, todo: list, load: dict, cache, retry: bool) -> list:
+    """Build `todo`: the decode packages in one child, then each verify package in its own, whose
+    failure (under --compile auto) leaves speculation's verify steps eager, not the decode steps:
+    -> the parts that can be loaded."""
+    decode = [p for p in todo if not p.startswith("verify")]
+    if decode:
+        build_once(folder, decode, load, cache, retry)
+    for part in todo:
+        if part.startswith("verify"):
+            try:
+                build_once(folder, [part], load, cache, retry, f"failed-{part}.txt")
+            except AotError as e:
+                if retry:
+                    raise
+                log(f"verify steps run eager: {one_line(e)}")
+                parts = [p for p in parts if p != part]
+    return parts
+
+
+def build_once(folder: str, parts: list, load: dict, cache, retry: bool, name="failed.txt"):
+    """build_in_child, a failure remembered in the folder (`name`): without retry (--compile
     auto) the next run does not build again, so a machine without a C++ compiler does not pay for a
     failed build every run; --compile aot (retry) builds again."""
-    failed = os.path.join(folder, "failed.txt")
+    failed = os.path.join(folder, name)
     if not retry and os.path.exists(failed):
         with open(failed) as f:
             raise AotError(

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+import quantize
 from compiling import decode_one
 from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from paged import PagedKVCache
@@ -360,13 +361,25 @@ def package_part(step, inputs, dynamic, folder: str, part: str, made: dict):
             os.remove(leftover)
 
 
+def part_rows(part: str) -> tuple:
+    """(tokens a row T, fewest rows, most rows) of a paged package: its rows' R * T tokens never
+    cross a layer's switch of kernel by row count (quantize.INT4_LARGE_M's 128 in bf16: float32's
+    2 lies below 2T; quant_groups.FEW_ROWS's 4), where export refuses a range a branch splits."""
+    from formats.quant_groups import FEW_ROWS
+
+    T = 1 if part == "paged" else int(part.removeprefix("verify"))
+    if T == 1:
+        return 1, 2, MAX_ROWS
+    return T, max(2, FEW_ROWS // T + 1), min(MAX_ROWS, (quantize.INT4_LARGE_M - 1) // T)
+
+
 def example(part, step, kind, B):
     """A package's example inputs and their dynamic sizes (header)."""
     n_layers = step.model.config.n_layers
     if part == "paged" or part.startswith("verify"):  # 4 rows of 3 blocks, T tokens a row
-        T = int(part.removeprefix("verify")) if part != "paged" else 1
+        T, low, high = part_rows(part)
         R, W = (
-            torch.export.Dim("rows", min=2, max=MAX_ROWS),
+            torch.export.Dim("rows", min=low, max=high),
             torch.export.Dim("width", min=2, max=MAX_WIDTH),
         )
         N, rows = (

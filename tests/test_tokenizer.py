@@ -196,6 +196,34 @@ def test_gguf_gpt_4o_pre_tokenizer_splits_as_tiktokens_o200k(monkeypatch):
         ]
 
 
+def test_gguf_deepseek_v3_pre_tokenizer_splits_as_its_three_regexes():
+    """DeepSeek-V3's GGUF files name their pre-tokenizer "deepseek-v3": three regexes in turn (the
+    `regex` module here, each match isolated from what lies between), then bytes as characters."""
+    import regex
+
+    from formats import gguf_tokenizer
+
+    def isolated(pieces, pattern):
+        out = []
+        for piece in pieces:
+            at = 0
+            for m in regex.finditer(pattern, piece):
+                out += [piece[at : m.start()]] * (m.start() > at) + [m.group()]
+                at = m.end()
+            out += [piece[at:]] * (at < len(piece))
+        return out
+
+    pre = gguf_tokenizer._pre_tokenizer("deepseek-v3")
+    byte_level = {b: chr(c) for b, c in zip(range(256), _byte_chars())}
+    for text in TEXTS + ["价格是 12345 元, 東京タワー! x=foo(bar)\r\n  path/to_file", "a1234b"]:
+        want = [text]
+        for pattern in gguf_tokenizer.DEEPSEEK_V3_SPLITS:
+            want = isolated(want, pattern)
+        ours = [piece for piece, _ in pre.pre_tokenize_str(text)]
+        assert ours == ["".join(byte_level[b] for b in w.encode()) for w in want], text
+    assert [p for p, _ in pre.pre_tokenize_str("a1234b")] == ["a", "123", "4", "b"]
+
+
 def _byte_chars():
     """GPT-2's byte-to-character map (what the byte-level pre-tokenizer shows), in byte order."""
     keep = (
