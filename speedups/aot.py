@@ -328,29 +328,43 @@ def package_step(model, cache, load: dict, retry: bool = True, verify: int = 0) 
 
 
 def build_parts(folder: str, parts: list, todo: list, load: dict, cache, retry: bool) -> list:
-    """Build `todo`: the decode packages in one child, then each verify package in its own, whose
-    failure (under --compile auto) leaves speculation's verify steps eager, not the decode steps:
-    -> the parts that can be loaded."""
-    decode = [p for p in todo if not p.startswith("verify")]
+    """Build `todo` in one child -> the parts that can be loaded. Under --compile auto a failed
+    build with a verify package among them builds the decode packages alone: speculation's verify
+    steps run eager, not the decode steps, and the next runs do not try it again
+    (failed-verifyT.txt)."""
+    known = [] if retry else [p for p in todo if os.path.exists(failed_file(folder, p))]
+    todo, parts = [p for p in todo if p not in known], [p for p in parts if p not in known]
+    verify = [p for p in todo if p.startswith("verify")]
+    if not todo:
+        return parts
+    try:
+        build_once(folder, todo, load, cache, retry)
+        return parts
+    except AotError as e:
+        if retry or not verify:
+            raise
+        why = one_line(e)
+    log(f"verify steps run eager: {why}")
+    for part in verify:
+        with contextlib.suppress(OSError), open(failed_file(folder, part), "w") as f:
+            f.write(why)
+    with contextlib.suppress(FileNotFoundError):  # the decode packages may still build alone
+        os.remove(os.path.join(folder, "failed.txt"))
+    decode = [p for p in todo if p not in verify]
     if decode:
         build_once(folder, decode, load, cache, retry)
-    for part in todo:
-        if part.startswith("verify"):
-            try:
-                build_once(folder, [part], load, cache, retry, f"failed-{part}.txt")
-            except AotError as e:
-                if retry:
-                    raise
-                log(f"verify steps run eager: {one_line(e)}")
-                parts = [p for p in parts if p != part]
-    return parts
+    return [p for p in parts if p not in verify]
 
 
-def build_once(folder: str, parts: list, load: dict, cache, retry: bool, name="failed.txt"):
-    """build_in_child, a failure remembered in the folder (`name`): without retry (--compile
+def failed_file(folder: str, part: str) -> str:
+    return os.path.join(folder, f"failed-{part}.txt")
+
+
+def build_once(folder: str, parts: list, load: dict, cache, retry: bool):
+    """build_in_child, a failure remembered in the folder (failed.txt): without retry (--compile
     auto) the next run does not build again, so a machine without a C++ compiler does not pay for a
     failed build every run; --compile aot (retry) builds again."""
-    failed = os.path.join(folder, name)
+    failed = os.path.join(folder, "failed.txt")
     if not retry and os.path.exists(failed):
         with open(failed) as f:
             raise AotError(

@@ -419,34 +419,17 @@ def test_the_package_key_hashes_the_files_the_step_is_traced_from(tiny):
     ], files
 
 
-def test_latent_attention_packages_and_verify_steps_equal_eager(tmp_path):
-    """DeepSeek-V2 (model.MLAttention, its group-limited router): generate.py's package over a
-    latent static cache (K alone among its inputs) equals the eager step and writes the same
-    latents; the engine's paged packages (latent pools, no V), its decode steps' and, with prompt
-    lookup, its verify steps' (1 + k tokens a row), give the eager engine's tokens."""
+def test_latent_attention_paged_packages_and_verify_steps_equal_eager(tmp_path):
+    """DeepSeek-V2 (model.MLAttention, its group-limited router) in the engine: its paged packages
+    (latent pools, no V), the decode steps' and, with prompt lookup, the verify steps' (1 + k
+    tokens a row), give the eager engine's tokens. (generate.py's latent package:
+    tests/test_deepseek.py.)"""
     import random
 
     from sequence import RequestParams
     from server import tp_engine
 
     folder = tiny_checkpoint(tmp_path, arch="deepseek_v2", max_position_embeddings=512)
-    model, spec = load(folder)
-    step = aot.decode_step(model, StaticKVCache.for_model(model, 2, 256), spec)
-    cache = StaticKVCache.for_model(model, 2, 256)
-    fill(model, cache, 200)
-    for p in (3, 130, 200):
-        twin = StaticKVCache.for_model(model, 2, 256)
-        twin.k, twin.attend_len = [t.clone() for t in cache.k], cache.use_positions(p + 1)
-        token, pos = torch.tensor([[5], [9]]), torch.full((2, 1), p)
-        with torch.no_grad():
-            ours, eager = (
-                step(model, cache, token, pos),
-                compiling.decode_one(model, twin, token, pos),
-            )
-        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
-        assert cache.v == [] and all(
-            torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.k, twin.k)
-        )
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 10))] * 3 for _ in range(8)]
     params = [RequestParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 8
@@ -470,3 +453,27 @@ def test_latent_attention_packages_and_verify_steps_equal_eager(tmp_path):
     assert [o["tokens"] for o in ours] == [o["tokens"] for o in theirs]
     assert calls.count("verify4") > 5 and calls.count("paged") > 0, calls
     assert engine.metrics()["draft_tokens_accepted"] > 0
+
+
+def test_a_failed_verify_build_leaves_the_decode_package(tmp_path, monkeypatch):
+    """Under --compile auto a verify package that fails to build costs speculation's verify steps
+    (eager), not the decode steps: those build alone, and later runs do not try it again."""
+    calls = []
+
+    def build_in_child(folder, parts, load, cache):
+        calls.append(list(parts))
+        if any(p.startswith("verify") for p in parts):
+            raise aot_export.AotError("compiling the decode step ahead of time failed (exit 1)")
+        for p in parts:
+            (tmp_path / f"{p}.pt2").write_text("")
+
+    monkeypatch.setattr(aot, "build_in_child", build_in_child)
+    both = ["paged", "verify5"]
+    assert aot.build_parts(str(tmp_path), both, both, {}, None, retry=False) == ["paged"]
+    assert calls == [both, ["paged"]] and (tmp_path / "paged.pt2").exists()
+    assert (tmp_path / "failed-verify5.txt").exists() and not (tmp_path / "failed.txt").exists()
+    calls.clear()
+    assert aot.build_parts(str(tmp_path), both, ["verify5"], {}, None, retry=False) == ["paged"]
+    assert calls == []  # remembered
+    with pytest.raises(aot_export.AotError):  # --compile aot tries again, and fails loudly
+        aot.build_parts(str(tmp_path), both, ["verify5"], {}, None, retry=True)

@@ -208,6 +208,33 @@ def test_absorbed_attention_equals_expanded_heads(pair):
     torch.testing.assert_close(torch.cat(ours, 1), expanded, atol=1e-5, rtol=1e-5)
 
 
+def test_generate_py_s_package_over_a_latent_cache_equals_eager(tmp_path):
+    """The default decode step of generate.py (speedups/aot.py's static package) over a latent
+    cache, whose inputs are K alone, equals the eager step and writes the same latents."""
+    from helpers import tiny_checkpoint
+    from test_aot import fill, load
+
+    from speedups import aot
+
+    model, spec = load(tiny_checkpoint(tmp_path, arch="deepseek_v2"))
+    step = aot.decode_step(model, StaticKVCache.for_model(model, 2, 256), spec)
+    cache = StaticKVCache.for_model(model, 2, 256)
+    fill(model, cache, 200)
+    for p in (3, 130, 200):
+        twin = StaticKVCache.for_model(model, 2, 256)
+        twin.k, twin.attend_len = [t.clone() for t in cache.k], cache.use_positions(p + 1)
+        token, pos = torch.tensor([[5], [9]]), torch.full((2, 1), p)
+        with torch.no_grad():
+            ours, eager = (
+                step(model, cache, token, pos),
+                compiling.decode_one(model, twin, token, pos),
+            )
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+        assert cache.v == [] and all(
+            torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.k, twin.k)
+        )
+
+
 def test_int8_weights_stay_close_and_keep_the_up_projection_float(tmp_path):
     """The latent up-projection is read as a matrix (absorbed): kept float; the rest int8, the
     logits within 1.5x the relative error of a dense Llama quantized the same way."""
