@@ -179,7 +179,7 @@ def llama_cpp(path, new, threads) -> dict:
     }
 
 
-def shaped_file(shape: str, src: Path, folder: Path) -> Path:
+def shaped_file(shape: str, src, folder) -> Path:
     """A bf16 GGUF of random weights in SHAPES[shape]'s proportions, written by llama.cpp's own
     converter (`src`: its source tree, convert_hf_to_gguf.py and gguf-py) from an HF folder made
     here: model.py's Llama with tied embeddings, N(0, 0.02) weights, and SmolLM2's tokenizer (the
@@ -190,6 +190,7 @@ def shaped_file(shape: str, src: Path, folder: Path) -> Path:
     from formats import hf_folder
     from model import ModelConfig, Transformer
 
+    src, folder = Path(src), Path(folder)
     hf = folder / f"random-{shape}"
     config = ModelConfig(vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0,
                          max_position_embeddings=8192, **SHAPES[shape])  # fmt: skip
@@ -212,11 +213,14 @@ def shaped_file(shape: str, src: Path, folder: Path) -> Path:
 def quantized_files(args, folder: Path) -> dict:
     """{type: path}: the embedded Q4_1 file and copies requantized by llama.cpp, or with --shape a
     converted bf16 file quantized to each type."""
-    source = (
-        shaped_file(args.shape, Path(args.llama_cpp_src), folder)
-        if args.shape
-        else weights.default_checkpoint()
-    )
+    source = weights.default_checkpoint()
+    if args.shape:  # in a child: this process stays small, and so do the children it forks
+        code = "import sys; from bench_gguf import shaped_file as f; print(f(*sys.argv[1:]))"
+        run_rss(
+            [sys.executable, "-c", code, args.shape, args.llama_cpp_src, str(folder)],
+            {"PYTHONPATH": str(ROOT / "benchmarks")},
+        )
+        source = folder / f"random-{args.shape}.BF16.gguf"
     files = {}
     for kind in args.types:
         if kind == "Q4_1" and not args.shape:
