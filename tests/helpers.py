@@ -364,6 +364,20 @@ def gguf_arrays(hf):
             yield name, a[0] if name.endswith("shared_expert_gate.weight") else a
 
 
+def prefill_then_decode(model, x, prefill: int):
+    """Logits [1, T, V] of x [1, T] through a static cache: its first `prefill` tokens at once,
+    then one token a step (what a twin's whole-sequence logits are compared with)."""
+    from kv_cache import StaticKVCache
+
+    cache = StaticKVCache.for_model(model, 1, x.shape[1] + 8)
+    with torch.no_grad():
+        out = [model(x[:, :prefill], torch.arange(prefill)[None], cache)]
+        out += [
+            model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(prefill, x.shape[1])
+        ]
+    return torch.cat(out, 1)
+
+
 def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None, pooling_type=None):
     """Write an HF model as a GGUF file the way llama.cpp's converter lays it out.
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import hf_model, save_hf
+from helpers import hf_model, prefill_then_decode, save_hf
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
@@ -424,14 +424,11 @@ def test_a_deepseek2_gguf_equals_its_hf_twin(arch, tmp_path):
     assert model.config.moe == twin.config.moe and model.config.mla.kv_lora_rank == 32
     torch.testing.assert_close(model.config.mla.softmax_scale, twin.config.mla.softmax_scale)
     x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
-    cache = StaticKVCache.for_model(model, 1, 32)
     with torch.no_grad():
         ref = hf(x).logits
-        ours = [model(x[:, :16], torch.arange(16)[None], cache)]
-        ours += [model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
         legacy, _ = weights.load(write_deepseek2(hf, tmp_path / "kv_b.gguf", split_kv_b=False))
         old = legacy(x, torch.arange(24)[None], NoCache())
-    torch.testing.assert_close(torch.cat(ours, 1), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_then_decode(model, x, 16), ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(old, ref, atol=1e-4, rtol=0)
 
 

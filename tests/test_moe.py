@@ -365,7 +365,7 @@ GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe
 def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, tmp_path):
     """Stacked ffn_*_exps [E, out, in], the router ffn_gate_inp, Qwen2-MoE's *_shexp tensors and its
     dense layer (no router tensor), expert_* metadata; prefill then token-by-token decode."""
-    from helpers import write_gguf
+    from helpers import prefill_then_decode, write_gguf
 
     hf = hf_model(arch)
     model, _ = weights.load(
@@ -374,12 +374,9 @@ def test_gguf_written_as_llama_cpp_does_equals_its_hf_twin(arch, tmp_path):
     twin, _ = weights.load(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
     assert model.config.moe == twin.config.moe
     x = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(8))
-    cache = StaticKVCache.for_model(model, 1, 32)
     with torch.no_grad():
         ref = hf(x).logits
-        ours = [model(x[:, :16], torch.arange(16)[None], cache)]
-        ours += [model(x[:, t : t + 1], torch.full((1, 1), t), cache) for t in range(16, 24)]
-    torch.testing.assert_close(torch.cat(ours, 1), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_then_decode(model, x, 16), ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1"])
