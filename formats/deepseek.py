@@ -241,5 +241,7 @@ def _kv_b(config, pair: dict, path) -> torch.Tensor:
                 f"expected {list(want)} for the file's {H} heads, kv_lora_rank {R}, "
                 f"qk_nope_head_dim {N} and v_head_dim {V}"
             )
-    k_b, v_b = (pair[n] for n in sorted(pair))  # (k_b, v_b)
+    k_b, v_b = (
+        next(w for n, w in pair.items() if n.endswith(h)) for h in ("k_b.weight", "v_b.weight")
+    )
     return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(H * (N + V), R).contiguous()

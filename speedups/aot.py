@@ -213,23 +213,29 @@ class AotPaged(AotDecode):
 
     max_rows = MAX_ROWS
 
+    def __init__(self, folder: str, step, parts):
+        super().__init__(folder, step, parts)
+        self.rows = {part: part_rows(part) for part in self.loaders}  # (once, not per step)
+
     def __call__(self, model, cache, tokens, pos):
         if model is not self.step.model or cache is not self.step.cache:
             raise AotError("this compiled step was loaded for another model or cache")
         T = cache.groups[0][1]
         part = "paged" if T == 1 else f"verify{T}"
+        rows = self.rows.get(part)  # (T, fewest rows, most rows) of the package, if loaded
         if (
             len(cache.groups) != 1
-            or part not in self.loaders
+            or rows is None
             or cache.groups[0][2].shape[-1] > MAX_WIDTH
             or cache.num_blocks > MAX_BLOCKS
         ):  # sizes it was built for
             return model(tokens, pos, cache)[0]
-        table, m = cache.groups[0][2], min(self.max_rows, part_rows(part)[2])
+        table, m = cache.groups[0][2], min(self.max_rows, rows[2])
         pieces = [
             self._rows(
                 cache,
                 part,
+                rows[1],
                 tokens[:, i * T : (i + m) * T],
                 pos[:, i * T : (i + m) * T],
                 table[i : i + m],
@@ -240,10 +246,11 @@ class AotPaged(AotDecode):
             pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         )  # (one piece: no copy of its logits)
 
-    def _rows(self, cache, part, tokens, pos, table):
+    def _rows(self, cache, part, low, tokens, pos, table):
         """One package call: tokens/pos [1, R * T], table [R, W], 1 <= R <= MAX_ROWS -> logits
-        [R * T, V]."""
-        (T, low, _), R = part_rows(part), table.shape[0]
+        [R * T, V]; fewer rows than `low` are padded up to it."""
+        R = table.shape[0]
+        T = tokens.shape[1] // R
         if R < low:  # (export specializes sizes 0 and 1): rows of the null block, at 0..T-1
             pad = torch.arange(T, device=pos.device).repeat(low - R)[None]
             tokens, pos = F.pad(tokens, (0, T * (low - R))), torch.cat((pos, pad), dim=1)

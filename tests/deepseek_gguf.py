@@ -8,8 +8,7 @@ mscale_all_dim as 0.1 x it. For tests/test_deepseek.py."""
 from pathlib import Path
 
 import gguf
-import numpy as np
-from helpers import GGUF_NAMES, gguf_arrays
+from helpers import GGUF_NAMES, add_weight, close_gguf, gguf_arrays
 
 NAMES = {
     **GGUF_NAMES,
@@ -26,8 +25,9 @@ NAMES = {
 
 
 def write_deepseek2(hf, path: Path, qtype="F32", split_kv_b=True, drop=()) -> Path:
-    """`hf` as a deepseek2 GGUF; 2-D weights in `qtype` where their rows allow it; split_kv_b=False
-    keeps one attn_kv_b (files converted before the split); `drop`: metadata keys left out."""
+    """`hf` as a deepseek2 GGUF; 2-D and 3-D weights in `qtype` where their rows allow it;
+    split_kv_b=False keeps one attn_kv_b (files converted before the split); `drop`: metadata keys
+    left out."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), "deepseek2")
     for key, value, kind in metadata(c):
@@ -35,17 +35,8 @@ def write_deepseek2(hf, path: Path, qtype="F32", split_kv_b=True, drop=()) -> Pa
             w.add_key_value(f"deepseek2.{key}", value, kind)
     for name, a in gguf_arrays(hf):
         for gname, array in tensors(c, name, a, split_kv_b):
-            q = getattr(gguf.GGMLQuantizationType, qtype)
-            if array.ndim == 2 and qtype != "F32" and "ffn_gate_inp" not in gname:
-                if array.shape[-1] % gguf.GGML_QUANT_SIZES[q][0] == 0:
-                    w.add_tensor(gname, gguf.quants.quantize(array, q), raw_dtype=q)
-                    continue
-            w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            add_weight(w, gname, array, qtype)  # (attn_v_b [H, V, R] too, where R fills blocks)
+    return close_gguf(w, path)
 
 
 def metadata(c):

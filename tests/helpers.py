@@ -440,17 +440,30 @@ def write_gguf(hf, path: Path, arch="llama", qtype="F32", raw_blocks=None, pooli
         if raw_blocks and gname in raw_blocks:
             kind, blocks = raw_blocks[gname]
             w.add_tensor(gname, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
-        elif (
-            a.ndim in (2, 3)
-            and qtype != "F32"
-            and "ffn_gate_inp" not in gname  # (llama.cpp keeps routers float)
-            and a.shape[-1] % gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)][0]
-            == 0
-        ):
-            kind = getattr(gguf.GGMLQuantizationType, qtype)
-            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
         else:
-            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+            add_weight(w, gname, a, qtype)
+    return close_gguf(w, path)
+
+
+def add_weight(w, gname: str, a, qtype: str):
+    """One tensor into a gguf.GGUFWriter as llama.cpp's quantizer leaves it: a 2-D or 3-D weight
+    in `qtype` where its rows hold whole blocks (routers stay float), anything else float32."""
+    import gguf
+    import numpy as np
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    if (
+        a.ndim in (2, 3)
+        and qtype != "F32"
+        and "ffn_gate_inp" not in gname
+        and a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0
+    ):
+        w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    else:
+        w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+
+
+def close_gguf(w, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
