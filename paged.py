@@ -10,7 +10,8 @@ its block table, and grows one block at a time. Position p of a sequence lives a
     block = block_table[p // block_size],  offset = p % block_size
     (at most block_size - 1 slots wasted per sequence)
 
-    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see below)
+    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see below; or
+                                                       as V's for read_in_place)
     v_pool[layer]  [num_blocks, block_size, Hkv, D]
 
 Block 0 is the null block: never handed out, it is where padding tokens write and what unused
@@ -37,8 +38,8 @@ contiguous [rows, Hkv, W * block_size, D] copy for SDPA, whose matrix products t
 rate for prefill chunks (T > 1). For one-token rows a cache may be given a faster kernel where
 it is built (`decode`): `for_model` on CPU passes cpu_kernels.PagedDecodeInPlace, which reads the
 pool where it lies with F.embedding_bag (K's blocks are stored transposed for it) instead of
-writing a copy of every block and reading it twice. Either way a step's attention costs
-rows x W blocks.
+writing a copy of every block and reading it twice. `read_in_place` hands every group to an
+attention over the pool instead (speedups/paged_flex.py: FlexAttention, CUDA's default).
 
 Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
 so equal hashes mean equal whole prefixes. A new request reuses the cached blocks of its longest
@@ -283,6 +284,7 @@ class PagedKVCache:
         window_layers=(),
         window_blocks=0,
         latent=0,
+        transpose_k=True,
     ):
         self.pool_of = [
             int(bool(window_blocks) and i in window_layers) for i in range(n_layers)
@@ -290,23 +292,22 @@ class PagedKVCache:
         sizes = (num_blocks, window_blocks)
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
         # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place
-        # (PagedDecodeInPlace)
-        self.k = [
-            torch.zeros(sizes[p], n_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-            for p in self.pool_of
-        ]
+        # (PagedDecodeInPlace); else laid out as V's (read_in_place)
+        self.transpose_k, self.sizes, self.block_size = transpose_k, sizes, block_size
+        self.k = [self._k_pool(sizes[p], n_kv_heads, head_dim, dtype, device) for p in self.pool_of]
         # latent (model.MLAttention): V is K's first `latent` values, so V's pools hold nothing
         self.latent, dv = latent, 0 if latent else head_dim
         self.v = [
             torch.zeros(sizes[p], block_size, n_kv_heads, dv, dtype=dtype, device=device)
             for p in self.pool_of
         ]
-        self.num_blocks, self.window_blocks, self.block_size = num_blocks, window_blocks, block_size
+        self.num_blocks, self.window_blocks = num_blocks, window_blocks
         # per step, inside step_groups: [(rows, T, block_table[rows, W] or [2, rows, W]), ...]
         self.groups = None
         self.block_tables = None  # with groups None: one group over the whole [B, T] input
         self.slots = torch.arange(bucket(num_blocks) * block_size, device=device)
         self.decode = decode  # None, or a one-token kernel (q, pool_k, pool_v, table, mask) -> y
+        self.in_place = None  # None, or attention over the pool for any group: read_in_place
         self.attention = (
             attention  # what the gathered blocks go through (batch_invariant.py puts its own)
         )
@@ -332,6 +333,7 @@ class PagedKVCache:
             windowed,
             window_blocks if 0 < len(windowed) < a.n_layers else 0,
             latent,
+            transpose_k=decode is not None,
         )
 
     @classmethod
@@ -345,6 +347,24 @@ class PagedKVCache:
         )
         cache.batch_size, cache.max_seq_len = batch_size, width * block_size
         return cache
+
+    def _k_pool(self, n, n_kv_heads, head_dim, dtype, device):
+        bs = self.block_size
+        shape = (n, n_kv_heads, head_dim, bs) if self.transpose_k else (n, bs, n_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def read_in_place(self, attend):
+        """Every group's attention by `attend(q, pool_k, pool_v, table, pos, window, softcap,
+        sinks)` over the pool where it lies (speedups/paged_flex.PagedFlex), instead of the gather
+        and the one-token `decode`. K's pools are laid out as V's ([N, bs, Hkv, D]) for it: call
+        it before the first step (what the pools held is dropped)."""
+        if self.latent:
+            raise ValueError("a latent cache is attended by the gathered reference only")
+        if self.transpose_k:
+            self.transpose_k = False
+            (_, Hkv, D, _), k = self.k[0].shape, self.k[0]
+            self.k = [self._k_pool(self.sizes[p], Hkv, D, k.dtype, k.device) for p in self.pool_of]
+        self.in_place, self.decode = attend, None
 
     def tensors(self) -> list:
         return self.k + ([] if self.latent else self.v)  # (a latent's V pools are empty)
@@ -437,11 +457,14 @@ class PagedKVCache:
         pool_k, pool_v, bs = self.k[layer], self.v[layer], self.block_size
         table = table[self.pool_of[layer]] if table.dim() == 3 else table  # a hybrid's two tables
         block, offset = table.gather(1, pos // bs), pos % bs  # [R, T]: where each token is written
-        pool_k.permute(0, 3, 1, 2)[block, offset] = k.to(
-            pool_k.dtype
-        )  # in-place index_put_ of [R, T, Hkv, D]
+        k_slots = pool_k.permute(0, 3, 1, 2) if self.transpose_k else pool_k  # [N, bs, Hkv, D]
+        k_slots[block, offset] = k.to(pool_k.dtype)  # in-place index_put_ of [R, T, Hkv, D]
         if not self.latent:
             pool_v[block, offset] = v.to(pool_v.dtype)
+        if self.in_place is not None and self.attention is attention:  # not batch_invariant's
+            y = self.in_place(q, pool_k, pool_v, table, pos, window, softcap, sinks)
+            if y is not None:  # (None: it cannot serve this layer)
+                return y
         T, H, D = q.shape[1:]
         # decode past the window: its blocks only (not under batch_invariant.py: a narrower sum than
         # the prefill's)
@@ -450,22 +473,19 @@ class PagedKVCache:
             table = table.gather(
                 1, (first + self.slots[: window // bs + 2]).clamp(max=table.shape[1] - 1)
             )
-            pos = (
-                pos - first * bs
-            )  # positions within the window's blocks (the mask is shift-invariant)
+            pos = pos - first * bs  # within the window's blocks (the mask is shift-invariant)
         R, W = table.shape
-        Hkv, L = pool_k.shape[1], W * bs  # L: the gather width, this group's blocks
-        mask = visible(
-            self.slots[:L], pos, window
-        )  # [R, 1, T, L]: slots each query sees (kv_cache.visible)
-        if (
-            T == 1 and self.decode is not None and not softcap and sinks is None
-        ):  # picked at build time
+        Hkv, L = pool_v.shape[2], W * bs  # L: the gather width, this group's blocks
+        mask = visible(self.slots[:L], pos, window)  # [R, 1, T, L]: slots each query sees
+        if T == 1 and self.decode is not None and not softcap and sinks is None:  # (at build time)
             return self.decode(q, pool_k, pool_v, table, mask)
         # each table entry picks one block (one contiguous row of the pool): [R, W] -> [R, Hkv, L,
         # D]. F.embedding is the gather, several times faster than pool[table] on CPU.
-        k_ctx = F.embedding(table, pool_k.flatten(1)).view(R, W, Hkv, D, bs)  # (no len(): export)
-        k_ctx = k_ctx.permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
+        k_ctx = F.embedding(table, pool_k.flatten(1))  # (no len(): export)
+        if self.transpose_k:
+            k_ctx = k_ctx.view(R, W, Hkv, D, bs).permute(0, 2, 1, 4, 3).reshape(R, Hkv, L, D)
+        else:
+            k_ctx = k_ctx.view(R, L, Hkv, D).transpose(1, 2)
         if self.latent:  # V: K's first values (V's pools are empty)
             v_ctx = k_ctx[..., : self.latent]
         else:
