@@ -19,7 +19,7 @@ import resource
 
 import torch
 
-from kv_cache import kv_bytes_per_token
+from kv_cache import NoCache, kv_bytes_per_token
 from paged import BlockAllocator, PagedKVCache
 from runtime import human
 from scheduler import blocks_for
@@ -88,6 +88,44 @@ def peak_memory_bytes(device: str) -> int:
     if str(device).startswith("cuda"):
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def step_peak(model, n_tokens: int, logits_rows: int = 1) -> int:
+    """Bytes one forward of n_tokens allocates beyond what is held, at its peak (CUDA): measured
+    once, before the KV pool exists, with attention over the step's own tokens (kv_cache.NoCache);
+    logits_rows: the rows whose logits the step keeps (a decode step keeps all)."""
+    device = model.norm.weight.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device)
+    tokens = torch.zeros(1, n_tokens, dtype=torch.long, device=device)
+    pos = torch.arange(n_tokens, device=device)[None]
+    keep = torch.arange(n_tokens - logits_rows, n_tokens, device=device)
+    with torch.no_grad():
+        model(tokens, pos, NoCache(), keep=keep)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - held
+
+
+def gpu_kv_budget(total, free, utilization, held, activations, graphs):
+    """(bytes for the KV pool, the plan's line), as vLLM's --gpu-memory-utilization: of
+    utilization x the device's total, what this process holds (the weights), one step's
+    activations at their peak and the CUDA graphs' pool come first; the KV pool gets the rest,
+    never more than is free (other processes' memory is not ours)."""
+    allowed = int(total * utilization)
+    kv = min(allowed - held - activations - graphs, free - activations - graphs)
+    line = (
+        f"GPU memory: {utilization:.0%} of {human(total)} = {human(allowed)}: weights "
+        f"{human(held)} + a step's activations {human(activations)} + CUDA graphs "
+        f"{human(graphs)} + KV cache {human(max(kv, 0))}"
+    )
+    if kv <= 0:
+        raise ValueError(
+            f"{line}: nothing left for the KV cache ({human(free)} free now); raise "
+            "--gpu_memory_utilization, lower --max_num_batched_tokens or --max_num_seqs, or "
+            "quantize the weights"
+        )
+    return kv, line
 
 
 def weights_line(model) -> str:

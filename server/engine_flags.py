@@ -80,6 +80,13 @@ def add_cache_args(p):
         help="memory for the KV pool, e.g. 2GiB "
         "(default: 20%% of free memory, at most what max_num_seqs full contexts need)",
     )
+    p.add_argument(
+        "--gpu_memory_utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA without --num_blocks / --kv_cache_memory: the share of the GPU's memory "
+        "for weights, a step's activations, CUDA graphs and the KV cache (which gets the rest)",
+    )
     p.add_argument("--max_num_seqs", type=int, default=64, help="most sequences running at once")
     p.add_argument(
         "--max_num_batched_tokens",
@@ -98,6 +105,13 @@ def add_cache_args(p):
         choices=("fcfs", "lpm", "priority"),
         help="admission order: arrival, longest cached prefix first, or each request's "
         "priority (lower first; then arrival; the lowest preempted first)",
+    )
+    p.add_argument(
+        "--paged_attention",
+        default="auto",
+        choices=("auto", "flex", "gather"),
+        help="how attention reads the KV pool: auto (FlexAttention in place on CUDA; on CPU the "
+        "in-place one-token kernel, gathered prefill), flex, or gather (the reference)",
     )
     p.add_argument(
         "--batch_invariant",
@@ -166,6 +180,8 @@ def check_engine_args(p, args):
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.speculate and not 1 <= args.speculate_k <= 16:
         p.error(f"--speculate_k must be an integer in 1..16, got {args.speculate_k}")
     if (args.speculate == "draft") != bool(args.draft_checkpoint):
@@ -196,6 +212,8 @@ def engine_options(args) -> dict:
         "max_num_batched_tokens",
         "schedule_policy",
         "batch_invariant",
+        "paged_attention",
+        "gpu_memory_utilization",
         "speculate",
         "speculate_k",
         "prompt_lookup_min",
@@ -263,3 +281,21 @@ def lora_options(args, p=None):
             f"--max_loras ({slots}) must hold every --lora ({len(pairs)}), --max_lora_rank >= 1"
         )
     return {"adapters": pairs, "slots": slots, "rank": args.max_lora_rank} if slots else None
+
+
+def refuse_under_torchrun(options):
+    """ValueError naming the first flag the tensor-parallel engine does not run."""
+    flags = {
+        "compile": "--compile",
+        "speculate": "--speculate",
+        "kv_tier": "--kv_disk_cache / --kv_host_cache",
+        "batch_invariant": "--batch_invariant",
+        "lora": "--lora / --max_loras",
+        "paged_attention": "--paged_attention",
+    }
+    for key, flag in flags.items():
+        value = options.get(key)
+        if value and (key != "compile" or value in ("jit", "aot", True)) and value != "auto":
+            raise ValueError(
+                f"{flag} does not run tensor-parallel engine steps yet; leave it out under torchrun"
+            )

@@ -302,3 +302,18 @@ def test_memory_plan_arithmetic(tiny64):
     assert n == 50 and f"the draft model's pool: {per_block} bytes per block" in line
     with pytest.raises(ValueError, match="at least 2"):
         plan_blocks(tiny64, 16, memory_bytes=per_block)
+
+
+def test_gpu_memory_plan_leaves_the_kv_pool_what_the_rest_does_not_take():
+    """--gpu_memory_utilization's arithmetic (memory.gpu_kv_budget; a GPU run measures its
+    inputs): 0.9 of 80 GiB = 72 GiB, less 14 GiB of weights, 3 GiB of activations and 1 GiB of
+    graphs, leaves 54 GiB, unless less is free."""
+    from memory import gpu_kv_budget
+
+    G = 2**30
+    kv, line = gpu_kv_budget(80 * G, 70 * G, 0.9, 14 * G, 3 * G, 1 * G)
+    assert kv == 54 * G
+    assert "90% of 80.0 GiB = 72.0 GiB" in line and "KV cache 54.0 GiB" in line
+    assert gpu_kv_budget(80 * G, 40 * G, 0.9, 14 * G, 3 * G, 1 * G)[0] == 36 * G  # others' memory
+    with pytest.raises(ValueError, match="nothing left for the KV cache.*--gpu_memory_utilization"):
+        gpu_kv_budget(16 * G, 16 * G, 0.9, 14 * G, 1 * G, G // 2)
