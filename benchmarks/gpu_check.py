@@ -14,15 +14,17 @@ Then timings, CUDA events (host clock on CPU), median of --repeats runs after a 
 decode tokens/s and GB/s (weight bytes read per token x tokens/s) for a Llama-2-7B-shaped model
 (bf16, int8, int4; compiled with CUDA Graphs) and the embedded model's shape (bf16: eager,
 compiled, compiled + CUDA Graphs), each also as a fraction of the device's measured copy
-bandwidth; compile times; the engine's output tokens/s on --requests requests. Each section has
-a time box (--section_s) and the JSON and Markdown results are rewritten after every section,
-so a run cut short still returns what it finished. FlexAttention is not implemented: reported so.
+bandwidth; compile times. Then the engine (benchmarks/gpu_engine.py): its CUDA-graph decode steps
+equal to eager steps at every batch bucket, over the gathered pool and FlexAttention in place,
+graph launches per step counted; and nano-vllm's workload on --requests requests against HF
+transformers' continuous batching on the same weights. Each timing section has a time box
+(--section_s) and the JSON and Markdown results are rewritten after every section, so a run cut
+short still returns what it finished.
 """
 
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,7 +38,6 @@ sys.path.insert(0, ROOT)
 import compiling
 import generate
 import quantize
-from engine import Engine, RequestParams
 from kv_cache import StaticKVCache
 from model import ModelConfig, Transformer
 from paged import PagedKVCache
@@ -214,7 +215,6 @@ def check_correctness(device, tiny, report):
         b = model(tokens, pos, PagedKVCache.for_batch(model, 2, 64, 16))
     report["paged_equals_static_max_abs_diff"] = (a - b).abs().max().item()
     report["paged_equals_static"] = report["paged_equals_static_max_abs_diff"] < 1e-4
-    report["flex_attention"] = "not implemented (paged.py gathers blocks and calls SDPA)"
 
 
 def time_models(device, tiny, report, repeats, deadline):
@@ -281,37 +281,6 @@ def time_row(device, tiny, shape, q, mode, steps, repeats, bandwidth) -> dict:
     }
 
 
-def engine_throughput(device, tiny, report, n_requests):
-    args = TINY if tiny else SHAPES["smollm2-135m"]
-    model = random_model(args, device, torch.bfloat16)
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(args.vocab_size) for _ in range(rng.randint(50, 500 if not tiny else 100))]
-        for _ in range(n_requests)
-    ]
-    news = [rng.randint(32, 128) for _ in prompts]
-    engine = Engine.for_model(
-        model,
-        num_blocks=1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news)),
-        max_num_seqs=min(256, n_requests),
-        max_num_batched_tokens=2048,
-    )
-    clock = Clock(device)
-    elapsed = clock(
-        lambda: engine.run_batch(
-            prompts,
-            [RequestParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in news],
-        )
-    )
-    report["engine"] = {
-        "requests": n_requests,
-        "output_tokens_per_s": sum(news) / elapsed,
-        "elapsed_s": elapsed,
-        "peak_running": engine.scheduler.stats["peak_running"],
-        "steps": engine.scheduler.stats["steps"],
-    }
-
-
 def markdown(report) -> str:
     lines = [
         f"device: {report['device_name']} | torch {report['torch']} | copy bandwidth "
@@ -337,13 +306,20 @@ def markdown(report) -> str:
                 f"{r['gb_s']:.1f} | {r['fraction_of_copy_bandwidth']:.0%} | {r['compile_s']:.1f} |"
             )
     lines += [f"error in {name}: {error}" for name, error in report.get("errors", {}).items()]
-    if "engine" in report:
-        e = report["engine"]
+    if report.get("engine_vs_hf"):
         lines += [
             "",
-            f"engine: {e['requests']} requests, {e['output_tokens_per_s']:.1f} output tok/s, "
-            f"{e['elapsed_s']:.1f} s, peak running {e['peak_running']}",
+            "| engine on nano-vllm's workload | requests | ours tok/s | HF generate_batch tok/s | "
+            "ratio | TTFT p50 s | per output token p50 ms | graphs captured |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        for r in report["engine_vs_hf"]:
+            lines.append(
+                f"| {r['shape']} | {r['requests']} | {r['ours_tok_s']:.0f} | "
+                f"{r['hf_continuous_tok_s']:.0f} | {r['ratio']:.2f}x | "
+                f"{r['ours_ttft_p50_s']:.2f} | {r['ours_time_per_output_token_p50_s'] * 1e3:.1f} | "
+                f"{r['graphs']['captures']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -400,14 +376,12 @@ def main(argv=None) -> dict:
     section(
         "decode", time_models, device, args.tiny, report, args.repeats, time.time() + args.section_s
     )
-    section(
-        "engine",
-        engine_throughput,
-        device,
-        args.tiny,
-        report,
-        min(args.requests, 16) if args.tiny else args.requests,
-    )
+    import gpu_engine  # (it imports this file's shapes)
+
+    section("engine_graphs", gpu_engine.check_buckets, device, args.tiny, report["checks"])
+    n = min(args.requests, 4) if args.tiny else args.requests
+    deadline = time.time() + args.section_s
+    section("engine_vs_hf", gpu_engine.engine_vs_hf, device, args.tiny, report, n, deadline)
     print(markdown(report))
     return report
 
