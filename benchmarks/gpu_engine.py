@@ -23,6 +23,7 @@ import torch
 from bench_engine import run_hf_continuous
 from gpu_check import SHAPES, TINY, random_model
 
+import quantize
 from engine import Engine, RequestParams, Token
 from formats.hf_folder import hf_config, hf_state_dict
 from model import ModelConfig
@@ -83,8 +84,10 @@ def graph_launches(engine) -> int:
 
 
 def check_buckets(device, tiny, checks):
-    """Per dtype, reader and bucket: the graph engine's greedy tokens against the eager gathered
-    engine's on the same requests (one per row of the bucket, all decoding together)."""
+    """Per dtype, reader and bucket: the graph engine's greedy tokens against the eager engine's
+    with the same reader on the same requests (one per row of the bucket, all decoding together);
+    FlexAttention's against the gather's, both eager; then int8 and int4 weights at the widest
+    bucket."""
     args = TINY if tiny else SHAPES["smollm2-135m"]
     buckets = TINY_BUCKETS if tiny else BUCKETS
     for dtype in (torch.float32, torch.bfloat16):
@@ -115,6 +118,17 @@ def check_buckets(device, tiny, checks):
                     for _ in range(3):  # the prefill, then decode-only steps
                         engine.step()
                     checks[f"{name}: cudaGraphLaunch per decode step"] = graph_launches(engine)
+    for mode in ("int8", "int4"):  # the quantized kernels under the graphs, at the widest bucket
+        model = random_model(args, device, torch.bfloat16, seed=1)
+        quantize.quantize_model(model, mode, 64, head=True)
+        rows, rng = buckets[-1], random.Random(1)
+        prompts = [[rng.randrange(args.vocab_size) for _ in range(9 + i)] for i in range(rows)]
+        params = RequestParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        eager = engine_for(model, "auto", False, rows).run_batch(prompts, params)
+        engine = engine_for(model, "auto", True, rows)
+        out = engine.run_batch(prompts, params)
+        same = sum(a["tokens"] == b["tokens"] for a, b in zip(out, eager)) / rows
+        checks[f"{mode} auto {rows} rows: graph == eager (share of requests)"] = same
     ok = [v for k, v in checks.items() if "graph == eager" in k]
     checks["graphs equal eager at every bucket, both dtypes"] = all(v == 1.0 for v in ok)
 

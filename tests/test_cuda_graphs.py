@@ -117,3 +117,21 @@ def test_a_step_that_cannot_be_captured_leaves_every_step_eager(tiny, reference,
     assert graphs.stats["replays"] == 0 and graphs.stats["eager_steps"] > 0
     err = capsys.readouterr().err
     assert err.count("capture failed (RuntimeError") == 1 and "past the largest" not in err
+
+
+def test_verify_steps_replay_graphs_of_their_own(tiny):
+    """Prompt lookup's verify steps (1 + k tokens a row) replay graphs keyed by that T, and the
+    tokens stay each request's alone-run tokens (repetitive prompts: drafts are accepted)."""
+    from speedups.prompt_lookup import PromptLookup
+
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [12, 13] * 6]
+    news = [12, 10, 9]
+    engine = Engine.for_model(
+        tiny, num_blocks=80, block_size=4, max_num_seqs=8, speculate=PromptLookup(k=3)
+    )
+    engine.decode_fn = graphs = GraphSteps(flat_forward, 8, None, Recording())
+    out = engine.run_batch(prompts, [greedy(n) for n in news])
+    assert [o["tokens"] for o in out] == [alone(tiny, p, n) for p, n in zip(prompts, news)]
+    verify = [g for g in graphs.graphs.values() if g.key[1] == 4]
+    assert verify and all(g.replays for g in verify)
+    assert engine.drafted["draft_tokens_accepted"] > 0
