@@ -19,7 +19,7 @@ import resource
 
 import torch
 
-from kv_cache import NoCache, kv_bytes_per_token
+from kv_cache import NoCache, bucket, kv_bytes_per_token
 from paged import BlockAllocator, PagedKVCache
 from runtime import human
 from scheduler import blocks_for
@@ -92,7 +92,8 @@ def peak_memory_bytes(device: str) -> int:
 
 def step_peak(model, n_tokens: int, logits_rows: int = 1) -> int:
     """Bytes one forward of n_tokens allocates beyond what is held, at its peak (CUDA): measured
-    once, before the KV pool exists, with attention over the step's own tokens (kv_cache.NoCache);
+    once, before the KV pool exists, with attention over the step's own tokens (kv_cache.NoCache;
+    with windows or soft-capping its scores are T x T, more than the engine's attention holds);
     logits_rows: the rows whose logits the step keeps (a decode step keeps all)."""
     device = model.norm.weight.device
     torch.cuda.synchronize(device)
@@ -102,9 +103,27 @@ def step_peak(model, n_tokens: int, logits_rows: int = 1) -> int:
     pos = torch.arange(n_tokens, device=device)[None]
     keep = torch.arange(n_tokens - logits_rows, n_tokens, device=device)
     with torch.no_grad():
-        model(tokens, pos, NoCache(), keep=keep)
+        if model.lm_head is None:  # an embedding model: its final states, no logits
+            model.norm(model.forward_layers(model.embed(tokens), pos, NoCache(), model.layers))
+        else:
+            model(tokens, pos, NoCache(), keep=keep)
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - held
+    peak = torch.cuda.max_memory_allocated(device) - held
+    torch.cuda.empty_cache()  # (what it cached is free again for the plan that reads free memory)
+    return peak
+
+
+def graphs_bytes(model, rows: int, tokens_per_row: int) -> int:
+    """An estimate of the CUDA graphs' pool (speedups/cuda_graphs.py): the widest graph's step at
+    its peak (the graphs share one pool) and every graph's logits, held as its static output
+    (one graph per rows bucket up to `rows`, and per tokens per row: 1, and 1 + k speculating)."""
+    widest = step_peak(model, rows * tokens_per_row, rows * tokens_per_row)
+    per_row = model.config.vocab_size * model.norm.weight.element_size()
+    buckets, n = [], 1
+    while n <= rows:
+        buckets.append(n)
+        n = bucket(n + 1)
+    return widest + sum(buckets) * per_row * (1 + tokens_per_row if tokens_per_row > 1 else 1)
 
 
 def gpu_kv_budget(total, free, utilization, held, activations, graphs):

@@ -10,8 +10,8 @@ its block table, and grows one block at a time. Position p of a sequence lives a
     block = block_table[p // block_size],  offset = p % block_size
     (at most block_size - 1 slots wasted per sequence)
 
-    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed: see below; or
-                                                       as V's for read_in_place)
+    k_pool[layer]  [num_blocks, Hkv, D, block_size]   (each block transposed for CPU's in-place
+                                                       decode kernel, below; else as V's)
     v_pool[layer]  [num_blocks, block_size, Hkv, D]
 
 Block 0 is the null block: never handed out, it is where padding tokens write and what unused
@@ -39,7 +39,7 @@ rate for prefill chunks (T > 1). For one-token rows a cache may be given a faste
 it is built (`decode`): `for_model` on CPU passes cpu_kernels.PagedDecodeInPlace, which reads the
 pool where it lies with F.embedding_bag (K's blocks are stored transposed for it) instead of
 writing a copy of every block and reading it twice. `read_in_place` hands every group to an
-attention over the pool instead (speedups/paged_flex.py: FlexAttention, CUDA's default).
+attention over the pool instead (speedups/paged_flex.py: FlexAttention, `--paged_attention`).
 
 Prefix caching. A full block is named by a hash chained over its token ids and its parent's hash,
 so equal hashes mean equal whole prefixes. A new request reuses the cached blocks of its longest
@@ -292,7 +292,7 @@ class PagedKVCache:
         sizes = (num_blocks, window_blocks)
         # zeros, not empty: read-but-masked slots must hold finite numbers (0 * NaN is NaN).
         # K's blocks are transposed ([Hkv, D, bs]) so a decode step can read them in place
-        # (PagedDecodeInPlace); else laid out as V's (read_in_place)
+        # (PagedDecodeInPlace; for_model: CPU, no latent); else laid out as V's
         self.transpose_k, self.sizes, self.block_size = transpose_k, sizes, block_size
         self.k = [self._k_pool(sizes[p], n_kv_heads, head_dim, dtype, device) for p in self.pool_of]
         # latent (model.MLAttention): V is K's first `latent` values, so V's pools hold nothing
@@ -360,10 +360,12 @@ class PagedKVCache:
         it before the first step (what the pools held is dropped)."""
         if self.latent:
             raise ValueError("a latent cache is attended by the gathered reference only")
-        if self.transpose_k:
+        if self.transpose_k:  # (the old pools freed first: a large pool is not held twice)
             self.transpose_k = False
             (_, Hkv, D, _), k = self.k[0].shape, self.k[0]
-            self.k = [self._k_pool(self.sizes[p], Hkv, D, k.dtype, k.device) for p in self.pool_of]
+            dtype, device, self.k = k.dtype, k.device, []
+            del k
+            self.k = [self._k_pool(self.sizes[p], Hkv, D, dtype, device) for p in self.pool_of]
         self.in_place, self.decode = attend, None
 
     def tensors(self) -> list:
@@ -384,8 +386,7 @@ class PagedKVCache:
 
     def block_kv(self, block: int, pool: int = 0):
         """One block of every layer of a pool (1: a hybrid's windowed layers), what a second tier
-        keeps (speedups/kv_tier.py): (k [layers, Hkv, D, block_size], v [layers, block_size, Hkv,
-        D])."""
+        keeps (speedups/kv_tier.py): (k [layers, Hkv, D, bs] or as v's, v [layers, bs, Hkv, D])."""
         layers = self._layers(pool)
         return torch.stack([self.k[i][block] for i in layers]), torch.stack(
             [self.v[i][block] for i in layers]

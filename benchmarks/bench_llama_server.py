@@ -7,9 +7,9 @@ Setup: unless --llama_server names a binary, llama-server is built once into ben
 (ignored by git) from the llama.cpp sources inside llama-cpp-python's sdist (the version pinned in
 benchmarks/requirements-bench.txt, fetched with pip), with cmake for this machine's instruction
 set (GGML_NATIVE) and ggml's AMX tile kernels off: they fault with SIGILL in these VMs.
-Both servers load the embedded SmolLM2-135M Q4_1 GGUF with 2 threads: serve.py at the file's own
-bits (its default; --serve_flags adds flags), llama-server with one slot per client of the largest
-count (-np; continuous batching is its default) and 1,024 tokens of context per slot.
+Both servers load the embedded SmolLM2-135M Q4_1 GGUF (or --gguf) with 2 threads: serve.py at the
+file's own bits (its default; --serve_flags adds flags), llama-server with one slot per client of
+the largest count (-np; continuous batching is its default) and 1,024 tokens of context per slot.
 The clients (the `openai` client, on loopback) stream completions one after another, each its
 share of --requests: prompts of 20-320 words of data/declaration.txt (fixed seed, the same text to
 both), 128 tokens each, greedy, EOS ignored (`ignore_eos`, which both accept). Columns: output
@@ -155,7 +155,7 @@ def start(name, binary, gguf, slots, serve_flags):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     proc.log = log.name  # its output, shown if a run fails
     url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url)
+    wait_ready(proc, url, timeout=1800)  # (serve.py builds its compiled package on a first run)
     return proc, url
 
 
@@ -182,12 +182,18 @@ def main():
         "--llama_server", default=None, help="a llama-server binary (default: build one, see above)"
     )
     p.add_argument("--serve_flags", default="", help="more flags for serve.py, e.g. '--compile'")
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF both servers load (default: the embedded model; e.g. bench_gguf.py "
+        "--shape 1b's Q4_K_M file)",
+    )
     args = p.parse_args()
     from formats import weights
 
     binary = args.llama_server or build_llama_server()
     gguf, texts, slots = (
-        str(weights.default_checkpoint()),
+        args.gguf or str(weights.default_checkpoint()),
         prompts(args.requests),
         max(args.clients),
     )

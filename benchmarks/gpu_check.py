@@ -371,19 +371,22 @@ def main(argv=None) -> dict:
 
     report["copy_bandwidth_gb_s"] = copy_bandwidth(device, (64 if args.tiny else 1024) << 20)
     save("bandwidth")
-    report["checks"] = {}
-    section("correctness", check_correctness, device, args.tiny, report["checks"])
-    section(
-        "decode", time_models, device, args.tiny, report, args.repeats, time.time() + args.section_s
-    )
-    import gpu_engine  # (it imports this file's shapes)
-
-    section("engine_graphs", gpu_engine.check_buckets, device, args.tiny, report["checks"])
-    n = min(args.requests, 4) if args.tiny else args.requests
-    deadline = time.time() + args.section_s
-    section("engine_vs_hf", gpu_engine.engine_vs_hf, device, args.tiny, report, n, deadline)
+    run_sections(args, report, section)
     print(markdown(report))
     return report
+
+
+def run_sections(args, report, section):
+    """Every section after the bandwidth, in turn, each with its time box."""
+    import gpu_engine  # (it imports this file's shapes)
+
+    device, tiny, checks = args.device, args.tiny, report.setdefault("checks", {})
+    box = lambda: time.time() + args.section_s  # noqa: E731 (each section's own, from its start)
+    section("correctness", check_correctness, device, tiny, checks)
+    section("decode", time_models, device, tiny, report, args.repeats, box())
+    section("engine_graphs", gpu_engine.check_buckets, device, tiny, checks, box())
+    n = min(args.requests, 4) if tiny else args.requests
+    section("engine_vs_hf", gpu_engine.engine_vs_hf, device, tiny, report, n, box())
 
 
 if __name__ == "__main__":

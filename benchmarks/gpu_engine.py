@@ -56,21 +56,27 @@ class Rerun:
         return (lambda: out.copy_(fn())), out
 
 
-def engine_for(model, reader: str, graphs: bool, max_num_seqs: int):
+def engine_for(model, reader: str, graphs: str, max_num_seqs: int, num_blocks: int = 1024):
+    """graphs: "" (eager steps), "captured" (CUDA graphs on a GPU, the stand-in on CPU) or "rerun"
+    (the stand-in: the graph path's compiled layout and static buffers, every step run eagerly:
+    the twin a real capture must equal, on the same row padding and GEMM shapes)."""
     cuda = model.norm.weight.device.type == "cuda"
     engine = Engine.for_model(
         model,
-        num_blocks=1024,
+        num_blocks=num_blocks,
         block_size=16,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=1024,
     )
     if reader == "flex" and not cuda:  # eager FlexAttention: CPU's compiled one is slower
         engine.cache.read_in_place(paged_flex.PagedFlex(compiled=False, cuda=False))
+    elif reader == "flex":
+        paged_flex.choose(engine.cache, "flex")
     else:
-        paged_flex.choose(engine.cache, reader)
+        paged_flex.choose(engine.cache, "gather" if reader == "gather" else "auto")
     if graphs:
-        engine.decode_fn = for_engine(engine, None if cuda else Rerun())
+        rerun = graphs == "rerun" or not cuda
+        engine.decode_fn = for_engine(engine, Rerun() if rerun else None)
     return engine
 
 
@@ -83,52 +89,62 @@ def graph_launches(engine) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
 
 
-def check_buckets(device, tiny, checks):
-    """Per dtype, reader and bucket: the graph engine's greedy tokens against the eager engine's
-    with the same reader on the same requests (one per row of the bucket, all decoding together);
-    FlexAttention's against the gather's, both eager; then int8 and int4 weights at the widest
-    bucket."""
+def share_equal(a, b) -> float:
+    return sum(x["tokens"] == y["tokens"] for x, y in zip(a, b)) / len(a)
+
+
+def bucket_case(model, reader, prompts, width, checks, name):
+    """One bucket: captured graphs against their twin (on CPU: eager steps); the launches of one
+    decode-only step of every row on a GPU. -> the twin's results."""
+    cuda = model.norm.weight.device.type == "cuda"
+    params = RequestParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    twin = engine_for(model, reader, "rerun" if cuda else "", width).run_batch(prompts, params)
+    engine = engine_for(model, reader, "captured", width)
+    checks[f"{name}: graph == eager (share of requests)"] = share_equal(
+        engine.run_batch(prompts, params), twin
+    )
+    s = engine.decode_fn.stats
+    checks[f"{name}: replays, eager steps"] = f"{s['replays']}, {s['eager_steps']}"
+    if cuda:
+        long = RequestParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, long)
+        for _ in range(4):  # the prefill chunks, then decode-only steps
+            engine.step()
+        checks[f"{name}: cudaGraphLaunch in one decode step"] = graph_launches(engine)
+    return twin
+
+
+def check_buckets(device, tiny, checks, deadline=None):
+    """Per dtype, reader and bucket: the graph engine's greedy tokens against its twin's on the
+    same requests (distinct prompts, one per row of the bucket, all decoding together);
+    FlexAttention's against the gather's; then int8 and int4 weights at the widest bucket. A
+    bucket begun after the deadline (time.time()) is skipped, so saying so."""
     args = TINY if tiny else SHAPES["smollm2-135m"]
     buckets = TINY_BUCKETS if tiny else BUCKETS
+    rng = random.Random(0)
     for dtype in (torch.float32, torch.bfloat16):
         model = random_model(args, device, dtype)
-        rng = random.Random(0)
         for rows in buckets:
-            prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(5, 40))]]
-            prompts *= rows  # (equal prompts: one prefix, every row decoding each step)
-            prompts = [p[: len(p) - i % 3] for i, p in enumerate(prompts)]
-            params = RequestParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-            # (run_batch gives every prompt these params)
-            gathered = None
+            if deadline is not None and time.time() > deadline:
+                checks[f"{str(dtype)[6:]} {rows} rows"] = "skipped: past the time box"
+                continue
+            prompts = [
+                [rng.randrange(args.vocab_size) for _ in range(rng.randint(5, 40))]
+                for _ in range(rows)
+            ]
+            done = {}
             for reader in ("gather", "flex"):
-                eager = engine_for(model, reader, False, max(buckets)).run_batch(prompts, params)
-                gathered = gathered or eager
-                engine = engine_for(model, reader, True, max(buckets))
-                out = engine.run_batch(prompts, params)
-                same = sum(a["tokens"] == b["tokens"] for a, b in zip(out, eager)) / rows
-                if reader == "flex":  # the reader against the reference, both eager
-                    agree = sum(a["tokens"] == b["tokens"] for a, b in zip(eager, gathered))
-                    checks[f"{str(dtype)[6:]} {rows} rows: flex == gather"] = agree / rows
-                s = engine.decode_fn.stats
                 name = f"{str(dtype)[6:]} {reader} {rows} rows"
-                checks[f"{name}: graph == eager (share of requests)"] = same
-                checks[f"{name}: replays, eager steps"] = f"{s['replays']}, {s['eager_steps']}"
-                if device.startswith("cuda") and rows == buckets[-1]:
-                    engine.add_request(prompts[0], params)
-                    for _ in range(3):  # the prefill, then decode-only steps
-                        engine.step()
-                    checks[f"{name}: cudaGraphLaunch per decode step"] = graph_launches(engine)
+                done[reader] = bucket_case(model, reader, prompts, max(buckets), checks, name)
+            flex_vs_gather = share_equal(done["flex"], done["gather"])
+            checks[f"{str(dtype)[6:]} {rows} rows: flex == gather"] = flex_vs_gather
     for mode in ("int8", "int4"):  # the quantized kernels under the graphs, at the widest bucket
         model = random_model(args, device, torch.bfloat16, seed=1)
         quantize.quantize_model(model, mode, 64, head=True)
-        rows, rng = buckets[-1], random.Random(1)
+        rows = buckets[-1]
         prompts = [[rng.randrange(args.vocab_size) for _ in range(9 + i)] for i in range(rows)]
-        params = RequestParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-        eager = engine_for(model, "auto", False, rows).run_batch(prompts, params)
-        engine = engine_for(model, "auto", True, rows)
-        out = engine.run_batch(prompts, params)
-        same = sum(a["tokens"] == b["tokens"] for a, b in zip(out, eager)) / rows
-        checks[f"{mode} auto {rows} rows: graph == eager (share of requests)"] = same
+        bucket_case(model, "auto", prompts, rows, checks, f"{mode} auto {rows} rows")
     ok = [v for k, v in checks.items() if "graph == eager" in k]
     checks["graphs equal eager at every bucket, both dtypes"] = all(v == 1.0 for v in ok)
 
@@ -191,7 +207,8 @@ def engine_vs_hf(device, tiny, report, n_requests, deadline=None):
         args = TINY if tiny else args
         model = random_model(args, device, torch.bfloat16)
         prompts, news = nano_workload(n_requests, args.vocab_size, tiny)
-        engine = engine_for(model, "auto", True, 256)
+        blocks = 1 + sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, news))  # no preemption
+        engine = engine_for(model, "auto", "captured", 256, blocks)
         ours_s, total, ttft, tpot = timed_run(engine, prompts, news)
         hf_s, _ = run_hf_continuous(hf_twin(model), prompts, news)
         rows.append(
@@ -219,7 +236,7 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=256)
     args = p.parse_args(argv)
     report = {"checks": {}}
-    check_buckets(args.device, args.tiny, report["checks"])
+    check_buckets(args.device, args.tiny, report["checks"], time.time() + 300)
     engine_vs_hf(args.device, args.tiny, report, 4 if args.tiny else args.requests)
     print(json.dumps(report, indent=1, default=str))
     return report

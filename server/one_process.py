@@ -14,7 +14,7 @@ import torch
 from engine import Engine
 from formats.tokenizer import load_tokenizer
 from kv_cache import bucket
-from memory import gpu_kv_budget, plan_blocks, step_peak, weights_line
+from memory import gpu_kv_budget, graphs_bytes, plan_blocks, step_peak, weights_line
 from runtime import DTYPES, human, log, pick_device
 from speedups.draft_model import DraftModel
 from speedups.prompt_lookup import PromptLookup
@@ -48,13 +48,14 @@ def load_one_process(
     """(Engine, tokenizer, load info) for a checkpoint in this process (its flags:
     engine_flags.add_engine_args; kv_tier, lora: engine_flags.tier_options', lora_options');
     logs the memory plan. Then, as generate.py, drops what only loading needed (weights.settle)."""
-    lookup = speculate == "prompt_lookup"
-    proposer = PromptLookup(speculate_k, prompt_lookup_min, prompt_lookup_max) if lookup else None
+    proposer = lookup_proposer(speculate, speculate_k, prompt_lookup_min, prompt_lookup_max)
     model, tokenizer, info, draft, draft_info = load_models(
         checkpoint, device, dtype, quantize, dequantize, speculate, draft_checkpoint
     )
     adapters = attach_adapters(model, lora)  # (their slots before the plan: it counts them)
     sizes = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    graphs = compile == "auto" and not batch_invariant  # on CUDA: the graphs' share of the plan
+    sizes["graph_tokens"] = (1 + speculate_k if speculate else 1) if graphs else 0
     num_blocks, window_blocks = plan_pool(
         model, info, draft, block_size, num_blocks, kv_cache_memory, gpu_memory_utilization, **sizes
     )
@@ -76,16 +77,22 @@ def load_one_process(
         speculate=proposer,
         tier=make_tier(model, block_size, kv_tier),
     )
-    engine.adapters = adapters
     load = dict(checkpoint=checkpoint, quantize=quantize, dequantize=dequantize, dtype=dtype)
-    set_steps(engine, load, compile, batch_invariant, paged_attention)
+    set_steps(engine, load, compile, batch_invariant, paged_attention, adapters)
     return engine, tokenizer, info
 
 
-def set_steps(engine, load: dict, compile, batch_invariant, paged_attention):
-    """How the engine's cache reads its pool (--paged_attention, speedups/paged_flex.py) and
-    its decode steps' fast form (--compile auto|aot: aot_step)."""
+def lookup_proposer(speculate, k: int, min_n: int, max_n: int):
+    """--speculate prompt_lookup's proposer, or None (a draft model's comes after the plan)."""
+    return PromptLookup(k, min_n, max_n) if speculate == "prompt_lookup" else None
+
+
+def set_steps(engine, load: dict, compile, batch_invariant, paged_attention, adapters):
+    """The engine's LoRA adapters, how its cache reads its pool (--paged_attention,
+    speedups/paged_flex.py) and its decode steps' fast form (--compile auto|aot: aot_step)."""
     from speedups import paged_flex
+
+    engine.adapters = adapters
 
     paged_flex.choose(engine.cache, paged_attention)
     if engine.scheduler.tier is not None:  # (flex lays K's blocks out as V's)
@@ -170,14 +177,17 @@ def plan_pool(
     gpu_memory_utilization,
     max_num_seqs,
     max_num_batched_tokens,
+    graph_tokens=0,
 ):
     """(num_blocks, window_blocks) of the paged KV pool this process's memory allows (the draft's
     pool included), logged with what was loaded. On CUDA without a size given: what
-    --gpu_memory_utilization leaves after the weights, a step's activations and the graphs."""
+    --gpu_memory_utilization leaves after the weights, a step's activations and the CUDA graphs
+    (graph_tokens: tokens per row of the widest, 0: no graphs)."""
     device, gpu = model.norm.weight.device, ""
     if device.type == "cuda" and num_blocks is None and kv_cache_memory is None:
         activations = step_peak(model, max_num_batched_tokens)
-        graphs = step_peak(model, bucket(max_num_seqs), bucket(max_num_seqs))  # the widest graph's
+        rows = bucket(max_num_seqs)
+        graphs = graphs_bytes(model, rows, graph_tokens) if graph_tokens else 0
         free, total = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_allocated(device)
         kv_cache_memory, gpu = gpu_kv_budget(

@@ -6,8 +6,8 @@ one per key: the integers that shape the step's kernel launches.
 
 Why: an eager decode step launches its few hundred kernels from Python one by one; on a GPU that
 can read the weights in under a millisecond, the launches are the step (benchmarks/RESULTS.md,
-"The GPU check on an NVIDIA H200": 25 ms a step for SmolLM2). A CUDA graph records the launches
-once and replays them all in one call (nano-vllm, vLLM and SGLang capture one per batch size).
+"The GPU check on an NVIDIA H200"). A CUDA graph records the launches once and replays them all in
+one call (nano-vllm, vLLM and SGLang capture one per batch size).
 
 A graph bakes in everything a launch was given: tensor addresses, so every input lives in a
 static buffer (tokens, positions, the block table; the KV pools and weights stay where they are)
@@ -28,7 +28,9 @@ these get different graphs and that replays equal eager steps.
 Graphs are captured lazily, the first time a key is seen (each capture logged with its time), in
 one memory pool. A step with more rows than max_rows runs eager, said once in the log. Out of
 memory while capturing: that key and every larger one run eager from then on, with a message;
-a capture that fails otherwise (a host sync inside the step) leaves every step eager, said once.
+a key whose capture fails otherwise (a host sync inside its step, as a mixture of experts' grouped
+path has past a few rows) runs eager from then on, said once per key. The CPU stand-ins rerun the
+step on the static buffers, so they check buffers and keys, not what a real capture fixes.
 """
 
 import time
@@ -66,7 +68,8 @@ class CudaCapture:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work on other threads (the KV tier's copies) may go on meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
@@ -96,7 +99,7 @@ class GraphSteps:
     def __init__(self, step, max_rows: int, fixed_width=None, capture=None):
         self.step, self.max_rows, self.fixed_width = step, max_rows, fixed_width
         self.capture = capture if capture is not None else CudaCapture()
-        self.graphs, self.eager_said, self.too_big = {}, False, None
+        self.graphs, self.eager_said, self.too_big, self.failed = {}, False, None, set()
         self.stats = dict(captures=0, replays=0, eager_steps=0, capture_s=0.0)
 
     def __call__(self, model, cache, tokens, pos):
@@ -104,12 +107,14 @@ class GraphSteps:
         key = graph_key(cache.groups, self.fixed_width)
         wide = self.fixed_width is not None and table.shape[-1] > self.fixed_width
         if wide or rows > self.max_rows or (self.too_big is not None and rows >= self.too_big):
-            return self._eager(model, cache, tokens, pos, rows, quiet=self.too_big == 0)
+            return self._eager(model, cache, tokens, pos, key)
+        if key in self.failed:
+            return self._eager(model, cache, tokens, pos, key, quiet=True)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(key, model, cache, tokens, pos, table)
             if graph is None:
-                return self._eager(model, cache, tokens, pos, rows, quiet=True)
+                return self._eager(model, cache, tokens, pos, key, quiet=True)
         graph.load(tokens, pos, table)
         graph.replay()
         graph.replays += 1
@@ -138,9 +143,9 @@ class GraphSteps:
                 "rows or more run eager (fewer buckets: a smaller --max_num_seqs)"
             )
             return None
-        except Exception as e:  # a step that cannot be captured (a host sync inside): none can
-            self.too_big = 0
-            log(f"CUDA graphs: capture failed ({type(e).__name__}: {e}); decode steps run eager")
+        except Exception as e:  # a step that cannot be captured (a host sync inside)
+            self.failed.add(key)
+            log(f"CUDA graphs: capture of {key} failed ({type(e).__name__}: {e}); it runs eager")
             return None
         seconds = time.perf_counter() - start
         self.stats["captures"] += 1
@@ -150,12 +155,13 @@ class GraphSteps:
         self.graphs[key] = graph
         return graph
 
-    def _eager(self, model, cache, tokens, pos, rows, quiet=False):
+    def _eager(self, model, cache, tokens, pos, key, quiet=False):
         if not (self.eager_said or quiet):
             self.eager_said = True
+            most = min(self.max_rows, (self.too_big or 1 << 30) - 1)
             log(
-                f"CUDA graphs: a step of {rows} rows is past the largest graph "
-                f"({min(self.max_rows, (self.too_big or 1 << 30) - 1)} rows); such steps run eager"
+                f"CUDA graphs: a step of {key[0]} rows, table {key[2]}, is past the largest graph "
+                f"({most} rows, table width {self.fixed_width or 'any'}); such steps run eager"
             )
         self.stats["eager_steps"] += 1
         return self.step(model, cache, tokens, pos)

@@ -21,7 +21,9 @@ Soft-capping is a score_mod; attention sinks (one logit per head joining the sof
 output by sigmoid(lse - sink), from the log-sum-exp FlexAttention returns.
 
 Per step, every layer reads the same tables and positions: the mask is built once per group and
-window (a hybrid's two). tests/test_paged_flex.py checks it against the gathered SDPA reference;
+window (a hybrid's two). Its block lists and `logical` span the whole pool ([R, N] int32 each, as
+FlexAttention's BlockMask must cover every key): a cost per step that grows with the pool.
+tests/test_paged_flex.py checks it against the gathered SDPA reference;
 benchmarks/bench_paged_attention.py times it against the gather and cpu_kernels.PagedDecodeInPlace.
 """
 
@@ -45,8 +47,10 @@ def block_mask(table, pos, block_size: int, num_blocks: int, window: int = 0) ->
         reached &= start + bs - 1 > low - window
         full &= start > high - window
     partial = reached & ~full
-    logical = torch.full((R, num_blocks), -1, dtype=torch.long, device=device)
-    logical.scatter_(1, table, torch.arange(W, device=device).expand(R, W).contiguous())
+    logical = torch.full((R, num_blocks), -1, dtype=torch.int32, device=device)
+    logical.scatter_(
+        1, table, torch.arange(W, device=device, dtype=torch.int32).expand(R, W).contiguous()
+    )
     logical[:, 0] = -1  # the null block holds no position of any row
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -80,18 +84,20 @@ def block_mask(table, pos, block_size: int, num_blocks: int, window: int = 0) ->
 class PagedFlex:
     """paged.PagedKVCache's attention over the pool in place, for any group (read_in_place sets
     it). compiled: FlexAttention through torch.compile, which reads only the mask's blocks (on
-    CPU, Inductor's C++ template; on CUDA, its Triton kernel); else eager FlexAttention, the
-    reference path that scores every slot of the pool (tests, tiny pools). cuda: the pool is on
-    a GPU."""
+    CPU, Inductor's C++ template; on CUDA, its Triton kernel, with key tiles of the pool's block
+    size); else eager FlexAttention, the reference path that scores every slot of the pool
+    (tests, tiny pools). cuda: the pool is on a GPU."""
+
+    KEPT = 16  # masks kept: a step's groups x windows (a hybrid's two), across a few steps
 
     def __init__(self, compiled: bool = True, cuda: bool = True):
-        self.compiled, self.flex = compiled, flex_attention
-        if compiled:  # Inductor's CPU template fails to build at dynamic sizes (torch 2.13): a
-            # graph per shape there (eager engine steps bring many); CUDA follows changing sizes
+        self.compiled, self.cuda, self.flex = compiled, cuda, flex_attention
+        if compiled:  # a graph per shape on CPU, where Inductor's template fails to build at
+            # dynamic sizes (torch 2.13); past dynamo's limit it would run eager over the whole pool
             limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = limit if cuda else max(limit, 256)
+            torch._dynamo.config.recompile_limit = max(limit, 256)
             self.flex = torch.compile(flex_attention, dynamic=None if cuda else False)
-        self._masks = (None, None, {})  # (the table and positions last read, versions, masks)
+        self._masks = {}  # key -> (BlockMask, the tensors it was built from): see _mask
 
     def __call__(self, q, pool_k, pool_v, table, pos, window=0, softcap=0.0, sinks=None):
         """q [R, T, H, D]; pool_k, pool_v [N, bs, Hkv, D]; table [R, W]; pos [R, T]; window,
@@ -111,6 +117,8 @@ class PagedFlex:
             def score_mod(score, b, h, q_idx, kv_idx):
                 return torch.tanh(score / softcap) * softcap
 
+        # Triton's key tile must divide the sparse block, the pool's block (choose checks its size)
+        options = {"BLOCK_N": bs} if self.compiled and self.cuda else None
         y = self.flex(
             q.transpose(1, 2).to(pool_k.dtype),
             keys,
@@ -119,6 +127,7 @@ class PagedFlex:
             block_mask=mask,
             enable_gqa=True,
             return_lse=lse,
+            kernel_options=options,
         )  # y [R, H, T, D] (and lse [R, H, T])
         if lse:  # the sink's share of each softmax, taken off every weight
             y, lse = y
@@ -126,41 +135,45 @@ class PagedFlex:
         return y.transpose(1, 2).to(q.dtype)
 
     def _mask(self, table, pos, bs, num_blocks, window):
-        """block_mask, built once per step for every layer reading these tensors (a compiled step
-        builds it in its graph)."""
+        """block_mask, built once per group and window for every layer reading the same tensors
+        (a compiled step builds it in its graph). A kept mask holds its tensors' bases, so their
+        ids stay theirs; an edit in place bumps a version and misses."""
         if torch.compiler.is_compiling():
             return block_mask(table, pos, bs, num_blocks, window)
         bases = tuple(t if t._base is None else t._base for t in (table, pos))
-        versions = tuple(b._version for b in bases)
         # a CUDA graph's capture builds its own, in the graph: one from before would be replayed
         capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = tuple((t.storage_offset(), tuple(t.shape)) for t in (table, pos)) + (
-            window,
-            capturing,
+        key = (
+            tuple((id(b), b._version) for b in bases),
+            tuple((t.storage_offset(), tuple(t.shape), t.stride()) for t in (table, pos)),
+            (bs, num_blocks, window, capturing),
         )
-        kept_bases, kept_versions, masks = self._masks
-        same = kept_bases is not None and all(a is b for a, b in zip(bases, kept_bases))
-        if not (same and kept_versions == versions):
-            masks = {}
-        if key not in masks:
-            masks[key] = block_mask(table, pos, bs, num_blocks, window)
-        self._masks = (bases, versions, masks)
-        return masks[key]
+        if key not in self._masks:
+            if len(self._masks) >= self.KEPT:  # the oldest first (dicts keep insertion order)
+                del self._masks[next(iter(self._masks))]
+            self._masks[key] = (block_mask(table, pos, bs, num_blocks, window), bases)
+        return self._masks[key][0]
 
 
 READERS = ("auto", "flex", "gather")  # --paged_attention's choices
 
 
 def choose(cache, reader: str = "auto"):
-    """--paged_attention: how the engine's cache reads its pool. auto: FlexAttention in place on
-    CUDA; on CPU the one-token kernel cpu_kernels.PagedDecodeInPlace and the gather for prefill
-    chunks, both faster there than compiled FlexAttention (benchmarks/RESULTS.md, "Paged
-    attention's readers"). flex: FlexAttention on any device; gather: the reference everywhere.
-    A latent cache (DeepSeek) is always gathered."""
+    """--paged_attention: how the engine's cache reads its pool. auto: on CPU the one-token kernel
+    cpu_kernels.PagedDecodeInPlace and the gather for prefill chunks, both faster there than
+    compiled FlexAttention (benchmarks/RESULTS.md, "Paged attention's readers"); on CUDA the
+    gather until a GPU run of benchmarks/gpu_check.py shows FlexAttention equal and faster there.
+    flex: FlexAttention on any device (CUDA: block sizes of 16, 32 or 64, its key tiles); gather:
+    the reference everywhere. A latent cache (DeepSeek) is always gathered."""
     if reader not in READERS:
         raise ValueError(f"--paged_attention {reader!r}: expected one of {', '.join(READERS)}")
     cuda = cache.slots.device.type == "cuda"
-    if cache.latent or reader == "gather":
+    if cache.latent or reader == "gather" or (reader == "auto" and cuda):
         cache.decode = None
-    elif reader == "flex" or cuda:
+    elif reader == "flex":
+        if cuda and cache.block_size not in (16, 32, 64):
+            raise ValueError(
+                f"--paged_attention flex on CUDA reads blocks of 16, 32 or 64 tokens (Triton's key "
+                f"tiles); --block_size is {cache.block_size}"
+            )
         cache.read_in_place(PagedFlex(compiled=True, cuda=cuda))

@@ -108,7 +108,7 @@ def test_out_of_memory_at_capture_leaves_those_buckets_eager(tiny, reference, ca
     assert "out of memory capturing" in capsys.readouterr().err
 
 
-def test_a_step_that_cannot_be_captured_leaves_every_step_eager(tiny, reference, capsys):
+def test_a_step_that_cannot_be_captured_runs_eager(tiny, reference, capsys):
     engine = Engine.for_model(tiny, num_blocks=80, block_size=4, max_num_seqs=8)
     capture = Recording(fail_from_rows=1, error=RuntimeError)
     engine.decode_fn = graphs = GraphSteps(flat_forward, 8, None, capture)
@@ -116,7 +116,8 @@ def test_a_step_that_cannot_be_captured_leaves_every_step_eager(tiny, reference,
     assert [o["tokens"] for o in out] == reference
     assert graphs.stats["replays"] == 0 and graphs.stats["eager_steps"] > 0
     err = capsys.readouterr().err
-    assert err.count("capture failed (RuntimeError") == 1 and "past the largest" not in err
+    assert err.count("failed (RuntimeError") == len(graphs.failed) > 0  # once per key
+    assert "past the largest" not in err
 
 
 def test_verify_steps_replay_graphs_of_their_own(tiny):

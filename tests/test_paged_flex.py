@@ -152,3 +152,26 @@ def test_paged_attention_choices():
     assert latent.in_place is None and latent.decode is None
     with pytest.raises(ValueError, match="expected one of auto, flex, gather"):
         choose(cache(), "flash")
+
+
+def test_compiled_flex_over_a_long_chunk_beside_decode_rows_and_padding():
+    """One step of two groups, compiled: a chunk of 140 queries (two query blocks of the mask)
+    continuing a row's context under a window, and three one-token rows, the last of them
+    padding (the null block at position 0)."""
+    gen = torch.Generator().manual_seed(3)
+    ref, flex = caches(160, torch.float32, compiled=True)
+    table = shuffled_tables(3, 48, 160, gen)
+    table[2] = 0  # the padding row
+    args = (24, 0.0, None)
+    pos = torch.arange(0, 20)[None]  # the chunk row's first 20 tokens, and the decode row's
+    for r in (0, 1):
+        a, b = attend_both(
+            ref, flex, [(1, 20, table[r : r + 1])], 20, pos, args, torch.float32, gen
+        )
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    pos = torch.tensor([[20, 0, 0] + list(range(20, 160))])  # decode rows 1 and 2, then the chunk
+    groups = [(3, 1, table[[1, 2, 2]]), (1, 140, table[:1])]
+    a, b = attend_both(ref, flex, groups, 143, pos, args, torch.float32, gen)
+    torch.testing.assert_close(b[:, :1], a[:, :1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b[:, 3:], a[:, 3:], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(b).all()
