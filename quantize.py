@@ -51,6 +51,16 @@ INT4_LARGE_M_FLOAT32 = (
 )
 
 
+def int4_large_m(out_features: int, in_features: int, dtype) -> int:
+    """Rows from which a CPU int4 layer of this size dequantizes and runs a GEMM instead of the
+    kernel. Unpacking costs more per weight once a matrix no longer stays in cache, so larger
+    layers switch later, even unpacked a row block at a time (Int4Linear.dense): INT4_LARGE_M up
+    to 8M weights, 256 past (benchmarks/RESULTS.md, "Prefill at a GGUF's own bits, 1B")."""
+    if dtype == torch.float32:
+        return INT4_LARGE_M_FLOAT32
+    return INT4_LARGE_M if out_features * in_features <= 1 << 23 else 256
+
+
 # ---- quantizing one weight to portable tensors ---------------------------------------------
 
 
@@ -246,7 +256,7 @@ def check_int4_device(device) -> None:
 
 class Int4Linear(nn.Module):
     """y = x @ ((q - 8) * scale + zero).T per group of input channels, with the device's int4 kernel
-    for few rows and, on CPU, dequantize + GEMM from INT4_LARGE_M rows up."""
+    for few rows and, on CPU, dequantize + GEMM from int4_large_m's rows up."""
 
     compile_autotune = (
         False  # max-autotune does not speed its kernel and takes many GiB (compiling.autotune)
@@ -291,10 +301,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)
-        if self.cpu and x2.shape[0] >= (
-            INT4_LARGE_M if x.dtype != torch.float32 else INT4_LARGE_M_FLOAT32
-        ):
-            y = padded_linear(x2, self.dequantize().to(x.dtype))
+        if self.cpu and x2.shape[0] >= int4_large_m(self.out_features, self.in_features, x.dtype):
+            y = padded_linear(x2, self.dense(x.dtype))
         elif self.cpu:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, self.weight, self.groupsize, self.scales_and_zeros
@@ -305,6 +313,22 @@ class Int4Linear(nn.Module):
             ).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def dense(self, dtype, chunk: int = 256, least: int = 1 << 21) -> torch.Tensor:
+        """dequantize().to(dtype), a block of `chunk` rows at a time where the kernel's layout
+        keeps such blocks apart (rows of one layout block are contiguous): the float32 temporaries
+        then stay in cache, several times faster on a large matrix (RESULTS.md, as above)."""
+        N, K = self.out_features, self.in_features
+        if self.layout is None or N * K <= least or N % chunk or chunk % self.layout[0]:
+            return self.dequantize().to(dtype)
+        out, flat = torch.empty(N, K, dtype=dtype), self.weight.reshape(-1)
+        sz = self.scales_and_zeros.transpose(0, 1)  # [N, K / G, 2]
+        for r in range(0, N, chunk):  # rows [r, r + chunk): bytes [r * K / 2, (r + chunk) * K / 2)
+            q = cpu_int4_unpack(flat[r * K // 2 : (r + chunk) * K // 2], chunk, K, *self.layout)
+            out[r : r + chunk] = dequantize_int4(
+                q, sz[r : r + chunk, :, 0], sz[r : r + chunk, :, 1]
+            )
+        return out
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.out_features, self.in_features

@@ -68,7 +68,7 @@ def case(shape, rows, T, context, dtype, device, repeats, bs=16):
     W = -(-(context + T) // bs)
     n_blocks = 1 + 4 * rows * W  # a pool a quarter in use (flex's mask spans the whole pool)
     gen = torch.Generator().manual_seed(0)
-    table = (1 + torch.randperm(n_blocks - 1, generator=gen)).view(rows, W).to(device)
+    table = (1 + torch.randperm(n_blocks - 1, generator=gen))[: rows * W].view(rows, W).to(device)
     k_all = torch.randn(rows, context + T, Hkv, D, generator=gen).to(device, dtype)
     v_all = torch.randn(rows, context + T, Hkv, D, generator=gen).to(device, dtype)
     q = torch.randn(1, rows * T, H, D, generator=gen).to(device, dtype)

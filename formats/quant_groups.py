@@ -193,7 +193,8 @@ class Int8GroupLinear(nn.Module):
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if self.pair is not None and x2.shape[0] < quantize.INT4_LARGE_M:
+        many = quantize.int4_large_m(self.out_features, 2 * self.in_features, torch.bfloat16)
+        if self.pair is not None and x2.shape[0] < many:  # (2K: the kernel's columns)
             xb = x2.to(torch.bfloat16)
             if self.groupsize == 16:  # [M, K/16, 2, 16]: each group, then 16 times it -> [M, 2K]
                 xg = xb.view(xb.shape[0], -1, 1, 16)

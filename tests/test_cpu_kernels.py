@@ -348,3 +348,23 @@ def test_the_int4_probe_reports_a_wrong_or_missing_kernel(monkeypatch):
 
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", missing)
     assert probe("test") == "NotImplementedError: no kernel for this CPU"
+
+
+# ---- an int4 layer unpacked a row block at a time --------------------------------------------
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("N, chunk", [(256, 64), (320, 64), (256, 128)])
+def test_int4_dense_by_row_blocks_equals_the_whole_unpack(N, chunk):
+    """Int4Linear.dense, the large-row path's weight (quantize.int4_large_m), unpacks the kernel's
+    private layout a block of rows at a time: bit-equal to dequantize() of the whole matrix on this
+    machine's layout, and the layer's many-row output through it equals F.linear on it."""
+    K = 128
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * 0.02
+    layer = quantize.Int4Linear(
+        quantize.portable_tensors(w, "int4", 32), None, torch.bfloat16, 32, "cpu"
+    )
+    whole = layer.dequantize().to(torch.bfloat16)
+    assert torch.equal(layer.dense(torch.bfloat16, chunk, least=0), whole)
+    x = torch.randn(300, K, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, whole), atol=1e-2, rtol=1e-2)
