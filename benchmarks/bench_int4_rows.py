@@ -1,0 +1,97 @@
+"""Where an int4 layer on CPU should leave torch's int4 kernel for dequantize + GEMM, as the rows
+grow (quantize.int4_large_m): per layer shape of a 1B model, the kernel, the whole matrix unpacked
+then a bf16 GEMM, and Int4Linear.dense's unpacking by blocks of 256 rows then the GEMM; then a
+GGUF file's prefill through the model as it loads (--gguf), tokens/s at a few prompt lengths.
+
+    .venv/bin/python benchmarks/bench_int4_rows.py [--gguf FILE.gguf]
+
+Random int4 weights (groups of 32), bf16 activations, median of --repeats, the machine's threads.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import quantize  # noqa: E402
+from cpu_kernels import padded_linear  # noqa: E402 (the row padding Int4Linear.forward uses)
+from kv_cache import NoCache  # noqa: E402
+
+SHAPES = {  # Llama-3.2-1B's linears (out, in); gate and up fused as the engine loads them
+    "q/o": (2048, 2048),
+    "k/v": (512, 2048),
+    "gate+up": (16384, 2048),
+    "down": (2048, 8192),
+}
+
+
+def median_ms(fn, repeats) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def layer_rows(repeats):
+    print(
+        "| layer | weights | rows | kernel ms | whole unpack + GEMM ms | dense() + GEMM ms | path |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K, dtype=torch.bfloat16) * 0.02
+        layer = quantize.Int4Linear(
+            quantize.portable_tensors(w, "int4", 32), None, torch.bfloat16, 32, "cpu"
+        )
+        for M in (64, 128, 256, 512):
+            x = torch.randn(M, K, dtype=torch.bfloat16)
+            kernel = median_ms(
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, layer.weight, layer.groupsize, layer.scales_and_zeros
+                ),
+                repeats,
+            )
+            whole = median_ms(
+                lambda: padded_linear(x, layer.dequantize().to(torch.bfloat16)), repeats
+            )
+            dense = median_ms(lambda: padded_linear(x, layer.dense(torch.bfloat16)), repeats)
+            path = "kernel" if M < quantize.int4_large_m(N, K, torch.bfloat16) else "dense"
+            print(
+                f"| {name} | {N}x{K} | {M} | {kernel:.1f} | {whole:.1f} | {dense:.1f} | {path} |",
+                flush=True,
+            )
+
+
+def prefill(gguf, repeats):
+    from formats import weights
+
+    model, _ = weights.load_for_inference(gguf, "cpu", torch.bfloat16, None)
+    print(f"\n{os.path.basename(gguf)}, prefill of one prompt (the head on its last token only)\n")
+    print("| tokens | ms | tokens/s |")
+    print("|---|---|---|")
+    for T in (16, 128, 300, 512):
+        x, pos = torch.randint(0, 1000, (1, T)), torch.arange(T)[None]
+        ms = median_ms(lambda: model(x, pos, NoCache(), last_only=True), repeats)
+        print(f"| {T} | {ms:.0f} | {T / ms * 1e3:.0f} |", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    layer_rows(args.repeats)
+    if args.gguf:
+        prefill(args.gguf, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
