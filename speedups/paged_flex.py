@@ -64,7 +64,8 @@ def block_mask(table, pos, block_size: int, num_blocks: int, window: int = 0) ->
     def listed(chosen):  # [R, W] bool -> (counts [R, 1, Qb], block ids [R, 1, Qb, N]), chosen first
         order = torch.sort((~chosen).to(torch.uint8), dim=1, stable=True).indices
         ids = torch.zeros(R, num_blocks, dtype=torch.int32, device=device)
-        ids[:, :W] = table.gather(1, order)
+        n = min(W, num_blocks)  # (a graph's table may be wider than the pool: its tail unread)
+        ids[:, :n] = table.gather(1, order)[:, :n]
         counts = chosen.sum(1, dtype=torch.int32)
         return (
             counts.view(R, 1, 1).expand(R, 1, q_blocks).contiguous(),

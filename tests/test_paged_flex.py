@@ -175,3 +175,18 @@ def test_compiled_flex_over_a_long_chunk_beside_decode_rows_and_padding():
     torch.testing.assert_close(b[:, :1], a[:, :1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b[:, 3:], a[:, 3:], atol=1e-5, rtol=1e-5)
     assert torch.isfinite(b).all()
+
+
+def test_a_table_wider_than_the_pool():
+    """CUDA graphs pad every table to one width (speedups/cuda_graphs.py), which a small pool may
+    not reach: only the row's own blocks are read."""
+    gen = torch.Generator().manual_seed(4)
+    ref, flex = caches(8, torch.float32)
+    table = torch.tensor([[3, 5, 1] + [0] * 13])  # 16 entries over a pool of 8 blocks
+    pos = torch.arange(10)[None]
+    q, k, v = (torch.randn(1, 10, h, D, generator=gen) for h in (Hkv * G, Hkv, Hkv))
+    with ref.step_groups([(1, 10, table[:, :3])]):  # the reference reads the row's own width
+        a = ref.attend(0, q, k, v, pos)
+    with flex.step_groups([(1, 10, table)]):
+        b = flex.attend(0, q, k, v, pos)
+    torch.testing.assert_close(b, a)
