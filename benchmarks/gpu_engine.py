@@ -28,7 +28,7 @@ from engine import Engine, RequestParams, Token
 from formats.hf_folder import hf_config, hf_state_dict
 from model import ModelConfig
 from speedups import paged_flex
-from speedups.cuda_graphs import for_engine
+from speedups.cuda_graphs import Rerun, for_engine
 
 QWEN3_06B = ModelConfig(
     vocab_size=151936,
@@ -47,15 +47,6 @@ QWEN3_06B = ModelConfig(
 TINY_BUCKETS, BUCKETS = (1, 3, 8), (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-class Rerun:
-    """The CPU stand-in for a capture: replay reruns the step on the static buffers into the
-    captured output."""
-
-    def __call__(self, fn):
-        out = fn()
-        return (lambda: out.copy_(fn())), out
-
-
 def engine_for(model, reader: str, graphs: str, max_num_seqs: int, num_blocks: int = 1024):
     """graphs: "" (eager steps), "captured" (CUDA graphs on a GPU, the stand-in on CPU) or "rerun"
     (the stand-in: the graph path's compiled layout and static buffers, every step run eagerly:
@@ -70,10 +61,8 @@ def engine_for(model, reader: str, graphs: str, max_num_seqs: int, num_blocks: i
     )
     if reader == "flex" and not cuda:  # eager FlexAttention: CPU's compiled one is slower
         engine.cache.read_in_place(paged_flex.PagedFlex(compiled=False, cuda=False))
-    elif reader == "flex":
-        paged_flex.choose(engine.cache, "flex")
     else:
-        paged_flex.choose(engine.cache, "gather" if reader == "gather" else "auto")
+        paged_flex.choose(engine.cache, reader)
     if graphs:
         rerun = graphs == "rerun" or not cuda
         engine.decode_fn = for_engine(engine, Rerun() if rerun else None)

@@ -29,8 +29,8 @@ Graphs are captured lazily, the first time a key is seen (each capture logged wi
 one memory pool. A step with more rows than max_rows runs eager, said once in the log. Out of
 memory while capturing: that key and every larger one run eager from then on, with a message;
 a key whose capture fails otherwise (a host sync inside its step, as a mixture of experts' grouped
-path has past a few rows) runs eager from then on, said once per key. The CPU stand-ins rerun the
-step on the static buffers, so they check buffers and keys, not what a real capture fixes.
+path has past a few rows) runs eager from then on, said once per key. Without a GPU, `Rerun`
+stands in for the capture.
 """
 
 import time
@@ -74,6 +74,15 @@ class CudaCapture:
         return graph.replay, out
 
 
+class Rerun:
+    """A stand-in for CudaCapture where there is no GPU: "replay" reruns the step on the static
+    buffers into the captured output. It checks buffers and keys, not what a real capture fixes."""
+
+    def __call__(self, fn):
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
 class Graph:
     """One key's static buffers and its recorded step."""
 
@@ -87,14 +96,16 @@ class Graph:
         """The step's inputs into the static buffers; table entries past its width: 0."""
         self.tokens.copy_(tokens)
         self.pos.copy_(pos)
-        self.table.zero_()
-        self.table[..., : table.shape[-1]].copy_(table)
+        W = table.shape[-1]
+        self.table[..., :W].copy_(table)
+        if W < self.table.shape[-1]:  # a narrower table: its tail points at the null block
+            self.table[..., W:].zero_()
 
 
 class GraphSteps:
     """The engine's decode_fn: step(model, cache, tokens [1, N], pos [1, N]) -> logits [N, V],
-    replayed per key. capture: CudaCapture() on a GPU; tests pass a stand-in that runs the step
-    on the static buffers instead of recording it."""
+    replayed per key. capture: CudaCapture() on a GPU; Rerun() where there is none (tests,
+    gpu_check on CPU)."""
 
     def __init__(self, step, max_rows: int, fixed_width=None, capture=None):
         self.step, self.max_rows, self.fixed_width = step, max_rows, fixed_width
@@ -170,7 +181,7 @@ class GraphSteps:
 def for_engine(engine, capture=None) -> GraphSteps:
     """The engine's decode steps as graphs: rows up to its max_num_seqs' bucket; with an in-place
     reader, tables padded to the widest a request of max_model_len (and its drafts) needs.
-    capture: CudaCapture() unless given (gpu_engine.py's CPU stand-in)."""
+    capture: CudaCapture() unless given (Rerun on CPU)."""
     draft = engine.speculate.k if engine.speculate else 0
     width = bucket(blocks_for(engine.max_model_len + draft, engine.cache.block_size))
     return GraphSteps(

@@ -11,24 +11,24 @@ from helpers import alone, tiny_checkpoint
 
 from engine import Engine, RequestParams, flat_forward
 from formats import weights
-from speedups.cuda_graphs import GraphSteps, graph_key
+from speedups.cuda_graphs import GraphSteps, Rerun, graph_key
 from speedups.paged_flex import PagedFlex
 
 
-class Recording:
-    """capture(fn) -> (replay, out): out is the capture's own output tensor, refilled by each
-    replay from the static buffers, as a CUDA graph's is."""
+class Recording(Rerun):
+    """cuda_graphs.Rerun (each replay refills the captured output from the static buffers, as a
+    CUDA graph's does) that records what it captured, and fails from a row count on."""
 
     def __init__(self, fail_from_rows=None, error=torch.OutOfMemoryError):
         self.fail_from_rows, self.error, self.captured = fail_from_rows, error, []
 
     def __call__(self, fn):
-        out = fn()
+        replay, out = super().__call__(fn)
         rows = out.shape[0]  # (logits of every row: rows x T)
         if self.fail_from_rows is not None and rows >= self.fail_from_rows:
             raise self.error("stand-in: this graph cannot be captured")
         self.captured.append(rows)
-        return (lambda: out.copy_(fn())), out
+        return replay, out
 
 
 @pytest.fixture(scope="module")
