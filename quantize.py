@@ -38,7 +38,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moe
-from cpu_kernels import cpu_int4_kernel_error, padded_linear
+from cpu_kernels import (  # the CPU int4 kernel's packed layout, read back
+    cpu_int4_concat,
+    cpu_int4_kernel_error,
+    cpu_int4_unpack,
+    find_cpu_int4_layout,
+    padded_linear,
+)
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -121,86 +127,6 @@ def dequantize_int4(q, scales, zeros) -> torch.Tensor:
     return w.reshape(N, K)
 
 
-# ---- the CPU int4 kernel's packed weight, read back ----------------------------------------
-# `torch._convert_weight_to_int4pack_for_cpu` packs int4 values [N, K] for
-# `_weight_int4pack_mm_for_cpu` in a layout private to ATen and chosen per CPU capability
-# (ATEN_CPU_CAPABILITY). Int4Linear and formats/quant_groups.Int8GroupLinear keep only the packed
-# weight, so reading their values back (dequantize() for tests and large-row GEMMs, fusing q/k/v,
-# an embedding tied to a packed head) goes through these readers, and a layout is trusted only
-# after a round trip on the running machine (find_cpu_int4_layout on the layer's own weight):
-#
-#     layout = find_cpu_int4_layout(packed, q)            # (block, pairing), or None: unknown
-#     q = cpu_int4_unpack(packed, N, K, *layout)          # uint8 [N, K], the values packed
-#     rows = cpu_int4_rows(packed, N, K, index, *layout)  # uint8 [len(index), K], those rows only
-
-# The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
-# torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
-# and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
-# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored
-# as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
-# packed weight with each candidate and keeps the one that gives its values back (a round trip on
-# the running machine), else it keeps the portable values too.
-CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
-
-
-def cpu_int4_unpack(
-    packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves"
-) -> torch.Tensor:
-    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see
-    CPU_INT4_LAYOUTS)."""
-    flat, full = packed.reshape(-1), N // block * block
-    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
-    if pairing == "halves":  # byte j holds rows j and j + block / 2
-        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
-    else:  # byte j holds rows 2j and 2j + 1
-        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
-    q = q.transpose(1, 2).reshape(full, K)
-    if full == N:
-        return q
-    b = flat[full * K // 2 :].view(K, (N - full) // 2)
-    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
-    return torch.cat([q, tail], dim=0)
-
-
-def cpu_int4_rows(
-    packed: torch.Tensor,
-    N: int,
-    K: int,
-    rows: torch.Tensor,
-    block: int = 64,
-    pairing: str = "halves",
-) -> torch.Tensor:
-    """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
-    those rows' bytes (an embedding lookup into a tied head kept packed)."""
-    flat, full = packed.reshape(-1), N // block * block
-    got, high = (
-        torch.zeros(rows.shape[0], K, dtype=torch.uint8, device=packed.device),
-        rows < 0,
-    )  # [T, K], [T] (a size export keeps symbolic)
-    if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
-        r = rows.clamp(max=full - 1)
-        col, high = (
-            (r % block % (block // 2), r % block >= block // 2)
-            if pairing == "halves"
-            else (r % block // 2, r % 2 == 1)
-        )
-        got = flat[: full * K // 2].view(N // block, K, block // 2)[r // block, :, col]
-    if full < N:  # rows past the last whole block: [K, (N - full) / 2] bytes of neighbouring rows
-        t, in_tail = (rows - full).clamp(min=0), rows >= full
-        got = torch.where(in_tail[:, None], flat[full * K // 2 :].view(K, -1)[:, t // 2].t(), got)
-        high = torch.where(in_tail, t % 2 == 1, high)
-    return torch.where(high[:, None], got >> 4, got & 15)
-
-
-def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
-    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or
-    None."""
-    for layout in CPU_INT4_LAYOUTS:
-        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
-            return layout
-    return None
-
-
 # ---- layers ----------------------------------------------------------------------------------
 
 
@@ -263,13 +189,50 @@ class Int4Linear(nn.Module):
     )
 
     def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
+        """portable: the int4 tensors above, or {"cpu_packed": (bytes, layout), "scales", "zeros"}
+        with the bytes already in the CPU kernel's layout (`stacked`)."""
         super().__init__()
         check_int4_device(device)
-        q = unpack_int4(portable["weight"]).to(device)
-        self.out_features, self.in_features = N, K = q.shape
         self.groupsize, self.cpu = groupsize, torch.device(device).type == "cpu"
         self.layout = None
         self.register_buffer("portable_weight", None)
+        if "cpu_packed" in portable:
+            packed, self.layout = portable["cpu_packed"]
+            self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
+        else:
+            q = unpack_int4(portable["weight"]).to(device)
+            self.out_features, self.in_features = q.shape
+            packed = self._pack(q, portable["weight"])
+        self.register_buffer("weight", packed)
+        sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(
+            0, 1
+        )  # [K/G, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    @classmethod
+    def stacked(cls, layers: list, bias):
+        """One CPU layer computing torch.cat([m(x) for m in layers], -1) from the layers' packed
+        bytes (cpu_kernels.cpu_int4_concat: no repacking), or None where they cannot stack."""
+        first = layers[0]
+        if any(
+            m.layout is None
+            or (m.layout, m.groupsize, m.in_features)
+            != (first.layout, first.groupsize, first.in_features)
+            for m in layers
+        ):
+            return None
+        rows = [m.out_features for m in layers]
+        packed = cpu_int4_concat([m.weight for m in layers], rows, *first.layout)
+        if packed is None:
+            return None
+        sz = torch.cat([m.scales_and_zeros for m in layers], 1).transpose(0, 1)  # [N, K/G, 2]
+        portable = {"cpu_packed": (packed, first.layout), "scales": sz[..., 0], "zeros": sz[..., 1]}
+        return cls(portable, bias, sz.dtype, first.groupsize, packed.device)
+
+    def _pack(self, q: torch.Tensor, portable_weight: torch.Tensor) -> torch.Tensor:
+        """Values uint8 [N, K] -> the device kernel's packed weight (self.layout set on CPU)."""
+        N, K = q.shape
         if self.cpu:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.layout = find_cpu_int4_layout(packed, q)
@@ -281,23 +244,14 @@ class Int4Linear(nn.Module):
                     f"{torch.backends.cpu.get_cpu_capability()} is not one this "
                     "file knows; each layer keeps a second, portable copy of its values for prefill"
                 )
-                self.portable_weight = portable["weight"].contiguous()
+                self.portable_weight = portable_weight.contiguous()
+            return packed
         # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k
-        # tiles
-        else:
-            dtype, tiles = (
-                torch.bfloat16,
-                max(t for t in (2, 4, 8) if K % (16 * t) == 0),
-            )  # SmolLM2's 576: 4
-            packed = torch.ops.aten._convert_weight_to_int4pack(
-                (q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles
-            )
-        self.register_buffer("weight", packed)
-        sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(
-            0, 1
-        )  # [K/G, N, 2]
-        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        # tiles (SmolLM2's 576: 4)
+        tiles = max(t for t in (2, 4, 8) if K % (16 * t) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(
+            (q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles
+        )
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)

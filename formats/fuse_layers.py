@@ -10,15 +10,18 @@ the same bytes: SmolLM2-135M at int4, compiled, decodes about 9% faster (RESULTS
 are the same numbers: every output row is still one row of weights times the input.
 
 Layers are concatenated along their output rows in their own format: float (nn.Linear),
-quantize.Int8Linear, quantize.Int4Linear on CPU (its values unpacked from the kernel layout and
-packed again), quant_groups.Int8GroupLinear. Anything else (mixed formats, different group sizes,
-the CUDA int4 layout) is left unfused. Fuse last: after quantizing and tensor-parallel sharding,
-and not before saving a checkpoint (the fused model has other module names).
+quantize.Int8Linear, quantize.Int4Linear on CPU and quant_groups.Int8GroupLinear (their bytes in
+the int4 kernel's layout stacked as they are where every layer but the last fills whole layout
+blocks, else unpacked and packed again: the slow twin the tests hold them to). Anything else
+(mixed formats, different group sizes, the CUDA int4 layout) is left unfused. Fuse last: after
+quantizing and tensor-parallel sharding, and not before saving a checkpoint (the fused model has
+other module names).
 """
 
 import torch
 import torch.nn as nn
 
+import cpu_kernels
 import quantize
 from formats.quant_groups import Int8GroupLinear
 from memory import release_memory
@@ -34,7 +37,7 @@ def _int4_values(m: quantize.Int4Linear):
     q = (
         quantize.unpack_int4(m.portable_weight)
         if m.layout is None
-        else quantize.cpu_int4_unpack(m.weight, N, K, *m.layout)
+        else cpu_kernels.cpu_int4_unpack(m.weight, N, K, *m.layout)
     )
     sz = m.scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
     return q, sz[..., 0], sz[..., 1]
@@ -65,21 +68,27 @@ def concat_rows(layers):
     if type(first) is quantize.Int4Linear:
         if not first.cpu or any(m.groupsize != first.groupsize for m in layers):
             return None
+        stacked = quantize.Int4Linear.stacked(layers, bias)  # the packed bytes, not repacked
+        if stacked is not None:
+            return stacked
         q, s, z = (torch.cat(parts) for parts in zip(*map(_int4_values, layers)))
         portable = {"weight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": s, "zeros": z}
         return quantize.Int4Linear(
             portable, bias, first.scales_and_zeros.dtype, first.groupsize, first.weight.device
         )
     if type(first) is Int8GroupLinear:
-        if any(
-            m.groupsize != first.groupsize or (m.offsets is None) != (first.offsets is None)
-            for m in layers
-        ):
+        if any(m.groupsize != first.groupsize for m in layers):
             return None
+        stacked = Int8GroupLinear.stacked(layers, bias)  # the nibble pairs, not repacked
+        if stacked is not None:
+            return stacked
+        scales, offsets = zip(*(m.group_scales() for m in layers))
+        if any((o is None) != (offsets[0] is None) for o in offsets):
+            offsets = [torch.zeros_like(s) if o is None else o for s, o in zip(scales, offsets)]
         return Int8GroupLinear(
             torch.cat([m.int8_values() for m in layers]),
-            torch.cat([m.scales for m in layers]),
-            _cat([m.offsets for m in layers]),
+            torch.cat(scales),
+            _cat(offsets),
             bias,
             first.dtype,
         )

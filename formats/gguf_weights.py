@@ -12,7 +12,7 @@ into integers and per-group scales without passing through float:
                                                               else int8 groups
     Q8_0, Q5_0, Q5_1, Q5_K  quant_groups.Int8GroupLinear,     yes (q * scale + offset in gguf's
                             groups of 32 (bf16 on CPU: the    order); the int4 kernel takes bf16
-                            int4 kernel on two halves of q)   scales
+                            int4 kernel on two halves of q)   scales and zeros (Int8GroupLinear)
     Q6_K                    Int8GroupLinear, groups of 16     yes
     Q2_K, Q3_K              float (--dtype), decoded by gguf.quants; the load line names them
                             and their bytes in memory against the file's (dequantized_note)

@@ -7,7 +7,8 @@ This one form holds every GGUF block type of the legacy and K families *exactly*
 (formats/gguf_weights.py decodes the blocks into it): Q8_0 is q * d; Q4_0 and Q5_0 are d * (q - 8)
 and d * (q - 16), stored as the signed q; Q4_1 and Q5_1 add a minimum m; Q4_K and Q5_K have per-32
 scales d * sc and offsets -dmin * m; Q6_K per-16 scales d * sc. The arithmetic is float32 in the
-order gguf.quants uses, so `dequantize()` equals gguf's dequantization bit for bit.
+order gguf.quants uses, so `dequantize()` equals gguf's dequantization bit for bit (in bf16 on
+CPU the layer holds those values with bf16 scales: Int8GroupLinear).
 
 `Packed` is what a checkpoint reader yields for a weight it keeps quantized; weights.build turns it
 into a layer: "int4" -> quantize.Int4Linear (the int4 kernels: 4 bits per weight read), "int8g" ->
@@ -24,13 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cpu_kernels
 import moe
 import quantize
-from cpu_kernels import padded_linear
 from memory import release_memory
 
 # The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
-# as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, any group size: SmolLM2's
+# as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, groups up to 128: SmolLM2's
 # 49152 x 576 head at batch 1, Xeon AVX-512, 1.9 ms against 2.2 ms for a bf16 F.linear, at half its
 # bytes); otherwise dequantized to the activations' dtype, because the other int8-group paths are
 # slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
@@ -41,12 +42,7 @@ HEAD_NOTE = (
     "else in the activations' dtype"
 )
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
-PAIR_GROUPS = (
-    32,
-    64,
-    128,
-    256,
-)  # group sizes of the CPU int4 kernel (Int8GroupLinear's nibble pair)
+PAIR_GROUPS = (16, 32, 64, 128)  # G for which a kernel group of 2G exists (the kernel: 32-256)
 PACK_ROWS = 1024  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
 
 
@@ -63,18 +59,20 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> to
 class Int8GroupLinear(nn.Module):
     """y = x @ (q * scale + offset).T with int8 q [N, K] and float32 scale/offset [N, K/G].
 
-    In bf16 on CPU the int8 values are stored as two nibbles instead (`pair`), as one int4 matrix
-    of 2K columns for the CPU int4 kernel, whose value v means (v - 8) * scale + zero per group:
-    - G >= 32 (a kernel group size): q = lo + 16 * hi, lo in [0, 15], hi in [-8, 7]; columns
-      [lo | hi + 8], input [x, x]; lo groups: scale s, zero 8 * s (-> s * lo); hi groups: scale
-      16 * s, zero offset (-> 16 * s * hi + offset).
-    - G = 16 (Q6_K; symmetric, q in [-120, 119]): q = lo + 16 * hi with lo, hi in [-8, 7]; each
-      group's 16 lo then its 16 hi make one kernel group of 32 with scale s and zero 0, and the
-      input is x with each 16-group followed by 16 * x of it (a power of two: exact in bf16).
-    One kernel call then sums both halves to x @ (s * q + o).T, reading 1 byte per weight as int8
-    does. The kernel takes bf16 scales: the weights it uses are bf16(s) * q + bf16(o) (GGUF's s is
-    float16, rounded to bf16 as the int4 layers' scales are). Float32 models keep the int8 values
-    (the kernel has no fast float32 path)."""
+    In bf16 on CPU the int8 values are held as nibbles instead (`pair`): one int4 matrix of 2K
+    columns for the CPU int4 kernel, whose value v means (v - 8) * scale + zero per kernel group.
+    Each group of G inputs becomes one kernel group of 2G columns, its G low nibbles then its G
+    high ones, and the input is x_g followed by 16 * x_g (a power of two: exact in bf16):
+    - balanced (no offsets, q <= 119: Q6_K, Q5_0): q = lo + 16 * hi, lo and hi in [-8, 7],
+      stored + 8; zero 0, so the group sums s * (lo + 16 * hi) = s * q, exactly.
+    - otherwise (Q8_0's 127, offsets): lo = q & 15, hi = q >> 4 in [-8, 7] stored + 8; the group
+      sums s * (lo - 8 + 16 * hi) + 17 * zero = s * q + offset with zero = (8 * s + offset) / 17,
+      which rounds to bf16 as the scales do.
+    One kernel call reads 1 byte per weight as int8 does, and (scale, zero) once per G weights.
+    The kernel takes bf16: the weights it holds are bf16(s) * q + 17 * bf16(zero) (- 8 * bf16(s)),
+    and dequantize() returns those (group_scales), so every row count computes with one set of
+    weights; the float32 scales are not kept beside the pair (0.125-0.25 bytes a weight). Float32
+    models keep the int8 values (the kernel has no fast float32 path)."""
 
     compile_autotune = (
         False  # the compiled path is a fused reduction or the int4 kernel, not a GEMM template
@@ -88,44 +86,57 @@ class Int8GroupLinear(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        self.register_buffer(
-            "pair", None
-        )  # the int4 kernel's [N, 2K] matrix of nibbles (see above)
-        self.register_buffer(
-            "pair_scales", None
-        )  # [2K/G', N, 2] bf16 (scale, zero) per kernel group G'
-        self.layout = (
-            None  # the kernel's packed layout (quantize.CPU_INT4_LAYOUTS) when `pair` is used
-        )
+        self.register_buffer("pair", None)  # the int4 kernel's [N, 2K] matrix of nibbles (above)
+        self.register_buffer("pair_scales", None)  # [K/G, N, 2] bf16 (scale, zero) per 2G columns
+        self.layout = None  # the kernel's packed layout (cpu_kernels.CPU_INT4_LAYOUTS) with `pair`
+        self.balanced = False  # the pair's nibbles (the docstring's two layouts): _pack_pair
         if (
             dtype == torch.bfloat16
             and q.device.type == "cpu"
             and q.shape[0] % 16 == 0
-            and (self.groupsize in PAIR_GROUPS or self._interleaved())
-        ):
-            # (the int4 kernel's constraints: those group sizes, N a multiple of 16)
+            and self.groupsize in PAIR_GROUPS
+        ):  # (the int4 kernel's constraints: group sizes 2G, N a multiple of 16)
             self._pack_pair()
 
-    def _interleaved(self) -> bool:
-        """Groups of 16 as balanced nibbles (the G = 16 layout above): symmetric, q in [-120,
-        119]."""
-        return (
-            self.groupsize == 16
-            and self.offsets is None
-            and bool(self.weight.min() >= -120)
-            and bool(self.weight.max() <= 119)
+    @classmethod
+    def stacked(cls, layers: list, bias):
+        """One layer computing torch.cat([m(x) for m in layers], -1) from nibble pairs without
+        repacking (cpu_kernels.cpu_int4_concat), or None where the layers' pairs cannot stack."""
+        first, rows = layers[0], [m.out_features for m in layers]
+        if any(
+            m.pair is None
+            or (m.groupsize, m.balanced, m.layout, m.in_features)
+            != (first.groupsize, first.balanced, first.layout, first.in_features)
+            for m in layers
+        ):
+            return None
+        pair = cpu_kernels.cpu_int4_concat([m.pair for m in layers], rows, *first.layout)
+        if pair is None:
+            return None
+        N, K, G = sum(rows), first.in_features, first.groupsize
+        meta = {"device": "meta"}  # an empty shell of the right shape; the pair comes next
+        out = cls(
+            torch.empty(N, K, dtype=torch.int8, **meta),
+            torch.empty(N, K // G, **meta),
+            None,
+            bias,
+            first.dtype,
         )
+        out.weight = out.scales = None
+        out.pair, out.layout, out.balanced = pair, first.layout, first.balanced
+        out.pair_scales = torch.cat([m.pair_scales for m in layers], 1)
+        return out
 
     def _nibbles(self, q: torch.Tensor) -> torch.Tensor:
         """q int8 [R, K] -> the kernel's values uint8 [R, 2K] (the layouts in the docstring)."""
-        R, K = q.shape
-        if self.groupsize == 16:
-            hi = (q + 8) >> 4  # arithmetic shift: lo = q - 16 * hi in [-8, 7]
-            return (
-                torch.stack([(q - 16 * hi).view(R, -1, 16), hi.view(R, -1, 16)], 2).view(R, 2 * K)
-                + 8
-            ).to(torch.uint8)
-        return torch.cat([q & 15, (q >> 4) + 8], 1).to(torch.uint8)  # lo, hi + 8
+        R, K, G = q.shape[0], self.in_features, self.groupsize
+        hi = (q + 8) >> 4 if self.balanced else q >> 4  # arithmetic shifts
+        lo = q - 16 * hi + (8 if self.balanced else 0)
+        return (
+            torch.stack([lo.view(R, -1, G), (hi + 8).view(R, -1, G)], 2)
+            .view(R, 2 * K)
+            .to(torch.uint8)
+        )
 
     def _pack_pair(self):
         try:
@@ -133,76 +144,71 @@ class Int8GroupLinear(nn.Module):
         except ValueError:  # no working int4 kernel under this CPU capability: keep int8
             return
         q, (N, K) = self.weight, self.weight.shape
+        self.balanced = self.offsets is None and int(q.max()) <= 119  # (int8: q >= -128 > -136)
         # PACK_ROWS rows at a time: the op takes int32 values, 4 bytes per weight for a moment
         packed, layout = torch.empty(N, K, dtype=torch.uint8), None
-        sz = torch.empty(
-            self.scales.shape[1] * (1 if self.groupsize == 16 else 2), N, 2, dtype=torch.bfloat16
-        )
         for i in range(0, N, PACK_ROWS):
             values = self._nibbles(q[i : i + PACK_ROWS])
             packed[i : i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 values.to(torch.int32), 1
             )
-            layout = layout or quantize.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
-            if (
-                layout is None
-            ):  # a layout this file cannot read back: keep int8 (dequantize needs the values)
+            layout = layout or cpu_kernels.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
+            if layout is None:  # a layout this file cannot read back: keep int8
                 return
-            sz[:, i : i + PACK_ROWS] = self._pair_scales(i, i + PACK_ROWS).transpose(0, 1)
         if not torch.equal(
-            quantize.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
+            cpu_kernels.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
         ):  # the last chunk too
             return
-        self.pair, self.pair_scales, self.layout = packed, sz, layout
-        self.weight = None
+        s = self.scales
+        o = self.offsets if self.offsets is not None else torch.zeros_like(s)
+        zero = torch.zeros_like(s) if self.balanced else (8 * s + o) / 17
+        self.pair_scales = torch.stack([s, zero], 2).transpose(0, 1).bfloat16().contiguous()
+        self.pair, self.layout = packed, layout
+        self.weight = self.scales = self.offsets = None
 
-    def _pair_scales(self, start: int, end: int) -> torch.Tensor:
-        """The kernel's (scale, zero) of rows start..end-1 (the layouts in the docstring): [R,
-        2K/G', 2]."""
-        s = self.scales[start:end]
-        if self.groupsize == 16:
-            return torch.stack([s, torch.zeros_like(s)], 2)  # [R, K/16 = 2K/32, 2]
-        o = self.offsets[start:end] if self.offsets is not None else torch.zeros_like(s)
-        return torch.stack([torch.cat([s, 16 * s], 1), torch.cat([8 * s, o], 1)], 2)  # [R, 2K/G, 2]
+    def group_scales(self) -> tuple:
+        """(scales, offsets or None) float32 [N, K/G]: with the pair, those of the bf16 weights the
+        kernel holds (see the docstring)."""
+        if self.pair is None:
+            return self.scales, self.offsets
+        s, zero = self.pair_scales.float().transpose(0, 1).unbind(2)  # [N, K/G] each
+        return s, None if self.balanced else 17 * zero - 8 * s
 
     def int8_values(self) -> torch.Tensor:
         """q int8 [N, K], read back from the nibble pair when that is what is stored."""
         if self.pair is None:
             return self.weight
         N, K = self.out_features, self.in_features
-        return self._from_nibbles(quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
+        return self._from_nibbles(cpu_kernels.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
 
     def int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
         if self.pair is None:
             return self.weight[rows]
         return self._from_nibbles(
-            quantize.cpu_int4_rows(
+            cpu_kernels.cpu_int4_rows(
                 self.pair, self.out_features, 2 * self.in_features, rows, *self.layout
             )
         )
 
     def _from_nibbles(self, v: torch.Tensor) -> torch.Tensor:
         """The kernel's values uint8 [R, 2K] -> q int8 [R, K] (inverts _nibbles)."""
-        R, K = v.shape[0], self.in_features
-        v = v.to(torch.int16) - 8
-        if self.groupsize == 16:
-            v = v.view(R, K // 16, 2, 16)
-            return (v[:, :, 0] + 16 * v[:, :, 1]).reshape(R, K).to(torch.int8)
-        return (v[:, :K] + 8 + 16 * v[:, K:]).to(torch.int8)
+        R, K, G = v.shape[0], self.in_features, self.groupsize
+        v = v.to(torch.int16).view(R, K // G, 2, G)
+        lo = v[:, :, 0] - (8 if self.balanced else 0)
+        return (lo + 16 * (v[:, :, 1] - 8)).reshape(R, K).to(torch.int8)
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         many = quantize.int4_large_m(self.out_features, 2 * self.in_features, torch.bfloat16)
         if self.pair is not None and x2.shape[0] < many:  # (2K: the kernel's columns)
-            xb = x2.to(torch.bfloat16)
-            if self.groupsize == 16:  # [M, K/16, 2, 16]: each group, then 16 times it -> [M, 2K]
-                xg = xb.view(xb.shape[0], -1, 1, 16)
-                xx, group = torch.cat([xg, 16 * xg], 2).view(xb.shape[0], -1), 32
-            else:  # [M, 2K]: the lo and the hi halves
-                xx, group = torch.cat([xb, xb], 1), self.groupsize
+            M, G = x2.shape[0], self.groupsize
+            xg = x2.to(torch.bfloat16).view(M, self.in_features // G, 1, G)  # [M, K/G, 1, G]
+            xx = torch.cat([xg, 16 * xg], 2).view(
+                M, 2 * self.in_features
+            )  # each group, then 16x it
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xx, self.pair, group, self.pair_scales
+                xx, self.pair, 2 * G, self.pair_scales
             ).to(x.dtype)
         elif self.pair is None and torch.compiler.is_compiling() and x2.shape[0] <= FEW_ROWS:
             G = self.scales.shape[1]
@@ -217,14 +223,14 @@ class Int8GroupLinear(nn.Module):
                 )  # sum_g offset[n, g] * sum_{k in g} x[k]
             y = y.to(x.dtype)
         elif x2.shape[0] >= quantize.INT4_LARGE_M:
-            y = padded_linear(x2, self.dequantize().to(x.dtype))
+            y = cpu_kernels.padded_linear(x2, self.dequantize().to(x.dtype))
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_groups(self.int8_values(), self.scales, self.offsets)
+        return dequantize_groups(self.int8_values(), *self.group_scales())
 
 
 class Int8GroupEmbedding(nn.Module):

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import hf_model, save_hf, write_gguf
 
+import cpu_kernels
 import quantize
 from formats import fuse_layers, quant_groups, weights
 from kv_cache import NoCache
@@ -76,3 +77,43 @@ def test_mixed_formats_stay_separate(tmp_path):
     )
     assert fuse_layers.fuse_projections(model) == 2 * model.config.n_layers - 1
     assert a.qkv_proj is None and a.q_proj is not None
+
+
+def _layers(kind, rows, K=256):
+    g = torch.Generator().manual_seed(len(rows))
+    out = []
+    for n in rows:
+        if kind == "int4":
+            w = torch.randn(n, K, generator=g)
+            portable = quantize.portable_tensors(w, "int4", 32)
+            out.append(quantize.make_layer(portable, None, "int4", 32, torch.bfloat16, "cpu"))
+        else:  # Q8_0-like (general nibbles) or Q6_K-like (balanced), groups of 32 / 16
+            low, G = (-128, 32) if kind == "int8 groups" else (-32, 16)
+            q = torch.randint(low, -low, (n, K), generator=g, dtype=torch.int8)
+            s = torch.rand(n, K // G, generator=g) * 0.02
+            out.append(quant_groups.Int8GroupLinear(q, s, None, None, torch.bfloat16))
+    return out
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("kind", ["int4", "int8 groups", "int8 groups balanced"])
+@pytest.mark.parametrize("rows", [(128, 64, 64), (48, 64)])
+def test_stacked_kernel_bytes_equal_packing_the_stacked_values(kind, rows, monkeypatch):
+    """Fusing stacks the int4 kernel's packed bytes where every layer but the last fills whole
+    layout blocks (128, 64, 64 rows): the same bytes and scales as unpacking the layers' values
+    and packing them again (the slow twin), and the outputs of the separate layers; a first layer
+    of 48 rows ends inside a block and takes the twin."""
+    layers = _layers(kind, rows)
+    assert all(getattr(m, "layout", None) for m in layers), "no known int4 layout here"
+    fused = fuse_layers.concat_rows(layers)
+    cls = type(layers[0])
+    monkeypatch.setattr(cls, "stacked", classmethod(lambda cls, layers, bias: None))
+    twin = fuse_layers.concat_rows(layers)
+    names = ("weight", "scales_and_zeros") if kind == "int4" else ("pair", "pair_scales")
+    for name in names:
+        assert torch.equal(getattr(fused, name), getattr(twin, name)), name
+    packed = [getattr(m, names[0]) for m in layers]
+    stacks = cpu_kernels.cpu_int4_concat(packed, list(rows), *layers[0].layout) is not None
+    assert stacks == (rows[0] != 48)
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(fused(x), torch.cat([m(x) for m in layers], -1))

@@ -167,9 +167,10 @@ def test_int8_group_linear_equals_its_dequantized_reference(offsets):
 @pytest.mark.parametrize("G", [16, 32, 64])
 def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offsets, G, monkeypatch):
     """bf16 on CPU: the int8 values stored as nibbles (lo, hi) for the int4 kernel read back
-    exactly, and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM) and
-    compiled equals x @ (bf16(scale) * q + bf16(offset)).T, the weights the kernel holds. Groups of
-    16 (Q6_K) take the interleaved layout, symmetric only: with offsets they keep int8."""
+    exactly, the layer holds q * bf16(scale) + the offset its bf16 zero gives (exactly the file's
+    where balanced), and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM)
+    and compiled equals x @ those weights.T. Every group size the kernel can double takes the
+    pair, with offsets too; int8 values in [-136, 119] without offsets take the balanced nibbles."""
     g = torch.Generator().manual_seed(G)
     N, K = 80, 256
     q = torch.randint(
@@ -181,32 +182,32 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
     )
     monkeypatch.setattr(quant_groups, "PACK_ROWS", 64)  # packed in two pieces, 64 and 16 rows
     layer = quant_groups.Int8GroupLinear(q, scales, offs if offsets else None, None, torch.bfloat16)
-    halves = not (G == 16 and offsets)
-    assert (layer.pair is not None) == halves and (layer.weight is None) == halves, (
-        runtime.cpu_capability()
-    )
+    assert layer.pair is not None and layer.weight is None, runtime.cpu_capability()
+    assert layer.balanced == (G == 16 and not offsets) and layer.scales is None
     assert torch.equal(layer.int8_values(), q)
     idx = torch.tensor(
         [0, 79, 64, 5, 5]
     )  # rows of both packed pieces, the 16-row tail, repeated (an embedding's lookup)
     assert torch.equal(layer.int8_rows(idx), q[idx]) and layer.int8_rows(idx[:0]).shape == (0, K)
-    assert torch.equal(
-        layer.dequantize(), quant_groups.dequantize_groups(q, scales, offs if offsets else None)
-    )
-    s = scales.bfloat16().float().repeat_interleave(G, 1)
-    w = q.float() * s + (offs.bfloat16().float().repeat_interleave(G, 1) if offsets else 0)
+    s = scales.bfloat16().float()
+    if layer.balanced:  # the file's values, with the scales the kernel takes
+        o = None
+    else:  # zero = (8 s + offset) / 17 in bf16: the offset it stands for, within bf16's rounding
+        o = 17 * ((8 * scales + (offs if offsets else 0)) / 17).bfloat16().float() - 8 * s
+        ref_o = offs if offsets else torch.zeros_like(scales)
+        torch.testing.assert_close(o, ref_o, rtol=0, atol=2**-7 * (8 * scales + ref_o.abs()).max())
+    w = quant_groups.dequantize_groups(q, s, o)
+    assert torch.equal(layer.dequantize(), w)
     for rows in (1, 3, quantize.INT4_LARGE_M + 8):
         x = torch.randn(rows, K, generator=g).bfloat16()
-        ref = x.float() @ (w if halves else layer.dequantize()).T
+        ref = x.float() @ w.T
         torch.testing.assert_close(
             layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item()
         )
     compiling.configure_inductor_cpu()
     compiled = torch.compile(layer, dynamic=False)
     x = torch.randn(1, K, generator=g).bfloat16()
-    torch.testing.assert_close(
-        compiled(x), layer(x), rtol=0, atol=0 if halves else 1e-2 * layer(x).abs().max().item()
-    )
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
     float32 = quant_groups.Int8GroupLinear(q, scales, None, None, torch.float32)
     assert (
         float32.pair is None and float32.weight is not None
@@ -224,16 +225,19 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q6_K"])
 def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
     """In bf16 the int8-group types run as two int4 halves, the output head included
-    (quant_groups.HEAD_NOTE). Values still the file's, logits those of the float model of the same
-    decoding within twice the error of the same model with its weights rounded to bf16 (Q6_K's
-    scales kept small: its random weights would reach +-120, where bf16 sums cancel too much)."""
+    (quant_groups.HEAD_NOTE). Values still the file's within bf16's rounding, logits those of the
+    float model of the same decoding within twice the error of the same model with its weights
+    rounded to bf16 (Q6_K's scales kept small: its random weights would reach +-120, where bf16
+    sums cancel too much)."""
     path, expected = write_random_gguf(tmp_path, kind, small=kind == "Q6_K")
     at_bits, info = weights.load(path, dtype=torch.bfloat16)
     ref, _ = weights.load(path, dtype=torch.float32, dequantize=True)
     for name in ("layers.0.mlp.up_proj", "lm_head"):
         module = at_bits.get_submodule(name)
         assert isinstance(module, quant_groups.Int8GroupLinear) and module.pair is not None, name
-        assert torch.equal(module.dequantize(), expected[f"{name}.weight"]), name
+        w = expected[f"{name}.weight"]  # the values the layer holds: the file's with bf16 scales
+        rounding = (w.bfloat16().float() - w).abs().max()  # what rounding the weights would cost
+        assert (module.dequantize() - w).abs().max() <= 2 * rounding, name
     assert "two int4 halves" in info.own_bits
     bf16, _ = weights.load(
         path, dtype=torch.bfloat16, dequantize=True

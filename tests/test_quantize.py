@@ -10,6 +10,7 @@ import torch
 from helpers import tiny_checkpoint
 
 import compiling
+import cpu_kernels
 import generate
 import quantize
 import runtime
@@ -70,9 +71,9 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     # the layout is the running capability's; a known one must be found, and must give q back
     q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    layout = quantize.find_cpu_int4_layout(packed, q)
+    layout = cpu_kernels.find_cpu_int4_layout(packed, q)
     assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
-    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
+    assert torch.equal(cpu_kernels.cpu_int4_unpack(packed, n, 128, *layout), q)
     # and a lookup of some rows (a tied head read as the embedding), the last ones (a tail past the
     # last whole block where n is not a multiple of it) always among them
     rows = torch.cat(
@@ -81,7 +82,7 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
             torch.arange(n - 8, n),
         ]
     )
-    assert torch.equal(quantize.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
+    assert torch.equal(cpu_kernels.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
@@ -93,7 +94,7 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
     known = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
     )
-    monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
+    monkeypatch.setattr(cpu_kernels, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
     unknown = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
