@@ -405,11 +405,13 @@ def build(
             if parts is not None:
                 quant_groups.install_experts(model, parent, parts, dtype, device, own_bits)
                 built.update(f"{parent}.{p}" for p in PROJECTIONS)
-        elif (
-            key in packed
-            and key != "embed_tokens"
-            and (f"{key}.bias" not in expected or f"{key}.bias" in state)
-        ):
+        elif key == "embed_tokens" and key in packed:  # with a tied head, that head too: at once,
+            # not after the last layer, where its file copy would wait beside them all (the peak)
+            quant_groups.install(
+                model, {key: packed.pop(key)}, state, dtype, device, tied, own_bits
+            )
+            built.add(key)
+        elif key in packed and (f"{key}.bias" not in expected or f"{key}.bias" in state):
             quant_groups.install(
                 model, {key: packed.pop(key)}, state, dtype, device, False, own_bits
             )
@@ -477,7 +479,8 @@ def _install(model, state, packed, quant, tied, dtype, device, own_bits):
         quant_files.install(model, state, quant, dtype, device)
     quant_groups.install(model, packed, state, dtype, device, tied, own_bits)
     model.load_state_dict(state, strict=False, assign=True)
-    if tied and "embed_tokens" not in packed:
+    head = getattr(model.lm_head, "weight", None)
+    if tied and head is not None and head.is_meta:  # a float head: the table's own tensor
         model.lm_head.weight = model.embed_tokens.weight
     model.make_rope(device)
     return model.eval().requires_grad_(False)  # inference only: nothing may build an autograd graph
