@@ -15,9 +15,9 @@ ATEN_CPU_CAPABILITY, because ATen and Inductor choose kernels by the CPU's instr
     padded_linear        for F.linear: rows padded to few counts (oneDNN keeps a kernel per shape)
     flash_attention_works  whether SDPA's flash kernel runs here (else it is switched off at import)
     cpu_int4_kernel_error  checks ATen's int4 kernel against (q - 8) * scale + zero per group
-    cpu_int4_unpack, cpu_int4_rows, find_cpu_int4_layout, cpu_int4_concat
-                         the int4 kernel's packed weights read back and stacked (quantize.py's
-                         Int4Linear, formats/quant_groups.py's int8 groups as nibble pairs)
+    cpu_int4_pack, cpu_int4_unpack, cpu_int4_rows, find_cpu_int4_layout, cpu_int4_concat
+                         the int4 kernel's weights packed by pieces, read back and stacked
+                         (quantize.Int4Linear, formats/quant_groups.py's nibble pairs)
 
 Run its tests:
 
@@ -242,6 +242,7 @@ def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 #     q = cpu_int4_unpack(packed, N, K, *layout)          # uint8 [N, K], the values packed
 #     rows = cpu_int4_rows(packed, N, K, index, *layout)  # uint8 [len(index), K], those rows only
 #     both = cpu_int4_concat([pa, pb], [Na, Nb], *layout)  # rows of a then b, or None
+#     packed, layout = cpu_int4_pack(values, N)            # packed by pieces, layout found
 
 # The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
 # torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
@@ -309,6 +310,28 @@ def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
         if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
             return layout
     return None
+
+
+def cpu_int4_pack(values, N: int, rows: int = 1024):
+    """(packed uint8 [N, K/2], layout) of int4 values [N, K] for `_weight_int4pack_mm_for_cpu`,
+    `rows` rows at a time (the op takes int32: 4 bytes a weight for a moment, a large matrix's
+    worth would be the load's peak); values(i, j) gives rows i..j-1 as uint8 in [0, 15]. The
+    layout is found on the first piece and checked on the last; where none is known it is None
+    and the whole matrix is packed at once (pieces follow on only in a known layout)."""
+    packed, layout = None, None
+    for i in range(0, N, rows):
+        v = values(i, min(i + rows, N))
+        piece = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32), 1)
+        if packed is None:  # filled in place: no second copy at the end
+            packed = torch.empty(N, piece.shape[1], dtype=torch.uint8, device=piece.device)
+        packed[i : i + rows] = piece
+        layout = layout or find_cpu_int4_layout(piece, v)
+        if layout is None:
+            break
+    if layout is None or not torch.equal(cpu_int4_unpack(piece, *v.shape, *layout), v):
+        whole = values(0, N)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(whole.to(torch.int32), 1), None
+    return packed, layout
 
 
 def cpu_int4_concat(parts: list, rows: list, block: int = 64, pairing: str = "halves"):

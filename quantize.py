@@ -23,9 +23,9 @@ The CPU int4 kernel is a matrix-vector product at heart: its time grows with the
 so many-row calls (prefill, speculative verification of many tokens) take another route: the
 layer is dequantized on the fly and multiplied with a regular GEMM. The kernel's packed layout is
 private to ATen and differs by instruction set (AVX-512, AVX2, none), so each layer checks at load,
-on the running CPU, which known layout unpacks its weight back to its values
-(`find_cpu_int4_layout`); if none does, it keeps its portable values as well. The kernel itself
-is checked once per process on a probe matrix (cpu_kernels.cpu_int4_kernel_error); where it is
+on the running CPU, which known layout unpacks its weight back to its values (cpu_int4_pack,
+packing 1,024 rows at a time); if none does, it keeps its portable values as well. The kernel
+itself is checked once per process on a probe matrix (cpu_int4_kernel_error); where it is
 wrong or missing, int4 is refused with a message, never run. `dequantize()` on every layer is the
 plain reference path tests compare the kernels against.
 """
@@ -41,8 +41,8 @@ import moe
 from cpu_kernels import (  # the CPU int4 kernel's packed layout, read back
     cpu_int4_concat,
     cpu_int4_kernel_error,
+    cpu_int4_pack,
     cpu_int4_unpack,
-    find_cpu_int4_layout,
     padded_linear,
 )
 
@@ -200,9 +200,9 @@ class Int4Linear(nn.Module):
             packed, self.layout = portable["cpu_packed"]
             self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
         else:
-            q = unpack_int4(portable["weight"]).to(device)
-            self.out_features, self.in_features = q.shape
-            packed = self._pack(q, portable["weight"])
+            weight = portable["weight"].to(device)  # [N, K/2], two values a byte
+            self.out_features, self.in_features = weight.shape[0], 2 * weight.shape[1]
+            packed = self._pack(weight)
         self.register_buffer("weight", packed)
         sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(
             0, 1
@@ -230,15 +230,12 @@ class Int4Linear(nn.Module):
         portable = {"cpu_packed": (packed, first.layout), "scales": sz[..., 0], "zeros": sz[..., 1]}
         return cls(portable, bias, sz.dtype, first.groupsize, packed.device)
 
-    def _pack(self, q: torch.Tensor, portable_weight: torch.Tensor) -> torch.Tensor:
-        """Values uint8 [N, K] -> the device kernel's packed weight (self.layout set on CPU)."""
-        N, K = q.shape
+    def _pack(self, portable_weight: torch.Tensor) -> torch.Tensor:
+        """Portable uint8 [N, K/2] -> the device kernel's packed weight (self.layout set on CPU)."""
+        N = portable_weight.shape[0]
         if self.cpu:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            self.layout = find_cpu_int4_layout(packed, q)
-            if (
-                self.layout is None
-            ):  # an unknown layout: keep the portable values (N * K / 2 more bytes)
+            packed, self.layout = cpu_int4_pack(lambda i, j: unpack_int4(portable_weight[i:j]), N)
+            if self.layout is None:  # an unknown layout: keep the portable values (N * K / 2 more)
                 warn_once(
                     f"int4: the CPU kernel's packed layout under "
                     f"{torch.backends.cpu.get_cpu_capability()} is not one this "
@@ -246,9 +243,10 @@ class Int4Linear(nn.Module):
                 )
                 self.portable_weight = portable_weight.contiguous()
             return packed
+        q = unpack_int4(portable_weight)
         # tinygemm: bf16, 2 values per byte (high nibble first), K a multiple of 16 x its inner k
         # tiles (SmolLM2's 576: 4)
-        tiles = max(t for t in (2, 4, 8) if K % (16 * t) == 0)
+        tiles = max(t for t in (2, 4, 8) if q.shape[1] % (16 * t) == 0)
         return torch.ops.aten._convert_weight_to_int4pack(
             (q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles
         )

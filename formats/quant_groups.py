@@ -43,7 +43,7 @@ HEAD_NOTE = (
 )
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
 PAIR_GROUPS = (16, 32, 64, 128)  # G for which a kernel group of 2G exists (the kernel: 32-256)
-PACK_ROWS = 1024  # rows packed for the int4 kernel at a time (a multiple of its 64-row blocks)
+PACK_ROWS = 1024  # rows packed at a time (cpu_kernels.cpu_int4_pack; a multiple of 64-row blocks)
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> torch.Tensor:
@@ -143,21 +143,10 @@ class Int8GroupLinear(nn.Module):
             quantize.check_int4_device(self.weight.device)
         except ValueError:  # no working int4 kernel under this CPU capability: keep int8
             return
-        q, (N, K) = self.weight, self.weight.shape
+        q, N = self.weight, self.weight.shape[0]
         self.balanced = self.offsets is None and int(q.max()) <= 119  # (int8: q >= -128 > -136)
-        # PACK_ROWS rows at a time: the op takes int32 values, 4 bytes per weight for a moment
-        packed, layout = torch.empty(N, K, dtype=torch.uint8), None
-        for i in range(0, N, PACK_ROWS):
-            values = self._nibbles(q[i : i + PACK_ROWS])
-            packed[i : i + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                values.to(torch.int32), 1
-            )
-            layout = layout or cpu_kernels.find_cpu_int4_layout(packed[i : i + PACK_ROWS], values)
-            if layout is None:  # a layout this file cannot read back: keep int8
-                return
-        if not torch.equal(
-            cpu_kernels.cpu_int4_unpack(packed[i:], N - i, 2 * K, *layout), values
-        ):  # the last chunk too
+        packed, layout = cpu_kernels.cpu_int4_pack(lambda i, j: self._nibbles(q[i:j]), N, PACK_ROWS)
+        if layout is None:  # a layout this file cannot read back: keep int8
             return
         s = self.scales
         o = self.offsets if self.offsets is not None else torch.zeros_like(s)
