@@ -189,8 +189,8 @@ class Int8GroupLinear(nn.Module):
 
     def forward(self, x):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        many = quantize.int4_large_m(self.out_features, 2 * self.in_features, torch.bfloat16)
-        if self.pair is not None and x2.shape[0] < many:  # (2K: the kernel's columns)
+        # the kernel over 2K columns meets dense() + GEMM near 128 rows at every size (RESULTS.md)
+        if self.pair is not None and x2.shape[0] < quantize.INT4_LARGE_M:
             M, G = x2.shape[0], self.groupsize
             xg = x2.to(torch.bfloat16).view(M, self.in_features // G, 1, G)  # [M, K/G, 1, G]
             xx = torch.cat([xg, 16 * xg], 2).view(
@@ -212,14 +212,35 @@ class Int8GroupLinear(nn.Module):
                 )  # sum_g offset[n, g] * sum_{k in g} x[k]
             y = y.to(x.dtype)
         elif x2.shape[0] >= quantize.INT4_LARGE_M:
-            y = cpu_kernels.padded_linear(x2, self.dequantize().to(x.dtype))
+            y = cpu_kernels.padded_linear(x2, self.dense(x.dtype))
         else:
-            y = F.linear(x2, self.dequantize().to(x.dtype))
+            y = F.linear(x2, self.dense(x.dtype))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_groups(self.int8_values(), *self.group_scales())
+
+    def dense(self, dtype, chunk: int = 256, least: int = 1 << 21) -> torch.Tensor:
+        """dequantize().to(dtype), from the pair a block of `chunk` rows at a time where the
+        layout keeps such blocks apart: its temporaries stay in cache (as Int4Linear.dense's)."""
+        N, K = self.out_features, self.in_features
+        if self.pair is None or N * K <= least or N % chunk or chunk % self.layout[0]:
+            return self.dequantize().to(dtype)
+        out, flat, (s, o) = (
+            torch.empty(N, K, dtype=dtype),
+            self.pair.reshape(-1),
+            self.group_scales(),
+        )
+        for r in range(0, N, chunk):  # rows [r, r + chunk): bytes [r * K, (r + chunk) * K)
+            v = cpu_kernels.cpu_int4_unpack(
+                flat[r * K : (r + chunk) * K], chunk, 2 * K, *self.layout
+            )
+            rows = slice(r, r + chunk)
+            out[rows] = dequantize_groups(
+                self._from_nibbles(v), s[rows], o if o is None else o[rows]
+            )
+        return out
 
 
 class Int8GroupEmbedding(nn.Module):

@@ -222,6 +222,26 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
 
 
 @pytest.mark.isa
+@pytest.mark.parametrize("G,offsets", [(16, False), (32, True)])
+def test_int8_group_dense_by_row_blocks_equals_dequantize(G, offsets):
+    """Many-row calls unpack the nibble pair a block of rows at a time (Int8GroupLinear.dense):
+    the same weights as dequantize(), and the layer at 128 rows (that route) gives x @ them.T."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 128, 256
+    q = torch.randint(-32, 32, (N, K), generator=g, dtype=torch.int8)
+    offs = torch.randn(N, K // G, generator=g) * 0.1 if offsets else None
+    layer = quant_groups.Int8GroupLinear(
+        q, torch.rand(N, K // G, generator=g) * 0.02, offs, None, torch.bfloat16
+    )
+    assert layer.pair is not None
+    w = layer.dequantize()
+    assert torch.equal(layer.dense(torch.float32, chunk=64, least=0), w)
+    x = torch.randn(quantize.INT4_LARGE_M, K, generator=g).bfloat16()
+    ref = x.float() @ w.T
+    torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.isa
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_1", "Q6_K"])
 def test_bf16_int8_group_matrices_and_head_run_as_int4_halves(tmp_path, kind):
     """In bf16 the int8-group types run as two int4 halves, the output head included
