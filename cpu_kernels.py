@@ -244,13 +244,12 @@ def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 #     both = cpu_int4_concat([pa, pb], [Na, Nb], *layout)  # rows of a then b, or None
 #     packed, layout = cpu_int4_pack(values, N)            # packed by pieces, layout found
 
-# The CPU int4 kernel's packed layout is private to ATen and chosen per CPU capability. Seen in
-# torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j (low nibble)
-# and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the default (no SIMD)
-# blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full block are stored
-# as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list: it unpacks its own
-# packed weight with each candidate and keeps the one that gives its values back (a round trip on
-# the running machine), else it keeps the portable values too.
+# Seen in torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j
+# (low nibble) and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the
+# default (no SIMD) blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full
+# block are stored as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list:
+# it unpacks its own packed weight with each candidate and keeps the one that gives its values back
+# (a round trip on the running machine), else it keeps the portable values too.
 CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
 
 

@@ -64,7 +64,8 @@ def int4_large_m(out_features: int, in_features: int, dtype) -> int:
     to 8M weights, 256 past (benchmarks/RESULTS.md, "Prefill at a GGUF's own bits, 1B")."""
     if dtype == torch.float32:
         return INT4_LARGE_M_FLOAT32
-    return INT4_LARGE_M if out_features * in_features <= 1 << 23 else 256
+    # (max: batch_invariant.one_int4_route raises INT4_LARGE_M to keep every row on the kernel)
+    return INT4_LARGE_M if out_features * in_features <= 1 << 23 else max(256, INT4_LARGE_M)
 
 
 # ---- quantizing one weight to portable tensors ---------------------------------------------
@@ -207,7 +208,10 @@ class Int4Linear(nn.Module):
         sz = torch.stack([portable["scales"], portable["zeros"]], dim=2).transpose(
             0, 1
         )  # [K/G, N, 2]
-        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype).contiguous())
+        kernel_dtype = dtype if self.cpu else torch.bfloat16  # tinygemm reads bf16 scales only
+        self.register_buffer(
+            "scales_and_zeros", sz.to(device=device, dtype=kernel_dtype).contiguous()
+        )
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     @classmethod
@@ -271,15 +275,14 @@ class Int4Linear(nn.Module):
         keeps such blocks apart (rows of one layout block are contiguous): the float32 temporaries
         then stay in cache, several times faster on a large matrix (RESULTS.md, as above)."""
         N, K = self.out_features, self.in_features
-        if self.layout is None or N * K <= least or N % chunk or chunk % self.layout[0]:
+        if self.layout is None or N * K <= least or chunk % self.layout[0]:
             return self.dequantize().to(dtype)
         out, flat = torch.empty(N, K, dtype=dtype), self.weight.reshape(-1)
         sz = self.scales_and_zeros.transpose(0, 1)  # [N, K / G, 2]
-        for r in range(0, N, chunk):  # rows [r, r + chunk): bytes [r * K / 2, (r + chunk) * K / 2)
-            q = cpu_int4_unpack(flat[r * K // 2 : (r + chunk) * K // 2], chunk, K, *self.layout)
-            out[r : r + chunk] = dequantize_int4(
-                q, sz[r : r + chunk, :, 0], sz[r : r + chunk, :, 1]
-            )
+        for r in range(0, N, chunk):  # rows [r, r + n): bytes [r * K / 2, (r + n) * K / 2)
+            n = min(chunk, N - r)  # (the last block may end in the layout's tail rows)
+            q = cpu_int4_unpack(flat[r * K // 2 : (r + n) * K // 2], n, K, *self.layout)
+            out[r : r + n] = dequantize_int4(q, sz[r : r + n, :, 0], sz[r : r + n, :, 1])
         return out
 
     def dequantize(self) -> torch.Tensor:

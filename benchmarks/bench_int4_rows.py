@@ -2,8 +2,11 @@
 grow (quantize.int4_large_m): per layer shape of a 1B model, the kernel, the whole matrix unpacked
 then a bf16 GEMM, and Int4Linear.dense's unpacking by blocks of 256 rows then the GEMM; then a
 GGUF file's prefill through the model as it loads (--gguf), tokens/s at a few prompt lengths.
+--pairs: the same question for int8 groups held as nibble pairs (formats/quant_groups.py's
+Int8GroupLinear: the kernel over 2K columns against Int8GroupLinear.dense + GEMM), groups of 32
+(Q8_0's layout, with a zero) and 16 (Q6_K's balanced nibbles).
 
-    .venv/bin/python benchmarks/bench_int4_rows.py [--gguf FILE.gguf]
+    .venv/bin/python benchmarks/bench_int4_rows.py [--gguf FILE.gguf] [--pairs]
 
 Random int4 weights (groups of 32), bf16 activations, median of --repeats, the machine's threads.
 """
@@ -69,6 +72,33 @@ def layer_rows(repeats):
             )
 
 
+def pair_rows(repeats):
+    from formats.quant_groups import Int8GroupLinear
+
+    print("\n| layer | weights | G | rows | kernel ms | dense() + GEMM ms | path |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (N, K) in SHAPES.items():
+        for G, low in ((32, -128), (16, -32)):
+            q = torch.randint(low, -low, (N, K), dtype=torch.int8)
+            layer = Int8GroupLinear(q, torch.rand(N, K // G) * 0.01, None, None, torch.bfloat16)
+            for M in (32, 64, 128, 256):
+                x = torch.randn(M, K, dtype=torch.bfloat16)
+                xg = x.view(M, K // G, 1, G)
+                xx = torch.cat([xg, 16 * xg], 2).view(M, 2 * K)  # as its forward lays x out
+                kernel = median_ms(
+                    lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                        xx, layer.pair, 2 * G, layer.pair_scales
+                    ),
+                    repeats,
+                )
+                dense = median_ms(lambda: padded_linear(x, layer.dense(torch.bfloat16)), repeats)
+                path = "kernel" if M < quantize.INT4_LARGE_M else "dense"
+                print(
+                    f"| {name} | {N}x{K} | {G} | {M} | {kernel:.1f} | {dense:.1f} | {path} |",
+                    flush=True,
+                )
+
+
 def prefill(gguf, repeats):
     from formats import weights
 
@@ -86,9 +116,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pairs", action="store_true", help="int8 groups as nibble pairs too")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     layer_rows(args.repeats)
+    if args.pairs:
+        pair_rows(args.repeats)
     if args.gguf:
         prefill(args.gguf, args.repeats)
 

@@ -5,7 +5,8 @@ halves) against one-pass candidates, per layer shape, at the few rows a decode s
 
 The shapes are the embedded SmolLM2-135M's fused layers and its head (a Q8_0 file's: int8 values,
 one float scale per 32 inputs, no offsets), random values, bf16 activations. Candidates:
-  two halves   Int8GroupLinear in bf16: the int4 kernel over [lo | hi] nibbles, 2K columns
+  two halves   Int8GroupLinear in bf16: the int4 kernel over each group's lo then hi nibbles,
+               2K columns (measured below on the earlier [lo | hi] layout: RESULTS.md's date)
   reduction    Int8GroupLinear's float32 path compiled: Inductor's fused per-group reduction
                (int8 read once, bf16 activations; the few-row path of a float32 model)
   int_mm       activations quantized per 32 to int8 (as llama.cpp does for Q8_0), torch._int_mm

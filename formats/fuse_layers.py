@@ -77,8 +77,8 @@ def concat_rows(layers):
             portable, bias, first.scales_and_zeros.dtype, first.groupsize, first.weight.device
         )
     if type(first) is Int8GroupLinear:
-        if any(m.groupsize != first.groupsize for m in layers):
-            return None
+        if any(m.groupsize != first.groupsize or m.balanced != first.balanced for m in layers):
+            return None  # (nibbles with a zero would move a balanced layer's exact values)
         stacked = Int8GroupLinear.stacked(layers, bias)  # the nibble pairs, not repacked
         if stacked is not None:
             return stacked

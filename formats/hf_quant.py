@@ -34,7 +34,9 @@ N % 16 == 0. A file's group size G (-1 or a per-channel strategy: one group over
 at the largest kernel group G' dividing both G and K, each file group's scale and zero repeated
 G / G' times: the same values exactly. Where no such G' exists (G = 16, say) or N % 16 != 0, the
 layer is *not refused*: it runs as int8 values with the same group scales (quant_groups'
-Int8GroupLinear, exact as well, 1 byte per weight), and a note is printed.
+Int8GroupLinear: exact in float32; in bf16 on CPU the int4 kernel over two nibbles a value, with
+bf16 scales as above and a zero that rounds to bf16 where there are offsets), and a note is
+printed.
 
 Act-order (GPTQ desc_act): a g_idx other than k // G assigns scattered input channels to each
 group; that is refused (re-quantize with desc_act=False, or use a checkpoint without act-order).

@@ -33,10 +33,11 @@ from memory import release_memory
 # The output head is the largest matrix of small models. An int8-group head (Q8_0, Q6_K, ...) runs
 # as Int8GroupLinear's two int4 halves where it can (bf16 on CPU, groups up to 128: SmolLM2's
 # 49152 x 576 head at batch 1, Xeon AVX-512, 1.9 ms against 2.2 ms for a bf16 F.linear, at half its
-# bytes); otherwise dequantized to the activations' dtype, because the other int8-group paths are
-# slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager dequantize + GEMM 30-115 ms). A
-# tied head holds the embedding table's values: where it keeps them as the two halves, the
-# embedding reads its rows from there (no second int8 copy). Int4 heads (Q4_*) keep the int4 kernel.
+# bytes, on an earlier layout of the halves); otherwise dequantized to the activations' dtype: the
+# other int8-group paths are slower than a bf16 GEMM there (compiled reduction 2.8 ms, eager
+# dequantize + GEMM 30-115 ms). A tied head holds the embedding table's values: where it keeps them
+# as the two halves, the embedding reads its rows from there (no second int8 copy). Int4 heads
+# (Q4_*) keep the int4 kernel.
 HEAD_NOTE = (
     "an int8-group output head runs as two int4 halves in bf16 on CPU, "
     "else in the activations' dtype"
@@ -225,18 +226,17 @@ class Int8GroupLinear(nn.Module):
         """dequantize().to(dtype), from the pair a block of `chunk` rows at a time where the
         layout keeps such blocks apart: its temporaries stay in cache (as Int4Linear.dense's)."""
         N, K = self.out_features, self.in_features
-        if self.pair is None or N * K <= least or N % chunk or chunk % self.layout[0]:
+        if self.pair is None or N * K <= least or chunk % self.layout[0]:
             return self.dequantize().to(dtype)
         out, flat, (s, o) = (
             torch.empty(N, K, dtype=dtype),
             self.pair.reshape(-1),
             self.group_scales(),
         )
-        for r in range(0, N, chunk):  # rows [r, r + chunk): bytes [r * K, (r + chunk) * K)
-            v = cpu_kernels.cpu_int4_unpack(
-                flat[r * K : (r + chunk) * K], chunk, 2 * K, *self.layout
-            )
-            rows = slice(r, r + chunk)
+        for r in range(0, N, chunk):  # rows [r, r + n): bytes [r * K, (r + n) * K), maybe a tail
+            n = min(chunk, N - r)
+            v = cpu_kernels.cpu_int4_unpack(flat[r * K : (r + n) * K], n, 2 * K, *self.layout)
+            rows = slice(r, r + n)
             out[rows] = dequantize_groups(
                 self._from_nibbles(v), s[rows], o if o is None else o[rows]
             )

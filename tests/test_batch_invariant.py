@@ -32,6 +32,12 @@ def invariant():  # the int4 layers' route is process-wide: undone after each te
     batch_invariant.disable()
 
 
+def test_the_mode_keeps_every_int4_layer_on_the_kernel(invariant):
+    """one_int4_route: no int4 layer, however large, switches to dequantize + GEMM by row count."""
+    for shape in ((576, 576), (16384, 2048)):
+        assert quantize.int4_large_m(*shape, torch.bfloat16) > 1 << 40, shape
+
+
 @pytest.mark.parametrize(
     "start, n, bs", [(0, 1, 16), (0, 700, 16), (5, 300, 16), (40, 3, 4), (127, 2, 16), (47, 1, 16)]
 )

@@ -107,6 +107,7 @@ def test_stacked_kernel_bytes_equal_packing_the_stacked_values(kind, rows, monke
     assert all(getattr(m, "layout", None) for m in layers), "no known int4 layout here"
     fused = fuse_layers.concat_rows(layers)
     cls = type(layers[0])
+    assert (cls.stacked(layers, None) is not None) == (rows[0] != 48)  # stacked, not the twin
     monkeypatch.setattr(cls, "stacked", classmethod(lambda cls, layers, bias: None))
     twin = fuse_layers.concat_rows(layers)
     names = ("weight", "scales_and_zeros") if kind == "int4" else ("pair", "pair_scales")

@@ -170,7 +170,7 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
     exactly, the layer holds q * bf16(scale) + the offset its bf16 zero gives (exactly the file's
     where balanced), and its output at 1 and 3 rows (kernel), INT4_LARGE_M + 8 (dequantize + GEMM)
     and compiled equals x @ those weights.T. Every group size the kernel can double takes the
-    pair, with offsets too; int8 values in [-136, 119] without offsets take the balanced nibbles."""
+    pair, with offsets too; int8 values up to 119 without offsets take the balanced nibbles."""
     g = torch.Generator().manual_seed(G)
     N, K = 80, 256
     q = torch.randint(
@@ -222,17 +222,22 @@ def test_int8_group_linear_in_bf16_runs_two_int4_halves_of_the_same_values(offse
 
 
 @pytest.mark.isa
-@pytest.mark.parametrize("G,offsets", [(16, False), (32, True)])
-def test_int8_group_dense_by_row_blocks_equals_dequantize(G, offsets):
-    """Many-row calls unpack the nibble pair a block of rows at a time (Int8GroupLinear.dense):
-    the same weights as dequantize(), and the layer at 128 rows (that route) gives x @ them.T."""
+@pytest.mark.parametrize(
+    "G, low, high, offsets", [(16, -32, 32, False), (32, -128, 120, False), (32, -128, 128, True)]
+)
+def test_int8_group_dense_by_row_blocks_equals_dequantize(G, low, high, offsets):
+    """Many-row calls unpack the nibble pair a block of rows at a time (Int8GroupLinear.dense),
+    the last block ending in the layout's tail rows (144 = 2 x 64 + 16): the same weights as
+    dequantize(), the int8 values back exactly (the balanced nibbles' extremes -128 and 119
+    included), and the layer at 128 rows (dense's route) gives x @ them.T."""
     g = torch.Generator().manual_seed(1)
-    N, K = 128, 256
-    q = torch.randint(-32, 32, (N, K), generator=g, dtype=torch.int8)
+    N, K = 144, 256
+    q = torch.randint(low, high, (N, K), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([low, high - 1])
     offs = torch.randn(N, K // G, generator=g) * 0.1 if offsets else None
-    layer = quant_groups.Int8GroupLinear(
-        q, torch.rand(N, K // G, generator=g) * 0.02, offs, None, torch.bfloat16
-    )
+    scales = torch.rand(N, K // G, generator=g) * 0.02
+    layer = quant_groups.Int8GroupLinear(q, scales, offs, None, torch.bfloat16)
+    assert layer.balanced == (not offsets) and torch.equal(layer.int8_values(), q)
     assert layer.pair is not None
     w = layer.dequantize()
     assert torch.equal(layer.dense(torch.float32, chunk=64, least=0), w)
