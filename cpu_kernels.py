@@ -15,9 +15,6 @@ ATEN_CPU_CAPABILITY, because ATen and Inductor choose kernels by the CPU's instr
     padded_linear        for F.linear: rows padded to few counts (oneDNN keeps a kernel per shape)
     flash_attention_works  whether SDPA's flash kernel runs here (else it is switched off at import)
     cpu_int4_kernel_error  checks ATen's int4 kernel against (q - 8) * scale + zero per group
-    cpu_int4_pack, cpu_int4_unpack, cpu_int4_rows, find_cpu_int4_layout, cpu_int4_concat
-                         the int4 kernel's weights packed by pieces, read back and stacked
-                         (quantize.Int4Linear, formats/quant_groups.py's nibble pairs)
 
 Run its tests:
 
@@ -229,119 +226,6 @@ def padded_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(F.pad(x2, (0, 0, 0, pad)), w)[:M]
 
 
-# ---- the CPU int4 kernel's packed weight, read back ----------------------------------------
-# `torch._convert_weight_to_int4pack_for_cpu` packs int4 values [N, K] for
-# `_weight_int4pack_mm_for_cpu` in a layout private to ATen and chosen per CPU capability
-# (ATEN_CPU_CAPABILITY). Int4Linear and formats/quant_groups.Int8GroupLinear keep only the packed
-# weight, so reading their values back (dequantize() for tests and large-row GEMMs, fusing q/k/v,
-# an embedding tied to a packed head) goes through these readers, and a layout is trusted only
-# after a round trip on the running machine (find_cpu_int4_layout on the layer's own weight).
-# Fusing layers stacks their bytes (cpu_int4_concat) where all but the last fill whole blocks:
-#
-#     layout = find_cpu_int4_layout(packed, q)            # (block, pairing), or None: unknown
-#     q = cpu_int4_unpack(packed, N, K, *layout)          # uint8 [N, K], the values packed
-#     rows = cpu_int4_rows(packed, N, K, index, *layout)  # uint8 [len(index), K], those rows only
-#     both = cpu_int4_concat([pa, pb], [Na, Nb], *layout)  # rows of a then b, or None
-#     packed, layout = cpu_int4_pack(values, N)            # packed by pieces, layout found
-
-# Seen in torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j
-# (low nibble) and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the
-# default (no SIMD) blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full
-# block are stored as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list:
-# it unpacks its own packed weight with each candidate and keeps the one that gives its values back
-# (a round trip on the running machine), else it keeps the portable values too.
-CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
-
-
-def cpu_int4_unpack(
-    packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves"
-) -> torch.Tensor:
-    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see
-    CPU_INT4_LAYOUTS)."""
-    flat, full = packed.reshape(-1), N // block * block
-    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
-    if pairing == "halves":  # byte j holds rows j and j + block / 2
-        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
-    else:  # byte j holds rows 2j and 2j + 1
-        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
-    q = q.transpose(1, 2).reshape(full, K)
-    if full == N:
-        return q
-    b = flat[full * K // 2 :].view(K, (N - full) // 2)
-    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
-    return torch.cat([q, tail], dim=0)
-
-
-def cpu_int4_rows(
-    packed: torch.Tensor,
-    N: int,
-    K: int,
-    rows: torch.Tensor,
-    block: int = 64,
-    pairing: str = "halves",
-) -> torch.Tensor:
-    """cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K], reading only
-    those rows' bytes (an embedding lookup into a tied head kept packed)."""
-    flat, full = packed.reshape(-1), N // block * block
-    got, high = (
-        torch.zeros(rows.shape[0], K, dtype=torch.uint8, device=packed.device),
-        rows < 0,
-    )  # [T, K], [T] (a size export keeps symbolic)
-    if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
-        r = rows.clamp(max=full - 1)
-        col, high = (
-            (r % block % (block // 2), r % block >= block // 2)
-            if pairing == "halves"
-            else (r % block // 2, r % 2 == 1)
-        )
-        got = flat[: full * K // 2].view(N // block, K, block // 2)[r // block, :, col]
-    if full < N:  # rows past the last whole block: [K, (N - full) / 2] bytes of neighbouring rows
-        t, in_tail = (rows - full).clamp(min=0), rows >= full
-        got = torch.where(in_tail[:, None], flat[full * K // 2 :].view(K, -1)[:, t // 2].t(), got)
-        high = torch.where(in_tail, t % 2 == 1, high)
-    return torch.where(high[:, None], got >> 4, got & 15)
-
-
-def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
-    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or
-    None."""
-    for layout in CPU_INT4_LAYOUTS:
-        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
-            return layout
-    return None
-
-
-def cpu_int4_pack(values, N: int, rows: int = 1024):
-    """(packed uint8 [N, K/2], layout) of int4 values [N, K] for `_weight_int4pack_mm_for_cpu`,
-    `rows` rows at a time (the op takes int32: 4 bytes a weight for a moment, a large matrix's
-    worth would be the load's peak); values(i, j) gives rows i..j-1 as uint8 in [0, 15]. The
-    layout is found on the first piece and checked on the last; where none is known it is None
-    and the whole matrix is packed at once (pieces follow on only in a known layout)."""
-    packed, layout = None, None
-    for i in range(0, N, rows):
-        v = values(i, min(i + rows, N))
-        piece = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32), 1)
-        if packed is None:  # filled in place: no second copy at the end
-            packed = torch.empty(N, piece.shape[1], dtype=torch.uint8, device=piece.device)
-        packed[i : i + rows] = piece
-        layout = layout or find_cpu_int4_layout(piece, v)
-        if layout is None:
-            break
-    if layout is None or not torch.equal(cpu_int4_unpack(piece, *v.shape, *layout), v):
-        whole = values(0, N)
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(whole.to(torch.int32), 1), None
-    return packed, layout
-
-
-def cpu_int4_concat(parts: list, rows: list, block: int = 64, pairing: str = "halves"):
-    """The packed bytes of the matrices `parts` (rows[i] rows each) stacked along rows, [sum(rows),
-    K / 2], or None where a part other than the last ends inside a layout block (its tail rows are
-    stored apart): a whole block's bytes hold its rows alone, so the blocks simply follow on."""
-    if any(n % block for n in rows[:-1]):
-        return None
-    return torch.cat([p.reshape(-1) for p in parts]).view(sum(rows), -1)
-
-
 # ---- the CPU int4 kernel's probe -------------------------------------------------------------
 
 
@@ -354,7 +238,7 @@ def cpu_int4_kernel_error(capability: str):
         48,
         128,
         32,
-    )  # one full 32-row block and a tail, on every packed layout (CPU_INT4_LAYOUTS)
+    )  # one full 32-row block and a tail, on every packed layout (quantize.CPU_INT4_LAYOUTS)
     q = torch.randint(0, 16, (N, K), generator=generator, dtype=torch.int32)
     scales, zeros = (
         torch.rand(N, K // G, generator=generator) + 0.5,

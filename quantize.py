@@ -38,13 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moe
-from cpu_kernels import (  # the CPU int4 kernel's packed layout, read back
-    cpu_int4_concat,
-    cpu_int4_kernel_error,
-    cpu_int4_pack,
-    cpu_int4_unpack,
-    padded_linear,
-)
+from cpu_kernels import cpu_int4_kernel_error, padded_linear
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
@@ -128,6 +122,78 @@ def dequantize_int4(q, scales, zeros) -> torch.Tensor:
     return w.reshape(N, K)
 
 
+# ---- the CPU int4 kernel's packed weight, read back ----------------------------------------
+# `torch._convert_weight_to_int4pack_for_cpu` packs int4 values [N, K] for
+# `_weight_int4pack_mm_for_cpu` in a layout private to ATen and chosen per CPU capability
+# (ATEN_CPU_CAPABILITY). Int4Linear and formats/quant_groups.Int8GroupLinear keep only the packed
+# weight, so reading their values back (dequantize() for tests and large-row GEMMs, fusing q/k/v,
+# an embedding tied to a packed head) goes through these readers, and a layout is trusted only
+# after a round trip on the running machine (find_cpu_int4_layout on the layer's own weight).
+# formats/quant_groups.py reads single rows (cpu_int4_rows), formats/fuse_layers.py stacks layers'
+# bytes (cpu_int4_concat):
+#
+#     packed, layout = cpu_int4_pack(values, N)   # packed by pieces of rows, the layout found
+#     q = cpu_int4_unpack(packed, N, K, *layout)  # uint8 [N, K], the values packed
+
+# Seen in torch 2.13: AVX-512 packs blocks of 64 output rows, each [K, 32] bytes holding rows j
+# (low nibble) and j + 32 (high); AVX2 blocks of 32 rows, [K, 16] bytes, rows j and j + 16; the
+# default (no SIMD) blocks of 32 rows holding neighbouring rows 2j, 2j + 1; rows past the last full
+# block are stored as [K, rows / 2] bytes of neighbouring rows. Int4Linear never trusts this list:
+# it unpacks its own packed weight with each candidate and keeps the one that gives its values back
+# (a round trip on the running machine), else it keeps the portable values too.
+CPU_INT4_LAYOUTS = ((64, "halves"), (32, "halves"), (32, "neighbours"))
+
+
+def cpu_int4_unpack(
+    packed: torch.Tensor, N: int, K: int, block: int = 64, pairing: str = "halves"
+) -> torch.Tensor:
+    """Values uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout (see
+    CPU_INT4_LAYOUTS)."""
+    flat, full = packed.reshape(-1), N // block * block
+    b = flat[: full * K // 2].view(N // block, K, block // 2)  # [blocks, K, block / 2]
+    if pairing == "halves":  # byte j holds rows j and j + block / 2
+        q = torch.cat([b & 15, b >> 4], dim=2)  # [blocks, K, block]
+    else:  # byte j holds rows 2j and 2j + 1
+        q = torch.stack([b & 15, b >> 4], dim=3).reshape(N // block, K, block)
+    q = q.transpose(1, 2).reshape(full, K)
+    if full == N:
+        return q
+    b = flat[full * K // 2 :].view(K, (N - full) // 2)
+    tail = torch.stack([b & 15, b >> 4], dim=2).reshape(K, N - full).t()
+    return torch.cat([q, tail], dim=0)
+
+
+def find_cpu_int4_layout(packed: torch.Tensor, q: torch.Tensor):
+    """The (block, pairing) of CPU_INT4_LAYOUTS that unpacks `packed` back to `q` [N, K], or
+    None."""
+    for layout in CPU_INT4_LAYOUTS:
+        if torch.equal(cpu_int4_unpack(packed, *q.shape, *layout), q):
+            return layout
+    return None
+
+
+def cpu_int4_pack(values, N: int, rows: int = 1024):
+    """(packed uint8 [N, K/2], layout) of int4 values [N, K] for `_weight_int4pack_mm_for_cpu`,
+    `rows` rows at a time (the op takes int32: 4 bytes a weight for a moment, a large matrix's
+    worth would be the load's peak); values(i, j) gives rows i..j-1 as uint8 in [0, 15]. The
+    layout is found on the first piece and checked on the last; where none is known it is None
+    and the whole matrix is packed at once (pieces follow on only in a known layout)."""
+    packed, layout = None, None
+    for i in range(0, N, rows):
+        v = values(i, min(i + rows, N))
+        piece = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32), 1)
+        if packed is None:  # filled in place: no second copy at the end
+            packed = torch.empty(N, piece.shape[1], dtype=torch.uint8, device=piece.device)
+        packed[i : i + rows] = piece
+        layout = layout or find_cpu_int4_layout(piece, v)
+        if layout is None:
+            break
+    if layout is None or not torch.equal(cpu_int4_unpack(piece, *v.shape, *layout), v):
+        whole = values(0, N)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(whole.to(torch.int32), 1), None
+    return packed, layout
+
+
 # ---- layers ----------------------------------------------------------------------------------
 
 
@@ -191,7 +257,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, portable: dict, bias, dtype, groupsize: int, device):
         """portable: the int4 tensors above, or {"cpu_packed": (bytes, layout), "scales", "zeros"}
-        with the bytes already in the CPU kernel's layout (`stacked`)."""
+        with the bytes already in the CPU kernel's layout (formats/fuse_layers.stack_int4)."""
         super().__init__()
         check_int4_device(device)
         self.groupsize, self.cpu = groupsize, torch.device(device).type == "cpu"
@@ -213,26 +279,6 @@ class Int4Linear(nn.Module):
             "scales_and_zeros", sz.to(device=device, dtype=kernel_dtype).contiguous()
         )
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-
-    @classmethod
-    def stacked(cls, layers: list, bias):
-        """One CPU layer computing torch.cat([m(x) for m in layers], -1) from the layers' packed
-        bytes (cpu_kernels.cpu_int4_concat: no repacking), or None where they cannot stack."""
-        first = layers[0]
-        if any(
-            m.layout is None
-            or (m.layout, m.groupsize, m.in_features)
-            != (first.layout, first.groupsize, first.in_features)
-            for m in layers
-        ):
-            return None
-        rows = [m.out_features for m in layers]
-        packed = cpu_int4_concat([m.weight for m in layers], rows, *first.layout)
-        if packed is None:
-            return None
-        sz = torch.cat([m.scales_and_zeros for m in layers], 1).transpose(0, 1)  # [N, K/G, 2]
-        portable = {"cpu_packed": (packed, first.layout), "scales": sz[..., 0], "zeros": sz[..., 1]}
-        return cls(portable, bias, sz.dtype, first.groupsize, packed.device)
 
     def _pack(self, portable_weight: torch.Tensor) -> torch.Tensor:
         """Portable uint8 [N, K/2] -> the device kernel's packed weight (self.layout set on CPU)."""

@@ -21,7 +21,6 @@ other module names).
 import torch
 import torch.nn as nn
 
-import cpu_kernels
 import quantize
 from formats.quant_groups import Int8GroupLinear
 from memory import release_memory
@@ -37,10 +36,68 @@ def _int4_values(m: quantize.Int4Linear):
     q = (
         quantize.unpack_int4(m.portable_weight)
         if m.layout is None
-        else cpu_kernels.cpu_int4_unpack(m.weight, N, K, *m.layout)
+        else quantize.cpu_int4_unpack(m.weight, N, K, *m.layout)
     )
     sz = m.scales_and_zeros.transpose(0, 1)  # [N, K/G, 2]
     return q, sz[..., 0], sz[..., 1]
+
+
+def cpu_int4_concat(parts: list, rows: list, block: int = 64, pairing: str = "halves"):
+    """The packed bytes of the matrices `parts` (rows[i] rows each) stacked along rows, [sum(rows),
+    K / 2], or None where a part other than the last ends inside a layout block (its tail rows are
+    stored apart): a whole block's bytes hold its rows alone, so the blocks simply follow on."""
+    if any(n % block for n in rows[:-1]):
+        return None
+    return torch.cat([p.reshape(-1) for p in parts]).view(sum(rows), -1)
+
+
+def stack_int4(layers: list, bias):
+    """One CPU quantize.Int4Linear computing torch.cat([m(x) for m in layers], -1) from the
+    layers' packed bytes (no repacking), or None where they cannot stack."""
+    first = layers[0]
+    if any(
+        m.layout is None
+        or (m.layout, m.groupsize, m.in_features)
+        != (first.layout, first.groupsize, first.in_features)
+        for m in layers
+    ):
+        return None
+    rows = [m.out_features for m in layers]
+    packed = cpu_int4_concat([m.weight for m in layers], rows, *first.layout)
+    if packed is None:
+        return None
+    sz = torch.cat([m.scales_and_zeros for m in layers], 1).transpose(0, 1)  # [N, K/G, 2]
+    portable = {"cpu_packed": (packed, first.layout), "scales": sz[..., 0], "zeros": sz[..., 1]}
+    return quantize.Int4Linear(portable, bias, sz.dtype, first.groupsize, packed.device)
+
+
+def stack_pairs(layers: list, bias):
+    """One Int8GroupLinear computing torch.cat([m(x) for m in layers], -1) from the layers'
+    nibble pairs (no repacking), or None where they cannot stack."""
+    first, rows = layers[0], [m.out_features for m in layers]
+    if any(
+        m.pair is None
+        or (m.groupsize, m.balanced, m.layout, m.in_features)
+        != (first.groupsize, first.balanced, first.layout, first.in_features)
+        for m in layers
+    ):
+        return None
+    pair = cpu_int4_concat([m.pair for m in layers], rows, *first.layout)
+    if pair is None:
+        return None
+    N, K, G = sum(rows), first.in_features, first.groupsize
+    meta = {"device": "meta"}  # an empty shell of the right shape; the pair comes next
+    out = Int8GroupLinear(
+        torch.empty(N, K, dtype=torch.int8, **meta),
+        torch.empty(N, K // G, **meta),
+        None,
+        bias,
+        first.dtype,
+    )
+    out.weight = out.scales = None
+    out.pair, out.layout, out.balanced = pair, first.layout, first.balanced
+    out.pair_scales = torch.cat([m.pair_scales for m in layers], 1)
+    return out
 
 
 def concat_rows(layers):
@@ -68,7 +125,7 @@ def concat_rows(layers):
     if type(first) is quantize.Int4Linear:
         if not first.cpu or any(m.groupsize != first.groupsize for m in layers):
             return None
-        stacked = quantize.Int4Linear.stacked(layers, bias)  # the packed bytes, not repacked
+        stacked = stack_int4(layers, bias)  # the packed bytes, not repacked
         if stacked is not None:
             return stacked
         q, s, z = (torch.cat(parts) for parts in zip(*map(_int4_values, layers)))
@@ -79,7 +136,7 @@ def concat_rows(layers):
     if type(first) is Int8GroupLinear:
         if any(m.groupsize != first.groupsize or m.balanced != first.balanced for m in layers):
             return None  # (nibbles with a zero would move a balanced layer's exact values)
-        stacked = Int8GroupLinear.stacked(layers, bias)  # the nibble pairs, not repacked
+        stacked = stack_pairs(layers, bias)  # the nibble pairs, not repacked
         if stacked is not None:
             return stacked
         scales, offsets = zip(*(m.group_scales() for m in layers))

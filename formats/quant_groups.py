@@ -44,7 +44,7 @@ HEAD_NOTE = (
 )
 FEW_ROWS = 4  # rows up to which a compiled call reduces group by group instead of dequantizing
 PAIR_GROUPS = (16, 32, 64, 128)  # G for which a kernel group of 2G exists (the kernel: 32-256)
-PACK_ROWS = 1024  # rows packed at a time (cpu_kernels.cpu_int4_pack; a multiple of 64-row blocks)
+PACK_ROWS = 1024  # rows packed at a time (quantize.cpu_int4_pack; a multiple of 64-row blocks)
 
 
 def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> torch.Tensor:
@@ -55,6 +55,36 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, offsets=None) -> to
     if offsets is not None:
         w = w + offsets.float()[..., None]
     return w.reshape(N, K)
+
+
+def cpu_int4_rows(
+    packed: torch.Tensor,
+    N: int,
+    K: int,
+    rows: torch.Tensor,
+    block: int = 64,
+    pairing: str = "halves",
+) -> torch.Tensor:
+    """quantize.cpu_int4_unpack(packed, N, K, block, pairing)[rows] -> uint8 [len(rows), K],
+    reading only those rows' bytes (an embedding lookup into a tied head kept packed)."""
+    flat, full = packed.reshape(-1), N // block * block
+    got, high = (
+        torch.zeros(rows.shape[0], K, dtype=torch.uint8, device=packed.device),
+        rows < 0,
+    )  # [T, K], [T] (a size export keeps symbolic)
+    if full:  # rows in whole blocks ([blocks, K, block / 2] bytes)
+        r = rows.clamp(max=full - 1)
+        col, high = (
+            (r % block % (block // 2), r % block >= block // 2)
+            if pairing == "halves"
+            else (r % block // 2, r % 2 == 1)
+        )
+        got = flat[: full * K // 2].view(N // block, K, block // 2)[r // block, :, col]
+    if full < N:  # rows past the last whole block: [K, (N - full) / 2] bytes of neighbouring rows
+        t, in_tail = (rows - full).clamp(min=0), rows >= full
+        got = torch.where(in_tail[:, None], flat[full * K // 2 :].view(K, -1)[:, t // 2].t(), got)
+        high = torch.where(in_tail, t % 2 == 1, high)
+    return torch.where(high[:, None], got >> 4, got & 15)
 
 
 class Int8GroupLinear(nn.Module):
@@ -89,7 +119,7 @@ class Int8GroupLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.register_buffer("pair", None)  # the int4 kernel's [N, 2K] matrix of nibbles (above)
         self.register_buffer("pair_scales", None)  # [K/G, N, 2] bf16 (scale, zero) per 2G columns
-        self.layout = None  # the kernel's packed layout (cpu_kernels.CPU_INT4_LAYOUTS) with `pair`
+        self.layout = None  # the kernel's packed layout (quantize.CPU_INT4_LAYOUTS) with `pair`
         self.balanced = False  # the pair's nibbles (the docstring's two layouts): _pack_pair
         if (
             dtype == torch.bfloat16
@@ -98,35 +128,6 @@ class Int8GroupLinear(nn.Module):
             and self.groupsize in PAIR_GROUPS
         ):  # (the int4 kernel's constraints: group sizes 2G, N a multiple of 16)
             self._pack_pair()
-
-    @classmethod
-    def stacked(cls, layers: list, bias):
-        """One layer computing torch.cat([m(x) for m in layers], -1) from nibble pairs without
-        repacking (cpu_kernels.cpu_int4_concat), or None where the layers' pairs cannot stack."""
-        first, rows = layers[0], [m.out_features for m in layers]
-        if any(
-            m.pair is None
-            or (m.groupsize, m.balanced, m.layout, m.in_features)
-            != (first.groupsize, first.balanced, first.layout, first.in_features)
-            for m in layers
-        ):
-            return None
-        pair = cpu_kernels.cpu_int4_concat([m.pair for m in layers], rows, *first.layout)
-        if pair is None:
-            return None
-        N, K, G = sum(rows), first.in_features, first.groupsize
-        meta = {"device": "meta"}  # an empty shell of the right shape; the pair comes next
-        out = cls(
-            torch.empty(N, K, dtype=torch.int8, **meta),
-            torch.empty(N, K // G, **meta),
-            None,
-            bias,
-            first.dtype,
-        )
-        out.weight = out.scales = None
-        out.pair, out.layout, out.balanced = pair, first.layout, first.balanced
-        out.pair_scales = torch.cat([m.pair_scales for m in layers], 1)
-        return out
 
     def _nibbles(self, q: torch.Tensor) -> torch.Tensor:
         """q int8 [R, K] -> the kernel's values uint8 [R, 2K] (the layouts in the docstring)."""
@@ -146,7 +147,7 @@ class Int8GroupLinear(nn.Module):
             return
         q, N = self.weight, self.weight.shape[0]
         self.balanced = self.offsets is None and int(q.max()) <= 119  # (int8: q >= -128 > -136)
-        packed, layout = cpu_kernels.cpu_int4_pack(lambda i, j: self._nibbles(q[i:j]), N, PACK_ROWS)
+        packed, layout = quantize.cpu_int4_pack(lambda i, j: self._nibbles(q[i:j]), N, PACK_ROWS)
         if layout is None:  # a layout this file cannot read back: keep int8
             return
         s = self.scales
@@ -169,16 +170,14 @@ class Int8GroupLinear(nn.Module):
         if self.pair is None:
             return self.weight
         N, K = self.out_features, self.in_features
-        return self._from_nibbles(cpu_kernels.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
+        return self._from_nibbles(quantize.cpu_int4_unpack(self.pair, N, 2 * K, *self.layout))
 
     def int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """int8_values()[rows] -> [len(rows), K], unpacking only those rows."""
         if self.pair is None:
             return self.weight[rows]
         return self._from_nibbles(
-            cpu_kernels.cpu_int4_rows(
-                self.pair, self.out_features, 2 * self.in_features, rows, *self.layout
-            )
+            cpu_int4_rows(self.pair, self.out_features, 2 * self.in_features, rows, *self.layout)
         )
 
     def _from_nibbles(self, v: torch.Tensor) -> torch.Tensor:
@@ -235,7 +234,7 @@ class Int8GroupLinear(nn.Module):
         )
         for r in range(0, N, chunk):  # rows [r, r + n): bytes [r * K, (r + n) * K), maybe a tail
             n = min(chunk, N - r)
-            v = cpu_kernels.cpu_int4_unpack(flat[r * K : (r + n) * K], n, 2 * K, *self.layout)
+            v = quantize.cpu_int4_unpack(flat[r * K : (r + n) * K], n, 2 * K, *self.layout)
             rows = slice(r, r + n)
             out[rows] = dequantize_groups(
                 self._from_nibbles(v), s[rows], o if o is None else o[rows]

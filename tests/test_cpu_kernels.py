@@ -370,17 +370,3 @@ def test_int4_dense_by_row_blocks_equals_the_whole_unpack(N, chunk):
     assert torch.equal(layer.dense(torch.bfloat16, chunk, least=0), whole)
     x = torch.randn(300, K, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, whole), atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.isa
-@pytest.mark.parametrize("N", [256, 144])
-def test_int4_packed_by_pieces_equals_one_call(N):
-    """cpu_int4_pack packs a block of rows at a time (the load's peak): the bytes of one call to
-    the packing op over the whole matrix, tail rows included, and the layout that reads them."""
-    q = torch.randint(
-        0, 16, (N, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(N)
-    )
-    packed, layout = cpu_kernels.cpu_int4_pack(lambda i, j: q[i:j], N, rows=64)
-    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    assert layout is not None and torch.equal(packed, whole)
-    assert torch.equal(cpu_kernels.cpu_int4_unpack(packed, N, 128, *layout), q)

@@ -5,7 +5,6 @@ import pytest
 import torch
 from helpers import hf_model, save_hf, write_gguf
 
-import cpu_kernels
 import quantize
 from formats import fuse_layers, quant_groups, weights
 from kv_cache import NoCache
@@ -106,15 +105,16 @@ def test_stacked_kernel_bytes_equal_packing_the_stacked_values(kind, rows, monke
     layers = _layers(kind, rows)
     assert all(getattr(m, "layout", None) for m in layers), "no known int4 layout here"
     fused = fuse_layers.concat_rows(layers)
-    cls = type(layers[0])
-    assert (cls.stacked(layers, None) is not None) == (rows[0] != 48)  # stacked, not the twin
-    monkeypatch.setattr(cls, "stacked", classmethod(lambda cls, layers, bias: None))
+    stack = "stack_int4" if kind == "int4" else "stack_pairs"
+    stacked = getattr(fuse_layers, stack)(layers, None)
+    assert (stacked is not None) == (rows[0] != 48)  # stacked, not the twin
+    monkeypatch.setattr(fuse_layers, stack, lambda layers, bias: None)
     twin = fuse_layers.concat_rows(layers)
     names = ("weight", "scales_and_zeros") if kind == "int4" else ("pair", "pair_scales")
     for name in names:
         assert torch.equal(getattr(fused, name), getattr(twin, name)), name
     packed = [getattr(m, names[0]) for m in layers]
-    stacks = cpu_kernels.cpu_int4_concat(packed, list(rows), *layers[0].layout) is not None
+    stacks = fuse_layers.cpu_int4_concat(packed, list(rows), *layers[0].layout) is not None
     assert stacks == (rows[0] != 48)
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(fused(x), torch.cat([m(x) for m in layers], -1))

@@ -10,11 +10,10 @@ import torch
 from helpers import tiny_checkpoint
 
 import compiling
-import cpu_kernels
 import generate
 import quantize
 import runtime
-from formats import weights
+from formats import quant_groups, weights
 from kv_cache import NoCache, StaticKVCache
 from perplexity import DEFAULT_TEXT, perplexity
 from speedups.kv_int8 import Int8KVCache
@@ -71,9 +70,9 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
     # the layout is the running capability's; a known one must be found, and must give q back
     q = torch.randint(0, 16, (n, 128), dtype=torch.uint8)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    layout = cpu_kernels.find_cpu_int4_layout(packed, q)
+    layout = quantize.find_cpu_int4_layout(packed, q)
     assert layout is not None, f"no known int4 layout under {runtime.cpu_capability()}"
-    assert torch.equal(cpu_kernels.cpu_int4_unpack(packed, n, 128, *layout), q)
+    assert torch.equal(quantize.cpu_int4_unpack(packed, n, 128, *layout), q)
     # and a lookup of some rows (a tied head read as the embedding), the last ones (a tail past the
     # last whole block where n is not a multiple of it) always among them
     rows = torch.cat(
@@ -82,7 +81,7 @@ def test_cpu_int4_unpack_inverts_the_packing_op(n):
             torch.arange(n - 8, n),
         ]
     )
-    assert torch.equal(cpu_kernels.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
+    assert torch.equal(quant_groups.cpu_int4_rows(packed, n, 128, rows, *layout), q[rows])
 
 
 def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypatch, capsys):
@@ -94,7 +93,7 @@ def test_int4_layer_with_an_unknown_kernel_layout_keeps_portable_values(monkeypa
     known = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
     )
-    monkeypatch.setattr(cpu_kernels, "CPU_INT4_LAYOUTS", ())
+    monkeypatch.setattr(quantize, "CPU_INT4_LAYOUTS", ())
     quantize.warn_once.cache_clear()
     unknown = quantize.make_layer(
         quantize.portable_tensors(w, "int4", 64), None, "int4", 64, torch.float32, "cpu"
@@ -470,3 +469,17 @@ def test_cli_quantize_and_int8_kv_cache(tiny, capsys):
     assert quant["model_bytes"] < 0.6 * plain["model_bytes"]
     # head_dim 32: int8 K/V plus one bf16 scale per token and head is (32 + 2) / (32 * 2) of bf16
     assert quant["kv_cache_bytes"] == plain["kv_cache_bytes"] * (32 + 2) // (32 * 2)
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("N", [256, 144])
+def test_int4_packed_by_pieces_equals_one_call(N):
+    """cpu_int4_pack packs a block of rows at a time (the load's peak): the bytes of one call to
+    the packing op over the whole matrix, tail rows included, and the layout that reads them."""
+    q = torch.randint(
+        0, 16, (N, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(N)
+    )
+    packed, layout = quantize.cpu_int4_pack(lambda i, j: q[i:j], N, rows=64)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    assert layout is not None and torch.equal(packed, whole)
+    assert torch.equal(quantize.cpu_int4_unpack(packed, N, 128, *layout), q)
