@@ -187,7 +187,9 @@ def traced_files(step) -> list:
         if not is_source(path) or path in seen:
             continue
         seen.add(path)
-        for value in vars(module).values():
+        for key, value in vars(module).items():
+            if key.startswith("__"):  # (Dynamo installs "__import_..." globals in what it traced)
+                continue
             name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
             todo.append(name if isinstance(name, str) else None)
     return sorted(seen)
