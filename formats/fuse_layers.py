@@ -51,19 +51,25 @@ def cpu_int4_concat(parts: list, rows: list, block: int = 64, pairing: str = "ha
     return torch.cat([p.reshape(-1) for p in parts]).view(sum(rows), -1)
 
 
-def stack_int4(layers: list, bias):
-    """One CPU quantize.Int4Linear computing torch.cat([m(x) for m in layers], -1) from the
-    layers' packed bytes (no repacking), or None where they cannot stack."""
-    first = layers[0]
+def _stacked_bytes(layers: list, name: str):
+    """The layers' int4-kernel bytes (attribute `name`) stacked by cpu_int4_concat, or None where a
+    layer has none, or a layout, group size, input width or nibble layout unlike the first's."""
+    first, same = layers[0], ("layout", "groupsize", "in_features", "balanced")
     if any(
-        m.layout is None
-        or (m.layout, m.groupsize, m.in_features)
-        != (first.layout, first.groupsize, first.in_features)
+        getattr(m, name) is None
+        or m.layout is None
+        or any(getattr(m, a, None) != getattr(first, a, None) for a in same)
         for m in layers
     ):
         return None
     rows = [m.out_features for m in layers]
-    packed = cpu_int4_concat([m.weight for m in layers], rows, *first.layout)
+    return cpu_int4_concat([getattr(m, name) for m in layers], rows, *first.layout)
+
+
+def stack_int4(layers: list, bias):
+    """One CPU quantize.Int4Linear computing torch.cat([m(x) for m in layers], -1) from the
+    layers' packed bytes (no repacking), or None where they cannot stack."""
+    first, packed = layers[0], _stacked_bytes(layers, "weight")
     if packed is None:
         return None
     sz = torch.cat([m.scales_and_zeros for m in layers], 1).transpose(0, 1)  # [N, K/G, 2]
@@ -74,18 +80,10 @@ def stack_int4(layers: list, bias):
 def stack_pairs(layers: list, bias):
     """One Int8GroupLinear computing torch.cat([m(x) for m in layers], -1) from the layers'
     nibble pairs (no repacking), or None where they cannot stack."""
-    first, rows = layers[0], [m.out_features for m in layers]
-    if any(
-        m.pair is None
-        or (m.groupsize, m.balanced, m.layout, m.in_features)
-        != (first.groupsize, first.balanced, first.layout, first.in_features)
-        for m in layers
-    ):
-        return None
-    pair = cpu_int4_concat([m.pair for m in layers], rows, *first.layout)
+    first, pair = layers[0], _stacked_bytes(layers, "pair")
     if pair is None:
         return None
-    N, K, G = sum(rows), first.in_features, first.groupsize
+    N, K, G = pair.shape[0], first.in_features, first.groupsize
     meta = {"device": "meta"}  # an empty shell of the right shape; the pair comes next
     out = Int8GroupLinear(
         torch.empty(N, K, dtype=torch.int8, **meta),

@@ -405,15 +405,10 @@ def build(
             if parts is not None:
                 quant_groups.install_experts(model, parent, parts, dtype, device, own_bits)
                 built.update(f"{parent}.{p}" for p in PROJECTIONS)
-        elif key == "embed_tokens" and key in packed:  # with a tied head, that head too: at once,
-            # not after the last layer, where its file copy would wait beside them all (the peak)
+        elif key in packed and (f"{key}.bias" not in expected or f"{key}.bias" in state):
+            # (the embedding too, with its tied head: its file copy never waits for the last layer)
             quant_groups.install(
                 model, {key: packed.pop(key)}, state, dtype, device, tied, own_bits
-            )
-            built.add(key)
-        elif key in packed and (f"{key}.bias" not in expected or f"{key}.bias" in state):
-            quant_groups.install(
-                model, {key: packed.pop(key)}, state, dtype, device, False, own_bits
             )
             built.add(key)  # at once: the decoded copies and the layers never pile up (peak memory)
 
