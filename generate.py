@@ -15,8 +15,9 @@ bandwidth next to tokens/s so you can see how close to that limit it runs:
 
 By default (`--compile auto`) a CPU run decodes with an AOTInductor package (speedups/aot.py):
 compiled once per model shape, torch version, CPU and source by a child process, cached on disk,
-loaded in a fraction of a second later, with no compiler in this process; where none can serve
-(CUDA, speculation, torchrun, a failed build) it decodes eager, and says why if a build failed.
+loaded in a fraction of a second later, with no compiler in this process (with speculation, its
+verify steps too); where none can serve (CUDA, torchrun, a failed build) it decodes eager, and
+says why if a build failed.
 `--compile off` is eager. `--compile` (jit) compiles the step in process once per attend length
 (fullgraph, static shapes, a few graphs per run; on CUDA each replays as a CUDA Graph); compile time
 is reported apart and never counted in tokens/s. `--json` prints one JSON object per sample instead
@@ -292,7 +293,11 @@ def load(args, device):
         tp.quiet_unless_rank_zero(rank)
         device = f"cuda:{torch.cuda.current_device()}" if device.startswith("cuda") else device
     model, info = weights.load_for_inference(
-        device=device, dtype=DTYPES[args.dtype], shard=(rank, world), log=log, **load_flags(args)
+        device=device,
+        dtype=DTYPES[args.dtype],
+        shard=(rank, world),
+        log=log,
+        **generate_flags.load_flags(args),
     )
     if world > 1:
         tp.check_same_checkpoint(model)
@@ -427,20 +432,6 @@ def warm_up(args, model, cache, device, prompt_len):
     return decode_fn, prefill_fn, time.perf_counter() - start
 
 
-def load_flags(args) -> dict:
-    """The flags that say how weights.load_for_inference builds the model (besides device and
-    dtype)."""
-    names = (
-        "checkpoint",
-        "quantize",
-        "groupsize",
-        "quantize_head",
-        "quantize_embedding",
-        "dequantize",
-    )
-    return {name: getattr(args, name) for name in names}
-
-
 def decode_step(args, model, cache, device):
     """The decode step --compile chose: decode_one, torch.compile'd (jit) or ahead of time (aot)."""
     if args.compile in (
@@ -448,7 +439,10 @@ def decode_step(args, model, cache, device):
         "auto",
     ):  # the child builds the model from the same flags; auto: eager if it fails
         return aot.decode_step(
-            model, cache, {**load_flags(args), "dtype": args.dtype}, fallback=args.compile == "auto"
+            model,
+            cache,
+            {**generate_flags.load_flags(args), "dtype": args.dtype},
+            fallback=args.compile == "auto",
         )
     return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one
 

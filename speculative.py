@@ -113,20 +113,29 @@ def verify(target, cache, unseen, valid, drafts, draft_probs, params, generator,
     distribution, or, with no drafts, one token sampled from the target's own."""
     device = cache.slots.device
     feed = unseen + drafts  # the target's one forward this round
-    x = torch.tensor([feed], device=device)
-    pos = torch.arange(valid, valid + len(feed), device=device)[None]
+    T = padded_length(len(feed), valid, verify_fns, cache)
+    x = torch.tensor([feed + feed[-1:] * (T - len(feed))], device=device)
+    pos = torch.arange(valid, valid + T, device=device)[None]
     with torch.no_grad():
-        if len(feed) in verify_fns:  # a compiled compiling.verify_step for this length
-            logits = verify_fns[len(feed)](target, cache, x, pos)
+        if T in verify_fns:  # a compiled compiling.verify_step for this length
+            logits = verify_fns[T](target, cache, x, pos)
         else:
             logits = target(x, pos, cache)
-    logits = logits[0, -(len(drafts) + 1) :]  # [len(drafts) + 1, V]
+    logits = logits[0, len(unseen) - 1 : len(feed)]  # [len(drafts) + 1, V]
     p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     if drafts:
         return accept(torch.tensor(drafts, device=device), draft_probs.to(device), p, generator)
     if params.temperature > 0:
         return 0, int(torch.multinomial(p[0], 1, generator=generator))
     return 0, int(p[0].argmax())
+
+
+def padded_length(n: int, valid: int, verify_fns: dict, cache) -> int:
+    """The length a feed of n tokens at positions valid.. runs at: the shortest compiled one of at
+    least n whose positions fit the cache, else n (eager). The padding's K/V land past the feed's,
+    in slots the next rounds write again before any query sees them, as rejected drafts' do."""
+    fits = [t for t in verify_fns if n <= t and valid + t <= getattr(cache, "max_seq_len", 0)]
+    return min(fits, default=n)
 
 
 def speculation_stats(out, counts, target_s, total_s, first_token_s) -> dict:
@@ -161,7 +170,8 @@ def speculative_generate(
     """Batch-1 speculative decoding. prompt: list of ids. Returns (new tokens, stats).
 
     verify_fns: {T: compiled compiling.verify_step} for the forward lengths that recur (k + 1
-    after the first round, 1 when a drafter proposes nothing); other lengths run eagerly."""
+    after the first round, 1 when a drafter proposes nothing); a shorter feed is padded up to one
+    of them (padded_length), a longer one (the prompt's) runs eagerly."""
     if params.adjusts_logits:  # p must be the distribution plain decoding samples from
         raise ValueError(
             "speculative decoding here takes no logit_bias or repetition, frequency or presence "

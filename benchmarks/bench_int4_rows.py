@@ -7,6 +7,7 @@ Int8GroupLinear: the kernel over 2K columns against Int8GroupLinear.dense + GEMM
 (Q8_0's layout, with a zero) and 16 (Q6_K's balanced nibbles).
 
     .venv/bin/python benchmarks/bench_int4_rows.py [--gguf FILE.gguf] [--pairs]
+    .venv/bin/python benchmarks/bench_int4_rows.py --few --repeats 50  # 1-16 rows (speculation)
 
 Random int4 weights (groups of 32), bf16 activations, median of --repeats, the machine's threads.
 """
@@ -72,6 +73,24 @@ def layer_rows(repeats):
             )
 
 
+def few_rows(repeats):
+    """The kernel at 1-16 rows, where a speculative verify step lives (1 + k tokens): its time
+    steps up every 4 rows, so 1 + k = 4 costs about what 2 does and 5 about what 8 does."""
+    rows = (1, 2, 3, 4, 5, 8, 9, 16)
+    print("| layer | weights | " + " | ".join(f"{M} rows ms" for M in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    shapes = {"embedded gate+up": (3072, 576), "embedded down": (576, 1536), **SHAPES}
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, dtype=torch.bfloat16) * 0.02
+        layer = quantize.Int4Linear(
+            quantize.portable_tensors(w, "int4", 32), None, torch.bfloat16, 32, "cpu"
+        )
+        times = [
+            median_ms(lambda: layer(torch.randn(M, K, dtype=torch.bfloat16)), repeats) for M in rows
+        ]
+        print(f"| {name} | {N}x{K} | " + " | ".join(f"{t:.3f}" for t in times) + " |", flush=True)
+
+
 def pair_rows(repeats):
     from formats.quant_groups import Int8GroupLinear
 
@@ -117,8 +136,11 @@ def main():
     p.add_argument("--gguf", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pairs", action="store_true", help="int8 groups as nibble pairs too")
+    p.add_argument("--few", action="store_true", help="only the kernel at 1-16 rows")
     args = p.parse_args()
     torch.set_grad_enabled(False)
+    if args.few:
+        return few_rows(args.repeats)
     layer_rows(args.repeats)
     if args.pairs:
         pair_rows(args.repeats)

@@ -49,6 +49,10 @@ NEW = 128
 
 
 def quoting(tok, words, count, rng):
+    return [tok.encode(text) for text in quoting_texts(words, count, rng)]
+
+
+def quoting_texts(words, count, rng):
     """Prompts whose answer is mostly in them: a passage to repeat word for word, or a code file."""
     prompts = []
     for i in range(count):
@@ -64,7 +68,7 @@ def quoting(tok, words, count, rng):
                 f"Passage:\n{passage}\n\nThe passage again, word for word:\n"
                 f"{' '.join(words[start : start + 4])}"
             )
-        prompts.append(tok.encode(text))
+        prompts.append(text)
     return prompts
 
 

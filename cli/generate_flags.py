@@ -230,10 +230,30 @@ def add_speculation_args(p):
         metavar="N",
         help="draft by copying after the longest matching n-gram, n <= N",
     )
-    g.add_argument("--speculate_k", type=int, default=4, help="tokens drafted per round")
+    g.add_argument(
+        "--speculate_k",
+        type=int,
+        default=3,
+        help="tokens drafted per round (3: a verify step of 4 tokens fills one row block of the "
+        "CPU int4 kernel, benchmarks/RESULTS.md)",
+    )
     g.add_argument(
         "--draft_quantize",
         default=None,
         choices=("int8", "int4"),
         help="quantize the draft model (--draft_checkpoint)",
     )
+
+
+def load_flags(args) -> dict:
+    """The flags that say how weights.load_for_inference builds the model (besides device and
+    dtype): generate.py's load, and the child that compiles its packages (speedups/aot.py)."""
+    names = (
+        "checkpoint",
+        "quantize",
+        "groupsize",
+        "quantize_head",
+        "quantize_embedding",
+        "dequantize",
+    )
+    return {name: getattr(args, name) for name in names}

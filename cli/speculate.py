@@ -1,6 +1,6 @@
 """generate.py's speculative decoding (--draft_checkpoint, --draft_layers, --prompt_lookup): the
-drafter the flags ask for, the verify steps compiled per length, speculative.py's loop at batch 1
-and its stats line.
+drafter the flags ask for, the verify steps compiled per length (by default ahead-of-time
+packages, speedups/aot.py), speculative.py's loop at batch 1 and its stats line.
 
     python generate.py --prompt_lookup 3 --speculate_k 4 --temperature 0 --prompt "..."
     python generate.py --draft_layers 12 --compile --prompt "..."
@@ -15,9 +15,11 @@ import time
 
 import torch
 
-from compiling import autotune, compile_decode, compiled_message, verify_step
+from cli.generate_flags import load_flags
+from compiling import autotune, compile_decode, compiled_message, decode_one, verify_step
 from runtime import DTYPES, log
 from speculative import ModelDrafter, draft_forward, speculative_generate
+from speedups import aot
 from speedups.prompt_lookup import PromptLookupDrafter
 from text_stream import Printer
 
@@ -41,17 +43,12 @@ def run(args, model, tokenizer, ids: list, seq_len: int, cache, params, generato
     """ids: the prompt's tokens; cache: a cache of batch 1 and seq_len positions (check_flags has
     passed)."""
     tune = autotune(model)  # --compile: one static graph per shape (verify k + 1, verify 1, draft)
-    verify_fns = (
-        {t: compile_decode(device, verify_step, tune) for t in (1, args.speculate_k + 1)}
-        if args.compile
-        else {}
-    )
+    start = time.perf_counter()
+    verify_fns = verify_steps(args, model, cache, device, tune)
+    compile_s = time.perf_counter() - start  # the packages' build, where one ran
     drafter, label = make_drafter(args, model, seq_len, params, device, tune)
-    compile_s = (
-        warm_up(args, model, cache, drafter, ids, params, verify_fns, device)
-        if args.compile
-        else 0.0
-    )
+    if args.compile == "jit":
+        compile_s = warm_up(args, model, cache, drafter, ids, params, verify_fns, device)
     for _ in range(args.num_samples):
         printer = Printer(tokenizer, tokenizer.stop_ids if not args.ignore_eos else ())
         if not args.json:
@@ -81,6 +78,32 @@ def run(args, model, tokenizer, ids: list, seq_len: int, cache, params, generato
     return 0
 
 
+def verify_steps(args, model, cache, device, tune) -> dict:
+    """{T: a compiled verify step of T tokens}: --compile's graphs for 1 and 1 + k tokens; by
+    default (--compile auto, aot) the packages, the decode step's for 1 token and a verify
+    package for 1 + k (speedups/aot.py); {} under --compile off. Shorter feeds are padded up to
+    these (speculative.padded_length)."""
+    k = args.speculate_k
+    if args.compile == "jit":
+        return {t: compile_decode(device, verify_step, tune) for t in (1, k + 1)}
+    if args.compile not in ("aot", "auto"):
+        return {}
+    load = {**load_flags(args), "dtype": args.dtype}
+    step = aot.decode_step(model, cache, load, fallback=args.compile == "auto", verify=k + 1)
+    if step is decode_one:  # (the reason is logged)
+        return {}
+
+    def package(model, cache, tokens, pos):  # tokens, pos [1, T] -> logits [1, T, V]
+        cache.use_positions(int(pos[0, -1]) + 1)  # the package reads only the slots in use
+        try:
+            logits = step(model, cache, tokens, pos)
+        finally:
+            cache.use_positions(None)  # the eager forwards (the prompt's) read every slot
+        return logits if tokens.shape[1] > 1 else logits[:, None]
+
+    return {1: package} | ({k + 1: package} if f"verify{k + 1}" in step.loaders else {})
+
+
 def show(args, tokenizer, printer, ids: list, tokens: list, stats: dict):
     """The sample as one JSON line (--json), or the end of the text streamed so far."""
     if not args.json:
@@ -106,9 +129,9 @@ def make_drafter(args, model, seq_len, params, device, tune):
     model."""
     from formats import weights
 
-    step_fn = (
+    step_fn = (  # (by default the draft's steps run eager: no package is built for them)
         compile_decode(device, draft_forward, tune and not args.draft_quantize)
-        if args.compile
+        if args.compile == "jit"
         else None
     )
     if args.prompt_lookup:

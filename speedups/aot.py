@@ -1,6 +1,7 @@
 """Ahead-of-time compiled decode: the step as an AOTInductor package, run without the compiler.
 
     python generate.py --prompt "Once upon"  # CPU: the default (--compile auto), a static cache
+    python generate.py --prompt_lookup 3 --prompt "..."  # and its verify steps (1 + k tokens)
     python batch.py --requests requests.jsonl  # the engine's decode-only steps, paged cache
                                                # (and with --speculate its verify steps)
 
@@ -23,6 +24,8 @@ two sizes left dynamic, so that one package serves every cache length and every 
 Compiled one-token CPU steps over a static cache attend through cpu_kernels.decode_attention up to
 FUSED_DECODE_MAX_SLOTS (1,024) slots and through SDPA or grouped_decode_attention past it: two
 packages, "short", and "long" only for caches of more slots; over the int8 cache one, "any".
+Speculation adds "verifyT", compiling.verify_step over T = 1 + k tokens (logits [B, T, V], every
+attend length; shorter rounds are padded up to it, speculative.padded_length).
 The weights are not in the package: the loader is handed the model's own tensors (user-managed,
 never copied), so a package is a few MiB and serves any checkpoint of the same shapes. Inductor
 adds a few constants of its own (the int4 kernel's group size as a 0-d tensor); they are recorded
@@ -75,12 +78,13 @@ from speedups.aot_export import (
 
 def parts_for(cache, verify: int = 0) -> list:
     """The packages a cache needs (header): the int8 cache one, a static cache one or two; a paged
-    one its decode step's and, with speculation, its verify steps' (`verify` tokens a row)."""
+    one its decode step's; with speculation, the verify steps' too (`verify` tokens a row)."""
+    extra = [f"verify{verify}"] if verify > 1 else []
     if isinstance(cache, PagedKVCache):
-        return ["paged"] + ([f"verify{verify}"] if verify > 1 else [])
+        return ["paged"] + extra
     if hasattr(cache, "k_scale"):
-        return ["any"]
-    return ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else [])
+        return ["any"] + extra
+    return ["short"] + (["long"] if cache.max_seq_len > FUSED_DECODE_MAX_SLOTS else []) + extra
 
 
 def cache_root() -> str:
@@ -122,10 +126,6 @@ def check_usable(args, device: str):
     if args.cache != "static":
         raise AotError(
             "--compile aot runs the static KV cache; drop --cache paged, or use --compile"
-        )
-    if args.draft_checkpoint or args.draft_layers or args.prompt_lookup:
-        raise AotError(
-            "speculative decoding compiles its own steps: use --compile with it, not --compile aot"
         )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise AotError(
@@ -188,14 +188,16 @@ class AotDecode:
                 "this compiled step was loaded for another model, cache class or batch size"
             )
         L = cache.attend_len
+        # the inputs: a view of `slots` and the cache's own list (no copies)
+        inputs = [token.contiguous(), pos.contiguous(), cache.slots[:L], *cache.tensors()]
+        if token.shape[1] > 1:  # a verify step: logits [B, T, V] (speculation)
+            loader = self.loaders.get(f"verify{token.shape[1]}")
+            if loader is None:
+                raise AotError(f"no package loaded for verify steps of {token.shape[1]} tokens")
+            return loader.run(inputs)[0]
         for part, loader in self.loaders.items():
-            low, high = PARTS[part][0]
-            if (
-                low <= L <= high
-            ):  # the inputs: a view of `slots` and the cache's own list (no copies)
-                return loader.run(
-                    [token.contiguous(), pos.contiguous(), cache.slots[:L], *cache.tensors()]
-                )[0]
+            if part in PARTS and PARTS[part][0][0] <= L <= PARTS[part][0][1]:
+                return loader.run(inputs)[0]
         raise AotError(
             f"no package loaded for attend length {L} (parts {list(self.loaders)}): "
             f"this step was loaded for a shorter cache"
@@ -264,9 +266,9 @@ class AotPaged(AotDecode):
 def decode_step(model, cache, load: dict, fallback: bool = False, verify: int = 0):
     """The decode step for `model` and caches like `cache` (any length), compiled ahead of time once
     per key by a child process, then loaded. load: how the child builds the same model,
-    weights.load_for_inference's keyword arguments (generate.load_flags) with dtype as a name.
-    fallback: where it cannot be built or loaded, say why in one line and return eager
-    decode_one. verify: a paged cache's verify steps too, of that many tokens a row (1 + k)."""
+    weights.load_for_inference's keyword arguments (cli/generate_flags.load_flags) with dtype as
+    a name. fallback: where it cannot be built or loaded, say why in one line and return eager
+    decode_one. verify: the verify steps too, of that many tokens a row (1 + k)."""
     try:
         return package_step(model, cache, load, retry=not fallback, verify=verify)
     except (

@@ -24,7 +24,7 @@ import time
 import torch
 
 import quantize
-from compiling import decode_one
+from compiling import decode_one, verify_step
 from cpu_kernels import FUSED_DECODE_MAX_SLOTS
 from paged import PagedKVCache
 from runtime import DTYPES, cpu_capability, log
@@ -69,7 +69,8 @@ class AotRefusal(AotError):
 class Step(torch.nn.Module):
     """decode_one over a cache given as tensors: what is exported. `cache` gives the class, the
     batch size and the one-token kernel (`decode`); each call builds the cache object around the
-    input tensors."""
+    input tensors. Given T > 1 tokens a row (a "verifyT" package: generate.py's speculation) it is
+    compiling.verify_step instead, logits at every position [B, T, V]."""
 
     def __init__(self, model, cache):
         super().__init__()
@@ -92,6 +93,8 @@ class Step(torch.nn.Module):
         cache.decode, cache.latent = self.decode, self.latent
         if self.latent:
             cache.v = []
+        if token.shape[1] > 1:  # (a size export fixes: each package traces one branch)
+            return verify_step(self.model, cache, token, pos)
         return decode_one(self.model, cache, token, pos)
 
 
@@ -378,7 +381,7 @@ def part_rows(part: str) -> tuple:
 def example(part, step, kind, B):
     """A package's example inputs and their dynamic sizes (header)."""
     n_layers = step.model.config.n_layers
-    if part == "paged" or part.startswith("verify"):  # 4 rows of 3 blocks, T tokens a row
+    if isinstance(step, PagedStep):  # 4 rows of 3 blocks, T tokens a row
         T, low, high = part_rows(part)
         R, W = (
             torch.export.Dim("rows", min=low, max=high),
@@ -396,8 +399,10 @@ def example(part, step, kind, B):
         )  # (never aliased)
         flat = R * T if T > 1 else R  # rows, width and pool size dynamic
         return inputs, ({1: flat}, {1: flat}, {0: R, 1: W}, ({0: N},) * (len(inputs) - 3))
-    (low, high), attend, slots = PARTS[part]
-    cache, token = kind.for_model(step.model, B, slots), torch.zeros(B, 1, dtype=torch.long)
+    # a static cache's verify step (T tokens, multi-token attention) serves every attend length
+    T = 1 if part in PARTS else int(part.removeprefix("verify"))
+    (low, high), attend, slots = PARTS[part if T == 1 else "any"]
+    cache, token = kind.for_model(step.model, B, slots), torch.zeros(B, T, dtype=torch.long)
     L, S = (
         torch.export.Dim("attend", min=low, max=high),
         torch.export.Dim("slots", min=low, max=MAX_SLOTS),

@@ -269,13 +269,13 @@ def test_auto_is_the_default_and_picks_the_package_only_where_one_can_serve(monk
     for flags, device in (
         ([], "cuda"),
         (["--cache", "paged"], "cpu"),
-        (["--prompt_lookup", "2"], "cpu"),
     ):
         assert (
             aot.choose(generate.parse_args(flags), device) is None
         )  # eager, as before, without a word
     with pytest.raises(aot.AotError, match="static KV cache"):
         aot.choose(generate.parse_args(["--compile", "aot", "--cache", "paged"]), "cpu")
+    assert aot.choose(generate.parse_args(["--prompt_lookup", "2"]), "cpu") == "auto"  # verify too
     import argparse
 
     p = argparse.ArgumentParser()
@@ -295,7 +295,6 @@ def test_aot_refusals(monkeypatch):
     for flags, message in (
         (["--compile_prefill"], "--compile_prefill"),
         (["--cache", "paged"], "static KV cache"),
-        (["--prompt_lookup", "2"], "speculative decoding"),
     ):
         with pytest.raises(aot.AotError, match=message):
             aot.check_usable(generate.parse_args(["--compile", "aot", *flags]), "cpu")

@@ -84,7 +84,7 @@ FLOORS = {
         3: ["adapters", "delivery", "response_items", "server_limits"],
         4: ["completions", "embeddings", "info_routes", "responses"],
     },
-    "cli": {1: ["generate_flags", "speculate"]},
+    "cli": {1: ["generate_flags"], 2: ["speculate"]},
 }
 
 

@@ -341,3 +341,95 @@ def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
             verify_fns={4: verify},
         )
     assert out == reference and stats["rounds"] > 2
+
+
+class Cycling:
+    """Proposes the reference continuation, 0, 1, 2, 3, 0, ... tokens a round (all kept)."""
+
+    def __init__(self, reference):
+        self.reference, self.lengths = reference, []
+
+    def propose(self, tokens, k, generator=None):
+        done, n = len(tokens) - len(PROMPT), min(k, len(self.lengths) % 4)
+        self.lengths.append(n)
+        drafts = self.reference[done : done + n]
+        return drafts, torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), 256)
+
+    def rollback(self, confirmed):
+        pass
+
+
+def test_short_feeds_are_padded_to_a_compiled_length(target, reference):
+    """A round verifying fewer than 1 + k tokens runs at the compiled length, padded (the pad's K/V
+    land where later rounds write again); a round whose pad would pass the cache's end, and the
+    prompt's, run eager at their own length. Tokens equal plain decoding's."""
+    from speculative import padded_length
+
+    full = StaticKVCache.for_model(target, 1, 64)
+    assert [padded_length(n, 10, {1: 0, 4: 0}, full) for n in (1, 2, 4, 5)] == [1, 4, 4, 5]
+    assert padded_length(2, 61, {4: 0}, full) == 2  # positions 61..64: past the last slot
+    seen = []
+
+    def verify4(model, cache, tokens, pos):
+        seen.append(tokens.shape[1])
+        return compiling.verify_step(model, cache, tokens, pos)
+
+    drafter = Cycling(reference)
+    out, stats = speculative_generate(
+        target,
+        StaticKVCache.for_model(target, 1, len(PROMPT) + NEW),  # no slot past the last token
+        drafter,
+        PROMPT,
+        NEW,
+        GREEDY,
+        k=3,
+        ignore_eos=True,
+        verify_fns={4: verify4},
+    )
+    assert out == reference and set(drafter.lengths) == {0, 1, 2, 3}
+    assert set(seen) == {4} and stats["rounds"] - 3 <= len(seen) < stats["rounds"]
+
+
+# Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
+@pytest.mark.isa
+def test_default_packages_verify_and_equal_eager(chat_checkpoint, capsys, monkeypatch, tmp_path):
+    """generate.py's speculation by default (--compile auto; aot here, which fails loudly): the
+    decode package and a verify package of 1 + k tokens (speedups/aot.py) give plain eager
+    decoding's greedy tokens on an int4 model, and their logits and K/V writes equal the eager
+    steps' at several attend lengths."""
+    import json
+
+    from cli import generate_flags, speculate
+
+    monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path))
+    argv = ["--checkpoint", str(chat_checkpoint), "--prompt", "the quick brown fox the quick"]
+    argv += ["--temperature", "0", "--max_new_tokens", "24", "--ignore_eos", "--json"]
+    argv += ["--dtype", "float32", "--quantize", "int4", "--groupsize", "32"]
+    assert generate.main(argv + ["--compile", "off"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    flags = ["--prompt_lookup", "2", "--speculate_k", "3", "--compile", "aot"]
+    assert generate.main(argv + flags) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["tokens"] == plain["tokens"]
+    assert "packages short, verify4" in captured.err
+
+    args = generate.parse_args(argv + flags)
+    model, _ = weights.load_for_inference(
+        device="cpu", dtype=torch.float32, **generate_flags.load_flags(args)
+    )
+    cache = StaticKVCache.for_model(model, 1, 64)
+    fns = speculate.verify_steps(args, model, cache, "cpu", False)  # loaded, not built again
+    assert set(fns) == {1, 4} and "compiling" not in capsys.readouterr().err
+    torch.manual_seed(0)
+    with torch.no_grad():
+        compiling.prefill(model, cache, torch.randint(3, 200, (1, 40)))
+        for p, T in ((3, 4), (20, 1), (36, 4), (60, 4)):
+            twin = StaticKVCache.for_model(model, 1, 64)
+            twin.k, twin.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+            tokens, pos = torch.randint(3, 200, (1, T)), torch.arange(p, p + T)[None]
+            ours = fns[T](model, cache, tokens, pos)
+            eager = compiling.verify_step(model, twin, tokens, pos)
+            torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+            for a, b in zip(cache.k + cache.v, twin.k + twin.v):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            assert cache.attend_len == 64  # restored: the prompt's eager forward reads every slot
