@@ -441,7 +441,7 @@ def decode_step(args, model, cache, device):
         return aot.decode_step(
             model,
             cache,
-            {**generate_flags.load_flags(args), "dtype": args.dtype},
+            generate_flags.package_load(args),
             fallback=args.compile == "auto",
         )
     return compile_decode(device, autotune=autotune(model)) if args.compile else decode_one

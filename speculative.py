@@ -1,8 +1,8 @@
 """Speculative decoding: a cheap drafter proposes k tokens, the target checks them in one forward.
 
-    python generate.py --draft_layers 8 --speculate_k 4 --temperature 0 --prompt "..."  # LayerSkip
-    python generate.py --prompt_lookup 3 --speculate_k 4 --prompt "..."  # no draft model
-    python generate.py --draft_checkpoint SMALL_MODEL --speculate_k 4 --prompt "..."
+    python generate.py --draft_layers 8 --speculate_k 3 --temperature 0 --prompt "..."  # LayerSkip
+    python generate.py --prompt_lookup 3 --speculate_k 3 --prompt "..."  # no draft model
+    python generate.py --draft_checkpoint SMALL_MODEL --speculate_k 3 --prompt "..."
 
 Decode at batch 1 is bound by reading the weights, so scoring k+1 positions costs the target
 about as much as scoring one. Each round:

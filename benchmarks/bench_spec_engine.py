@@ -49,6 +49,7 @@ NEW = 128
 
 
 def quoting(tok, words, count, rng):
+    """quoting_texts, encoded."""
     return [tok.encode(text) for text in quoting_texts(words, count, rng)]
 
 

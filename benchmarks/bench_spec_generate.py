@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -38,15 +39,11 @@ NEW = 128
 def generate(text: str, flags: list) -> dict:
     """One generate.py run -> its JSON line (tokens, stats)."""
     argv = [sys.executable, "generate.py", "--prompt", text, "--max_new_tokens", str(NEW)]
-    argv += ["--temperature", "0", "--ignore_eos", "--json", *flags]
+    argv += ["--temperature", "0", "--ignore_eos", "--json", "--compile", "auto", *flags]
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"generate.py {' '.join(flags)} failed:\n{p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
 
 
 def measure(texts: list, weights: list, ks: list, rounds: int) -> list:
@@ -66,9 +63,9 @@ def measure(texts: list, weights: list, ks: list, rounds: int) -> list:
                 mode: [generate(text, flags) for _ in range(rounds)]
                 for mode, flags in modes.items()
             }
-            plain = median([r["stats"]["tokens_per_s"] for r in runs["plain"]])
+            plain = statistics.median([r["stats"]["tokens_per_s"] for r in runs["plain"]])
             for mode, out in runs.items():
-                tps = median([r["stats"]["tokens_per_s"] for r in out])
+                tps = statistics.median([r["stats"]["tokens_per_s"] for r in out])
                 stats = out[0]["stats"]
                 rows.append(
                     (
@@ -109,12 +106,20 @@ def hf_rows(texts: list, ks: list, rounds: int) -> list:
             for _ in range(rounds):
                 start = time.perf_counter()
                 with torch.no_grad():
-                    hf.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                pad_token_id=0, prompt_lookup_num_tokens=k)  # fmt: skip
+                    hf.generate(
+                        ids,
+                        max_new_tokens=NEW,
+                        min_new_tokens=NEW,
+                        do_sample=False,
+                        pad_token_id=0,
+                        prompt_lookup_num_tokens=k,
+                    )
                 times.append(time.perf_counter() - start)
-            speed[k] = NEW / median(times)
-        rows += [(i, "plain" if k is None else f"prompt lookup k={k}", s, s / speed[None])
-                 for k, s in speed.items()]  # fmt: skip
+            speed[k] = NEW / statistics.median(times)
+        for k, tps in speed.items():
+            rows.append(
+                (i, "plain" if k is None else f"prompt lookup k={k}", tps, tps / speed[None])
+            )
     return rows
 
 
@@ -138,14 +143,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for form, i, mode, tps, up, acc, tpr, same in rows:
         acc = "" if acc is None else f"{acc:.2f}"
-        print(f"| {form} | {i} | {mode} | {tps:.1f} | {up:.2f}x | {acc} | {tpr:.2f} | "
-              f"{'yes' if same else 'no'} |")  # fmt: skip
+        same = "yes" if same else "no"
+        print(f"| {form} | {i} | {mode} | {tps:.1f} | {up:.2f}x | {acc} | {tpr:.2f} | {same} |")
     for form in args.weights:
         for mode in sorted({r[2] for r in rows if r[2] != "plain"}):
             ups = [r[4] for r in rows if r[0] == form and r[2] == mode]
-            mean = 1.0
-            for u in ups:
-                mean *= u ** (1 / len(ups))
+            mean = statistics.geometric_mean(ups)
             print(f"{form}, {mode}: geometric mean speed-up {mean:.2f}x over {len(ups)} prompts")
     if not args.no_hf:
         print("\nHF transformers generate, bf16 weights, batch 1:")

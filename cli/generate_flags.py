@@ -213,7 +213,9 @@ def add_weight_args(p):
 
 def add_speculation_args(p):
     """Speculative decoding from the command line (speculative.py)."""
-    g = p.add_argument_group("speculative decoding (speculative.py; batch 1, eager)")
+    g = p.add_argument_group(
+        "speculative decoding (speculative.py; batch 1, compiled as --compile says)"
+    )
     g.add_argument(
         "--draft_checkpoint", default=None, help="a smaller model with the same tokenizer drafts"
     )
@@ -257,3 +259,9 @@ def load_flags(args) -> dict:
         "dequantize",
     )
     return {name: getattr(args, name) for name in names}
+
+
+def package_load(args) -> dict:
+    """load_flags with the dtype by name: how the child building a package loads the model
+    (speedups/aot.decode_step)."""
+    return {**load_flags(args), "dtype": args.dtype}

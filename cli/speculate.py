@@ -2,7 +2,7 @@
 drafter the flags ask for, the verify steps compiled per length (by default ahead-of-time
 packages, speedups/aot.py), speculative.py's loop at batch 1 and its stats line.
 
-    python generate.py --prompt_lookup 3 --speculate_k 4 --temperature 0 --prompt "..."
+    python generate.py --prompt_lookup 3 --speculate_k 3 --temperature 0 --prompt "..."
     python generate.py --draft_layers 12 --compile --prompt "..."
 
 Its stats line reads: acceptance (the share of drafted tokens kept), tokens per round (of the
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cli.generate_flags import load_flags
+from cli.generate_flags import package_load
 from compiling import autotune, compile_decode, compiled_message, decode_one, verify_step
 from runtime import DTYPES, log
 from speculative import ModelDrafter, draft_forward, speculative_generate
@@ -88,13 +88,15 @@ def verify_steps(args, model, cache, device, tune) -> dict:
         return {t: compile_decode(device, verify_step, tune) for t in (1, k + 1)}
     if args.compile not in ("aot", "auto"):
         return {}
-    load = {**load_flags(args), "dtype": args.dtype}
-    step = aot.decode_step(model, cache, load, fallback=args.compile == "auto", verify=k + 1)
+    step = aot.decode_step(
+        model, cache, package_load(args), fallback=args.compile == "auto", verify=k + 1
+    )
     if step is decode_one:  # (the reason is logged)
         return {}
 
     def package(model, cache, tokens, pos):  # tokens, pos [1, T] -> logits [1, T, V]
-        cache.use_positions(int(pos[0, -1]) + 1)  # the package reads only the slots in use
+        # the package reads only the slots in use (pos: on the host, where packages run)
+        cache.use_positions(int(pos[0, -1]) + 1)
         try:
             logits = step(model, cache, tokens, pos)
         finally:

@@ -135,7 +135,8 @@ def check_usable(args, device: str):
 
 class AotDecode:
     """The packages, called as generate.generate calls a decode step: (model, cache, token [B, 1],
-    pos [B, 1]) -> logits [B, V], over the prefix cache.attend_len of the cache's slots."""
+    pos [B, 1]) -> logits [B, V], over the prefix cache.attend_len of the cache's slots; given
+    T > 1 tokens a row, a verifyT package's logits [B, T, V] (cli/speculate.verify_steps)."""
 
     has_guards = False  # nothing for compiling.skip_guards to skip (that is torch.compile's)
 

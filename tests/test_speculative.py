@@ -344,25 +344,28 @@ def test_compiled_draft_and_verify_steps_equal_plain(target, reference):
 
 
 class Cycling:
-    """Proposes the reference continuation, 0, 1, 2, 3, 0, ... tokens a round (all kept)."""
+    """Proposes 0, 1, 2, 3, 0, ... tokens a round: the reference continuation (all kept), or wrong
+    tokens (all rejected)."""
 
-    def __init__(self, reference):
-        self.reference, self.lengths = reference, []
+    def __init__(self, reference, right):
+        self.reference, self.right, self.lengths = reference, right, []
 
     def propose(self, tokens, k, generator=None):
         done, n = len(tokens) - len(PROMPT), min(k, len(self.lengths) % 4)
         self.lengths.append(n)
-        drafts = self.reference[done : done + n]
+        drafts = [t if self.right else (t + 1) % 256 for t in self.reference[done : done + n]]
         return drafts, torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), 256)
 
     def rollback(self, confirmed):
         pass
 
 
-def test_short_feeds_are_padded_to_a_compiled_length(target, reference):
+@pytest.mark.parametrize("right", [True, False])
+def test_short_feeds_are_padded_to_a_compiled_length(target, reference, right):
     """A round verifying fewer than 1 + k tokens runs at the compiled length, padded (the pad's K/V
-    land where later rounds write again); a round whose pad would pass the cache's end, and the
-    prompt's, run eager at their own length. Tokens equal plain decoding's."""
+    land where later rounds write again, after kept or rejected drafts); a round whose pad would
+    pass the cache's end, and the prompt's, run eager at their own length. Tokens equal plain
+    decoding's."""
     from speculative import padded_length
 
     full = StaticKVCache.for_model(target, 1, 64)
@@ -374,7 +377,7 @@ def test_short_feeds_are_padded_to_a_compiled_length(target, reference):
         seen.append(tokens.shape[1])
         return compiling.verify_step(model, cache, tokens, pos)
 
-    drafter = Cycling(reference)
+    drafter = Cycling(reference, right)
     out, stats = speculative_generate(
         target,
         StaticKVCache.for_model(target, 1, len(PROMPT) + NEW),  # no slot past the last token
@@ -387,49 +390,55 @@ def test_short_feeds_are_padded_to_a_compiled_length(target, reference):
         verify_fns={4: verify4},
     )
     assert out == reference and set(drafter.lengths) == {0, 1, 2, 3}
+    assert stats["accepted"] == (stats["drafted"] if right else 0) and stats["drafted"] > 0
     assert set(seen) == {4} and stats["rounds"] - 3 <= len(seen) < stats["rounds"]
 
 
 # Inductor's vector width follows ATEN_CPU_CAPABILITY (runtime.inductor_vector_bits)
 @pytest.mark.isa
-def test_default_packages_verify_and_equal_eager(chat_checkpoint, capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kv", ["model", "int8"])
+def test_default_packages_verify_and_equal_eager(
+    chat_checkpoint, capsys, monkeypatch, tmp_path, kv
+):
     """generate.py's speculation by default (--compile auto; aot here, which fails loudly): the
     decode package and a verify package of 1 + k tokens (speedups/aot.py) give plain eager
-    decoding's greedy tokens on an int4 model, and their logits and K/V writes equal the eager
-    steps' at several attend lengths."""
+    decoding's greedy tokens on an int4 model, over the static and the int8 KV cache, and their
+    logits and K/V writes equal the eager steps' at several attend lengths."""
+    import copy
     import json
 
     from cli import generate_flags, speculate
+    from speedups.kv_int8 import Int8KVCache
 
     monkeypatch.setenv("LLM_AOT_CACHE", str(tmp_path))
     argv = ["--checkpoint", str(chat_checkpoint), "--prompt", "the quick brown fox the quick"]
     argv += ["--temperature", "0", "--max_new_tokens", "24", "--ignore_eos", "--json"]
     argv += ["--dtype", "float32", "--quantize", "int4", "--groupsize", "32"]
+    argv += ["--kv_cache_dtype", kv]
     assert generate.main(argv + ["--compile", "off"]) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     flags = ["--prompt_lookup", "2", "--speculate_k", "3", "--compile", "aot"]
     assert generate.main(argv + flags) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["tokens"] == plain["tokens"]
-    assert "packages short, verify4" in captured.err
+    assert f"packages {'any' if kv == 'int8' else 'short'}, verify4" in captured.err
 
     args = generate.parse_args(argv + flags)
     model, _ = weights.load_for_inference(
         device="cpu", dtype=torch.float32, **generate_flags.load_flags(args)
     )
-    cache = StaticKVCache.for_model(model, 1, 64)
+    cache = (Int8KVCache if kv == "int8" else StaticKVCache).for_model(model, 1, 512)
     fns = speculate.verify_steps(args, model, cache, "cpu", False)  # loaded, not built again
     assert set(fns) == {1, 4} and "compiling" not in capsys.readouterr().err
     torch.manual_seed(0)
     with torch.no_grad():
-        compiling.prefill(model, cache, torch.randint(3, 200, (1, 40)))
-        for p, T in ((3, 4), (20, 1), (36, 4), (60, 4)):
-            twin = StaticKVCache.for_model(model, 1, 64)
-            twin.k, twin.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+        compiling.prefill(model, cache, torch.randint(3, 200, (1, 320)))
+        for p, T in ((3, 4), (150, 4), (200, 1), (300, 4)):  # attend lengths 128, 192, 256, 384
+            twin = copy.deepcopy(cache)
             tokens, pos = torch.randint(3, 200, (1, T)), torch.arange(p, p + T)[None]
             ours = fns[T](model, cache, tokens, pos)
             eager = compiling.verify_step(model, twin, tokens, pos)
             torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
-            for a, b in zip(cache.k + cache.v, twin.k + twin.v):
+            for a, b in zip(cache.tensors(), twin.tensors()):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            assert cache.attend_len == 64  # restored: the prompt's eager forward reads every slot
+            assert cache.attend_len == 512  # restored: the prompt's eager forward reads every slot
