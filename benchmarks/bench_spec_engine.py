@@ -208,12 +208,13 @@ def profile_steps(model, prompts, k, compile):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
 
 
-def hf_batch1(hf_model, prompt, k):
-    """HF generate at batch 1, greedy, plain and with its prompt lookup -> (tokens/s, tokens/s)."""
+def hf_batch1(hf_model, prompt, *ks, rounds=3):
+    """HF generate at batch 1, greedy, plain and with its prompt lookup of each k -> tokens/s of
+    each (plain first)."""
     out = []
-    for lookup in (None, k):
+    for lookup in (None, *ks):
         times = []
-        for _ in range(3):
+        for _ in range(rounds):
             start = time.perf_counter()
             with torch.no_grad():
                 hf_model.generate(

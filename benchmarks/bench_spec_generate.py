@@ -24,14 +24,13 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_spec_engine import quoting_texts
+from bench_spec_engine import hf_batch1, quoting_texts
 
 NEW = 128
 
@@ -99,27 +98,9 @@ def hf_rows(texts: list, ks: list, rounds: int) -> list:
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
     rows = []
     for i, text in enumerate(texts):
-        ids = torch.tensor([tok.encode(text)])
-        speed = {}
-        for k in [None, *ks]:
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                with torch.no_grad():
-                    hf.generate(
-                        ids,
-                        max_new_tokens=NEW,
-                        min_new_tokens=NEW,
-                        do_sample=False,
-                        pad_token_id=0,
-                        prompt_lookup_num_tokens=k,
-                    )
-                times.append(time.perf_counter() - start)
-            speed[k] = NEW / statistics.median(times)
-        for k, tps in speed.items():
-            rows.append(
-                (i, "plain" if k is None else f"prompt lookup k={k}", tps, tps / speed[None])
-            )
+        speed = hf_batch1(hf, tok.encode(text), *ks, rounds=rounds)
+        for k, tps in zip([None, *ks], speed):
+            rows.append((i, "plain" if k is None else f"prompt lookup k={k}", tps, tps / speed[0]))
     return rows
 
 
