@@ -66,17 +66,18 @@ class ScriptedDrafter:
         pass
 
 
-def run(target, drafter, k=4):
+def run(target, drafter, k=4, slots=64, verify_fns=None):
     counting = Counting(target)
     out, stats = speculative_generate(
         counting,
-        StaticKVCache.for_model(target, 1, 64),
+        StaticKVCache.for_model(target, 1, slots),
         drafter,
         PROMPT,
         NEW,
         GREEDY,
         k=k,
         ignore_eos=True,
+        verify_fns=verify_fns,
     )
     assert counting.calls == stats["rounds"]  # exactly one target forward per round
     return out, stats
@@ -377,18 +378,8 @@ def test_short_feeds_are_padded_to_a_compiled_length(target, reference, right):
         seen.append(tokens.shape[1])
         return compiling.verify_step(model, cache, tokens, pos)
 
-    drafter = Cycling(reference, right)
-    out, stats = speculative_generate(
-        target,
-        StaticKVCache.for_model(target, 1, len(PROMPT) + NEW),  # no slot past the last token
-        drafter,
-        PROMPT,
-        NEW,
-        GREEDY,
-        k=3,
-        ignore_eos=True,
-        verify_fns={4: verify4},
-    )
+    drafter = Cycling(reference, right)  # a cache with no slot past the last token:
+    out, stats = run(target, drafter, k=3, slots=len(PROMPT) + NEW, verify_fns={4: verify4})
     assert out == reference and set(drafter.lengths) == {0, 1, 2, 3}
     assert stats["accepted"] == (stats["drafted"] if right else 0) and stats["drafted"] > 0
     assert set(seen) == {4} and stats["rounds"] - 3 <= len(seen) < stats["rounds"]
